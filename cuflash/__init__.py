@@ -1,0 +1,11 @@
+"""cuflash: exact FlashAttention for any Python GPU framework.
+
+CUDA C++ kernels compiled at run time by CuPy (NVRTC); CuPy arrays, PyTorch
+tensors, JAX arrays and any DLPack producer in, arrays of the same kind out.
+"""
+
+from .api import attention
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "__version__"]

@@ -1,0 +1,180 @@
+"""Framework interop: seeing CuPy, PyTorch, JAX and other DLPack arrays as
+CuPy arrays without copies, choosing the stream to launch on, and handing
+results back as arrays of the caller's framework.
+
+Everything framework-specific in cuflash lives here. PyTorch and JAX are
+never imported by cuflash: an array of theirs can only arrive if the caller
+already imported them, so they are looked up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+#: DLPack device types (dlpack.h): host memory, CUDA device memory, CUDA managed memory.
+_DLPACK_CPU = 1
+_DLPACK_CUDA = 2
+_DLPACK_CUDA_MANAGED = 13
+
+CUPY, TORCH, JAX, DLPACK = "cupy", "torch", "jax", "dlpack"
+
+_EXPECTED = "a CUDA GPU array (CuPy, PyTorch, JAX, or any object with __dlpack__)"
+
+
+def _type_name(x) -> str:
+    cls = type(x)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _jax():
+    return sys.modules.get("jax")
+
+
+def _is_jax_tracer(x) -> bool:
+    # jax.core.Tracer is the base of every traced value; look it up by name
+    # along the class hierarchy so that no private JAX module is imported.
+    return any(cls.__name__ == "Tracer" and cls.__module__.startswith("jax") for cls in type(x).__mro__)
+
+
+def framework_of(x, name: str) -> str:
+    """Which framework ``x`` belongs to; a ``TypeError`` naming ``name`` for
+    anything that is not an array, or not in GPU memory."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return CUPY
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be {_EXPECTED}, got a NumPy array in host memory")
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cuda":
+            raise TypeError(f"{name} must be {_EXPECTED}, got a torch.Tensor on device '{x.device}'")
+        return TORCH
+    jax = _jax()
+    if jax is not None and isinstance(x, jax.Array):
+        if _is_jax_tracer(x):
+            raise TypeError(
+                f"{name} is a traced JAX value: cuflash takes concrete JAX arrays only "
+                f"(call it outside jax.jit / jax.grad tracing)"
+            )
+        platforms = {device.platform for device in x.devices()}
+        if platforms != {"gpu"}:
+            raise TypeError(f"{name} must be {_EXPECTED}, got a JAX array on {sorted(platforms)}")
+        return JAX
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        device_type, _ = x.__dlpack_device__()
+        if int(device_type) not in (_DLPACK_CUDA, _DLPACK_CUDA_MANAGED):
+            where = "host memory" if int(device_type) == _DLPACK_CPU else f"DLPack device type {int(device_type)}"
+            raise TypeError(f"{name} must be {_EXPECTED}, got {_type_name(x)} in {where}")
+        return DLPACK
+    raise TypeError(f"{name} must be {_EXPECTED}, got {_type_name(x)}")
+
+
+def device_of(x, framework: str) -> int:
+    """Index of the GPU that holds ``x``."""
+    if framework == CUPY:
+        return x.device.id
+    if framework == TORCH:
+        return x.device.index
+    if framework == JAX:
+        (device,) = x.devices()
+        return device.local_hardware_id if device.local_hardware_id is not None else device.id
+    return int(x.__dlpack_device__()[1])
+
+
+@dataclass
+class Bridge:
+    """How one call moves arrays between the caller's framework and CuPy.
+
+    ``framework`` is that of the call's first array (q): results come back
+    in it. ``stream`` is the CuPy stream every kernel of the call runs on:
+    PyTorch's current stream for PyTorch callers, CuPy's current stream
+    otherwise.
+    """
+
+    framework: str
+    device_id: int
+    stream: object
+
+    def as_cupy(self, x, framework: str):
+        """``x`` as a CuPy array sharing its memory, ready on ``self.stream``.
+
+        ``cupy.from_dlpack`` hands the consumer stream (CuPy's current one,
+        which the caller has set to ``self.stream``) to the producer, which
+        orders its pending work on ``x`` before it.
+        """
+        import cupy
+
+        if framework == CUPY:
+            return x
+        if framework == JAX:
+            # JAX runs on streams of its own; wait until x is computed.
+            x.block_until_ready()
+        return cupy.from_dlpack(x)
+
+    def empty(self, shape: tuple[int, ...], dtype):
+        """A new uninitialised output array: ``(native, cupy_view)``.
+
+        PyTorch outputs come from PyTorch's caching allocator, on its current
+        stream, so they behave as any tensor PyTorch made itself; other
+        outputs come from CuPy's pool.
+        """
+        import cupy
+
+        if self.framework == TORCH:
+            torch = _torch()
+            native = torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype).name](torch),
+                                 device=f"cuda:{self.device_id}")
+            return native, cupy.from_dlpack(native)
+        array = cupy.empty(shape, dtype=dtype)
+        return array, array
+
+    def export(self, native, view):
+        """The caller's-framework array for an output made by ``empty``."""
+        if self.framework == JAX:
+            import jax.numpy as jnp
+
+            # JAX reads the buffer on its own stream: make sure our kernels
+            # that wrote it have finished.
+            self.stream.synchronize()
+            return jnp.from_dlpack(view)
+        return native
+
+
+_TORCH_DTYPES = {
+    "float16": lambda torch: torch.float16,
+    "bfloat16": lambda torch: torch.bfloat16,
+    "float32": lambda torch: torch.float32,
+}
+
+
+def bridge_for(first, framework: str, device_id: int) -> Bridge:
+    """The bridge of a call whose first array is ``first``."""
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        if framework == TORCH:
+            stream = _cupy_stream_of_torch(_torch().cuda.current_stream(device_id), device_id)
+        else:
+            stream = cupy.cuda.get_current_stream()
+    return Bridge(framework=framework, device_id=device_id, stream=stream)
+
+
+def _cupy_stream_of_torch(torch_stream, device_id: int):
+    """A CuPy view of a PyTorch CUDA stream (no new stream is created)."""
+    import cupy
+
+    if hasattr(torch_stream, "__cuda_stream__"):
+        return cupy.cuda.Stream.from_external(torch_stream)
+    import warnings
+
+    with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but still works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_id)

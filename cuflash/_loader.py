@@ -1,0 +1,121 @@
+"""Compiles kernels from ``kernels_cu/`` with NVRTC through ``cupy.RawModule``.
+
+One module per (kernel variant, device), built on first use and kept for the
+life of the process; building is thread-safe and happens once per key.
+
+CuPy's on-disk kernel cache hashes the source string it is given but not the
+headers that string ``#include``s, so a changed header would silently load a
+stale binary. The compile options therefore carry a hash of every file under
+``kernels_cu/`` (``-DCUFLASH_SOURCE_HASH=...``), which is part of CuPy's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+from ._kernels import KernelVariant
+
+_SOURCE_SUFFIXES = (".cu", ".cuh")
+#: CUDA's default limit of dynamic shared memory; more needs an opt-in per kernel.
+_DEFAULT_SMEM_LIMIT = 48 * 1024
+
+
+def kernel_source_dir() -> Path:
+    """Folder holding the CUDA sources: inside the installed package
+    (``cuflash/kernels_cu``, where the wheel puts them), or ``kernels_cu/``
+    beside the package in a source checkout."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
+        if (candidate / "flash_fwd.cu").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"cuflash's CUDA sources were not found in {package / 'kernels_cu'} "
+        f"or {package.parent / 'kernels_cu'}; the installation is incomplete"
+    )
+
+
+def source_hash(source_dir: Path) -> str:
+    """SHA-1 over the names and contents of every CUDA source file in ``source_dir``."""
+    digest = hashlib.sha1()
+    for path in sorted(p for p in source_dir.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(path.name.encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def compile_options(source_dir: Path, compute_capability: str, nvrtc_version: tuple[int, int]) -> tuple[str, ...]:
+    """NVRTC options for one device. CuPy appends its own ``-arch=sm_XX``;
+    on Hopper we ask for ``sm_90a`` (Hopper-only instructions), which wins
+    over CuPy's flag from NVRTC 12.9 on."""
+    options = [
+        "-std=c++17",
+        f"-I{source_dir}",
+        f"-DCUFLASH_SOURCE_HASH={source_hash(source_dir)}",
+    ]
+    if compute_capability == "90" and nvrtc_version >= (12, 9):
+        options.append("-arch=sm_90a")
+    return tuple(options)
+
+
+class KernelLoader:
+    """Memoised, thread-safe compilation of kernel variants, per device."""
+
+    def __init__(self, source_dir: Path | None = None):
+        self._source_dir = source_dir
+        self._functions: dict[tuple[str, int], object] = {}
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @property
+    def source_dir(self) -> Path:
+        if self._source_dir is None:
+            self._source_dir = kernel_source_dir()
+        return self._source_dir
+
+    def get(self, variant: KernelVariant, device_id: int):
+        """The compiled ``cupy.RawKernel`` of ``variant`` on ``device_id``."""
+        key = (variant.key, device_id)
+        function = self._functions.get(key)
+        if function is not None:
+            return function
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            function = self._functions.get(key)
+            if function is None:
+                function = self._build(variant, device_id)
+                self._functions[key] = function
+        return function
+
+    def _build(self, variant: KernelVariant, device_id: int):
+        import cupy
+
+        with cupy.cuda.Device(device_id) as device:
+            options = compile_options(
+                self.source_dir, device.compute_capability, _nvrtc_version()
+            )
+            module = cupy.RawModule(
+                code=f'#include "{variant.source}"\n',
+                options=options,
+                name_expressions=[variant.name_expression],
+            )
+            function = module.get_function(variant.name_expression)
+            if variant.smem_bytes > _DEFAULT_SMEM_LIMIT:
+                function.max_dynamic_shared_size_bytes = variant.smem_bytes
+        return function
+
+
+@lru_cache(maxsize=1)
+def _nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+
+    return tuple(nvrtc.getVersion())
+
+
+#: The process-wide loader used by the public API.
+loader = KernelLoader()

@@ -1,0 +1,159 @@
+"""Validation of the public API's arguments, before anything is allocated or
+launched. Works on ``TensorMeta`` (shape, strides, dtype, device) so that
+every rule can be tested without a GPU."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
+
+SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What validation needs to know of an array; strides are in elements."""
+
+    name: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str
+    device: int
+
+
+def meta_of(name: str, array) -> TensorMeta:
+    """``TensorMeta`` of a CuPy array."""
+    itemsize = array.dtype.itemsize
+    if any(stride % itemsize for stride in array.strides):
+        raise ValueError(f"{name} has strides {array.strides} (bytes) that are not whole elements")
+    return TensorMeta(
+        name=name,
+        shape=tuple(array.shape),
+        strides=tuple(stride // itemsize for stride in array.strides),
+        dtype=np.dtype(array.dtype).name,
+        device=array.device.id,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Sizes of a validated attention call."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    dtype: str
+    device: int
+    softmax_scale: float
+    causal: bool
+
+    @property
+    def is_empty(self) -> bool:
+        """No output element exists: nothing to launch."""
+        return self.batch == 0 or self.seqlen_q == 0 or self.nheads == 0
+
+
+def check_same_device(metas: list[TensorMeta]) -> None:
+    first = metas[0]
+    for meta in metas[1:]:
+        if meta.device != first.device:
+            raise ValueError(f"{meta.name} is on GPU {meta.device} but {first.name} is on GPU {first.device}")
+
+
+def check_causal(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    return bool(causal)
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale applied to q.k before the softmax: 1/sqrt(head_dim) by default."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite, got {scale}")
+    return scale
+
+
+def _check_layout(meta: TensorMeta, role: str) -> None:
+    if len(meta.shape) != 4:
+        raise ValueError(f"{meta.name} must have 4 dimensions {role}, got shape {meta.shape}")
+    if meta.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{meta.name} must have dtype float16, bfloat16 or float32, got {meta.dtype}"
+        )
+    if meta.shape[-1] > 1 and meta.strides[-1] != 1:
+        raise ValueError(
+            f"{meta.name} must be contiguous in its last dimension (stride 1), "
+            f"got strides {meta.strides} (in elements)"
+        )
+
+
+def _check_writable(meta: TensorMeta) -> None:
+    """An output must not be a broadcast view: two elements sharing memory
+    would be written by two threads."""
+    for size, stride in zip(meta.shape, meta.strides):
+        if size > 1 and stride == 0:
+            raise ValueError(f"{meta.name} must not be a broadcast view (stride 0), got strides {meta.strides}")
+
+
+def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta | None,
+                  *, causal, softmax_scale) -> AttentionProblem:
+    """Checks a forward call; returns its sizes. Raises ``TypeError`` or
+    ``ValueError`` naming the argument, what was expected and what came."""
+    for meta in (q, k, v):
+        _check_layout(meta, "(batch, seqlen, nheads, head_dim)")
+    for meta in (k, v):
+        if meta.dtype != q.dtype:
+            raise TypeError(f"{meta.name} must have the same dtype as q ({q.dtype}), got {meta.dtype}")
+    check_same_device([q, k, v])
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, seqlen_k, nheads_k, _ = k.shape
+    if head_dim == 0 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q's head_dim (last dimension) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
+    for meta in (k, v):
+        if meta.shape[0] != batch:
+            raise ValueError(f"{meta.name} must have batch size {batch} like q, got shape {meta.shape}")
+        if meta.shape[3] != head_dim:
+            raise ValueError(f"{meta.name} must have head_dim {head_dim} like q, got shape {meta.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {k.shape} (batch, seqlen_k, nheads_k, head_dim), got {v.shape}")
+    if nheads_k == 0 and nheads > 0 or nheads_k > 0 and nheads % nheads_k != 0:
+        raise ValueError(
+            f"q's nheads ({nheads}) must be a multiple of k's nheads_k ({nheads_k}) for grouped-query attention"
+        )
+    for name, length in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if length > _INT32_MAX:
+            raise ValueError(f"{name} must be below 2**31, got {length}")
+    if batch * nheads > _INT32_MAX:
+        raise ValueError(f"batch * nheads must be below 2**31, got {batch * nheads}")
+
+    if out is not None:
+        if out.dtype != q.dtype:
+            raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
+        if out.shape != q.shape:
+            raise ValueError(f"out must have the shape of q {q.shape}, got {out.shape}")
+        if out.shape[-1] > 1 and out.strides[-1] != 1:
+            raise ValueError(f"out must be contiguous in its last dimension (stride 1), got strides {out.strides}")
+        _check_writable(out)
+        check_same_device([q, out])
+
+    return AttentionProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        head_dim=head_dim, dtype=q.dtype, device=q.device,
+        softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
+        causal=check_causal(causal),
+    )

@@ -1,0 +1,127 @@
+"""Reference implementations in float64, for tests and for users who want to
+check cuflash on their own data.
+
+``attention_reference`` is the naive formula. ``attention_tiled`` emulates
+cuflash's forward kernel step by step (same tiles from the same table, same
+log2-domain online softmax, same masking and block skipping), so the tiled
+algorithm itself is checked on the CPU. Both take (batch, seqlen, heads, dim)
+arrays; the naive one works on NumPy or CuPy arrays alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ._tiling import ForwardTiling, forward_tiling, visible_key_blocks
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def _array_module(x):
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, xp=np):
+    """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j
+    (j <= i + seqlen_k - seqlen_q, bottom-right aligned)."""
+    rows = xp.arange(seqlen_q)[:, None]
+    cols = xp.arange(seqlen_k)[None, :]
+    return cols <= rows + (seqlen_k - seqlen_q)
+
+
+def _expand_kv_heads(x, nheads: int, xp):
+    """Repeat each K/V head over the nheads // nheads_k query heads that share it."""
+    return xp.repeat(x, nheads // x.shape[2], axis=2)
+
+
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
+    """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
+    nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
+    key gets output 0 and lse -inf."""
+    xp = _array_module(q)
+    q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    k = _expand_kv_heads(k, nheads, xp)
+    v = _expand_kv_heads(v, nheads, xp)
+    scores = xp.einsum("bqhd,bkhd->bhqk", q, k) * _scale(softmax_scale, head_dim)
+    if causal:
+        scores = xp.where(causal_mask(seqlen_q, seqlen_k, xp), scores, -xp.inf)
+    if seqlen_k:
+        row_max = scores.max(axis=-1, keepdims=True)
+    else:
+        row_max = xp.full(scores.shape[:-1] + (1,), -xp.inf)
+    # Rows that see no key have max -inf; subtract 0 there so exp gives 0, not NaN.
+    safe_max = xp.where(xp.isneginf(row_max), 0.0, row_max)
+    probs = xp.exp(scores - safe_max)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    nonempty = row_sum > 0
+    out = xp.einsum("bhqk,bkhd->bqhd", probs / xp.where(nonempty, row_sum, 1.0), v)
+    lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
+    return out, lse
+
+
+def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: ForwardTiling | None = None,
+                    dtype_name: str = "float16"):
+    """NumPy float64 emulation of cuflash's forward kernel.
+
+    Walks the same query blocks and key blocks as the kernel (tiles of
+    ``tiling``, by default the launcher's choice for ``dtype_name`` and this
+    head_dim), with the kernel's online softmax in the log2 domain, its
+    masking, and its skipping of fully masked key blocks.
+
+    Returns ``(out, lse, key_blocks_visited)``, the last being the number of
+    (query block, key block) pairs computed per (batch, head).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if tiling is None:
+        tiling = forward_tiling(dtype_name, head_dim)
+    scale_log2 = _scale(softmax_scale, head_dim) * _LOG2E
+    k = _expand_kv_heads(k, nheads, np).transpose(0, 2, 1, 3)  # (b, h, sk, d)
+    v = _expand_kv_heads(v, nheads, np).transpose(0, 2, 1, 3)
+    q = q.transpose(0, 2, 1, 3)  # (b, h, sq, d)
+    out = np.empty_like(q)
+    lse = np.empty((batch, nheads, seqlen_q))
+    visited = 0
+    block_m, block_n = tiling.block_m, tiling.block_n
+    for m_start in range(0, seqlen_q, block_m):
+        rows = np.arange(m_start, min(m_start + block_m, seqlen_q))
+        q_block = q[:, :, rows]
+        row_max = np.full((batch, nheads, len(rows)), -np.inf)
+        row_sum = np.zeros_like(row_max)
+        acc = np.zeros((batch, nheads, len(rows), head_dim))
+        n_blocks = visible_key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k, causal)
+        visited += n_blocks
+        for n_block in range(n_blocks):
+            keys = np.arange(n_block * block_n, min((n_block + 1) * block_n, seqlen_k))
+            scores = np.einsum("bhqd,bhkd->bhqk", q_block, k[:, :, keys]) * scale_log2
+            if causal:
+                visible = keys[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
+                scores = np.where(visible, scores, -np.inf)
+            new_max = np.maximum(row_max, scores.max(axis=-1))
+            # While every key so far is masked the max is -inf; use 0 so that
+            # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
+            reference = np.where(np.isneginf(new_max), 0.0, new_max)
+            rescale = np.exp2(row_max - reference)
+            probs = np.exp2(scores - reference[..., None])
+            row_sum = row_sum * rescale + probs.sum(axis=-1)
+            acc = acc * rescale[..., None] + np.einsum("bhqk,bhkd->bhqd", probs, v[:, :, keys])
+            row_max = new_max
+        nonempty = row_sum > 0
+        safe_sum = np.where(nonempty, row_sum, 1.0)
+        out[:, :, rows] = np.where(nonempty[..., None], acc / safe_sum[..., None], 0.0)
+        lse[:, :, rows] = np.where(nonempty, (row_max + np.log2(safe_sum)) * _LN2, -np.inf)
+    return out.transpose(0, 2, 1, 3), lse, visited

@@ -1,0 +1,40 @@
+// Which keys a query row may attend to, and which key blocks can be skipped.
+//
+// Causal attention is aligned to the bottom-right corner of the score matrix,
+// as in FlashAttention-2: query row i sees key j iff j <= i + (seqlen_k - seqlen_q).
+// With seqlen_q > seqlen_k the first seqlen_q - seqlen_k rows see no key at all;
+// their output is 0 and their log-sum-exp -inf (see OnlineSoftmax).
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// Offset of the causal diagonal: row i sees keys up to i + causal_diagonal_offset.
+__device__ __forceinline__ int causal_diagonal_offset(int seqlen_q, int seqlen_k) {
+    return seqlen_k - seqlen_q;
+}
+
+template <bool kIsCausal>
+__device__ __forceinline__ bool is_key_visible(int row, int key, int seqlen_k, int diagonal_offset) {
+    return key < seqlen_k && (!kIsCausal || key <= row + diagonal_offset);
+}
+
+// Number of key blocks, from the first, that hold at least one key visible to
+// some row of the query block [m_start, m_start + block_m). Blocks past it are
+// fully masked for every row of the block: they are skipped, not computed.
+template <bool kIsCausal>
+__device__ __forceinline__ int visible_key_blocks(int m_start, int block_m, int block_n,
+                                                  int seqlen_q, int seqlen_k) {
+    if (!kIsCausal) {
+        return ceil_div(seqlen_k, block_n);
+    }
+    const int last_row = min(m_start + block_m, seqlen_q) - 1;
+    const int last_visible_key = last_row + causal_diagonal_offset(seqlen_q, seqlen_k);
+    if (last_visible_key < 0) {
+        return 0;
+    }
+    return ceil_div(min(last_visible_key + 1, seqlen_k), block_n);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,61 @@
+// Element types, conversions and numeric constants shared by every kernel.
+//
+// Storage element types are float, __half and __nv_bfloat16; all arithmetic is
+// carried out in float32 whatever the storage type.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace cuflash {
+
+// Offsets into tensors are 64-bit so that tensors over 2^31 elements work.
+typedef long long index_t;
+
+// log2(e): scores are folded into the log2 domain so that every softmax
+// exponential is a single exp2 (one MUFU.EX2 instruction).
+constexpr float kLog2e = 1.4426950408889634f;
+// ln(2): converts a log2-domain log-sum-exp back to natural log.
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float negative_infinity() {
+    return -__int_as_float(0x7f800000);
+}
+
+template <typename Element>
+struct ElementConversion;
+
+template <>
+struct ElementConversion<float> {
+    static __device__ __forceinline__ float to_float(float x) { return x; }
+    static __device__ __forceinline__ float from_float(float x) { return x; }
+};
+
+template <>
+struct ElementConversion<__half> {
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
+};
+
+template <>
+struct ElementConversion<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
+};
+
+template <typename Element>
+__device__ __forceinline__ float to_float(Element x) {
+    return ElementConversion<Element>::to_float(x);
+}
+
+template <typename Element>
+__device__ __forceinline__ Element from_float(float x) {
+    return ElementConversion<Element>::from_float(x);
+}
+
+template <typename T>
+__host__ __device__ constexpr T ceil_div(T a, T b) {
+    return (a + b - 1) / b;
+}
+
+}  // namespace cuflash

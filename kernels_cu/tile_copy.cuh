@@ -1,0 +1,33 @@
+// Copies between global and shared memory.
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// Copies a kRows x kCols tile whose rows are row_stride elements apart in
+// global memory (last dimension contiguous) into shared memory rows of
+// kSmemStride elements. Rows at or past valid_rows (beyond the sequence) and
+// columns at or past valid_cols (head-dim padding) are written as zeros and
+// never read from global memory: zero columns add nothing to a dot product,
+// which is what lets any head_dim run on a kernel built for a padded one.
+// Consecutive threads take consecutive columns, so the loads coalesce.
+template <int kRows, int kCols, int kSmemStride, int kThreads, typename Element>
+__device__ __forceinline__ void load_tile_zero_padded(Element* __restrict__ smem,
+                                                      const Element* __restrict__ gmem,
+                                                      index_t row_stride, int valid_rows,
+                                                      int valid_cols, int thread) {
+    const Element zero = from_float<Element>(0.0f);
+#pragma unroll 4
+    for (int idx = thread; idx < kRows * kCols; idx += kThreads) {
+        const int row = idx / kCols;
+        const int col = idx % kCols;
+        Element value = zero;
+        if (row < valid_rows && col < valid_cols) {
+            value = gmem[static_cast<index_t>(row) * row_stride + col];
+        }
+        smem[row * kSmemStride + col] = value;
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,108 @@
+"""Shared test helpers: random inputs, the same-precision naive baseline and
+the accuracy rule of DEVELOPERS.md."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Absolute floor added to the low-precision bound (2x the baseline's error).
+ABS_FLOOR = 1e-5
+#: Relative L2 bound for float32.
+FLOAT32_RTOL = 1e-5
+
+
+def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, layout="bshd", seed=0):
+    """Fresh random q, k, v of ``dtype`` in (batch, seqlen, heads, dim) shape.
+
+    ``layout="bhsd"`` makes them transposed views of (batch, heads, seqlen, dim)
+    buffers, the PyTorch SDPA layout; ``"sliced"`` makes them views into larger
+    buffers (every other batch, a subset of heads), so no stride is the
+    contiguous one.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(seqlen, heads):
+        if layout == "bshd":
+            data = rng.standard_normal((batch, seqlen, heads, head_dim))
+            return xp.asarray(data.astype(np.float32)).astype(dtype)
+        if layout == "bhsd":
+            data = rng.standard_normal((batch, heads, seqlen, head_dim))
+            return xp.asarray(data.astype(np.float32)).astype(dtype).transpose(0, 2, 1, 3)
+        if layout == "sliced":
+            data = rng.standard_normal((2 * batch, seqlen, heads + 3, head_dim + 8))
+            return xp.asarray(data.astype(np.float32)).astype(dtype)[::2, :, 1 : heads + 1, 4 : head_dim + 4]
+        raise ValueError(layout)
+
+    return make(seqlen_q, nheads), make(seqlen_k, nheads_k), make(seqlen_k, nheads_k)
+
+
+def naive_attention_same_precision(q, k, v, *, causal, softmax_scale):
+    """Attention the naive way in the inputs' own precision (CuPy): each
+    matrix product accumulates in float32 and is rounded to the input dtype,
+    as a framework's unfused bf16/fp16 attention does. Its error against
+    float64 is the yardstick for cuflash's low-precision error."""
+    import cupy
+
+    dtype = q.dtype
+    f32 = lambda x: x.astype(cupy.float32)  # noqa: E731
+    nheads = q.shape[2]
+    k = cupy.repeat(k, nheads // k.shape[2], axis=2)
+    v = cupy.repeat(v, nheads // v.shape[2], axis=2)
+    scores = cupy.einsum("bqhd,bkhd->bhqk", f32(q), f32(k)).astype(dtype)
+    scores = f32(scores) * softmax_scale
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if causal:
+        rows = cupy.arange(seqlen_q)[:, None]
+        cols = cupy.arange(seqlen_k)[None, :]
+        scores = cupy.where(cols <= rows + (seqlen_k - seqlen_q), scores, -cupy.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
+    probs = cupy.exp(scores - row_max)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs = (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype)
+    return cupy.einsum("bhqk,bkhd->bqhd", f32(probs), f32(v)).astype(dtype)
+
+
+def to_numpy64(x) -> np.ndarray:
+    """Any CuPy, PyTorch, JAX or NumPy array as a float64 NumPy array."""
+    module = type(x).__module__
+    if module.startswith("cupy"):
+        x = x.get()
+    elif module.startswith("torch"):
+        x = x.detach().float().cpu().numpy()
+    elif module.startswith("jax"):
+        x = np.asarray(x.astype("float32"))
+    return np.asarray(x).astype(np.float64)
+
+
+def assert_lse_close(lse, ref_lse, atol=1e-4):
+    lse = to_numpy64(lse)
+    ref_lse = to_numpy64(ref_lse)
+    assert not np.isnan(lse).any(), "lse has NaN (unwritten or invalid)"
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse)), "lse is -inf at other rows than the reference"
+    finite = np.isfinite(ref_lse)
+    assert np.isfinite(lse[finite]).all()
+    if finite.any():
+        err = np.abs(lse[finite] - ref_lse[finite]) / np.maximum(1.0, np.abs(ref_lse[finite]))
+        assert err.max() <= atol, f"lse error {err.max():.3g} > {atol}"
+
+
+def assert_output_accurate(out, ref, baseline=None):
+    """DEVELOPERS.md's rule: float32 relative L2 error <= 1e-5; float16 and
+    bfloat16 max error <= 2 x the same-precision naive baseline's + floor.
+    NaN never passes."""
+    out64 = to_numpy64(out)
+    ref64 = to_numpy64(ref)
+    assert not np.isnan(out64).any(), "output has NaN (unwritten or invalid)"
+    assert out64.shape == ref64.shape
+    if baseline is None:
+        norm = np.linalg.norm(ref64)
+        err = np.linalg.norm(out64 - ref64)
+        assert err <= FLOAT32_RTOL * max(norm, 1e-30) or (norm == 0 and err == 0), (
+            f"relative error {err / max(norm, 1e-30):.3g} > {FLOAT32_RTOL}"
+        )
+        return
+    base64 = to_numpy64(baseline)
+    err = np.abs(out64 - ref64).max(initial=0.0)
+    base_err = np.abs(base64 - ref64).max(initial=0.0)
+    assert err <= 2 * base_err + ABS_FLOOR, f"max error {err:.3g} > 2 x baseline {base_err:.3g} + {ABS_FLOOR}"

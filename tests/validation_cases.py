@@ -1,0 +1,78 @@
+"""Bad-input cases of the forward API, shared by the CPU tests (on
+TensorMeta) and the GPU tests (on real CuPy arrays)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GOOD_SHAPES = {"q": (2, 17, 4, 40), "k": (2, 33, 2, 40), "v": (2, 33, 2, 40)}
+
+
+def contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class BadCase:
+    id: str
+    error: type
+    match: str
+    changes: dict = field(default_factory=dict)  # array name -> spec overrides (None removes)
+    options: dict = field(default_factory=lambda: {"causal": False, "softmax_scale": None})
+    needs_two_gpus: bool = False
+
+    def arrays(self) -> dict:
+        """name -> {shape, dtype, strides, device} for q, k, v (and out)."""
+        specs = {name: {"shape": shape} for name, shape in GOOD_SHAPES.items()}
+        for name, change in self.changes.items():
+            specs[name] = {**specs.get(name, {"shape": GOOD_SHAPES["q"]}), **change}
+        return specs
+
+
+def _options(**kwargs):
+    return {"causal": False, "softmax_scale": None, **kwargs}
+
+
+BAD_FORWARD_CASES = [
+    BadCase("float64-dtype", TypeError, "q must have dtype float16, bfloat16 or float32, got float64",
+            {"q": {"dtype": "float64"}}),
+    BadCase("int-dtype", TypeError, "k must have dtype float16, bfloat16 or float32, got int32",
+            {"k": {"dtype": "int32"}}),
+    BadCase("mixed-dtypes", TypeError, r"v must have the same dtype as q \(float16\), got bfloat16",
+            {"v": {"dtype": "bfloat16"}}),
+    BadCase("rank-3", ValueError, r"q must have 4 dimensions .* got shape \(2, 17, 160\)",
+            {"q": {"shape": (2, 17, 160)}}),
+    BadCase("rank-5", ValueError, r"k must have 4 dimensions .* got shape \(2, 33, 2, 40, 1\)",
+            {"k": {"shape": (2, 33, 2, 40, 1)}}),
+    BadCase("batch-mismatch", ValueError, r"k must have batch size 2 like q, got shape \(3, 33, 2, 40\)",
+            {"k": {"shape": (3, 33, 2, 40)}, "v": {"shape": (3, 33, 2, 40)}}),
+    BadCase("head-dim-mismatch", ValueError, r"k must have head_dim 40 like q, got shape \(2, 33, 2, 48\)",
+            {"k": {"shape": (2, 33, 2, 48)}, "v": {"shape": (2, 33, 2, 48)}}),
+    BadCase("nheads-not-divisible", ValueError, r"q's nheads \(4\) must be a multiple of k's nheads_k \(3\)",
+            {"k": {"shape": (2, 33, 3, 40)}, "v": {"shape": (2, 33, 3, 40)}}),
+    BadCase("kv-length-mismatch", ValueError, r"v must have the shape of k \(2, 33, 2, 40\) .* got \(2, 32, 2, 40\)",
+            {"v": {"shape": (2, 32, 2, 40)}}),
+    BadCase("last-dim-strided", ValueError, r"q must be contiguous in its last dimension \(stride 1\), got strides \(5440, 320, 80, 2\)",
+            {"q": {"strides": (5440, 320, 80, 2)}}),
+    BadCase("head-dim-zero", ValueError, r"q's head_dim \(last dimension\) must be between 1 and 256, got 0",
+            {name: {"shape": shape[:3] + (0,)} for name, shape in GOOD_SHAPES.items()}),
+    BadCase("head-dim-too-large", ValueError, r"q's head_dim \(last dimension\) must be between 1 and 256, got 257",
+            {name: {"shape": shape[:3] + (257,)} for name, shape in GOOD_SHAPES.items()}),
+    BadCase("different-gpus", ValueError, "k is on GPU 1 but q is on GPU 0",
+            {"k": {"device": 1}}, needs_two_gpus=True),
+    BadCase("out-wrong-shape", ValueError, r"out must have the shape of q \(2, 17, 4, 40\), got \(2, 17, 4, 41\)",
+            {"out": {"shape": (2, 17, 4, 41)}}),
+    BadCase("out-wrong-dtype", TypeError, r"out must have the dtype of q \(float16\), got float32",
+            {"out": {"dtype": "float32"}}),
+    BadCase("out-broadcast", ValueError, "out must not be a broadcast view",
+            {"out": {"strides": (0, 160, 40, 1)}}),
+    BadCase("scale-nan", ValueError, "softmax_scale must be finite, got nan", options=_options(softmax_scale=float("nan"))),
+    BadCase("scale-inf", ValueError, "softmax_scale must be finite, got inf", options=_options(softmax_scale=float("inf"))),
+    BadCase("scale-not-a-number", TypeError, "softmax_scale must be a real number or None, got str",
+            options=_options(softmax_scale="0.1")),
+    BadCase("causal-not-bool", TypeError, "causal must be a bool, got str 'yes'", options=_options(causal="yes")),
+]

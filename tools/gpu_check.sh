@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One-shot GPU check: runs the whole test suite (GPU tests included) on a
+# machine with a CUDA GPU, writes logs and a JSON summary under $OUT, and
+# prints a short table last. Fails if any test failed, errored or was skipped:
+# on a GPU machine nothing may skip.
+#
+#   OUT=/tmp/out CUFLASH_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
+PYTHON=${PYTHON:-python3}
+COMMIT=${CUFLASH_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+
+{
+  echo "commit: $COMMIT"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$PYTHON" - <<'PY'
+import importlib
+for name in ("cupy", "numpy", "torch", "jax", "pytest"):
+    try:
+        print(f"{name}: {importlib.import_module(name).__version__}")
+    except Exception as exc:  # report, the tests will fail on it
+        print(f"{name}: not importable ({exc})")
+import cupy
+print("nvrtc:", cupy.cuda.nvrtc.getVersion(), "device:", cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
+PY
+} 2>&1 | tee "$OUT/environment.txt"
+
+start=$(date +%s)
+"$PYTHON" -m pytest tests -p no:cacheprovider -q -rfEs --durations=15 \
+  --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.log"
+pytest_rc=${PIPESTATUS[0]}
+elapsed=$(( $(date +%s) - start ))
+
+"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+out, commit, rc, elapsed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for suite in ET.parse(f"{out}/tests.xml").getroot().iter("testsuite"):
+    for key in counts:
+        counts[key] += int(suite.get(key, 0))
+env = open(f"{out}/environment.txt").read().splitlines()
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+ok = rc == 0 and counts["failures"] == 0 and counts["errors"] == 0 and counts["skipped"] == 0 and counts["tests"] > 0
+summary = {"commit": commit, "ok": ok, "passed": passed, "failed": counts["failures"],
+           "errors": counts["errors"], "skipped": counts["skipped"],
+           "seconds": elapsed, "environment": env}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+print()
+print("| gpu_check | value |")
+print("|---|---|")
+for line in env[:2]:
+    print(f"| env | {line} |")
+for key in ("passed", "failed", "errors", "skipped", "seconds"):
+    print(f"| {key} | {summary[key]} |")
+print(f"| result | {'PASS' if ok else 'FAIL'} |")
+sys.exit(0 if ok else 1)
+PY
