@@ -94,7 +94,8 @@ def _check_layout(meta: TensorMeta, role: str) -> None:
         raise TypeError(
             f"{meta.name} must have dtype float16, bfloat16 or float32, got {meta.dtype}"
         )
-    if meta.shape[-1] > 1 and meta.strides[-1] != 1:
+    # An empty array has no memory to lay out (CuPy gives it zero strides).
+    if meta.shape[-1] > 1 and meta.strides[-1] != 1 and 0 not in meta.shape:
         raise ValueError(
             f"{meta.name} must be contiguous in its last dimension (stride 1), "
             f"got strides {meta.strides} (in elements)"
@@ -146,7 +147,7 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
             raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
         if out.shape != q.shape:
             raise ValueError(f"out must have the shape of q {q.shape}, got {out.shape}")
-        if out.shape[-1] > 1 and out.strides[-1] != 1:
+        if out.shape[-1] > 1 and out.strides[-1] != 1 and 0 not in out.shape:
             raise ValueError(f"out must be contiguous in its last dimension (stride 1), got strides {out.strides}")
         _check_writable(out)
         check_same_device([q, out])

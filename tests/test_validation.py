@@ -70,3 +70,12 @@ def test_cpu_dlpack_producers_are_rejected():
 
     with pytest.raises(TypeError, match="q must be a CUDA GPU array .*HostProducer in host memory"):
         cuflash.attention(HostProducer(), HostProducer(), HostProducer())
+
+
+def test_empty_arrays_with_zero_strides_are_valid():
+    # CuPy gives empty arrays all-zero strides; they hold no memory to lay out.
+    q = meta("q", (2, 3, 4, 40))
+    k = meta("k", (2, 0, 2, 40), strides=(0, 0, 0, 0))
+    problem = check_forward(q, k, meta("v", (2, 0, 2, 40), strides=(0, 0, 0, 0)), None,
+                            causal=False, softmax_scale=None)
+    assert problem.seqlen_k == 0
