@@ -1,6 +1,7 @@
 """A wheel built from the checkout, installed into a fresh virtual
 environment, finds and ships every CUDA source file (CPU, no GPU)."""
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -44,8 +45,9 @@ def test_wheel_ships_kernel_sources_into_a_fresh_venv(tmp_path):
                           "files": sorted(p.name for p in d.iterdir())}))
         """
     )
+    clean_env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env=clean_env)
     import json
 
     found = json.loads(result.stdout)
