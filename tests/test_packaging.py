@@ -15,11 +15,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_wheel_ships_kernel_sources_into_a_fresh_venv(tmp_path):
+    # Nothing from the checkout may leak in: with PYTHONPATH pointing at it,
+    # pip would take the checkout's egg-info for an installed cuflash.
+    clean_env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     wheel_dir = tmp_path / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(wheel_dir), str(REPO)],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, env=clean_env,
     )
     (wheel,) = wheel_dir.glob("cuflash-*.whl")
 
@@ -27,11 +30,11 @@ def test_wheel_ships_kernel_sources_into_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                   check=True, capture_output=True, text=True)
+                   check=True, capture_output=True, text=True, env=clean_env)
     # cuflash's dependencies (CuPy, NumPy, click) come from the environment
     # running the tests, through a .pth file: the fresh venv holds cuflash only.
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+                             check=True, capture_output=True, text=True, env=clean_env).stdout.strip()
     Path(purelib, "_deps.pth").write_text(
         sysconfig.get_paths()["purelib"] + "\n" + sysconfig.get_paths()["platlib"] + "\n"
     )
@@ -45,7 +48,6 @@ def test_wheel_ships_kernel_sources_into_a_fresh_venv(tmp_path):
                           "files": sorted(p.name for p in d.iterdir())}))
         """
     )
-    clean_env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     result = subprocess.run([str(python), "-c", probe], cwd=tmp_path, check=True,
                             capture_output=True, text=True, env=clean_env)
     import json
