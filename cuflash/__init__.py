@@ -4,8 +4,8 @@ CUDA C++ kernels compiled at run time by CuPy (NVRTC); CuPy arrays, PyTorch
 tensors, JAX arrays and any DLPack producer in, arrays of the same kind out.
 """
 
-from .api import attention
+from .api import attention, attention_backward
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "__version__"]
+__all__ = ["attention", "attention_backward", "__version__"]

@@ -2,7 +2,8 @@
 
 CuPy passes a one-element structured array to a kernel as a struct by value.
 Field order and types here must match ``kernels_cu/params.cuh``; every field
-is 8 bytes, so the aligned layout has no padding, and both sides pin the size.
+is 8 bytes, so the aligned layout has no padding. tests/test_tiling.py
+compiles a host program that prints the C++ offsets and compares them.
 """
 
 from __future__ import annotations
@@ -12,43 +13,78 @@ import numpy as np
 _POINTER = np.uint64
 _INDEX = np.int64
 
+#: A (batch, seqlen, heads, dim) tensor: pointer and strides in elements.
+TENSOR_REF = np.dtype(
+    [("ptr", _POINTER), ("batch_stride", _INDEX), ("row_stride", _INDEX), ("head_stride", _INDEX)],
+    align=True,
+)
+
+PROBLEM_SIZE = np.dtype(
+    [(name, _INDEX) for name in ("batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k", "head_dim")],
+    align=True,
+)
+
 FORWARD_PARAMS = np.dtype(
     [
-        ("q", _POINTER),
-        ("k", _POINTER),
-        ("v", _POINTER),
-        ("out", _POINTER),
+        *[(name, TENSOR_REF) for name in ("q", "k", "v", "out")],
         ("lse", _POINTER),
-        *[
-            (f"{tensor}_{stride}_stride", _INDEX)
-            for tensor in ("q", "k", "v", "out")
-            for stride in ("batch", "row", "head")
-        ],
         ("lse_batch_stride", _INDEX),
         ("lse_head_stride", _INDEX),
-        ("batch", _INDEX),
-        ("nheads", _INDEX),
-        ("nheads_k", _INDEX),
-        ("seqlen_q", _INDEX),
-        ("seqlen_k", _INDEX),
-        ("head_dim", _INDEX),
+        ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("softmax_scale_log2", np.float64),
     ],
     align=True,
 )
 
-#: sizeof(ForwardParams) in kernels_cu/params.cuh.
-FORWARD_PARAMS_SIZE = 27 * 8
+BACKWARD_PARAMS = np.dtype(
+    [
+        *[(name, TENSOR_REF) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")],
+        ("lse", _POINTER),
+        ("lse_batch_stride", _INDEX),
+        ("lse_head_stride", _INDEX),
+        ("delta", _POINTER),
+        ("dq_accum", _POINTER),
+        ("size", PROBLEM_SIZE),
+        ("num_m_blocks", _INDEX),
+        ("num_n_blocks", _INDEX),
+        ("softmax_scale_log2", np.float64),
+        ("softmax_scale", np.float64),
+    ],
+    align=True,
+)
+
+#: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 5 * 8 + 6 * 8 + 4 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
+assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
+
+
+def tensor_ref(array) -> tuple[int, int, int, int]:
+    """TensorRef fields of a 4-D CuPy array (batch, seqlen, heads, dim)."""
+    itemsize = array.dtype.itemsize
+    batch, row, head = (stride // itemsize for stride in array.strides[:3])
+    return (array.data.ptr, batch, row, head)
+
+
+def flat_fields(dtype: np.dtype, prefix: str = "") -> list[tuple[str, int]]:
+    """(dotted C++ member path, byte offset) of every scalar field of ``dtype``."""
+    fields = []
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        if sub.names:
+            fields += [(f"{prefix}{name}.{path}", offset + inner) for path, inner in flat_fields(sub)]
+        else:
+            fields.append((f"{prefix}{name}", offset))
+    return fields
 
 
 def pack(dtype: np.dtype, **fields) -> np.ndarray:
-    """A one-element struct of ``dtype`` with every field set, by name.
-
-    A field left out or a name the struct does not have is an error: a
-    silently zero stride or pointer would be a wrong answer, not a crash.
-    """
+    """A one-element struct of ``dtype`` with every top-level field set, by
+    name (nested structs as tuples). A field left out or a name the struct
+    does not have is an error: a silently zero stride or pointer would be a
+    wrong answer, not a crash."""
     missing = set(dtype.names) - set(fields)
     unknown = set(fields) - set(dtype.names)
     if missing or unknown:

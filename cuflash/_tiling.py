@@ -31,10 +31,19 @@ def pad_head_dim(head_dim: int) -> int:
     raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {head_dim}")
 
 
+def smem_tile_bytes(rows: int, cols: int, element_size: int) -> int:
+    """Bytes of one shared-memory tile; mirrors ``SmemTile`` in
+    ``kernels_cu/kernel_traits.cuh``: rows padded by one 4-byte word, each
+    tile rounded up to 16 bytes."""
+    pad = 1 if element_size >= 4 else 4 // element_size
+    return -(-rows * (cols + pad) * element_size // 16) * 16
+
+
 @dataclass(frozen=True)
-class ForwardTiling:
-    """Tiles of the forward kernel: ``block_m`` query rows per thread block,
-    ``block_n`` keys per streamed K/V tile, ``warps`` warps per block."""
+class Tiling:
+    """Tiles of one kernel launch: ``block_m`` query rows and ``block_n`` keys
+    per tile, ``warps`` warps per thread block, head dim padded to
+    ``head_dim_padded``."""
 
     head_dim_padded: int
     block_m: int
@@ -45,17 +54,40 @@ class ForwardTiling:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def smem_bytes(self, dtype_name: str) -> int:
-        """Dynamic shared memory of one block; mirrors ``KernelTraits::kSmemBytes``."""
-        element = ELEMENT_SIZE[dtype_name]
-        row_stride = self.head_dim_padded + 4 // element  # one 4-byte word of padding per row
-        qkv_bytes = (self.block_m + 2 * self.block_n) * row_stride * element
-        p_offset = -(-qkv_bytes // 16) * 16
-        return p_offset + self.block_m * (self.block_n + 1) * 4
+    def _tiles(self, dtype_name: str) -> dict[str, int]:
+        e = ELEMENT_SIZE[dtype_name]
+        d, m, n = self.head_dim_padded, self.block_m, self.block_n
+        return {
+            "q": smem_tile_bytes(m, d, e),  # Q or dO rows
+            "k": smem_tile_bytes(n, d, e),  # K or V rows
+            "score": smem_tile_bytes(m, n, 4),  # P or dS, query-major
+            "score_t": smem_tile_bytes(n, m, 4),  # P^T or dS^T, key-major
+            "row_stats": smem_tile_bytes(1, m, 4),  # LSE or delta per query row
+        }
+
+    def forward_smem_bytes(self, dtype_name: str) -> int:
+        """``ForwardSmem::kBytes``: Q, K, V, P."""
+        t = self._tiles(dtype_name)
+        return t["q"] + 2 * t["k"] + t["score"]
+
+    def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
+        """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta."""
+        t = self._tiles(dtype_name)
+        return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
+
+    def backward_dq_smem_bytes(self, dtype_name: str) -> int:
+        """``BackwardDqSmem::kBytes``: Q, dO, K, V, dS."""
+        t = self._tiles(dtype_name)
+        return 2 * t["q"] + 2 * t["k"] + t["score"]
 
 
-def forward_tiling(dtype_name: str, head_dim: int) -> ForwardTiling:
-    """Tiles for a forward pass over ``dtype_name`` inputs with this head_dim.
+def _check_budget(smem_bytes: int, what: str) -> None:
+    if smem_bytes > MAX_SMEM_BYTES:  # pragma: no cover - table invariant, tested
+        raise AssertionError(f"{what} needs {smem_bytes} bytes of shared memory")
+
+
+def forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the forward kernel (and of the deterministic dQ kernel).
 
     Each query row is owned by ``threads / block_m`` lanes; the table keeps a
     lane's output columns (head_dim_padded / lanes) at 32 or fewer so the
@@ -71,9 +103,28 @@ def forward_tiling(dtype_name: str, head_dim: int) -> ForwardTiling:
         block_m, block_n = 32, 64
     else:
         block_m, block_n = 16, 32 if dtype_name == "float32" else 64
-    tiling = ForwardTiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=4)
-    if tiling.smem_bytes(dtype_name) > MAX_SMEM_BYTES:  # pragma: no cover - table invariant, tested
-        raise AssertionError(f"tiling {tiling} exceeds shared memory for {dtype_name}")
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=4)
+    _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
+    _check_budget(tiling.backward_dq_smem_bytes(dtype_name), f"backward dQ {tiling} for {dtype_name}")
+    return tiling
+
+
+def backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the backward dK/dV kernel: one thread block per ``block_n``
+    keys, walking the query rows ``block_m`` at a time.
+
+    Each key is owned by ``threads / block_n`` lanes, which hold that key's dK
+    and dV columns in registers; ``block_n * head_dim_padded`` stays at 32 per
+    thread for each of the two accumulators.
+    """
+    if dtype_name not in ELEMENT_SIZE:
+        raise ValueError(f"dtype must be one of {sorted(ELEMENT_SIZE)}, got {dtype_name!r}")
+    padded = pad_head_dim(head_dim)
+    warps = 8
+    block_n = 32 * 32 * warps // padded  # 32 columns of dK and of dV per lane
+    block_n = min(128, 1 << (block_n.bit_length() - 1))  # a power of two
+    tiling = Tiling(head_dim_padded=padded, block_m=32, block_n=block_n, warps=warps)
+    _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 
 
@@ -90,3 +141,13 @@ def visible_key_blocks(m_start: int, block_m: int, block_n: int, seqlen_q: int, 
     if last_visible_key < 0:
         return 0
     return -(-min(last_visible_key + 1, seqlen_k) // block_n)
+
+
+def first_visible_query_block(n_start: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """First query block with a row that sees some key of the key block
+    starting at ``n_start``; the backward's dK/dV walk skips the blocks before
+    it. Mirrors ``first_visible_query_block`` in ``kernels_cu/masking.cuh``."""
+    if not causal:
+        return 0
+    first_row = max(0, n_start - (seqlen_k - seqlen_q))
+    return first_row // block_m

@@ -143,12 +143,7 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         raise ValueError(f"batch * nheads must be below 2**31, got {batch * nheads}")
 
     if out is not None:
-        if out.dtype != q.dtype:
-            raise TypeError(f"out must have the dtype of q ({q.dtype}), got {out.dtype}")
-        if out.shape != q.shape:
-            raise ValueError(f"out must have the shape of q {q.shape}, got {out.shape}")
-        if out.shape[-1] > 1 and out.strides[-1] != 1 and 0 not in out.shape:
-            raise ValueError(f"out must be contiguous in its last dimension (stride 1), got strides {out.strides}")
+        _check_like(out, q, "")
         _check_writable(out)
         check_same_device([q, out])
 
@@ -158,3 +153,42 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
         causal=check_causal(causal),
     )
+
+
+def _check_like(meta: TensorMeta | None, like: TensorMeta, what: str) -> None:
+    """``meta`` must have the shape and dtype of ``like`` and a contiguous last dimension."""
+    if meta is None:
+        return
+    if meta.dtype != like.dtype:
+        raise TypeError(f"{meta.name} must have the dtype of {like.name} ({like.dtype}), got {meta.dtype}")
+    if meta.shape != like.shape:
+        raise ValueError(f"{meta.name} must have the shape of {like.name} {like.shape}{what}, got {meta.shape}")
+    if meta.shape[-1] > 1 and meta.strides[-1] != 1 and 0 not in meta.shape:
+        raise ValueError(
+            f"{meta.name} must be contiguous in its last dimension (stride 1), got strides {meta.strides}"
+        )
+
+
+def check_backward(dout: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta,
+                   lse: TensorMeta, dq: TensorMeta | None, dk: TensorMeta | None, dv: TensorMeta | None,
+                   *, causal, softmax_scale, deterministic) -> AttentionProblem:
+    """Checks a backward call; returns its sizes. Raises ``TypeError`` or
+    ``ValueError`` naming the argument, what was expected and what came."""
+    problem = check_forward(q, k, v, None, causal=causal, softmax_scale=softmax_scale)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    _check_like(dout, q, " (batch, seqlen_q, nheads, head_dim)")
+    _check_like(out, q, " (batch, seqlen_q, nheads, head_dim)")
+    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
+    if lse.dtype != "float32":
+        raise TypeError(f"lse must have dtype float32 (as the forward returns it), got {lse.dtype}")
+    if lse.shape != lse_shape:
+        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {lse_shape}, got {lse.shape}")
+    if lse.shape[-1] > 1 and lse.strides[-1] != 1 and 0 not in lse.shape:
+        raise ValueError(f"lse must be contiguous in its last dimension (stride 1), got strides {lse.strides}")
+    for grad, like in ((dq, q), (dk, k), (dv, v)):
+        _check_like(grad, like, "")
+        if grad is not None:
+            _check_writable(grad)
+    check_same_device([q, dout, out, lse] + [g for g in (dq, dk, dv) if g is not None])
+    return problem

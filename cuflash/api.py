@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 from . import _interop
-from ._kernels import forward_variant
+from ._kernels import (
+    backward_dkdv_variant,
+    backward_dq_variant,
+    backward_elementwise_variant,
+    forward_variant,
+)
 from ._loader import loader
-from ._params import FORWARD_PARAMS, pack
-from ._tiling import forward_tiling
-from ._validation import AttentionProblem, check_forward, check_same_device, meta_of
+from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
+from ._tiling import backward_tiling, forward_tiling
+from ._validation import AttentionProblem, check_backward, check_forward, check_same_device, meta_of
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
+#: Blocks of the grid-stride element-wise backward kernels (preprocess, dQ conversion).
+_ELEMENTWISE_BLOCKS = 4096
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
@@ -45,26 +53,84 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
                               return_lse=return_lse, out=out)
 
 
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """Gradients of ``attention`` with respect to q, k and v, recomputing the
+    attention probabilities tile by tile from the forward's log-sum-exp
+    (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
+
+    Args:
+        dout: (batch, seqlen_q, nheads, head_dim) gradient of the output, q's dtype.
+        q, k, v: the forward's inputs, as for ``attention``.
+        out: (batch, seqlen_q, nheads, head_dim) the forward's output.
+        lse: (batch, nheads, seqlen_q) float32, the forward's log-sum-exp
+            (``attention(..., return_lse=True)``).
+        causal, softmax_scale: as given to the forward.
+        deterministic: if True, dq is bitwise identical from run to run (dQ is
+            summed in a fixed order by a second pass instead of float32 atomics;
+            slower). dk and dv are always deterministic.
+        dq, dk, dv: optional arrays to write the gradients into, shaped and
+            typed like q, k, v (not for JAX).
+
+    Returns:
+        ``(dq, dk, dv)`` shaped and typed like q, k, v, in q's framework. With
+        grouped-query attention, dk and dv are summed over the query heads that
+        share each key/value head. Kernels run on the current stream of q's
+        framework.
+    """
+    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    given = {name: x for name, x in (("dq", dq), ("dk", dk), ("dv", dv)) if x is not None}
+    with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
+        metas = {name: meta_of(name, view) for name, view in views.items()}
+        problem = check_backward(
+            metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
+            metas.get("dq"), metas.get("dk"), metas.get("dv"),
+            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+        )
+        grads = {}
+        for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+            if name in given:
+                grads[name] = (given[name], views[name])
+            else:
+                grads[name] = bridge.empty(tuple(views[like].shape), views[like].dtype)
+        _launch_backward(problem, views, {name: view for name, (_, view) in grads.items()},
+                         bool(deterministic), bridge)
+        return tuple(
+            given[name] if name in given else bridge.export(native, view)
+            for name, (native, view) in grads.items()
+        )
+
+
+@contextmanager
+def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
+    """Checks that ``arrays`` are GPU arrays on one device and yields the
+    call's bridge and CuPy views of them, inside that device and stream."""
+    import cupy
+
+    frameworks = {name: _interop.framework_of(x, name) for name, x in arrays.items()}
+    for name in immutable_outputs:
+        if frameworks[name] == _interop.JAX:
+            raise TypeError(f"{name} must be a mutable GPU array; JAX arrays are immutable, so leave {name}=None")
+    devices = {name: _interop.device_of(x, frameworks[name]) for name, x in arrays.items()}
+    first = next(iter(arrays))
+    lead = "q" if "q" in arrays else first
+    bridge = _interop.bridge_for(arrays[lead], frameworks[lead], devices[lead])
+    for name, device in devices.items():
+        if device != bridge.device_id:
+            raise ValueError(f"{name} is on GPU {device} but {lead} is on GPU {bridge.device_id}")
+    with cupy.cuda.Device(bridge.device_id), bridge.stream:
+        views = {name: bridge.as_cupy(x, frameworks[name]) for name, x in arrays.items()}
+        yield bridge, views
+
+
 def _attention_forward(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                        out=None, lse=None):
     """``attention`` with an optional preallocated CuPy ``lse`` buffer (tests
     poison it to prove that every element gets written)."""
-    import cupy
-
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
         arrays["out"] = out
-    frameworks = {name: _interop.framework_of(x, name) for name, x in arrays.items()}
-    devices = {name: _interop.device_of(x, frameworks[name]) for name, x in arrays.items()}
-    if out is not None and frameworks["out"] == _interop.JAX:
-        raise TypeError("out must be a mutable GPU array; JAX arrays are immutable, so leave out=None")
-    bridge = _interop.bridge_for(q, frameworks["q"], devices["q"])
-    for name, device in devices.items():
-        if device != bridge.device_id:
-            raise ValueError(f"{name} is on GPU {device} but q is on GPU {bridge.device_id}")
-
-    with cupy.cuda.Device(bridge.device_id), bridge.stream:
-        views = {name: bridge.as_cupy(x, frameworks[name]) for name, x in arrays.items()}
+    with _call(arrays, immutable_outputs=("out",) if out is not None else ()) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
                                 causal=causal, softmax_scale=softmax_scale)
@@ -90,39 +156,90 @@ def _attention_forward(q, k, v, *, causal=False, softmax_scale=None, return_lse=
         return result
 
 
+def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:
+    grid = tiles * heads * problem.batch
+    if grid > _MAX_GRID_X:
+        raise ValueError(f"{what} would need {grid} thread blocks, more than 2**31 - 1")
+    return grid
+
+
+def _size_fields(problem: AttentionProblem) -> tuple:
+    return (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k, problem.head_dim)
+
+
 def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream) -> None:
     tiling = forward_tiling(problem.dtype, problem.head_dim)
     variant = forward_variant(problem.dtype, tiling, problem.causal)
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
-    grid = num_m_blocks * problem.nheads * problem.batch
-    if grid > _MAX_GRID_X:
-        raise ValueError(
-            f"batch * nheads * ceil(seqlen_q / {tiling.block_m}) must be below 2**31 thread blocks, got {grid}"
-        )
+    grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
     kernel = loader.get(variant, problem.device)
-
-    def strides(array):
-        itemsize = array.dtype.itemsize
-        return [s // itemsize for s in array.strides[:3]]
-
-    fields = {"q": q.data.ptr, "k": k.data.ptr, "v": v.data.ptr, "out": out.data.ptr, "lse": lse.data.ptr}
-    for name, array in (("q", q), ("k", k), ("v", v), ("out", out)):
-        batch_stride, row_stride, head_stride = strides(array)
-        fields[f"{name}_batch_stride"] = batch_stride
-        fields[f"{name}_row_stride"] = row_stride
-        fields[f"{name}_head_stride"] = head_stride
     params = pack(
         FORWARD_PARAMS,
-        **fields,
+        q=tensor_ref(q), k=tensor_ref(k), v=tensor_ref(v), out=tensor_ref(out),
+        lse=lse.data.ptr,
         lse_batch_stride=problem.nheads * problem.seqlen_q,
         lse_head_stride=problem.seqlen_q,
-        batch=problem.batch,
-        nheads=problem.nheads,
-        nheads_k=problem.nheads_k,
-        seqlen_q=problem.seqlen_q,
-        seqlen_k=problem.seqlen_k,
-        head_dim=problem.head_dim,
+        size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
     )
     kernel((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes, stream=stream)
+
+
+def _launch_backward(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool, bridge) -> None:
+    """Preprocess (delta, zeroed dQ accumulator), dK/dV (with atomic dQ, or
+    without and then the deterministic dQ pass), then dQ conversion."""
+    dkdv_tiling = backward_tiling(problem.dtype, problem.head_dim)
+    dq_tiling = forward_tiling(problem.dtype, problem.head_dim)
+    rows = problem.batch * problem.seqlen_q * problem.nheads
+    # Work buffers: delta (batch, nheads, seqlen_q) and, unless deterministic,
+    # the float32 dQ accumulator (batch, seqlen_q, nheads, head_dim).
+    # They come from the caller's framework (PyTorch's caching allocator for
+    # PyTorch callers), on the call's stream.
+    delta = bridge.empty((problem.batch, problem.nheads, problem.seqlen_q), "float32")[1]
+    dq_accum = None if deterministic else bridge.empty(
+        (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim), "float32")[1]
+    lse = views["lse"]
+    itemsize = lse.dtype.itemsize
+    num_m_blocks_dkdv = -(-problem.seqlen_q // dkdv_tiling.block_m)
+    num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
+    params = pack(
+        BACKWARD_PARAMS,
+        **{name: tensor_ref(views[name]) for name in ("q", "k", "v", "out", "dout")},
+        **{name: tensor_ref(grads[name]) for name in ("dq", "dk", "dv")},
+        lse=lse.data.ptr,
+        lse_batch_stride=lse.strides[0] // itemsize,
+        lse_head_stride=lse.strides[1] // itemsize,
+        delta=delta.data.ptr,
+        dq_accum=0 if dq_accum is None else dq_accum.data.ptr,
+        size=_size_fields(problem),
+        num_m_blocks=num_m_blocks_dkdv,
+        num_n_blocks=num_n_blocks,
+        softmax_scale_log2=problem.softmax_scale * _LOG2E,
+        softmax_scale=problem.softmax_scale,
+    )
+    stream, device = bridge.stream, problem.device
+
+    def elementwise(kind: str, work: int):
+        variant = backward_elementwise_variant(kind, problem.dtype)
+        blocks = max(1, min(_ELEMENTWISE_BLOCKS, -(-work // variant.threads)))
+        loader.get(variant, device)((blocks,), (variant.threads,), (params,), stream=stream)
+
+    if rows:
+        elementwise("preprocess", rows * 32)  # one warp per query row
+    grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
+    if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
+        variant = backward_dkdv_variant(problem.dtype, dkdv_tiling, problem.causal, accumulate_dq=not deterministic)
+        loader.get(variant, device)((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes,
+                                    stream=stream)
+    if not rows:
+        return
+    if deterministic:
+        # The dQ pass has the forward's tiles; its grid is over those query blocks.
+        params["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)
+        variant = backward_dq_variant(problem.dtype, dq_tiling, problem.causal)
+        grid = _grid_size(int(params["num_m_blocks"][0]), problem, problem.nheads, "the backward dQ pass")
+        loader.get(variant, device)((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes,
+                                    stream=stream)
+    else:
+        elementwise("convert_dq", rows * problem.head_dim)

@@ -1,11 +1,13 @@
 """Reference implementations in float64, for tests and for users who want to
 check cuflash on their own data.
 
-``attention_reference`` is the naive formula. ``attention_tiled`` emulates
-cuflash's forward kernel step by step (same tiles from the same table, same
-log2-domain online softmax, same masking and block skipping), so the tiled
-algorithm itself is checked on the CPU. Both take (batch, seqlen, heads, dim)
-arrays; the naive one works on NumPy or CuPy arrays alike.
+``attention_reference`` and ``attention_backward_reference`` are the naive
+formulas. ``attention_tiled`` and ``attention_backward_tiled`` emulate
+cuflash's kernels step by step (same tiles from the same tables, same
+log2-domain softmax and recomputation from the LSE, same masking and block
+skipping), so the tiled algorithms themselves are checked on the CPU. All take
+(batch, seqlen, heads, dim) arrays; the naive ones work on NumPy or CuPy
+arrays alike.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 
 import numpy as np
 
-from ._tiling import ForwardTiling, forward_tiling, visible_key_blocks
+from ._tiling import Tiling, backward_tiling, first_visible_query_block, forward_tiling, visible_key_blocks
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -72,7 +74,7 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
     return out, lse
 
 
-def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: ForwardTiling | None = None,
+def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling | None = None,
                     dtype_name: str = "float16"):
     """NumPy float64 emulation of cuflash's forward kernel.
 
@@ -125,3 +127,109 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Forwar
         out[:, :, rows] = np.where(nonempty[..., None], acc / safe_sum[..., None], 0.0)
         lse[:, :, rows] = np.where(nonempty, (row_max + np.log2(safe_sum)) * _LN2, -np.inf)
     return out.transpose(0, 2, 1, 3), lse, visited
+
+
+def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None):
+    """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
+    With grouped-query attention dk and dv are summed over the query heads
+    sharing each key/value head."""
+    xp = _array_module(q)
+    dout, q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = _scale(softmax_scale, head_dim)
+    k_all = _expand_kv_heads(k, nheads, xp)
+    v_all = _expand_kv_heads(v, nheads, xp)
+    scores = xp.einsum("bqhd,bkhd->bhqk", q, k_all) * scale
+    if causal:
+        scores = xp.where(causal_mask(seqlen_q, seqlen_k, xp), scores, -xp.inf)
+    if seqlen_k:
+        row_max = scores.max(axis=-1, keepdims=True)
+    else:
+        row_max = xp.full(scores.shape[:-1] + (1,), -xp.inf)
+    probs = xp.exp(scores - xp.where(xp.isneginf(row_max), 0.0, row_max))
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs = probs / xp.where(row_sum > 0, row_sum, 1.0)  # rows that see no key: all zero
+    out = xp.einsum("bhqk,bkhd->bqhd", probs, v_all)
+    delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (b, h, q, 1)
+    dprobs = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)
+    dscores = probs * (dprobs - delta)
+    dq = scale * xp.einsum("bhqk,bkhd->bqhd", dscores, k_all)
+    group = nheads // nheads_k if nheads_k else 1
+    dk = scale * xp.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
+    dv = xp.einsum("bhqk,bqhd->bkhd", probs, dout).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
+    return dq, dk, dv
+
+
+def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None, dtype_name: str = "float16",
+                             deterministic: bool = False):
+    """NumPy float64 emulation of cuflash's backward kernels.
+
+    Runs ``attention_tiled`` for the output and LSE, then: delta =
+    rowsum(dO * O); for each key/value head and key block (tiles of
+    ``backward_tiling``), walks every query head of the group and every query
+    block from the first one that sees the key block, recomputing P from the
+    LSE in the log2 domain, accumulating dV, dK, and (unless ``deterministic``)
+    dQ. With ``deterministic`` dQ comes from the query-block pass with the
+    forward's tiles, as the deterministic kernel computes it.
+
+    Returns ``(dq, dk, dv, tiles_visited)``, the last counting the (key/value
+    head, key block, query block) triples that the dK/dV walk computes for
+    the first query head of each group.
+    """
+    dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    scale = _scale(softmax_scale, head_dim)
+    scale_log2 = scale * _LOG2E
+    out, lse, _ = attention_tiled(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype_name=dtype_name)
+    lse_log2 = lse * _LOG2E  # (b, h, q); -inf for rows that see no key
+    delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)  # (b, h, q)
+    # (b, h, s, d) views
+    qt, dot, kt, vt = (x.transpose(0, 2, 1, 3) for x in (q, dout, k, v))
+    dq = np.zeros_like(qt)
+    dk = np.zeros_like(kt)
+    dv = np.zeros_like(vt)
+    group = nheads // nheads_k if nheads_k else 1
+    offset = seqlen_k - seqlen_q
+
+    def probabilities_and_dscores(head, rows, keys):
+        """Recomputed P and dS of a (rows x keys) tile, every batch entry at once."""
+        qk = np.einsum("bqd,bkd->bqk", qt[:, head, rows], kt[:, head // group, keys])
+        visible = np.ones((len(rows), len(keys)), dtype=bool)
+        if causal:
+            visible = keys[None, :] <= rows[:, None] + offset
+        # masked entries are 0 explicitly: for a row that sees no key the
+        # exponent would be -inf - -inf
+        exponent = np.where(visible, qk * scale_log2 - lse_log2[:, head, rows][..., None], -np.inf)
+        probs = np.exp2(exponent)
+        dprobs = np.einsum("bqd,bkd->bqk", dot[:, head, rows], vt[:, head // group, keys])
+        return probs, probs * (dprobs - delta[:, head, rows][..., None])
+
+    tiling = backward_tiling(dtype_name, head_dim)
+    visited = 0
+    for kv_head in range(nheads_k):
+        for n_start in range(0, seqlen_k, tiling.block_n):
+            keys = np.arange(n_start, min(n_start + tiling.block_n, seqlen_k))
+            m_begin = first_visible_query_block(n_start, tiling.block_m, seqlen_q, seqlen_k, causal)
+            for head in range(kv_head * group, (kv_head + 1) * group):
+                for m_start in range(m_begin * tiling.block_m, seqlen_q, tiling.block_m):
+                    visited += head == kv_head * group
+                    rows = np.arange(m_start, min(m_start + tiling.block_m, seqlen_q))
+                    probs, dscores = probabilities_and_dscores(head, rows, keys)
+                    dv[:, kv_head, keys] += np.einsum("bqk,bqd->bkd", probs, dot[:, head, rows])
+                    dk[:, kv_head, keys] += scale * np.einsum("bqk,bqd->bkd", dscores, qt[:, head, rows])
+                    if not deterministic:
+                        dq[:, head, rows] += scale * np.einsum("bqk,bkd->bqd", dscores, kt[:, kv_head, keys])
+    if deterministic:
+        dq_tiling = forward_tiling(dtype_name, head_dim)
+        for head in range(nheads):
+            for m_start in range(0, seqlen_q, dq_tiling.block_m):
+                rows = np.arange(m_start, min(m_start + dq_tiling.block_m, seqlen_q))
+                n_blocks = visible_key_blocks(m_start, dq_tiling.block_m, dq_tiling.block_n, seqlen_q, seqlen_k,
+                                              causal)
+                for n_block in range(n_blocks):
+                    keys = np.arange(n_block * dq_tiling.block_n, min((n_block + 1) * dq_tiling.block_n, seqlen_k))
+                    _, dscores = probabilities_and_dscores(head, rows, keys)
+                    dq[:, head, rows] += scale * np.einsum("bqk,bkd->bqd", dscores, kt[:, head // group, keys])
+    return (dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), visited)

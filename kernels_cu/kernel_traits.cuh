@@ -1,64 +1,131 @@
-// Tile sizes of the forward kernel and the shared-memory budget derived from them.
+// Tile sizes of the kernels and the shared-memory budget derived from them.
 //
-// The tile sizes themselves are chosen per (dtype, head dim) by the table in
-// cuflash/_tiling.py and arrive here as template arguments; this struct
-// derives everything else and rejects impossible combinations at compile time.
-// cuflash/_tiling.py computes the same shared-memory size for the launch, and
-// the kernel checks at run time that it was given at least kSmemBytes.
+// The tile sizes themselves are chosen per (dtype, head dim) by the tables in
+// cuflash/_tiling.py and arrive here as template arguments; KernelTraits
+// derives the thread mappings, and one shared-memory layout per kernel
+// (ForwardSmem, BackwardDkDvSmem, BackwardDqSmem) places its tiles and rejects
+// impossible combinations at compile time. cuflash/_tiling.py computes the
+// same byte counts for the launch (checked by tests/test_tiling.py), and each
+// kernel checks at run time that it was given at least kBytes.
 #pragma once
 
 #include "numeric.cuh"
 
 namespace cuflash {
 
+// Hopper and Ampere (sm_80+) allow 227 KiB of shared memory per block.
+constexpr int kMaxSmemBytes = 227 * 1024;
+
+// A kRows x kCols tile of T in shared memory. Rows are padded by one 4-byte
+// word: the lanes of a warp read one column of several rows at once, and the
+// odd word stride puts those rows in different banks. Every tile starts on a
+// 16-byte boundary.
+template <typename T, int kRows, int kCols>
+struct SmemTile {
+    static constexpr int kPad = sizeof(T) >= 4 ? 1 : 4 / int(sizeof(T));
+    static constexpr int kStride = kCols + kPad;  // elements between rows
+    static constexpr int kBytes = ceil_div(kRows * kStride * int(sizeof(T)), 16) * 16;
+};
+
+template <int kLanes>
+__host__ __device__ constexpr bool is_lane_group() {
+    return kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0;
+}
+
 template <typename Element_, int kHeadDimPadded_, int kBlockM_, int kBlockN_, int kWarps_>
 struct KernelTraits {
     using Element = Element_;
     static constexpr int kHeadDimPadded = kHeadDimPadded_;  // head_dim rounded up; padded columns are zero
-    static constexpr int kBlockM = kBlockM_;                // query rows per thread block
-    static constexpr int kBlockN = kBlockN_;                // keys per streamed K/V tile
+    static constexpr int kBlockM = kBlockM_;                // query rows per tile
+    static constexpr int kBlockN = kBlockN_;                // keys per tile
     static constexpr int kWarps = kWarps_;
     static constexpr int kThreads = kWarps * 32;
 
-    // Each query row is owned by kThreadsPerRow consecutive lanes of one warp.
-    // A lane holds kKeysPerThread scores of its row and kColsPerThread output
-    // columns (columns lane_in_row, lane_in_row + kThreadsPerRow, ...).
-    static constexpr int kThreadsPerRow = kThreads / kBlockM;
-    static constexpr int kKeysPerThread = kBlockN / kThreadsPerRow;
-    static constexpr int kColsPerThread = kHeadDimPadded / kThreadsPerRow;
+    // Query-major mapping: each query row is owned by kLanesPerRow consecutive
+    // lanes of one warp; a lane holds keys lane, lane + kLanesPerRow, ... of
+    // its row and the same strided subset of the head-dim columns.
+    static constexpr int kLanesPerRow = kThreads / kBlockM;
+    // Key-major mapping (backward dK/dV): the same with keys and query rows swapped.
+    static constexpr int kLanesPerKey = kThreads / kBlockN;
 
-    // Q/K/V rows in shared memory are padded by one 4-byte word: the lanes of a
-    // warp read one column of 32 / kThreadsPerRow different rows at once, and
-    // the odd word stride puts those rows in different banks.
-    static constexpr int kRowPad = 4 / int(sizeof(Element));
-    static constexpr int kSmemRowStride = kHeadDimPadded + kRowPad;  // elements
-    // The probability tile is float with one float of padding for the same reason.
-    static constexpr int kScoreRowStride = kBlockN + 1;  // floats
-
-    static constexpr int kSmemQOffset = 0;
-    static constexpr int kSmemKOffset = kSmemQOffset + kBlockM * kSmemRowStride * int(sizeof(Element));
-    static constexpr int kSmemVOffset = kSmemKOffset + kBlockN * kSmemRowStride * int(sizeof(Element));
-    static constexpr int kSmemPOffset = ceil_div(kSmemVOffset + kBlockN * kSmemRowStride * int(sizeof(Element)), 16) * 16;
-    static constexpr int kSmemBytes = kSmemPOffset + kBlockM * kScoreRowStride * int(sizeof(float));
-
-    // Hopper and Ampere (sm_80+) allow 227 KiB of shared memory per block.
-    static constexpr int kMaxSmemBytes = 227 * 1024;
+    using QTile = SmemTile<Element, kBlockM, kHeadDimPadded>;  // Q or dO rows
+    using KTile = SmemTile<Element, kBlockN, kHeadDimPadded>;  // K or V rows
+    using ScoreTile = SmemTile<float, kBlockM, kBlockN>;       // P or dS, one row per query
+    using ScoreTileT = SmemTile<float, kBlockN, kBlockM>;      // P^T or dS^T, one row per key
+    using RowStats = SmemTile<float, 1, kBlockM>;              // one float per query row
 
     static_assert(kHeadDimPadded % 32 == 0 && kHeadDimPadded >= 32 && kHeadDimPadded <= 256,
                   "head dim is padded to a multiple of 32, at most 256");
-    static_assert(kThreads % kBlockM == 0, "every query row needs the same number of lanes");
-    static_assert(kThreadsPerRow >= 1 && kThreadsPerRow <= 32 && (kThreadsPerRow & (kThreadsPerRow - 1)) == 0,
-                  "the lanes of a row must be a power-of-two group inside one warp");
-    static_assert(kBlockN % kThreadsPerRow == 0, "keys of a tile split evenly over a row's lanes");
-    static_assert(kHeadDimPadded % kThreadsPerRow == 0, "output columns split evenly over a row's lanes");
-    static_assert(kColsPerThread <= 64 && kKeysPerThread <= 64,
-                  "per-thread register arrays this large would spill");
-    static_assert(kSmemBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
-}  // namespace cuflash
+// Forward: Q stays, K/V stream, P is the probability tile.
+template <typename Traits>
+struct ForwardSmem {
+    static constexpr int kQ = 0;
+    static constexpr int kK = kQ + Traits::QTile::kBytes;
+    static constexpr int kV = kK + Traits::KTile::kBytes;
+    static constexpr int kP = kV + Traits::KTile::kBytes;
+    static constexpr int kBytes = kP + Traits::ScoreTile::kBytes;
 
-namespace cuflash {
+    static constexpr int kKeysPerLane = Traits::kBlockN / Traits::kLanesPerRow;
+    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
+    static_assert(Traits::kThreads % Traits::kBlockM == 0, "every query row needs the same number of lanes");
+    static_assert(is_lane_group<Traits::kLanesPerRow>(), "a row's lanes are a power-of-two group in one warp");
+    static_assert(Traits::kBlockN % Traits::kLanesPerRow == 0 && Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
+                  "keys and columns split evenly over a row's lanes");
+    static_assert(kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
+// Backward, one block per key block: K/V and the dK/dV accumulators stay;
+// Q, dO and their row statistics stream; P^T and dS^T are key-major.
+template <typename Traits>
+struct BackwardDkDvSmem {
+    static constexpr int kK = 0;
+    static constexpr int kV = kK + Traits::KTile::kBytes;
+    static constexpr int kQ = kV + Traits::KTile::kBytes;
+    static constexpr int kDo = kQ + Traits::QTile::kBytes;
+    static constexpr int kPt = kDo + Traits::QTile::kBytes;
+    static constexpr int kDSt = kPt + Traits::ScoreTileT::kBytes;
+    static constexpr int kLse = kDSt + Traits::ScoreTileT::kBytes;
+    static constexpr int kDelta = kLse + Traits::RowStats::kBytes;
+    static constexpr int kBytes = kDelta + Traits::RowStats::kBytes;
+
+    static constexpr int kRowsPerLane = Traits::kBlockM / Traits::kLanesPerKey;
+    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerKey;
+    static constexpr int kDqColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
+    static_assert(Traits::kThreads % Traits::kBlockN == 0 && Traits::kThreads % Traits::kBlockM == 0,
+                  "every key and every query row needs the same number of lanes");
+    static_assert(is_lane_group<Traits::kLanesPerKey>() && is_lane_group<Traits::kLanesPerRow>(),
+                  "lanes of a key or row are a power-of-two group in one warp");
+    static_assert(Traits::kBlockM % Traits::kLanesPerKey == 0 && Traits::kHeadDimPadded % Traits::kLanesPerKey == 0 &&
+                      Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
+                  "rows and columns split evenly over the lanes");
+    static_assert(2 * kColsPerLane <= 64 && kRowsPerLane <= 32 && kDqColsPerLane <= 32,
+                  "per-lane register arrays this large would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
+// Backward dQ without atomics (deterministic): one block per query block,
+// Q/dO stay, K/V stream, dS is query-major.
+template <typename Traits>
+struct BackwardDqSmem {
+    static constexpr int kQ = 0;
+    static constexpr int kDo = kQ + Traits::QTile::kBytes;
+    static constexpr int kK = kDo + Traits::QTile::kBytes;
+    static constexpr int kV = kK + Traits::KTile::kBytes;
+    static constexpr int kDS = kV + Traits::KTile::kBytes;
+    static constexpr int kBytes = kDS + Traits::ScoreTile::kBytes;
+
+    static constexpr int kKeysPerLane = Traits::kBlockN / Traits::kLanesPerRow;
+    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
+    static_assert(Traits::kThreads % Traits::kBlockM == 0, "every query row needs the same number of lanes");
+    static_assert(is_lane_group<Traits::kLanesPerRow>(), "a row's lanes are a power-of-two group in one warp");
+    static_assert(Traits::kBlockN % Traits::kLanesPerRow == 0 && Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
+                  "keys and columns split evenly over a row's lanes");
+    static_assert(2 * kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
 
 // Dynamic shared memory this launch was given, read from the PTX special register.
 __device__ __forceinline__ unsigned dynamic_shared_memory_bytes() {
@@ -68,11 +135,11 @@ __device__ __forceinline__ unsigned dynamic_shared_memory_bytes() {
 }
 
 // The launcher sizes shared memory from cuflash/_tiling.py, a second copy of
-// the formula above. If the two ever disagree the kernel would write past its
+// the layouts above. If the two ever disagreed the kernel would write past its
 // shared memory; stop the launch instead of corrupting memory silently.
-template <typename Traits>
+template <typename Layout>
 __device__ __forceinline__ void require_shared_memory() {
-    if (dynamic_shared_memory_bytes() < static_cast<unsigned>(Traits::kSmemBytes)) {
+    if (dynamic_shared_memory_bytes() < static_cast<unsigned>(Layout::kBytes)) {
         __trap();
     }
 }

@@ -38,3 +38,21 @@ __device__ __forceinline__ int visible_key_blocks(int m_start, int block_m, int 
 }
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// First query block, counted from 0, with a row that sees some key of the key
+// block starting at n_start; earlier query blocks see none of those keys
+// (the backward's dK/dV walk skips them). Row i sees key n_start iff
+// i >= n_start - (seqlen_k - seqlen_q), and a row that sees n_start sees
+// every later key of the block up to its diagonal.
+template <bool kIsCausal>
+__device__ __forceinline__ int first_visible_query_block(int n_start, int block_m, int seqlen_q, int seqlen_k) {
+    if (!kIsCausal) {
+        return 0;
+    }
+    const int first_row = max(0, n_start - causal_diagonal_offset(seqlen_q, seqlen_k));
+    return first_row / block_m;
+}
+
+}  // namespace cuflash

@@ -1,36 +1,63 @@
 // Launch parameters, passed to the kernels by value as one struct.
 //
-// The Python side builds the same struct as a NumPy structured dtype with
+// The Python side builds the same structs as NumPy structured dtypes with
 // aligned fields (cuflash/_params.py). Every field is 8 bytes wide, so the
-// layout has no padding and cannot differ between the compilers; the
-// static_asserts below pin it, and the Python side checks the same size.
+// layout has no padding and cannot differ between compilers; the
+// static_asserts below pin the sizes and tests/test_tiling.py compares every
+// field offset with the Python side.
 #pragma once
 
 #include "numeric.cuh"
 
 namespace cuflash {
 
-// Strides are in elements, not bytes. Tensor layouts (batch, seqlen, heads, dim)
-// with the last dimension contiguous; LSE is (batch, heads, seqlen_q) float32.
-struct ForwardParams {
-    const void* q;
-    const void* k;
-    const void* v;
-    void* out;
-    float* lse;
+// A (batch, seqlen, heads, dim) tensor whose last dimension is contiguous;
+// strides are in elements, not bytes.
+struct TensorRef {
+    void* ptr;
+    index_t batch_stride;
+    index_t row_stride;
+    index_t head_stride;
 
-    index_t q_batch_stride, q_row_stride, q_head_stride;
-    index_t k_batch_stride, k_row_stride, k_head_stride;
-    index_t v_batch_stride, v_row_stride, v_head_stride;
-    index_t out_batch_stride, out_row_stride, out_head_stride;
-    index_t lse_batch_stride, lse_head_stride;
+    // Start of the row `row` of head `head` in batch entry `batch`. All
+    // arithmetic is 64-bit so tensors over 2^31 elements work.
+    template <typename Element>
+    __device__ __forceinline__ Element* row_ptr(index_t batch, index_t head, index_t row) const {
+        return static_cast<Element*>(ptr) + batch * batch_stride + head * head_stride + row * row_stride;
+    }
+};
 
+// Sizes shared by the forward and backward launches.
+struct ProblemSize {
     index_t batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim;
-    index_t num_m_blocks;  // ceil(seqlen_q / kBlockM): the grid is flattened over it
+};
 
+struct ForwardParams {
+    TensorRef q, k, v, out;
+    float* lse;  // (batch, nheads, seqlen_q)
+    index_t lse_batch_stride, lse_head_stride;
+    ProblemSize size;
+    index_t num_m_blocks;       // ceil(seqlen_q / kBlockM): the grid is flattened over it
     double softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
 };
 
-static_assert(sizeof(ForwardParams) == 27 * 8, "ForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8, "ForwardParams layout must match cuflash/_params.py");
+
+// Backward. delta (batch, nheads, seqlen_q) and dq_accum (batch, seqlen_q,
+// nheads, head_dim) are float32 work buffers made by the launcher, contiguous.
+struct BackwardParams {
+    TensorRef q, k, v, out, dout, dq, dk, dv;
+    const float* lse;  // (batch, nheads, seqlen_q), from the forward pass
+    index_t lse_batch_stride, lse_head_stride;
+    float* delta;     // rowsum(dO * O), written by the preprocessing kernel
+    float* dq_accum;  // float32 dQ accumulated with atomics (unused in deterministic mode)
+    ProblemSize size;
+    index_t num_m_blocks, num_n_blocks;
+    double softmax_scale_log2;  // softmax_scale * log2(e)
+    double softmax_scale;
+};
+
+static_assert(sizeof(BackwardParams) == 8 * 32 + 5 * 8 + 6 * 8 + 4 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -106,3 +106,39 @@ def assert_output_accurate(out, ref, baseline=None):
     err = np.abs(out64 - ref64).max(initial=0.0)
     base_err = np.abs(base64 - ref64).max(initial=0.0)
     assert err <= 2 * base_err + ABS_FLOOR, f"max error {err:.3g} > 2 x baseline {base_err:.3g} + {ABS_FLOOR}"
+
+
+def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_scale):
+    """Gradients the naive way in the inputs' own precision (CuPy): every
+    product accumulates in float32 and is rounded to the input dtype, as a
+    framework's unfused bf16/fp16 attention backward does. Its error against
+    float64 is the yardstick for cuflash's low-precision gradients."""
+    import cupy
+
+    dtype = q.dtype
+    f32 = lambda x: x.astype(cupy.float32)  # noqa: E731
+    rnd = lambda x: x.astype(dtype)  # noqa: E731
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    group = nheads // nheads_k
+    k_all = cupy.repeat(k, group, axis=2)
+    v_all = cupy.repeat(v, group, axis=2)
+    scores = f32(rnd(cupy.einsum("bqhd,bkhd->bhqk", f32(q), f32(k_all)))) * softmax_scale
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    if causal:
+        rows = cupy.arange(seqlen_q)[:, None]
+        cols = cupy.arange(seqlen_k)[None, :]
+        scores = cupy.where(cols <= rows + (seqlen_k - seqlen_q), scores, -cupy.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
+    probs = cupy.exp(scores - row_max)
+    row_sum = probs.sum(axis=-1, keepdims=True)
+    probs = f32(rnd(probs / cupy.where(row_sum > 0, row_sum, 1.0)))
+    out = f32(rnd(cupy.einsum("bhqk,bkhd->bqhd", probs, f32(v_all))))
+    dout32 = f32(dout)
+    dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", probs, dout32).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
+    dprobs = f32(rnd(cupy.einsum("bqhd,bkhd->bhqk", dout32, f32(v_all))))
+    delta = (dout32 * out).sum(axis=-1).transpose(0, 2, 1)[..., None]
+    dscores = f32(rnd(probs * (dprobs - delta)))
+    dq = rnd(softmax_scale * cupy.einsum("bhqk,bkhd->bqhd", dscores, f32(k_all)))
+    dk = rnd(softmax_scale * cupy.einsum("bhqk,bqhd->bkhd", dscores, f32(q)).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
+    return dq, dk, dv

@@ -9,7 +9,12 @@ import pytest
 import cuflash
 from cuflash.reference import attention_reference
 
-from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
+from tests.helpers import (
+    assert_lse_close,
+    assert_output_accurate,
+    naive_attention_backward_same_precision,
+    naive_attention_same_precision,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -126,3 +131,61 @@ def test_jax_under_jit_gives_clear_error():
     q = jnp.ones((1, 4, 1, 8), dtype=jnp.float16)
     with pytest.raises(TypeError, match="traced JAX value"):
         jax.jit(lambda x: cuflash.attention(x, x, x))(q)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_backward_matches_float64_autograd(dtype, causal):
+    """Gradients from PyTorch tensors against torch.autograd of float64 math
+    attention on the GPU."""
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch_dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    seqlen_q, seqlen_k = 250, 300
+    q = torch.randn(2, 4, seqlen_q, 64, device="cuda", dtype=torch_dtype, generator=gen).transpose(1, 2)
+    k = torch.randn(2, 2, seqlen_k, 64, device="cuda", dtype=torch_dtype, generator=gen).transpose(1, 2)
+    v = torch.randn(2, 2, seqlen_k, 64, device="cuda", dtype=torch_dtype, generator=gen).transpose(1, 2)
+    dout = torch.randn(2, seqlen_q, 4, 64, device="cuda", dtype=torch_dtype, generator=gen)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    assert all(isinstance(g, torch.Tensor) for g in (dq, dk, dv))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.dtype == torch_dtype
+
+    leaves = [x.detach().double().transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    mask = None
+    if causal:  # bottom-right aligned, as cuflash
+        mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device="cuda").tril(seqlen_k - seqlen_q)
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+    ref.backward(dout.double().transpose(1, 2))
+    expected = [leaf.grad.transpose(1, 2) for leaf in leaves]
+
+    import cupy
+
+    baselines = (None, None, None)
+    if dtype != "float32":
+        views = [cupy.from_dlpack(x) for x in (dout, q, k, v)]
+        baselines = naive_attention_backward_same_precision(*views, causal=causal, softmax_scale=1 / 8)
+    for got, want, base in zip((dq, dk, dv), expected, baselines):
+        assert_output_accurate(got, want.detach().cpu().numpy(), base)
+
+
+def test_jax_backward_gives_jax_arrays():
+    jax = _jax()
+    import jax.numpy as jnp
+
+    from cuflash.reference import attention_backward_reference
+
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q = jax.random.normal(keys[0], (1, 130, 4, 64), dtype=jnp.float32)
+    k = jax.random.normal(keys[1], (1, 140, 2, 64), dtype=jnp.float32)
+    v = jax.random.normal(keys[2], (1, 140, 2, 64), dtype=jnp.float32)
+    dout = jax.random.normal(keys[3], q.shape, dtype=jnp.float32)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert all(isinstance(g, jax.Array) for g in grads)
+    expected = attention_backward_reference(*(np.asarray(x, dtype=np.float64) for x in (dout, q, k, v)), causal=True)
+    for got, want in zip(grads, expected):
+        assert_output_accurate(np.asarray(got), want)

@@ -9,8 +9,15 @@ import pytest
 
 from cuflash._kernels import CXX_ELEMENT_TYPE
 from cuflash._loader import kernel_source_dir
-from cuflash._params import FORWARD_PARAMS
-from cuflash._tiling import ELEMENT_SIZE, HEAD_DIM_BUCKETS, MAX_SMEM_BYTES, forward_tiling, pad_head_dim
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, flat_fields
+from cuflash._tiling import (
+    ELEMENT_SIZE,
+    HEAD_DIM_BUCKETS,
+    MAX_SMEM_BYTES,
+    backward_tiling,
+    forward_tiling,
+    pad_head_dim,
+)
 
 VARIANTS = [(dtype, padded) for dtype in ELEMENT_SIZE for padded in HEAD_DIM_BUCKETS]
 
@@ -22,29 +29,42 @@ def test_pad_head_dim_is_smallest_bucket(head_dim):
     assert all(bucket < head_dim for bucket in HEAD_DIM_BUCKETS if bucket < padded)
 
 
-@pytest.mark.parametrize("head_dim", [0, 257, 1024])
-def test_pad_head_dim_rejects_out_of_range(head_dim):
-    if head_dim == 0:
-        assert pad_head_dim(0) == 32  # validation rejects 0 before tiling is asked
-    else:
+def test_pad_head_dim_rejects_more_than_256():
+    for head_dim in (257, 1024):
         with pytest.raises(ValueError, match="head_dim must be at most 256"):
             pad_head_dim(head_dim)
 
 
+def _lane_group(lanes):
+    return lanes >= 1 and lanes <= 32 and lanes & (lanes - 1) == 0
+
+
 @pytest.mark.parametrize("dtype,padded", VARIANTS)
-def test_table_respects_kernel_constraints(dtype, padded):
+def test_forward_table_respects_kernel_constraints(dtype, padded):
     tiling = forward_tiling(dtype, padded)
     lanes_per_row = tiling.threads // tiling.block_m
-    assert tiling.threads % tiling.block_m == 0
-    assert lanes_per_row & (lanes_per_row - 1) == 0 and lanes_per_row <= 32
+    assert tiling.threads % tiling.block_m == 0 and _lane_group(lanes_per_row)
     assert tiling.block_n % lanes_per_row == 0
     assert padded // lanes_per_row <= 32  # output accumulator per lane stays small
-    assert tiling.smem_bytes(dtype) <= MAX_SMEM_BYTES
+    assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
+    assert tiling.backward_dq_smem_bytes(dtype) <= MAX_SMEM_BYTES
+
+
+@pytest.mark.parametrize("dtype,padded", VARIANTS)
+def test_backward_table_respects_kernel_constraints(dtype, padded):
+    tiling = backward_tiling(dtype, padded)
+    lanes_per_key = tiling.threads // tiling.block_n
+    lanes_per_row = tiling.threads // tiling.block_m
+    assert _lane_group(lanes_per_key) and _lane_group(lanes_per_row)
+    assert tiling.block_m % lanes_per_key == 0
+    assert padded // lanes_per_key <= 32  # dK and dV accumulators per lane
+    assert tiling.backward_dkdv_smem_bytes(dtype) <= MAX_SMEM_BYTES
 
 
 def test_unknown_dtype_is_rejected():
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        forward_tiling("float64", 64)
+    for table in (forward_tiling, backward_tiling):
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            table("float64", 64)
 
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -65,36 +85,53 @@ def _run_host_program(tmp_path, body: str) -> list[str]:
     return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()
 
 
+def _layouts():
+    """(C++ layout expression, Python byte count) for every kernel variant."""
+    rows = []
+    for dtype, padded in VARIANTS:
+        element = CXX_ELEMENT_TYPE[dtype]
+        for tiling, layouts in (
+            (forward_tiling(dtype, padded), (("ForwardSmem", "forward_smem_bytes"),
+                                             ("BackwardDqSmem", "backward_dq_smem_bytes"))),
+            (backward_tiling(dtype, padded), (("BackwardDkDvSmem", "backward_dkdv_smem_bytes"),)),
+        ):
+            traits = (f"cuflash::KernelTraits<{element}, {padded}, {tiling.block_m}, {tiling.block_n}, "
+                      f"{tiling.warps}>")
+            for cxx, python in layouts:
+                rows.append((f"cuflash::{cxx}<{traits}>::kBytes", getattr(tiling, python)(dtype)))
+    return rows
+
+
 @needs_nvcc
 def test_python_and_cxx_agree_on_shared_memory(tmp_path):
-    lines = []
-    for dtype, padded in VARIANTS:
-        t = forward_tiling(dtype, padded)
-        traits = f"cuflash::KernelTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {t.block_m}, {t.block_n}, {t.warps}>"
-        lines.append(f'printf("%d\\n", {traits}::kSmemBytes);')
-    printed = [int(x) for x in _run_host_program(tmp_path, "\n".join(lines))]
-    expected = [forward_tiling(dtype, padded).smem_bytes(dtype) for dtype, padded in VARIANTS]
-    assert printed == expected
+    layouts = _layouts()
+    body = "\n".join(f'printf("%d\\n", {expression});' for expression, _ in layouts)
+    printed = [int(x) for x in _run_host_program(tmp_path, body)]
+    assert printed == [expected for _, expected in layouts]
 
 
 @needs_nvcc
-def test_python_and_cxx_agree_on_forward_params_layout(tmp_path):
-    body = ['printf("%zu\\n", sizeof(cuflash::ForwardParams));']
-    body += [f'printf("%zu\\n", offsetof(cuflash::ForwardParams, {name}));' for name in FORWARD_PARAMS.names]
+@pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS)])
+def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
+    fields = flat_fields(dtype)
+    body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']
+    body += [f'printf("%zu\\n", offsetof(cuflash::{struct}, {path}));' for path, _ in fields]
     printed = [int(x) for x in _run_host_program(tmp_path, "\n".join(body))]
-    assert printed[0] == FORWARD_PARAMS.itemsize
-    assert printed[1:] == [FORWARD_PARAMS.fields[name][1] for name in FORWARD_PARAMS.names]
+    assert printed[0] == dtype.itemsize
+    assert printed[1:] == [offset for _, offset in fields]
 
 
-def test_forward_params_pack_requires_every_field():
+def test_params_pack_requires_every_field():
     from cuflash._params import pack
 
     fields = {name: 0 for name in FORWARD_PARAMS.names}
+    fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6))
     struct = pack(FORWARD_PARAMS, **fields)
     assert struct.shape == (1,) and struct.dtype == FORWARD_PARAMS
+    assert struct["q"]["row_stride"][0] == 3 and struct["size"]["seqlen_k"][0] == 5
     del fields["q"]
     with pytest.raises(KeyError, match="missing \\['q'\\]"):
         pack(FORWARD_PARAMS, **fields)
     with pytest.raises(KeyError, match="unknown \\['bogus'\\]"):
-        pack(FORWARD_PARAMS, bogus=1, q=0, **fields)
+        pack(FORWARD_PARAMS, bogus=1, q=(0, 0, 0, 0), **fields)
     assert np.dtype(FORWARD_PARAMS).isalignedstruct

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._validation import TensorMeta, check_forward
+from cuflash._validation import TensorMeta, check_backward, check_forward
 
-from tests.validation_cases import BAD_FORWARD_CASES, GOOD_SHAPES, contiguous_strides
+from tests.validation_cases import BAD_BACKWARD_CASES, BAD_FORWARD_CASES, GOOD_BACKWARD_SHAPES, GOOD_SHAPES, contiguous_strides
 
 
 def meta(name, shape, dtype="float16", strides=None, device=0):
@@ -22,6 +22,24 @@ def test_bad_forward_input_is_rejected(case):
     metas = {name: meta(name, **spec) for name, spec in case.arrays().items()}
     with pytest.raises(case.error, match=case.match):
         check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"), **case.options)
+
+
+@pytest.mark.parametrize("case", BAD_BACKWARD_CASES, ids=lambda c: c.id)
+def test_bad_backward_input_is_rejected(case):
+    metas = {name: meta(name, **spec) for name, spec in case.arrays().items()}
+    with pytest.raises(case.error, match=case.match):
+        check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
+                       metas.get("dq"), metas.get("dk"), metas.get("dv"), **case.options)
+
+
+def test_good_backward_input_passes():
+    metas = {name: meta(name, shape, dtype="float32" if name == "lse" else "float16")
+             for name, shape in GOOD_BACKWARD_SHAPES.items()}
+    grads = {name: meta(name, metas[like].shape) for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
+    problem = check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
+                             grads["dq"], grads["dk"], grads["dv"], causal=True, softmax_scale=0.5,
+                             deterministic=True)
+    assert problem.softmax_scale == 0.5 and problem.nheads_k == 2
 
 
 def test_good_input_passes_and_reports_sizes():

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 GOOD_SHAPES = {"q": (2, 17, 4, 40), "k": (2, 33, 2, 40), "v": (2, 33, 2, 40)}
+GOOD_BACKWARD_SHAPES = {**GOOD_SHAPES, "dout": (2, 17, 4, 40), "out": (2, 17, 4, 40), "lse": (2, 4, 17)}
+#: dtype of each array of a good call; float16 where not named.
+GOOD_DTYPES = {"lse": "float32"}
 
 
 def contiguous_strides(shape):
@@ -24,12 +27,15 @@ class BadCase:
     changes: dict = field(default_factory=dict)  # array name -> spec overrides (None removes)
     options: dict = field(default_factory=lambda: {"causal": False, "softmax_scale": None})
     needs_two_gpus: bool = False
+    base: dict = field(default_factory=lambda: GOOD_SHAPES)
 
     def arrays(self) -> dict:
-        """name -> {shape, dtype, strides, device} for q, k, v (and out)."""
-        specs = {name: {"shape": shape} for name, shape in GOOD_SHAPES.items()}
+        """name -> {shape, dtype[, strides, device]} of every array of the call."""
+        specs = {name: {"shape": shape, "dtype": GOOD_DTYPES.get(name, "float16")} for name, shape in self.base.items()}
         for name, change in self.changes.items():
-            specs[name] = {**specs.get(name, {"shape": GOOD_SHAPES["q"]}), **change}
+            default = {"shape": GOOD_SHAPES[{"dk": "k", "dv": "v"}.get(name, "q")],
+                       "dtype": GOOD_DTYPES.get(name, "float16")}
+            specs[name] = {**specs.get(name, default), **change}
         return specs
 
 
@@ -75,4 +81,44 @@ BAD_FORWARD_CASES = [
     BadCase("scale-not-a-number", TypeError, "softmax_scale must be a real number or None, got str",
             options=_options(softmax_scale="0.1")),
     BadCase("causal-not-bool", TypeError, "causal must be a bool, got str 'yes'", options=_options(causal="yes")),
+]
+
+
+def _backward(id, error, match, changes=None, **options):
+    return BadCase(id, error, match, changes or {}, options=_backward_options(**options),
+                   needs_two_gpus=any("device" in c for c in (changes or {}).values()),
+                   base=GOOD_BACKWARD_SHAPES)
+
+
+def _backward_options(**kwargs):
+    return {"causal": False, "softmax_scale": None, "deterministic": False, **kwargs}
+
+
+BAD_BACKWARD_CASES = [
+    _backward("dout-wrong-shape", ValueError, r"dout must have the shape of q \(2, 17, 4, 40\) .* got \(2, 16, 4, 40\)",
+              {"dout": {"shape": (2, 16, 4, 40)}}),
+    _backward("dout-wrong-dtype", TypeError, r"dout must have the dtype of q \(float16\), got bfloat16",
+              {"dout": {"dtype": "bfloat16"}}),
+    _backward("out-wrong-shape", ValueError, r"out must have the shape of q \(2, 17, 4, 40\) .* got \(2, 17, 4, 39\)",
+              {"out": {"shape": (2, 17, 4, 39)}}),
+    _backward("out-wrong-dtype", TypeError, r"out must have the dtype of q \(float16\), got float32",
+              {"out": {"dtype": "float32"}}),
+    _backward("lse-wrong-dtype", TypeError, r"lse must have dtype float32 .* got float16", {"lse": {"dtype": "float16"}}),
+    _backward("lse-wrong-shape", ValueError, r"lse must have shape \(batch, nheads, seqlen_q\) = \(2, 4, 17\), got \(2, 17, 4\)",
+              {"lse": {"shape": (2, 17, 4)}}),
+    _backward("lse-last-dim-strided", ValueError, r"lse must be contiguous in its last dimension",
+              {"lse": {"strides": (136, 34, 2)}}),
+    _backward("dq-wrong-shape", ValueError, r"dq must have the shape of q \(2, 17, 4, 40\), got \(2, 17, 2, 40\)",
+              {"dq": {"shape": (2, 17, 2, 40)}}),
+    _backward("dk-wrong-dtype", TypeError, r"dk must have the dtype of k \(float16\), got float32",
+              {"dk": {"dtype": "float32"}}),
+    _backward("dv-wrong-shape", ValueError, r"dv must have the shape of v \(2, 33, 2, 40\), got \(2, 33, 4, 40\)",
+              {"dv": {"shape": (2, 33, 4, 40)}}),
+    _backward("dk-broadcast", ValueError, "dk must not be a broadcast view",
+              {"dk": {"strides": (0, 80, 40, 1)}}),
+    _backward("k-head-dim-mismatch", ValueError, r"k must have head_dim 40 like q",
+              {"k": {"shape": (2, 33, 2, 48)}, "v": {"shape": (2, 33, 2, 48)}}),
+    _backward("deterministic-not-bool", TypeError, "deterministic must be a bool, got int 1", deterministic=1),
+    _backward("causal-not-bool", TypeError, "causal must be a bool, got NoneType None", causal=None),
+    _backward("dout-other-gpu", ValueError, "dout is on GPU 1 but q is on GPU 0", {"dout": {"device": 1}}),
 ]

@@ -1,0 +1,354 @@
+// FlashAttention-2 backward pass, by recomputation from the saved log-sum-exp.
+//
+// Given dO, the forward's O and its LSE:
+//   preprocess:  delta_i = rowsum(dO_i * O_i)           (and zero the dQ accumulator)
+//   dK/dV:       one thread block per key block j, K_j and V_j on chip, walking
+//                every query block i of every query head sharing this K/V head:
+//                  P_ij  = exp(scale * Q_i K_j^T - LSE_i)   (recomputed, never stored)
+//                  dV_j += P_ij^T dO_i
+//                  dP_ij = dO_i V_j^T
+//                  dS_ij = P_ij * (dP_ij - delta_i)
+//                  dK_j += scale * dS_ij^T Q_i
+//                  dQ_i += scale * dS_ij K_j     (float32 atomics, default mode)
+//   dQ (deterministic mode): one thread block per query block, the same
+//                recomputation over key blocks, dQ_i summed in a fixed order.
+//   convert:     float32 dQ accumulator -> dq in the input dtype.
+// Nothing of size seqlen_q x seqlen_k exists: one tile of P and one of dS per block.
+#include "numeric.cuh"
+#include "params.cuh"
+#include "grid.cuh"
+#include "kernel_traits.cuh"
+#include "tile_copy.cuh"
+#include "masking.cuh"
+#include "tile_math.cuh"
+#include "warp_reduce.cuh"
+
+namespace cuflash {
+
+// Rows of (batch, seqlen_q, nheads) are enumerated with the head fastest,
+// which is also the layout of the float32 dQ accumulator (batch, seqlen_q,
+// nheads, head_dim): row r's accumulator starts at dq_accum + r * head_dim.
+struct QueryRow {
+    index_t batch, row, head;
+};
+
+__device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size) {
+    QueryRow q;
+    q.head = r % size.nheads;
+    const index_t rest = r / size.nheads;
+    q.row = rest % size.seqlen_q;
+    q.batch = rest / size.seqlen_q;
+    return q;
+}
+
+// delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
+// accumulator when there is one, which saves a separate memset pass.
+template <typename Element, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_preprocess_kernel(const BackwardParams params) {
+    const ProblemSize& size = params.size;
+    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const int head_dim = static_cast<int>(size.head_dim);
+    const int lane = threadIdx.x % 32;
+    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
+    for (index_t r = first; r < rows; r += step) {  // uniform per warp: the shuffles below see all lanes
+        const QueryRow q = query_row(r, size);
+        const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
+        const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
+        float sum = 0.0f;
+        for (int c = lane; c < head_dim; c += 32) {
+            sum = fmaf(to_float(o[c]), to_float(dout[c]), sum);
+        }
+        sum = group_allreduce_sum<32>(sum);
+        if (lane == 0) {
+            params.delta[(q.batch * size.nheads + q.head) * size.seqlen_q + q.row] = sum;
+        }
+        if (params.dq_accum != nullptr) {
+            float* acc = params.dq_accum + r * head_dim;
+            for (int c = lane; c < head_dim; c += 32) {
+                acc[c] = 0.0f;
+            }
+        }
+    }
+}
+
+// dq (input dtype, any strides) = the float32 accumulator, already scaled.
+template <typename Element, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_convert_dq_kernel(const BackwardParams params) {
+    const ProblemSize& size = params.size;
+    const index_t total = size.batch * size.seqlen_q * size.nheads * size.head_dim;
+    const index_t step = static_cast<index_t>(gridDim.x) * blockDim.x;
+    for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
+        const QueryRow q = query_row(i / size.head_dim, size);
+        params.dq.row_ptr<Element>(q.batch, q.head, q.row)[i % size.head_dim] = from_float<Element>(params.dq_accum[i]);
+    }
+}
+
+// Loads LSE (converted to the log2 domain) and delta of the query rows
+// [m_start, m_start + kRows) into shared memory; rows past seqlen_q get 0 and
+// are masked out by the caller.
+template <int kRows, int kThreads>
+__device__ __forceinline__ void load_row_stats(float* lse_log2, float* delta, const BackwardParams& params,
+                                               index_t batch, index_t head, int m_start, int thread) {
+    const index_t seqlen_q = params.size.seqlen_q;
+    for (int i = thread; i < kRows; i += kThreads) {
+        const index_t row = m_start + i;
+        const bool valid = row < seqlen_q;
+        lse_log2[i] = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e
+                            : 0.0f;
+        delta[i] = valid ? params.delta[(batch * params.size.nheads + head) * seqlen_q + row] : 0.0f;
+    }
+}
+
+// P recomputed from the forward's log-sum-exp: exp(scale * q.k - lse) =
+// exp2(q.k * scale * log2(e) - lse * log2(e)). Masked entries are 0
+// explicitly: a row that sees no key has lse = -inf, and the exponent of its
+// (masked) entries would be NaN.
+__device__ __forceinline__ float recompute_probability(bool visible, float qk, float scale_log2, float lse_log2) {
+    return visible ? exp2f(qk * scale_log2 - lse_log2) : 0.0f;
+}
+
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal,
+          bool kAccumulateDq>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_dkdv_kernel(const BackwardParams params) {
+    using Traits = KernelTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
+    using Smem = BackwardDkDvSmem<Traits>;
+    constexpr int kLanesPerKey = Traits::kLanesPerKey;
+    constexpr int kStride = Traits::QTile::kStride;
+    constexpr int kScoreStride = Traits::ScoreTileT::kStride;
+    static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
+
+    require_shared_memory<Smem>();
+    extern __shared__ __align__(16) unsigned char shared_memory[];
+    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Smem::kK);
+    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Smem::kV);
+    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Smem::kQ);
+    Element* do_tile = reinterpret_cast<Element*>(shared_memory + Smem::kDo);
+    float* pt_tile = reinterpret_cast<float*>(shared_memory + Smem::kPt);
+    float* dst_tile = reinterpret_cast<float*>(shared_memory + Smem::kDSt);
+    float* lse_tile = reinterpret_cast<float*>(shared_memory + Smem::kLse);
+    float* delta_tile = reinterpret_cast<float*>(shared_memory + Smem::kDelta);
+
+    const ProblemSize& size = params.size;
+    const BlockCoordinates block = block_coordinates(params.num_n_blocks, size.nheads_k);
+    const index_t kv_head = block.head;
+    const index_t batch = block.batch;
+    const index_t group = size.nheads / size.nheads_k;
+    const int seqlen_q = static_cast<int>(size.seqlen_q);
+    const int seqlen_k = static_cast<int>(size.seqlen_k);
+    const int head_dim = static_cast<int>(size.head_dim);
+    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const float scale = static_cast<float>(params.softmax_scale);
+
+    const int thread = threadIdx.x;
+    const int key_in_block = thread / kLanesPerKey;
+    const int lane = thread % kLanesPerKey;
+    const int n_start = block.tile * kBlockN;
+    const int key = n_start + key_in_block;
+
+    load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+        k_tile, params.k.row_ptr<const Element>(batch, kv_head, n_start), params.k.row_stride, seqlen_k - n_start,
+        head_dim, thread);
+    load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+        v_tile, params.v.row_ptr<const Element>(batch, kv_head, n_start), params.v.row_stride, seqlen_k - n_start,
+        head_dim, thread);
+
+    float dk[Smem::kColsPerLane];
+    float dv[Smem::kColsPerLane];
+#pragma unroll
+    for (int i = 0; i < Smem::kColsPerLane; ++i) {
+        dk[i] = 0.0f;
+        dv[i] = 0.0f;
+    }
+
+    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
+    const int m_block_begin = first_visible_query_block<kIsCausal>(n_start, kBlockM, seqlen_q, seqlen_k);
+    const int m_blocks = static_cast<int>(params.num_m_blocks);
+    const Element* k_row = k_tile + key_in_block * kStride;
+    const Element* v_row = v_tile + key_in_block * kStride;
+    float* pt_row = pt_tile + key_in_block * kScoreStride;
+    float* dst_row = dst_tile + key_in_block * kScoreStride;
+
+    // dK and dV of a shared K/V head are sums over the query heads of its group.
+    for (index_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+        for (int m_block = m_block_begin; m_block < m_blocks; ++m_block) {
+            const int m_start = m_block * kBlockM;
+            // The previous Q/dO/statistics tiles are fully consumed (and K/V are
+            // loaded, on the first pass, once the barrier below passes).
+            __syncthreads();
+            load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+                q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride,
+                seqlen_q - m_start, head_dim, thread);
+            load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+                do_tile, params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride,
+                seqlen_q - m_start, head_dim, thread);
+            load_row_stats<kBlockM, Traits::kThreads>(lse_tile, delta_tile, params, batch, head, m_start, thread);
+            __syncthreads();
+
+            // This lane's query rows lane + j * kLanesPerKey against its key:
+            // S^T = K Q^T and dP^T = V dO^T.
+            float qk[Smem::kRowsPerLane];
+            float dp[Smem::kRowsPerLane];
+            dot_with_tile_rows<Smem::kRowsPerLane, kLanesPerKey, kHeadDimPadded, kStride>(k_row, q_tile, lane, qk);
+            dot_with_tile_rows<Smem::kRowsPerLane, kLanesPerKey, kHeadDimPadded, kStride>(v_row, do_tile, lane, dp);
+#pragma unroll
+            for (int j = 0; j < Smem::kRowsPerLane; ++j) {
+                const int r = lane + j * kLanesPerKey;
+                const int row = m_start + r;
+                const bool visible = row < seqlen_q && is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset);
+                const float p = recompute_probability(visible, qk[j], scale_log2, lse_tile[r]);
+                pt_row[r] = p;
+                dst_row[r] = p * (dp[j] - delta_tile[r]);
+            }
+            // A key's P^T and dS^T rows are written and read by that key's
+            // lanes only, which share a warp.
+            __syncwarp();
+            accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerKey, kBlockM, kStride>(dv, pt_row, 1, do_tile, lane);
+            accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerKey, kBlockM, kStride>(dk, dst_row, 1, q_tile, lane);
+
+            if constexpr (kAccumulateDq) {
+                // dQ_i += scale * dS K_j needs every key's dS column: re-map
+                // the threads onto query rows once all of dS^T is written.
+                constexpr int kLanesPerRow = Traits::kLanesPerRow;
+                __syncthreads();
+                const int row_in_block = thread / kLanesPerRow;
+                const int row_lane = thread % kLanesPerRow;
+                const int row = m_start + row_in_block;
+                float dq[Smem::kDqColsPerLane];
+#pragma unroll
+                for (int i = 0; i < Smem::kDqColsPerLane; ++i) {
+                    dq[i] = 0.0f;
+                }
+                accumulate_weighted_rows<Smem::kDqColsPerLane, kLanesPerRow, kBlockN, kStride>(
+                    dq, dst_tile + row_in_block, kScoreStride, k_tile, row_lane);
+                if (row < seqlen_q) {
+                    float* acc = params.dq_accum + ((batch * size.seqlen_q + row) * size.nheads + head) * head_dim;
+#pragma unroll
+                    for (int i = 0; i < Smem::kDqColsPerLane; ++i) {
+                        const int col = row_lane + i * kLanesPerRow;
+                        if (col < head_dim) {
+                            atomicAdd(acc + col, dq[i] * scale);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    if (key >= seqlen_k) {
+        return;
+    }
+    Element* dk_out = params.dk.row_ptr<Element>(batch, kv_head, key);
+    Element* dv_out = params.dv.row_ptr<Element>(batch, kv_head, key);
+#pragma unroll
+    for (int i = 0; i < Smem::kColsPerLane; ++i) {
+        const int col = lane + i * kLanesPerKey;
+        if (col < head_dim) {
+            dk_out[col] = from_float<Element>(dk[i] * scale);
+            dv_out[col] = from_float<Element>(dv[i]);
+        }
+    }
+}
+
+// Deterministic dQ: one block per query block sums dS K over the key blocks
+// in a fixed order, with no atomics.
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_dq_kernel(const BackwardParams params) {
+    using Traits = KernelTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
+    using Smem = BackwardDqSmem<Traits>;
+    constexpr int kLanesPerRow = Traits::kLanesPerRow;
+    constexpr int kStride = Traits::QTile::kStride;
+    static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
+
+    require_shared_memory<Smem>();
+    extern __shared__ __align__(16) unsigned char shared_memory[];
+    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Smem::kQ);
+    Element* do_tile = reinterpret_cast<Element*>(shared_memory + Smem::kDo);
+    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Smem::kK);
+    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Smem::kV);
+    float* ds_tile = reinterpret_cast<float*>(shared_memory + Smem::kDS);
+
+    const ProblemSize& size = params.size;
+    const BlockCoordinates block = block_coordinates(params.num_m_blocks, size.nheads);
+    const index_t head = block.head;
+    const index_t batch = block.batch;
+    const index_t kv_head = head / (size.nheads / size.nheads_k);
+    const int seqlen_q = static_cast<int>(size.seqlen_q);
+    const int seqlen_k = static_cast<int>(size.seqlen_k);
+    const int head_dim = static_cast<int>(size.head_dim);
+    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+
+    const int thread = threadIdx.x;
+    const int row_in_block = thread / kLanesPerRow;
+    const int lane = thread % kLanesPerRow;
+    const int m_start = block.tile * kBlockM;
+    const int row = m_start + row_in_block;
+
+    load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+        q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride, seqlen_q - m_start,
+        head_dim, thread);
+    load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+        do_tile, params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride,
+        seqlen_q - m_start, head_dim, thread);
+    const bool row_valid = row < seqlen_q;
+    const float lse_log2 =
+        row_valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e : 0.0f;
+    const float delta = row_valid ? params.delta[(batch * size.nheads + head) * size.seqlen_q + row] : 0.0f;
+
+    float dq[Smem::kColsPerLane];
+#pragma unroll
+    for (int i = 0; i < Smem::kColsPerLane; ++i) {
+        dq[i] = 0.0f;
+    }
+    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
+    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
+    const Element* q_row = q_tile + row_in_block * kStride;
+    const Element* do_row = do_tile + row_in_block * kStride;
+    float* ds_row = ds_tile + row_in_block * Traits::ScoreTile::kStride;
+
+    for (int n_block = 0; n_block < n_blocks; ++n_block) {
+        const int n_start = n_block * kBlockN;
+        __syncthreads();  // previous K/V consumed; Q/dO complete on the first pass after the next barrier
+        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+            k_tile, params.k.row_ptr<const Element>(batch, kv_head, n_start), params.k.row_stride,
+            seqlen_k - n_start, head_dim, thread);
+        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+            v_tile, params.v.row_ptr<const Element>(batch, kv_head, n_start), params.v.row_stride,
+            seqlen_k - n_start, head_dim, thread);
+        __syncthreads();
+
+        float qk[Smem::kKeysPerLane];
+        float dp[Smem::kKeysPerLane];
+        dot_with_tile_rows<Smem::kKeysPerLane, kLanesPerRow, kHeadDimPadded, kStride>(q_row, k_tile, lane, qk);
+        dot_with_tile_rows<Smem::kKeysPerLane, kLanesPerRow, kHeadDimPadded, kStride>(do_row, v_tile, lane, dp);
+#pragma unroll
+        for (int j = 0; j < Smem::kKeysPerLane; ++j) {
+            const int key_in_block = lane + j * kLanesPerRow;
+            const bool visible =
+                row_valid && is_key_visible<kIsCausal>(row, n_start + key_in_block, seqlen_k, diagonal_offset);
+            const float p = recompute_probability(visible, qk[j], scale_log2, lse_log2);
+            ds_row[key_in_block] = p * (dp[j] - delta);
+        }
+        __syncwarp();  // a row's dS is written and read by that row's lanes only
+        accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerRow, kBlockN, kStride>(dq, ds_row, 1, k_tile, lane);
+    }
+
+    if (!row_valid) {
+        return;
+    }
+    const float scale = static_cast<float>(params.softmax_scale);
+    Element* dq_out = params.dq.row_ptr<Element>(batch, head, row);
+#pragma unroll
+    for (int i = 0; i < Smem::kColsPerLane; ++i) {
+        const int col = lane + i * kLanesPerRow;
+        if (col < head_dim) {
+            dq_out[col] = from_float<Element>(dq[i] * scale);
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,28 @@
+// Mapping of the flattened one-dimensional grid to (tile, head, batch).
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// The grid is flattened with the tile index fastest, so the blocks of one
+// head run side by side and their shared reads (K/V in the forward, Q/dO in
+// the backward) hit in L2. blockIdx.x allows 2^31 - 1 blocks, far more than
+// gridDim.y/z would.
+struct BlockCoordinates {
+    int tile;
+    index_t head;
+    index_t batch;
+};
+
+__device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles, index_t nheads) {
+    index_t linear = blockIdx.x;
+    BlockCoordinates c;
+    c.tile = static_cast<int>(linear % num_tiles);
+    linear /= num_tiles;
+    c.head = linear % nheads;
+    c.batch = linear / nheads;
+    return c;
+}
+
+}  // namespace cuflash
