@@ -238,19 +238,18 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
         }
     }
 
-    if (key >= seqlen_k) {
-        return;
-    }
-    Element* dk_out = params.dk.row_ptr<Element>(batch, kv_head, key);
-    Element* dv_out = params.dv.row_ptr<Element>(batch, kv_head, key);
-#pragma unroll
-    for (int i = 0; i < Smem::kColsPerLane; ++i) {
-        const int col = lane + i * kLanesPerKey;
-        if (col < head_dim) {
-            dk_out[col] = from_float<Element>(dk[i] * scale);
-            dv_out[col] = from_float<Element>(dv[i]);
-        }
-    }
+    // Stage dK and dV in the K/V tiles, free once every warp is past its
+    // last read of them, and store them coalesced.
+    __syncthreads();
+    stage_row<Smem::kColsPerLane, kLanesPerKey>(k_tile + key_in_block * kStride, dk, scale, lane);
+    stage_row<Smem::kColsPerLane, kLanesPerKey>(v_tile + key_in_block * kStride, dv, 1.0f, lane);
+    __syncthreads();
+    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(params.dk.row_ptr<Element>(batch, kv_head, n_start),
+                                                                   params.dk.row_stride, k_tile, seqlen_k - n_start,
+                                                                   head_dim, thread);
+    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(params.dv.row_ptr<Element>(batch, kv_head, n_start),
+                                                                   params.dv.row_stride, v_tile, seqlen_k - n_start,
+                                                                   head_dim, thread);
 }
 
 // Deterministic dQ: one block per query block sums dS K over the key blocks
@@ -337,18 +336,14 @@ flash_backward_dq_kernel(const BackwardParams params) {
         accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerRow, kBlockN, kStride>(dq, ds_row, 1, k_tile, lane);
     }
 
-    if (!row_valid) {
-        return;
-    }
-    const float scale = static_cast<float>(params.softmax_scale);
-    Element* dq_out = params.dq.row_ptr<Element>(batch, head, row);
-#pragma unroll
-    for (int i = 0; i < Smem::kColsPerLane; ++i) {
-        const int col = lane + i * kLanesPerRow;
-        if (col < head_dim) {
-            dq_out[col] = from_float<Element>(dq[i] * scale);
-        }
-    }
+    // Stage dQ in the Q tile and store it coalesced.
+    __syncthreads();
+    stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, dq,
+                                                static_cast<float>(params.softmax_scale), lane);
+    __syncthreads();
+    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.dq.row_ptr<Element>(batch, head, m_start),
+                                                                   params.dq.row_stride, q_tile, seqlen_q - m_start,
+                                                                   head_dim, thread);
 }
 
 }  // namespace cuflash

@@ -118,24 +118,21 @@ flash_forward_kernel(const ForwardParams params) {
     }
 
     const float row_sum = softmax.row_sum();
-    if (row >= seqlen_q) {
-        return;
-    }
     // A row that saw no key has row_sum == 0; its output is defined as 0
     // rather than 0 / 0.
     const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-    Element* out = params.out.row_ptr<Element>(batch, head, row);
-#pragma unroll
-    for (int i = 0; i < Smem::kColsPerLane; ++i) {
-        const int col = lane_in_row + i * kLanesPerRow;
-        if (col < head_dim) {
-            out[col] = from_float<Element>(acc[i] * inv_sum);
-        }
-    }
-    if (lane_in_row == 0) {
+    if (lane_in_row == 0 && row < seqlen_q) {
         params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] =
             softmax.log_sum_exp(row_sum);
     }
+    // Stage the normalised output in the Q tile, free once every warp is
+    // past its last read of it, and store it coalesced.
+    __syncthreads();
+    stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, acc, inv_sum, lane_in_row);
+    __syncthreads();
+    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.out.row_ptr<Element>(batch, head, m_start),
+                                                                   params.out.row_stride, q_tile, seqlen_q - m_start,
+                                                                   head_dim, thread);
 }
 
 }  // namespace cuflash

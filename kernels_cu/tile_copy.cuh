@@ -31,3 +31,38 @@ __device__ __forceinline__ void load_tile_zero_padded(Element* __restrict__ smem
 }
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// Copies the first valid_rows x valid_cols of a kRows x kCols shared-memory
+// tile to global memory rows row_stride elements apart. Results are staged
+// in shared memory and written this way, consecutive threads on consecutive
+// columns, because the lanes that compute them own strided columns: written
+// from registers directly, one warp store would touch a 32-byte sector for
+// every 4 bytes it writes.
+template <int kRows, int kCols, int kSmemStride, int kThreads, typename Element>
+__device__ __forceinline__ void store_tile(Element* __restrict__ gmem, index_t row_stride,
+                                           const Element* __restrict__ smem, int valid_rows, int valid_cols,
+                                           int thread) {
+#pragma unroll 4
+    for (int idx = thread; idx < kRows * kCols; idx += kThreads) {
+        const int row = idx / kCols;
+        const int col = idx % kCols;
+        if (row < valid_rows && col < valid_cols) {
+            gmem[static_cast<index_t>(row) * row_stride + col] = smem[row * kSmemStride + col];
+        }
+    }
+}
+
+// Writes this lane's values (columns lane, lane + kLanes, ...) of one tile
+// row into shared memory, converted to the storage type, ready for store_tile.
+template <int kCols, int kLanes, typename Element>
+__device__ __forceinline__ void stage_row(Element* __restrict__ smem_row, const float (&values)[kCols], float scale,
+                                          int lane) {
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) {
+        smem_row[lane + i * kLanes] = from_float<Element>(values[i] * scale);
+    }
+}
+
+}  // namespace cuflash

@@ -36,26 +36,36 @@ start=$(date +%s)
 pytest_rc=${PIPESTATUS[0]}
 elapsed=$(( $(date +%s) - start ))
 
-"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" <<'PY'
+# IO simulator against Nsight Compute (issue: cuflash simulate is checked
+# against hardware counters). Skipped with CUFLASH_SKIP_NCU=1.
+ncu_rc=0
+if [ "${CUFLASH_SKIP_NCU:-0}" != "1" ]; then
+  "$PYTHON" tools/ncu_validate.py --out "$OUT" > "$OUT/ncu_validation.log" 2>&1
+  ncu_rc=$?
+  tail -n 12 "$OUT/ncu_validation.log"
+fi
+
+"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
-out, commit, rc, elapsed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+out, commit, rc, elapsed, ncu_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 for suite in ET.parse(f"{out}/tests.xml").getroot().iter("testsuite"):
     for key in counts:
         counts[key] += int(suite.get(key, 0))
 env = open(f"{out}/environment.txt").read().splitlines()
 passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-ok = rc == 0 and counts["failures"] == 0 and counts["errors"] == 0 and counts["skipped"] == 0 and counts["tests"] > 0
+ok = (rc == 0 and ncu_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0 and counts["skipped"] == 0
+      and counts["tests"] > 0)
 summary = {"commit": commit, "ok": ok, "passed": passed, "failed": counts["failures"],
            "errors": counts["errors"], "skipped": counts["skipped"],
-           "seconds": elapsed, "environment": env}
+           "seconds": elapsed, "ncu_validation_rc": ncu_rc, "environment": env}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print()
 print("| gpu_check | value |")
 print("|---|---|")
 for line in env[:2]:
     print(f"| env | {line} |")
-for key in ("passed", "failed", "errors", "skipped", "seconds"):
+for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_rc"):
     print(f"| {key} | {summary[key]} |")
 print(f"| result | {'PASS' if ok else 'FAIL'} |")
 sys.exit(0 if ok else 1)

@@ -1,0 +1,206 @@
+"""The ``cuflash`` command line: ``cuflash simulate`` counts the HBM traffic
+of attention algorithms (pure Python, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import click
+
+from .simulate import ALGORITHMS, MACHINES, PASSES, Problem, explain, format_csv, format_table, run, summarize
+
+_SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
+_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+class SizeType(click.ParamType):
+    """An integer with an optional binary suffix: 16k = 16384, 192KB = 196608."""
+
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+)\s*([kmg]?)(i?b)?\s*", str(value).lower())
+        if not match:
+            self.fail(f"expected a whole number with an optional k/M/G suffix, got {value!r}", param, ctx)
+        return int(match.group(1)) * _SUFFIX[match.group(2)]
+
+
+SIZE = SizeType()
+
+
+def _size_list(text: str, ctx) -> list[int]:
+    return [SIZE.convert(item, None, ctx) for item in text.split(",") if item.strip()]
+
+
+@click.group()
+@click.version_option(package_name="cuflash")
+def main():
+    """cuflash: exact FlashAttention for any Python GPU framework."""
+
+
+EXAMPLE = """\b
+Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
+  cuflash simulate --machine a100 --batch 64 --heads 16 --seqlen 1024 \\
+      --head-dim 64 --dtype fp16 --key-padding-mask -a pytorch -a flash1
+"""
+
+
+@main.command(epilog=EXAMPLE)
+@click.option("--batch", "-b", type=SIZE, default=1, show_default=True)
+@click.option("--heads", type=SIZE, default=16, show_default=True, help="query heads")
+@click.option("--kv-heads", type=SIZE, default=None, help="key/value heads (default: --heads)")
+@click.option("--seqlen", "-n", type=SIZE, default="1024", show_default=True, help="sequence length, e.g. 16k")
+@click.option("--seqlen-q", type=SIZE, default=None, help="query length (default: --seqlen)")
+@click.option("--seqlen-k", type=SIZE, default=None, help="key length (default: --seqlen)")
+@click.option("--head-dim", "-d", type=SIZE, default=64, show_default=True)
+@click.option("--dtype", type=click.Choice(sorted(_DTYPE_BYTES)), default="fp16", show_default=True)
+@click.option("--element-bytes", type=int, default=None, help="bytes per element (overrides --dtype)")
+@click.option("--causal/--no-causal", default=False, show_default=True)
+@click.option("--dropout", is_flag=True, help="dropout in the pytorch pipeline (a one-byte mask in HBM)")
+@click.option("--key-padding-mask", is_flag=True, help="key-padding masked_fill in the pytorch pipeline")
+@click.option("--deterministic", is_flag=True, help="cuflash's deterministic backward (dQ pass, no atomics)")
+@click.option("--pass", "passes", type=click.Choice(PASSES), default="fwd+bwd", show_default=True)
+@click.option("--machine", type=click.Choice(sorted(MACHINES)), default="a100", show_default=True)
+@click.option("--sram", type=SIZE, default=None, help="SRAM per SM in bytes, e.g. 96KB (overrides the preset's)")
+@click.option("--algorithm", "-a", "algorithms", type=click.Choice(list(ALGORITHMS)), multiple=True,
+              help="repeat for several; default: all")
+@click.option("--block-m", type=SIZE, default=None, help="override the query block size (Br)")
+@click.option("--block-n", type=SIZE, default=None, help="override the key block size (Bc)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--csv", "as_csv", is_flag=True, help="print CSV (one row per algorithm and sweep value)")
+@click.option("--sweep", type=click.Choice(["seqlen", "head-dim", "sram"]), default=None,
+              help="vary one quantity over --values")
+@click.option("--values", default=None, help="comma-separated sweep values, e.g. 1k,2k,4k,8k,16k")
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
+@click.option("--explain", "show_explain", is_flag=True, help="print every term with its formula")
+def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype, element_bytes, causal, dropout,
+             key_padding_mask, deterministic, passes, machine, sram, algorithms, block_m, block_n, as_json, as_csv,
+             sweep, values, plot, show_explain):
+    """Count the HBM traffic of attention algorithms.
+
+    Two levels: the bytes each algorithm's loads and stores request from global
+    memory (exact, the FlashAttention paper's "HBM accesses"), and an estimate
+    of DRAM traffic after the L2 cache (what a profiler measures). Also FLOPs,
+    arithmetic intensity, and a roofline time estimate on the machine.
+
+    Algorithms: standard (Algorithm 0), pytorch (the unfused pipeline),
+    flash1 (FlashAttention Algorithm 1/4), flash2 (FlashAttention-2), cuflash
+    (this library's kernels, tile for tile).
+    """
+    ctx = click.get_current_context()
+    if as_json and as_csv:
+        raise click.UsageError("choose one of --json and --csv")
+    if plot and not sweep:
+        raise click.UsageError("--plot needs --sweep")
+    if sweep and not values:
+        raise click.UsageError("--sweep needs --values")
+    algorithms = list(algorithms) or list(ALGORITHMS)
+
+    def problem_for(n=None, d=None):
+        try:
+            return Problem(batch=batch, nheads=heads, nheads_k=kv_heads or heads,
+                           seqlen_q=n or seqlen_q or seqlen, seqlen_k=n or seqlen_k or seqlen,
+                           head_dim=d or head_dim, element_size=element_bytes or _DTYPE_BYTES[dtype],
+                           causal=causal, dropout=dropout, key_padding_mask=key_padding_mask,
+                           deterministic=deterministic)
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from None
+
+    base_machine = MACHINES[machine] if sram is None else MACHINES[machine].with_sram(sram)
+
+    def summaries_for(problem, target):
+        out = []
+        for name in algorithms:
+            try:
+                traffic = run(name, problem, target, passes, block_m, block_n)
+            except ValueError as error:
+                raise click.BadParameter(str(error)) from None
+            out.append((traffic, summarize(traffic, target)))
+        return out
+
+    if not sweep:
+        problem = problem_for()
+        results = summaries_for(problem, base_machine)
+        if as_json:
+            click.echo(json.dumps({"problem": problem.__dict__, "machine": base_machine.__dict__, "pass": passes,
+                                   "results": [s for _, s in results]}, indent=2))
+        elif as_csv:
+            click.echo(format_csv([(None, s) for _, s in results]), nl=False)
+        else:
+            click.echo(format_table([s for _, s in results], _header(problem, base_machine, passes)))
+        if show_explain:
+            for traffic, _ in results:
+                click.echo("\n" + explain(traffic))
+        return
+
+    sweep_values = _size_list(values, ctx)
+    records = []
+    with click.progressbar(sweep_values, label=f"sweeping {sweep}", file=sys.stderr) as bar:
+        for value in bar:
+            if sweep == "seqlen":
+                problem, target = problem_for(n=value), base_machine
+            elif sweep == "head-dim":
+                problem, target = problem_for(d=value), base_machine
+            else:
+                problem, target = problem_for(), MACHINES[machine].with_sram(value)
+            records += [(value, s) for _, s in summaries_for(problem, target)]
+    if as_json:
+        click.echo(json.dumps({"sweep": sweep, "pass": passes, "machine": machine,
+                               "results": [{"value": v, **s} for v, s in records]}, indent=2))
+    elif as_csv:
+        click.echo(format_csv(records), nl=False)
+    else:
+        click.echo(_sweep_table(sweep, records))
+    if plot:
+        _plot(plot, sweep, records)
+
+
+def _header(problem: Problem, machine, passes: str) -> str:
+    return (f"batch {problem.batch}, heads {problem.nheads} (kv {problem.nheads_k}), "
+            f"seqlen {problem.seqlen_q}x{problem.seqlen_k}, head_dim {problem.head_dim}, "
+            f"{problem.element_size}-byte elements, {'causal' if problem.causal else 'not causal'}"
+            f"{', key-padding mask' if problem.key_padding_mask else ''}{', dropout' if problem.dropout else ''}; "
+            f"pass {passes}; machine {machine.name}: {machine.sms} SMs, SRAM {machine.sram_per_sm} B/SM, "
+            f"L2 {machine.l2_bytes / 2**20:.0f} MiB, {machine.hbm_bandwidth / 1e12:.2f} TB/s")
+
+
+def _sweep_table(sweep: str, records) -> str:
+    lines = [f"{sweep:>10}  {'algorithm':10}  {'requested GB':>12}  {'DRAM GB':>10}  {'GFLOPs':>10}  {'est. ms':>10}"]
+    for value, s in records:
+        lines.append(f"{value:>10}  {s['algorithm']:10}  {s['requested_bytes'] / 1e9:12.3f}  "
+                     f"{s['dram_bytes'] / 1e9:10.3f}  {s['flops'] / 1e9:10.1f}  "
+                     f"{s['roofline']['estimate_s'] * 1e3:10.3f}")
+    return "\n".join(lines)
+
+
+def _plot(path: str, sweep: str, records) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'") from None
+    figure, (traffic_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(s["algorithm"] for _, s in records):
+        xs = [v for v, s in records if s["algorithm"] == name]
+        rows = [s for _, s in records if s["algorithm"] == name]
+        line, = traffic_axis.plot(xs, [s["dram_bytes"] for s in rows], marker="o", label=f"{name} (DRAM est.)")
+        traffic_axis.plot(xs, [s["requested_bytes"] for s in rows], linestyle="--", color=line.get_color(),
+                          label=f"{name} (requested)")
+        time_axis.plot(xs, [s["roofline"]["estimate_s"] * 1e3 for s in rows], marker="o", label=name)
+    for axis, title in ((traffic_axis, "HBM traffic (bytes)"), (time_axis, "roofline estimate (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel(sweep)
+        axis.set_title(title)
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    click.echo(f"wrote {path}", err=True)

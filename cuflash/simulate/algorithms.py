@@ -1,0 +1,480 @@
+"""Attention algorithms as HBM-traffic ledgers.
+
+Every algorithm is written as the loops it runs: per (batch, head) the same
+tile loops repeat, so each loop is walked once per head shape and multiplied
+by the number of heads. Ragged last blocks count their real rows and keys;
+causal masking skips the tiles the algorithm skips.
+
+**L2 model** behind the DRAM estimate (requested traffic is exact and needs
+none of it). Writes always reach DRAM once per distinct write. A read reaches
+DRAM on first touch; a re-read hits in L2 when what was touched in between
+fits in L2:
+
+* unfused pipelines (``standard``, ``pytorch``): an intermediate read by the
+  op right after the one that touched it hits iff the whole tensor takes at
+  most half of L2; any other re-read misses;
+* tiled kernels whose thread blocks share data (``flash2``, ``cuflash``: the
+  query blocks of one head share its K/V in the forward, the key blocks of a
+  head share its Q, dO, LSE, D and dQ accumulator in the backward): thread
+  blocks run in waves of ``sms * blocks_per_sm``, the tiles of one head are
+  consecutive in the grid, and the shared data of the heads in flight at once
+  (``ceil(concurrent / tiles_per_head) + 1`` heads) stays in L2 if it fits;
+  then it comes from DRAM once, otherwise once per wave over that head;
+* ``flash1`` (one thread block per head, looping over all tiles): the
+  head's Q, O, l, m (and dO, dQ in the backward) are re-read on every outer
+  step; they hit iff all concurrent blocks' working sets fit in L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._tiling import (
+    backward_tiling,
+    first_visible_query_block,
+    forward_tiling,
+    visible_key_blocks,
+)
+from .machines import Machine
+from .traffic import STAT_BYTES, Problem, Traffic
+
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+#: Non-matmul FLOPs per score element (S entry) computed.
+NONMATMUL = {
+    # scale, row max, subtract, exp, row sum, divide
+    "standard_fwd": 6,
+    # P * dP, row sum, subtract, multiply
+    "standard_bwd": 4,
+    # scale folded into one FMA before exp2, row max, exp2, row sum
+    "flash_fwd": 4,
+    # FMA + exp2 to recompute P, subtract + multiply for dS
+    "flash_bwd": 4,
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    rows: int
+    keys: int  #: keys visited (the visited key blocks, clipped to seqlen_k)
+
+
+@dataclass(frozen=True)
+class KeyBlock:
+    keys: int
+    rows: int  #: query rows visited (from the first query block that sees this key block)
+
+
+def query_sweep(p: Problem, block_m: int, block_n: int) -> list[QueryBlock]:
+    """Query-outer loop: each query block with the keys it visits."""
+    blocks = []
+    for m_start in range(0, p.seqlen_q, block_m):
+        n_blocks = visible_key_blocks(m_start, block_m, block_n, p.seqlen_q, p.seqlen_k, p.causal)
+        blocks.append(QueryBlock(min(block_m, p.seqlen_q - m_start), min(n_blocks * block_n, p.seqlen_k)))
+    return blocks
+
+
+def key_sweep(p: Problem, block_m: int, block_n: int) -> list[KeyBlock]:
+    """Key-outer loop: each key block with the query rows it visits."""
+    blocks = []
+    for n_start in range(0, p.seqlen_k, block_n):
+        first = first_visible_query_block(n_start, block_m, p.seqlen_q, p.seqlen_k, p.causal)
+        blocks.append(KeyBlock(min(block_n, p.seqlen_k - n_start), max(0, p.seqlen_q - first * block_m)))
+    return blocks
+
+
+def _fits(machine: Machine, nbytes: float) -> bool:
+    return nbytes <= machine.l2_bytes
+
+
+def reread_factor(machine: Machine, tiles_per_head: int, concurrent: int, shared_bytes_per_head: int) -> int:
+    """How often a head's shared data comes from DRAM (see the module doc)."""
+    if tiles_per_head <= 1:
+        return 1
+    heads_in_flight = _cdiv(concurrent, tiles_per_head) + 1
+    if _fits(machine, heads_in_flight * shared_bytes_per_head):
+        return 1
+    return _cdiv(tiles_per_head, concurrent)
+
+
+def _blocks_per_sm(machine: Machine, smem_bytes: int, threads: int) -> int:
+    return max(1, min(machine.sram_per_sm // max(smem_bytes, 1), 2048 // threads, 32))
+
+
+# --------------------------------------------------------------------------
+# Unfused pipelines
+# --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    reads: tuple  #: (tensor, bytes, element_size)
+    writes: tuple
+
+
+def _run_ops(t: Traffic, ops: list[Op], machine: Machine) -> None:
+    """Each op reads whole operands and writes whole results. A read hits in
+    L2 iff the previous op touched the tensor and it takes at most half of L2."""
+    previous: set[str] = set()
+    for op in ops:
+        for tensor, nbytes, element in op.reads:
+            hit = tensor in previous and nbytes <= machine.l2_bytes // 2
+            t.read(tensor, nbytes, element_size=element, dram=0 if hit else nbytes, formula=f"{op.name}: reads {tensor}")
+        for tensor, nbytes, element in op.writes:
+            t.write(tensor, nbytes, element_size=element, formula=f"{op.name}: writes {tensor}")
+        previous = {name for name, _, _ in op.reads + op.writes}
+
+
+def _sizes(p: Problem):
+    e = p.element_size
+    q = p.heads * p.seqlen_q * p.head_dim * e  # Q, O, dO, dQ
+    kv_per_q_head = p.heads * p.seqlen_k * p.head_dim * e  # K, V broadcast to every query head
+    kv = p.kv_heads * p.seqlen_k * p.head_dim * e  # K, V, dK, dV as stored
+    scores = p.heads * p.seqlen_q * p.seqlen_k * e  # S, P, dP, dS
+    return e, q, kv_per_q_head, kv, scores
+
+
+def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """Algorithm 0 of the FlashAttention paper: S and P written to and read
+    back from HBM; its backward (Algorithm 3) likewise with dP and dS. Each
+    matrix product reads its operands once."""
+    t = Traffic("standard")
+    e, q, kvq, kv, nn = _sizes(p)
+    scores = p.heads * p.seqlen_q * p.seqlen_k
+    if "fwd" in passes:
+        _run_ops(t, [
+            Op("S = Q Kᵀ", (("Q", q, e), ("K", kvq, e)), (("S", nn, e),)),
+            Op("P = softmax(scale·S" + (", causal mask" if p.causal else "") + ")", (("S", nn, e),), (("P", nn, e),)),
+            Op("O = P V", (("P", nn, e), ("V", kvq, e)), (("O", q, e),)),
+        ], machine)
+        t.flops(4 * scores * p.head_dim, (NONMATMUL["standard_fwd"] + p.causal) * scores,
+                f"forward: matmul 4·B·H·Nq·Nk·d; other {NONMATMUL['standard_fwd'] + p.causal}·B·H·Nq·Nk")
+    if "bwd" in passes:
+        _run_ops(t, [
+            Op("dV = Pᵀ dO", (("P", nn, e), ("dO", q, e)), (("dV", kv, e),)),
+            Op("dP = dO Vᵀ", (("dO", q, e), ("V", kvq, e)), (("dP", nn, e),)),
+            Op("dS = P ∘ (dP − rowsum(dP ∘ P))", (("P", nn, e), ("dP", nn, e)), (("dS", nn, e),)),
+            Op("dQ = scale·dS K", (("dS", nn, e), ("K", kvq, e)), (("dQ", q, e),)),
+            Op("dK = scale·dSᵀ Q", (("dS", nn, e), ("Q", q, e)), (("dK", kv, e),)),
+        ], machine)
+        t.flops(8 * scores * p.head_dim, NONMATMUL["standard_bwd"] * scores,
+                f"backward: matmul 8·B·H·Nq·Nk·d; other {NONMATMUL['standard_bwd']}·B·H·Nq·Nk")
+    return t
+
+
+def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """The unfused framework pipeline the paper measured: scores by a batched
+    GEMM with the scale folded in (baddbmm, alpha = scale), masked_fill
+    (causal or key-padding mask), softmax, optional dropout (which writes a
+    one-byte mask), and a batched GEMM with V; the backward runs each op's
+    backward, reading and writing full-size operands."""
+    t = Traffic("pytorch")
+    e, q, kvq, kv, nn = _sizes(p)
+    scores = p.heads * p.seqlen_q * p.seqlen_k
+    masked = p.causal or p.key_padding_mask
+    mask_bytes = p.batch * p.seqlen_k  # a (batch, seqlen_k) bool key-padding mask; causal masks are built on the fly
+    drop_mask = scores  # bool per score
+    probs_used = "P_dropped" if p.dropout else "P"
+    if "fwd" in passes:
+        ops = [Op("S = scale·Q Kᵀ (baddbmm)", (("Q", q, e), ("K", kvq, e)), (("S", nn, e),))]
+        if masked:
+            reads = (("S", nn, e),) + ((("padding_mask", mask_bytes, 1),) if p.key_padding_mask else ())
+            ops.append(Op("masked_fill", reads, (("S", nn, e),)))
+        ops.append(Op("P = softmax(S)", (("S", nn, e),), (("P", nn, e),)))
+        if p.dropout:
+            ops.append(Op("dropout", (("P", nn, e),), (("P_dropped", nn, e), ("dropout_mask", drop_mask, 1))))
+        ops.append(Op("O = P V (bmm)", ((probs_used, nn, e), ("V", kvq, e)), (("O", q, e),)))
+        _run_ops(t, ops, machine)
+        other = 1 + masked + 5 + 2 * p.dropout
+        t.flops(4 * scores * p.head_dim, other * scores,
+                f"forward: matmul 4·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (scale, mask, softmax 5, dropout 2)")
+    if "bwd" in passes:
+        grad_probs = "dP_dropped" if p.dropout else "dP"
+        ops = [
+            Op("dP = dO Vᵀ (bmm backward)", (("dO", q, e), ("V", kvq, e)), ((grad_probs, nn, e),)),
+            Op("dV = Pᵀ dO (bmm backward)", ((probs_used, nn, e), ("dO", q, e)), (("dV", kv, e),)),
+        ]
+        if p.dropout:
+            ops.append(Op("dropout backward", (("dP_dropped", nn, e), ("dropout_mask", drop_mask, 1)), (("dP", nn, e),)))
+        ops.append(Op("softmax backward", (("P", nn, e), ("dP", nn, e)), (("dS", nn, e),)))
+        if masked:
+            ops.append(Op("masked_fill backward", (("dS", nn, e),), (("dS", nn, e),)))
+        ops += [
+            Op("dQ = scale·dS K (baddbmm backward)", (("dS", nn, e), ("K", kvq, e)), (("dQ", q, e),)),
+            Op("dK = scale·dSᵀ Q (baddbmm backward)", (("dS", nn, e), ("Q", q, e)), (("dK", kv, e),)),
+        ]
+        _run_ops(t, ops, machine)
+        other = 4 + masked + p.dropout
+        t.flops(8 * scores * p.head_dim, other * scores,
+                f"backward: matmul 8·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (softmax backward 4, mask, dropout)")
+    return t
+
+
+# --------------------------------------------------------------------------
+# FlashAttention (Algorithm 1 and its backward, Algorithm 4)
+# --------------------------------------------------------------------------
+
+def flash1_blocks(p: Problem, machine: Machine) -> tuple[int, int]:
+    """The paper's rule: with M the SRAM size in elements, Bc = ⌈M / 4d⌉ and
+    Br = min(⌈M / 4d⌉, d)."""
+    m_elements = machine.sram_per_sm // p.element_size
+    bc = _cdiv(m_elements, 4 * p.head_dim)
+    return min(bc, p.head_dim), bc
+
+
+def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """FlashAttention Algorithm 1: key/value blocks in the outer loop, so the
+    output, l and m are read and written back to HBM once per outer step;
+    Algorithm 4 (backward) likewise re-reads and re-writes dQ. One thread
+    block per (batch, head)."""
+    t = Traffic("flash1")
+    br, bc = flash1_blocks(p, machine)
+    br, bc = block_m or br, block_n or bc
+    t.blocks.update({"flash1 Br": br, "flash1 Bc": bc})
+    e, f, d, heads = p.element_size, STAT_BYTES, p.head_dim, p.heads
+    sweep = key_sweep(p, br, bc)
+    visited_rows = sum(b.rows for b in sweep)  # Σ_j rows visited by key block j
+    distinct_rows = max((b.rows for b in sweep), default=0)  # rows ever visited (key block 0 sees the most)
+    pairs = sum(b.rows * b.keys for b in sweep)
+    concurrent = min(heads, machine.sms)
+    nq, nk = p.seqlen_q, p.seqlen_k
+    if "fwd" in passes:
+        working = 2 * nq * d * e + 2 * nq * f + 2 * bc * d * e
+        hit = _fits(machine, concurrent * working)
+        t.notes.append(f"flash1 forward: per-head working set {working} B × {concurrent} blocks "
+                       f"{'fits' if hit else 'does not fit'} in L2")
+        t.write("O", heads * nq * d * e, element_size=e, formula="initialise O = 0 in HBM: B·H·Nq·d")
+        t.write("l", heads * nq * f, element_size=f, formula="initialise l = 0 in HBM: B·H·Nq")
+        t.write("m", heads * nq * f, element_size=f, formula="initialise m = -inf in HBM: B·H·Nq")
+        t.read("K", heads * nk * d * e, element_size=e, formula="K_j once per outer step: B·H·Nk·d")
+        t.read("V", heads * nk * d * e, element_size=e, formula="V_j once per outer step: B·H·Nk·d")
+        for tensor, size, element in (("Q", d * e, e), ("O", d * e, e), ("l", f, f), ("m", f, f)):
+            once = heads * distinct_rows * size
+            t.read(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
+                   formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j·{'d' if element == e else '1'}")
+        for tensor, size, element in (("O", d * e, e), ("l", f, f), ("m", f, f)):
+            once = heads * distinct_rows * size
+            t.write(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
+                    formula=f"{tensor}_i written back for every visited (i, j)")
+        t.flops(4 * heads * pairs * d, heads * (NONMATMUL["flash_fwd"] + 1) * pairs + heads * 4 * visited_rows * d,
+                "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 5 per score + 4·d per row per tile "
+                "(rescaling O)")
+    if "bwd" in passes:
+        working = 4 * nq * d * e + 2 * nq * f + 2 * bc * d * e
+        hit = _fits(machine, concurrent * working)
+        t.notes.append(f"flash1 backward: per-head working set {working} B × {concurrent} blocks "
+                       f"{'fits' if hit else 'does not fit'} in L2")
+        for tensor, length in (("dQ", nq), ("dK", nk), ("dV", nk)):
+            t.write(tensor, heads * length * d * e, element_size=e, formula=f"initialise {tensor} = 0 in HBM")
+        t.read("K", heads * nk * d * e, element_size=e, formula="K_j once per outer step")
+        t.read("V", heads * nk * d * e, element_size=e, formula="V_j once per outer step")
+        for tensor, size, element in (("Q", d * e, e), ("O", d * e, e), ("dO", d * e, e), ("dQ", d * e, e),
+                                      ("l", f, f), ("m", f, f)):
+            once = heads * distinct_rows * size
+            t.read(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
+                   formula=f"{tensor}_i for every visited (i, j)")
+        t.write("dQ", heads * visited_rows * d * e, element_size=e,
+                dram=heads * distinct_rows * d * e if hit else None, formula="dQ_i written back for every visited (i, j)")
+        t.write("dK", heads * nk * d * e, element_size=e, formula="dK_j at the end of outer step j")
+        t.write("dV", heads * nk * d * e, element_size=e, formula="dV_j at the end of outer step j")
+        t.flops(10 * heads * pairs * d, heads * (NONMATMUL["flash_bwd"] + 2) * pairs + heads * 2 * visited_rows * d,
+                "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dQ, dK); other 6 per score "
+                "+ 2·d per row per tile (D_i = rowsum(dO_i ∘ O_i))")
+    return t
+
+
+# --------------------------------------------------------------------------
+# FlashAttention-2 and cuflash
+# --------------------------------------------------------------------------
+
+def flash2_blocks(p: Problem, machine: Machine) -> tuple[int, int]:
+    """Square tiles, the largest power of two up to 128 for which Q_i, K_j and
+    V_j fit in one SM's SRAM."""
+    block = 128
+    while block > 16 and 3 * block * p.head_dim * p.element_size > machine.sram_per_sm:
+        block //= 2
+    return block, block
+
+
+@dataclass(frozen=True)
+class _TiledPlan:
+    """Tiles and occupancy of a FlashAttention-2-style implementation."""
+
+    fwd_m: int
+    fwd_n: int
+    bwd_m: int
+    bwd_n: int
+    fwd_blocks_per_sm: int
+    bwd_blocks_per_sm: int
+    dq_m: int
+    dq_n: int
+    native_gqa: bool  #: dK/dV computed per K/V head (cuflash) or per query head then summed (flash2)
+
+
+def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -> None:
+    e, f, d, heads = p.element_size, STAT_BYTES, p.head_dim, p.heads
+    sweep = query_sweep(p, plan.fwd_m, plan.fwd_n)
+    keys_visited = sum(b.keys for b in sweep)
+    pairs = sum(b.rows * b.keys for b in sweep)
+    max_keys = max((b.keys for b in sweep), default=0)
+    concurrent = machine.sms * plan.fwd_blocks_per_sm
+    factor = reread_factor(machine, len(sweep), concurrent, 2 * p.seqlen_k * d * e)
+    kv_owners = p.kv_heads if factor == 1 else heads
+    t.read("Q", heads * p.seqlen_q * d * e, element_size=e, formula="Q_i once per query block: B·H·Nq·d")
+    for tensor in ("K", "V"):
+        t.read(tensor, heads * keys_visited * d * e, element_size=e, dram=kv_owners * factor * max_keys * d * e,
+               formula=f"{tensor}_j for every visited (i, j): B·H·Σ_i keys_i·d (Tr = {len(sweep)} query blocks)")
+    t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="O_i once: B·H·Nq·d")
+    t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
+    t.flops(4 * heads * pairs * d, heads * NONMATMUL["flash_fwd"] * pairs + heads * 2 * sum(
+        b.rows * _cdiv(b.keys, plan.fwd_n) for b in sweep) * d,
+        "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 4 per score + d per row per tile "
+        "(rescale) and at the end (normalise)")
+    t.notes.append(f"forward: K/V from DRAM {'once per K/V head' if factor == 1 else f'{factor}× per head'} "
+                   f"({concurrent} blocks in flight)")
+
+
+def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, deterministic: bool) -> None:
+    e, f, d = p.element_size, STAT_BYTES, p.head_dim
+    heads, nq, nk = p.heads, p.seqlen_q, p.seqlen_k
+    # preprocess: D = rowsum(dO ∘ O) (and the dQ accumulator zeroed)
+    t.read("O", heads * nq * d * e, element_size=e, formula="preprocess reads O once")
+    t.read("dO", heads * nq * d * e, element_size=e, formula="preprocess reads dO once")
+    t.write("D", heads * nq * f, element_size=f, formula="preprocess writes D = rowsum(dO ∘ O), float32")
+    t.flops(0, 2 * heads * nq * d, "preprocess: 2·B·H·Nq·d")
+    if not deterministic:
+        t.write("dQ_accum", heads * nq * d * f, element_size=f, formula="preprocess zeroes the float32 dQ accumulator")
+    # dK/dV pass: one block per key block of a K/V head (cuflash) or of a query head (flash2)
+    sweep = key_sweep(p, plan.bwd_m, plan.bwd_n)
+    rows_visited = sum(b.rows for b in sweep)
+    pairs = sum(b.rows * b.keys for b in sweep)
+    owners = p.kv_heads if plan.native_gqa else heads
+    per_owner_heads = p.group if plan.native_gqa else 1
+    concurrent = machine.sms * plan.bwd_blocks_per_sm
+    shared = per_owner_heads * (2 * nq * d * e + 2 * nq * f + (0 if deterministic else nq * d * f))
+    factor = reread_factor(machine, len(sweep), concurrent, shared)
+    t.read("K", owners * nk * d * e, element_size=e, formula="K_j once per key block")
+    t.read("V", owners * nk * d * e, element_size=e, formula="V_j once per key block")
+    for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
+        t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * nq * size * factor,
+               formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j (Tc = {len(sweep)} key blocks)")
+    if not deterministic:
+        t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * nq * d * f * factor,
+                formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
+        t.read("dQ_accum", 0, element_size=f, dram=heads * nq * d * f * factor,
+               formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
+    dkdv_name = ("dK", "dV") if plan.native_gqa or p.group == 1 else ("dK_expanded", "dV_expanded")
+    for tensor in dkdv_name:
+        t.write(tensor, owners * nk * d * e, element_size=e, formula=f"{tensor}_j once per key block")
+    if not plan.native_gqa and p.group > 1:
+        for expanded, final in (("dK_expanded", "dK"), ("dV_expanded", "dV")):
+            t.read(expanded, heads * nk * d * e, element_size=e, formula="sum over the query heads of a group")
+            t.write(final, p.kv_heads * nk * d * e, element_size=e, formula="summed gradient per K/V head")
+    t.flops(10 * heads * pairs * d, heads * NONMATMUL["flash_bwd"] * pairs,
+            "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dK, dQ); other 4 per score")
+    if deterministic:
+        dq_sweep = query_sweep(p, plan.dq_m, plan.dq_n)
+        keys_visited = sum(b.keys for b in dq_sweep)
+        dq_pairs = sum(b.rows * b.keys for b in dq_sweep)
+        dq_concurrent = machine.sms * plan.fwd_blocks_per_sm
+        dq_factor = reread_factor(machine, len(dq_sweep), dq_concurrent, 2 * nk * d * e)
+        for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
+            t.read(tensor, heads * nq * size, element_size=element, formula=f"dQ pass: {tensor}_i once per query block")
+        for tensor in ("K", "V"):
+            t.read(tensor, heads * keys_visited * d * e, element_size=e,
+                   dram=(p.kv_heads if dq_factor == 1 else heads) * dq_factor * nk * d * e,
+                   formula=f"dQ pass: {tensor}_j for every visited (i, j)")
+        t.write("dQ", heads * nq * d * e, element_size=e, formula="dQ pass writes dQ_i once")
+        t.flops(8 * heads * dq_pairs * d, heads * NONMATMUL["flash_bwd"] * dq_pairs,
+                "deterministic dQ pass: matmul 8·B·H·Σ rows·keys·d (S, dP recomputed, dQ); other 4 per score")
+    else:
+        t.read("dQ_accum", heads * nq * d * f, element_size=f,
+               dram=0 if _fits(machine, heads * nq * d * f) else None, formula="conversion reads the accumulator")
+        t.write("dQ", heads * nq * d * e, element_size=e, formula="conversion writes dQ in the input dtype")
+
+
+def _flash2_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
+    bm, bn = flash2_blocks(p, machine)
+    bm, bn = block_m or bm, block_n or bn
+    smem = (bm + 2 * bn) * p.head_dim * p.element_size
+    per_sm = _blocks_per_sm(machine, smem, 128)
+    return _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
+
+
+def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """FlashAttention-2: query blocks in the outer loop, K/V streamed, the
+    LSE written once; the backward parallel over key blocks with dQ
+    accumulated in float32 atomics, D precomputed, dQ converted at the end.
+    With grouped-query attention dK/dV are computed per query head and summed."""
+    t = Traffic("flash2")
+    plan = _flash2_plan(p, machine, block_m, block_n)
+    t.blocks.update({"flash2 Br": plan.fwd_m, "flash2 Bc": plan.fwd_n})
+    if "fwd" in passes:
+        _tiled_forward(t, p, machine, plan)
+    if "bwd" in passes:
+        _tiled_backward(t, p, machine, plan, deterministic=False)
+    return t
+
+
+def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _TiledPlan:
+    """cuflash's own tiles for this problem, from the tables its launcher uses."""
+    dtype = p.dtype_name
+    fwd = forward_tiling(dtype, p.head_dim)
+    bwd = backward_tiling(dtype, p.head_dim)
+    return _TiledPlan(
+        fwd_m=block_m or fwd.block_m, fwd_n=block_n or fwd.block_n,
+        bwd_m=bwd.block_m, bwd_n=bwd.block_n,
+        fwd_blocks_per_sm=_blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads),
+        bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
+        dq_m=fwd.block_m, dq_n=fwd.block_n, native_gqa=True,
+    )
+
+
+def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """This library's kernels, tile for tile: the forward and dQ tiles of
+    ``forward_tiling`` and the dK/dV tiles of ``backward_tiling`` (the tables
+    the launcher reads). dK/dV per K/V head, walking the query heads of its
+    group; ``deterministic`` swaps the atomics for the dQ pass."""
+    t = Traffic("cuflash")
+    plan = cuflash_plan(p, machine, block_m, block_n)
+    t.blocks.update({"cuflash fwd Br": plan.fwd_m, "cuflash fwd Bc": plan.fwd_n,
+                     "cuflash bwd Br": plan.bwd_m, "cuflash bwd Bc": plan.bwd_n})
+    if "fwd" in passes:
+        _tiled_forward(t, p, machine, plan)
+    if "bwd" in passes:
+        _tiled_backward(t, p, machine, plan, deterministic=p.deterministic)
+    return t
+
+
+ALGORITHMS = {
+    "standard": standard,
+    "pytorch": pytorch,
+    "flash1": flash1,
+    "flash2": flash2,
+    "cuflash": cuflash,
+}
+
+
+def run(algorithm: str, problem: Problem, machine: Machine, passes: str = "fwd+bwd",
+        block_m: int | None = None, block_n: int | None = None) -> Traffic:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if passes not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {passes!r}")
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    return ALGORITHMS[algorithm](problem, machine, passes, block_m, block_n)
+
+
+def roofline_seconds(t: Traffic, machine: Machine) -> dict[str, float]:
+    """Time on the machine if limited by arithmetic or by DRAM bandwidth."""
+    compute = t.matmul_flops / machine.matmul_flops + t.other_flops / machine.nonmatmul_flops
+    memory = t.total("dram") / machine.hbm_bandwidth
+    return {"compute_s": compute, "memory_s": memory, "estimate_s": max(compute, memory)}
+
+

@@ -1,0 +1,132 @@
+"""Counting HBM traffic: the problem, and the ledger each algorithm fills.
+
+Two levels are kept for every access:
+
+* **requested**: the bytes the algorithm's loads and stores ask of global
+  memory, exact (the paper's "HBM accesses" of Algorithms 0 and 1);
+* **dram**: an estimate of what reaches DRAM after the L2 cache, from the
+  model in ``algorithms.py`` (what a profiler's ``dram__bytes`` measures).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+#: Display order of tensors; anything else is listed after these.
+TENSOR_ORDER = ("Q", "K", "V", "O", "LSE", "l", "m", "S", "P", "dropout_mask", "padding_mask", "dO", "dP", "dS",
+                "dQ", "dK", "dV", "D", "dQ_accum", "dK_expanded", "dV_expanded")
+
+#: float32 statistics (LSE, l, m, D) and accumulators.
+STAT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call: shapes, element size and masking."""
+
+    batch: int = 1
+    nheads: int = 16
+    nheads_k: int | None = None
+    seqlen_q: int = 1024
+    seqlen_k: int | None = None
+    head_dim: int = 64
+    element_size: int = 2
+    causal: bool = False
+    dropout: bool = False  #: the ``pytorch`` pipeline's dropout (other algorithms regenerate it on chip)
+    key_padding_mask: bool = False  #: the ``pytorch`` pipeline's masked_fill with a key-padding mask
+    deterministic: bool = False  #: cuflash's deterministic backward (dQ pass instead of atomics)
+
+    def __post_init__(self):
+        if self.nheads_k is None:
+            object.__setattr__(self, "nheads_k", self.nheads)
+        if self.seqlen_k is None:
+            object.__setattr__(self, "seqlen_k", self.seqlen_q)
+        for name in ("batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k", "head_dim", "element_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.nheads % self.nheads_k:
+            raise ValueError(f"nheads ({self.nheads}) must be a multiple of nheads_k ({self.nheads_k})")
+
+    @property
+    def heads(self) -> int:
+        """Query heads over the whole batch."""
+        return self.batch * self.nheads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.batch * self.nheads_k
+
+    @property
+    def group(self) -> int:
+        return self.nheads // self.nheads_k
+
+    @property
+    def dtype_name(self) -> str:
+        """The cuflash dtype whose tile table applies to this element size."""
+        return {2: "float16", 4: "float32"}.get(self.element_size, "float16")
+
+
+@dataclass
+class Term:
+    tensor: str
+    kind: str  #: "read" or "write" (an atomic add counts as a write)
+    requested: int
+    dram: int
+    element_size: int
+    formula: str
+
+
+@dataclass
+class Traffic:
+    """Ledger of one algorithm's passes: accesses, FLOPs and block sizes."""
+
+    algorithm: str
+    terms: list[Term] = field(default_factory=list)
+    matmul_flops: float = 0.0
+    other_flops: float = 0.0
+    blocks: dict = field(default_factory=dict)
+    flop_formulas: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def access(self, tensor: str, kind: str, requested: int, *, element_size: int, formula: str,
+               dram: int | None = None) -> None:
+        requested = int(requested)
+        dram = requested if dram is None else int(dram)
+        self.terms.append(Term(tensor, kind, requested, dram, element_size, formula))
+
+    def read(self, tensor, requested, **kwargs):
+        self.access(tensor, "read", requested, **kwargs)
+
+    def write(self, tensor, requested, **kwargs):
+        self.access(tensor, "write", requested, **kwargs)
+
+    def flops(self, matmul: float, other: float, formula: str) -> None:
+        self.matmul_flops += matmul
+        self.other_flops += other
+        self.flop_formulas.append(formula)
+
+    def merge(self, other: "Traffic") -> "Traffic":
+        merged = Traffic(self.algorithm, self.terms + other.terms, self.matmul_flops + other.matmul_flops,
+                         self.other_flops + other.other_flops, {**self.blocks, **other.blocks},
+                         self.flop_formulas + other.flop_formulas, self.notes + other.notes)
+        return merged
+
+    # --- summaries ---------------------------------------------------------
+    def by_tensor(self) -> dict[str, dict[str, int]]:
+        table: dict[str, dict[str, int]] = defaultdict(
+            lambda: {"read": 0, "write": 0, "dram_read": 0, "dram_write": 0, "elements": 0})
+        for term in self.terms:
+            row = table[term.tensor]
+            row[term.kind] += term.requested
+            row[f"dram_{term.kind}"] += term.dram
+            row["elements"] += term.requested // term.element_size
+        order = {name: i for i, name in enumerate(TENSOR_ORDER)}
+        return dict(sorted(table.items(), key=lambda item: order.get(item[0], len(order))))
+
+    def total(self, level: str = "requested", kind: str | None = None) -> int:
+        return sum(getattr(t, level) for t in self.terms if kind is None or t.kind == kind)
+
+    @property
+    def element_accesses(self) -> int:
+        return sum(t.requested // t.element_size for t in self.terms)

@@ -1,0 +1,184 @@
+"""The IO simulator (CPU): hand-counted small cases, Theorem 2's scaling, the
+FlashAttention paper's Figure 2, and agreement with cuflash's own tiling."""
+
+import numpy as np
+import pytest
+
+from cuflash._tiling import backward_tiling, forward_tiling
+from cuflash.reference import attention_backward_tiled, attention_tiled
+from cuflash.simulate import ALGORITHMS, MACHINES, Problem, key_sweep, query_sweep, run, summarize
+
+A100 = MACHINES["a100"]
+
+# Hand counts: one head, N = 256, d = 64, 2-byte elements, 64 x 64 blocks.
+# Sizes: an N x d tensor (Q, K, V, O, dO, dQ, dK, dV) is 256*64*2 = 32768 bytes;
+# an N x N one (S, P, dP, dS) 256*256*2 = 131072; an N-vector of float32 1024;
+# a 64 x 64 tile of the N x d tensors 8192; a 64-row slice of a float32 vector 256.
+ND, NN, VEC, TILE, ROWS = 32768, 131072, 1024, 8192, 256
+HAND_COUNTS = {
+    # Algorithm 0: Q, K read; S written; S read, P written; P, V read, O written.
+    ("standard", "fwd"): 4 * ND + 4 * NN,
+    # dV = P^T dO; dP = dO V^T; dS from P, dP; dQ = dS K; dK = dS^T Q:
+    # N x N: P, dP(w), P, dP, dS(w), dS, dS; N x d: dO, dV(w), dO, V, K, dQ(w), Q, dK(w).
+    ("standard", "bwd"): 7 * NN + 8 * ND,
+    # no mask, no dropout: the same ops as Algorithm 0
+    ("pytorch", "fwd"): 4 * ND + 4 * NN,
+    ("pytorch", "bwd"): 7 * NN + 8 * ND,
+    # init O, l, m; K, V once; 16 (i, j) pairs each read Q_i, O_i, l_i, m_i and write O_i, l_i, m_i
+    ("flash1", "fwd"): (ND + 2 * VEC) + 2 * ND + 16 * (2 * TILE + 2 * ROWS) + 16 * (TILE + 2 * ROWS),
+    # init dQ, dK, dV; K, V once; 16 pairs read Q, O, dO, dQ tiles and l, m, write dQ; write dK, dV
+    ("flash1", "bwd"): 3 * ND + 2 * ND + 16 * (4 * TILE + 2 * ROWS) + 16 * TILE + 2 * ND,
+    # Q once; each of 4 query blocks reads all 256 keys of K and V; O once; LSE once
+    ("flash2", "fwd"): ND + 2 * 4 * ND + ND + VEC,
+    # preprocess: O, dO read, D written, accumulator (float32) zeroed; K, V once; 4 key blocks read all
+    # 256 rows of Q, dO (2-byte) and LSE, D (float32) and add into the accumulator; dK, dV written;
+    # conversion reads the accumulator and writes dQ
+    ("flash2", "bwd"): 2 * ND + VEC + 2 * ND + 2 * ND + 4 * (2 * ND + 2 * VEC) + 4 * 2 * ND + 2 * ND + 2 * ND + ND,
+    # cuflash fp16 d=64: forward tiles 64 x 64, as flash2
+    ("cuflash", "fwd"): ND + 2 * 4 * ND + ND + VEC,
+    # backward tiles 32 x 128: 2 key blocks, each reads all 256 rows
+    ("cuflash", "bwd"): 2 * ND + VEC + 2 * ND + 2 * ND + 2 * (2 * ND + 2 * VEC) + 2 * 2 * ND + 2 * ND + 2 * ND + ND,
+}
+
+
+@pytest.mark.parametrize("algorithm,passes", sorted(HAND_COUNTS))
+def test_hand_counted_small_case(algorithm, passes):
+    problem = Problem(batch=1, nheads=1, seqlen_q=256, head_dim=64, element_size=2)
+    blocks = {} if algorithm == "cuflash" else {"block_m": 64, "block_n": 64}
+    traffic = run(algorithm, problem, A100, passes, **blocks)
+    assert traffic.total("requested") == HAND_COUNTS[(algorithm, passes)]
+
+
+def test_fwd_plus_bwd_is_the_sum():
+    problem = Problem(batch=2, nheads=4, seqlen_q=300, seqlen_k=200, head_dim=72, causal=True)
+    for name in ALGORITHMS:
+        both = run(name, problem, A100, "fwd+bwd").total("requested")
+        assert both == run(name, problem, A100, "fwd").total("requested") + run(name, problem, A100, "bwd").total("requested")
+
+
+def test_requested_traffic_scales_with_batch_times_heads():
+    for name in ALGORITHMS:
+        one = run(name, Problem(batch=1, nheads=1, seqlen_q=777, head_dim=64), A100).total("requested")
+        many = run(name, Problem(batch=3, nheads=5, seqlen_q=777, head_dim=64), A100).total("requested")
+        assert many == 15 * one
+
+
+def test_standard_is_nd_plus_n_squared_exactly():
+    """Theorem 2: standard attention moves Theta(Nd + N^2); forward 4Nd + 4N^2 elements."""
+    for n in (1000, 2048, 16384):
+        traffic = run("standard", Problem(batch=1, nheads=1, seqlen_q=n, head_dim=64, element_size=1), A100, "fwd")
+        assert traffic.total("requested") == 4 * n * 64 + 4 * n * n
+
+
+def _flash_forward(n, sram, algorithm="flash1"):
+    problem = Problem(batch=1, nheads=1, seqlen_q=n, head_dim=64, element_size=2)
+    return run(algorithm, problem, A100.with_sram(sram), "fwd").total("requested")
+
+
+def test_flash_traffic_halves_when_sram_doubles():
+    """Theorem 2: FlashAttention moves Theta(N^2 d^2 / M)."""
+    n = 16384
+    for sram in (48 * 1024, 96 * 1024, 192 * 1024):
+        ratio = _flash_forward(n, sram) / _flash_forward(n, 2 * sram)
+        assert ratio == pytest.approx(2.0, rel=0.10)
+
+
+def test_flash_traffic_quadruples_when_n_doubles():
+    for n in (4096, 8192, 16384):
+        ratio = _flash_forward(2 * n, 192 * 1024) / _flash_forward(n, 192 * 1024)
+        assert ratio == pytest.approx(4.0, rel=0.10)
+
+
+FIGURE2 = dict(batch=64, nheads=16, seqlen_q=1024, head_dim=64, element_size=2, key_padding_mask=True)
+
+
+def test_figure2_pytorch_pipeline_traffic():
+    """Paper, Figure 2 (A100): 35.3 GB for the unfused pipeline (key-padding mask, no dropout)."""
+    traffic = run("pytorch", Problem(**FIGURE2), A100, "fwd+bwd")
+    assert traffic.total("dram") / 1e9 == pytest.approx(35.3, rel=0.15)
+
+
+def test_figure2_pytorch_pipeline_traffic_with_dropout():
+    """The paper's earlier version: 40.3 GB with dropout."""
+    traffic = run("pytorch", Problem(**FIGURE2, dropout=True), A100, "fwd+bwd")
+    assert traffic.total("dram") / 1e9 == pytest.approx(40.3, rel=0.15)
+
+
+def test_figure2_flash_attention_traffic():
+    """Paper, Figure 2: 4.4 GB for FlashAttention."""
+    traffic = run("flash1", Problem(**FIGURE2), A100, "fwd+bwd")
+    assert traffic.total("dram") / 1e9 == pytest.approx(4.4, rel=0.30)
+    assert traffic.total("requested") > traffic.total("dram")  # some re-reads hit in L2
+
+
+def test_figure2_recomputation_flop_ratio():
+    """Paper, Figure 2: 75.2 / 66.6 GFLOPs: recomputation costs ~13% more FLOPs."""
+    standard = run("pytorch", Problem(**FIGURE2), A100, "fwd+bwd")
+    flash = run("flash1", Problem(**FIGURE2), A100, "fwd+bwd")
+    ratio = (flash.matmul_flops + flash.other_flops) / (standard.matmul_flops + standard.other_flops)
+    assert ratio == pytest.approx(75.2 / 66.6, abs=0.05)
+
+
+def test_flash_beats_standard_by_the_papers_margin():
+    problem = Problem(**FIGURE2)
+    standard = run("pytorch", problem, A100).total("dram")
+    for name in ("flash1", "flash2", "cuflash"):
+        assert run(name, problem, A100).total("dram") < standard / 5
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(256, 256, False), (300, 200, True), (1000, 17, True), (17, 1000, False)])
+@pytest.mark.parametrize("head_dim", [64, 100, 256])
+def test_cuflash_matches_the_kernels_tiling(seqlen_q, seqlen_k, causal, head_dim):
+    """cuflash's simulated K/V reads walk the same tiles as the NumPy emulation
+    of the kernels, read from the same tables."""
+    problem = Problem(batch=1, nheads=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
+    fwd = forward_tiling("float16", head_dim)
+    sweep = query_sweep(problem, fwd.block_m, fwd.block_n)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, seqlen_q, 1, head_dim))
+    k, v = (rng.standard_normal((1, seqlen_k, 1, head_dim)) for _ in range(2))
+    _, _, visited = attention_tiled(q, k, v, causal=causal)
+    assert sum(-(-b.keys // fwd.block_n) for b in sweep) == visited
+    k_reads = sum(t.requested for t in run("cuflash", problem, A100, "fwd").terms if t.tensor == "K")
+    assert k_reads == sum(b.keys for b in sweep) * head_dim * 2
+
+    bwd = backward_tiling("float16", head_dim)
+    key_blocks = key_sweep(problem, bwd.block_m, bwd.block_n)
+    *_, bwd_visited = attention_backward_tiled(q, q, k, v, causal=causal)
+    assert sum(-(-b.rows // bwd.block_m) for b in key_blocks) == bwd_visited
+
+
+def test_cuflash_deterministic_trades_atomics_for_a_dq_pass():
+    problem = Problem(batch=2, nheads=8, nheads_k=2, seqlen_q=2048, head_dim=128, causal=True)
+    atomic = summarize(run("cuflash", problem, A100, "bwd"), A100)
+    deterministic = summarize(run("cuflash", Problem(**{**problem.__dict__, "deterministic": True}), A100, "bwd"), A100)
+    assert "dQ_accum" in atomic["tensors"] and "dQ_accum" not in deterministic["tensors"]
+    assert deterministic["matmul_flops"] > atomic["matmul_flops"]  # S and dP computed twice
+
+
+def test_gqa_reduces_cuflash_backward_traffic_but_not_flash2s_dk_writes():
+    mha = Problem(batch=1, nheads=8, seqlen_q=4096, head_dim=64)
+    gqa = Problem(batch=1, nheads=8, nheads_k=1, seqlen_q=4096, head_dim=64)
+    assert run("cuflash", gqa, A100, "bwd").total("requested") < run("cuflash", mha, A100, "bwd").total("requested")
+    flash2 = summarize(run("flash2", gqa, A100, "bwd"), A100)
+    assert "dK_expanded" in flash2["tensors"]
+
+
+def test_summary_fields_and_roofline():
+    s = summarize(run("flash2", Problem(**FIGURE2), A100), A100)
+    assert s["requested_bytes"] == s["requested_read_bytes"] + s["requested_write_bytes"]
+    assert s["dram_bytes"] == s["dram_read_bytes"] + s["dram_write_bytes"]
+    assert s["flops"] == s["matmul_flops"] + s["other_flops"]
+    assert s["roofline"]["estimate_s"] == max(s["roofline"]["compute_s"], s["roofline"]["memory_s"])
+    assert s["intensity_dram"] == pytest.approx(s["flops"] / s["dram_bytes"])
+
+
+def test_bad_problems_are_rejected():
+    with pytest.raises(ValueError, match="nheads .* multiple of nheads_k"):
+        Problem(nheads=6, nheads_k=4)
+    with pytest.raises(ValueError, match="seqlen_q must be at least 1"):
+        Problem(seqlen_q=0)
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        run("flash3", Problem(), A100)
+    with pytest.raises(ValueError, match="pass must be one of"):
+        run("flash2", Problem(), A100, "forward")
