@@ -47,29 +47,36 @@ def _expand_kv_heads(x, nheads: int, xp):
     return xp.repeat(x, nheads // x.shape[2], axis=2)
 
 
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
-    """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
-    nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
-    key gets output 0 and lse -inf."""
-    xp = _array_module(q)
-    q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
-    batch, seqlen_q, nheads, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    k = _expand_kv_heads(k, nheads, xp)
-    v = _expand_kv_heads(v, nheads, xp)
-    scores = xp.einsum("bqhd,bkhd->bhqk", q, k) * _scale(softmax_scale, head_dim)
+def _softmax_probabilities(q, k_all, *, causal, scale, xp):
+    """Normalised probabilities (b, h, q, k) of the naive formula, and the
+    row max and sum behind them. Rows that see no key have max -inf and
+    sum 0: their probabilities are all zero, not NaN."""
+    seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
+    scores = xp.einsum("bqhd,bkhd->bhqk", q, k_all) * scale
     if causal:
         scores = xp.where(causal_mask(seqlen_q, seqlen_k, xp), scores, -xp.inf)
     if seqlen_k:
         row_max = scores.max(axis=-1, keepdims=True)
     else:
         row_max = xp.full(scores.shape[:-1] + (1,), -xp.inf)
-    # Rows that see no key have max -inf; subtract 0 there so exp gives 0, not NaN.
+    # Subtract 0 where the max is -inf so that exp gives 0, not NaN.
     safe_max = xp.where(xp.isneginf(row_max), 0.0, row_max)
     probs = xp.exp(scores - safe_max)
     row_sum = probs.sum(axis=-1, keepdims=True)
+    return probs / xp.where(row_sum > 0, row_sum, 1.0), safe_max, row_sum
+
+
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
+    """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
+    nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
+    key gets output 0 and lse -inf."""
+    xp = _array_module(q)
+    q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
+    nheads, head_dim = q.shape[2], q.shape[3]
+    probs, safe_max, row_sum = _softmax_probabilities(
+        q, _expand_kv_heads(k, nheads, xp), causal=causal, scale=_scale(softmax_scale, head_dim), xp=xp)
+    out = xp.einsum("bhqk,bkhd->bqhd", probs, _expand_kv_heads(v, nheads, xp))
     nonempty = row_sum > 0
-    out = xp.einsum("bhqk,bkhd->bqhd", probs / xp.where(nonempty, row_sum, 1.0), v)
     lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
     return out, lse
 
@@ -140,16 +147,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     scale = _scale(softmax_scale, head_dim)
     k_all = _expand_kv_heads(k, nheads, xp)
     v_all = _expand_kv_heads(v, nheads, xp)
-    scores = xp.einsum("bqhd,bkhd->bhqk", q, k_all) * scale
-    if causal:
-        scores = xp.where(causal_mask(seqlen_q, seqlen_k, xp), scores, -xp.inf)
-    if seqlen_k:
-        row_max = scores.max(axis=-1, keepdims=True)
-    else:
-        row_max = xp.full(scores.shape[:-1] + (1,), -xp.inf)
-    probs = xp.exp(scores - xp.where(xp.isneginf(row_max), 0.0, row_max))
-    row_sum = probs.sum(axis=-1, keepdims=True)
-    probs = probs / xp.where(row_sum > 0, row_sum, 1.0)  # rows that see no key: all zero
+    probs, _, _ = _softmax_probabilities(q, k_all, causal=causal, scale=scale, xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, v_all)
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (b, h, q, 1)
     dprobs = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)

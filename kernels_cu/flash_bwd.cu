@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {
     const ProblemSize& size = params.size;
     const index_t rows = size.batch * size.seqlen_q * size.nheads;
-    const int head_dim = static_cast<int>(size.head_dim);
+    const int head_dim = size.head_dim_int();
     const int lane = threadIdx.x % 32;
     const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
     const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
@@ -137,9 +137,9 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     const index_t kv_head = block.head;
     const index_t batch = block.batch;
     const index_t group = size.nheads / size.nheads_k;
-    const int seqlen_q = static_cast<int>(size.seqlen_q);
-    const int seqlen_k = static_cast<int>(size.seqlen_k);
-    const int head_dim = static_cast<int>(size.head_dim);
+    const int seqlen_q = size.seqlen_q_int();
+    const int seqlen_k = size.seqlen_k_int();
+    const int head_dim = size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
     const float scale = static_cast<float>(params.softmax_scale);
 
@@ -275,10 +275,10 @@ flash_backward_dq_kernel(const BackwardParams params) {
     const BlockCoordinates block = block_coordinates(params.num_m_blocks, size.nheads);
     const index_t head = block.head;
     const index_t batch = block.batch;
-    const index_t kv_head = head / (size.nheads / size.nheads_k);
-    const int seqlen_q = static_cast<int>(size.seqlen_q);
-    const int seqlen_k = static_cast<int>(size.seqlen_k);
-    const int head_dim = static_cast<int>(size.head_dim);
+    const index_t kv_head = size.kv_head_of(head);
+    const int seqlen_q = size.seqlen_q_int();
+    const int seqlen_k = size.seqlen_k_int();
+    const int head_dim = size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;

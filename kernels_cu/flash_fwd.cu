@@ -41,12 +41,11 @@ flash_forward_kernel(const ForwardParams params) {
     const int m_block = block.tile;
     const index_t head = block.head;
     const index_t batch = block.batch;
-    // Grouped-query attention: nheads / nheads_k consecutive query heads share a K/V head.
-    const index_t kv_head = head / (params.size.nheads / params.size.nheads_k);
+    const index_t kv_head = params.size.kv_head_of(head);
 
-    const int seqlen_q = static_cast<int>(params.size.seqlen_q);
-    const int seqlen_k = static_cast<int>(params.size.seqlen_k);
-    const int head_dim = static_cast<int>(params.size.head_dim);
+    const int seqlen_q = params.size.seqlen_q_int();
+    const int seqlen_k = params.size.seqlen_k_int();
+    const int head_dim = params.size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;

@@ -58,22 +58,28 @@ struct KernelTraits {
                   "head dim is padded to a multiple of 32, at most 256");
 };
 
-// Forward: Q stays, K/V stream, P is the probability tile.
+// Query-major thread mapping (forward, deterministic dQ): kLanesPerRow lanes
+// own a query row; each holds kKeysPerLane scores and kColsPerLane head-dim
+// columns of it.
 template <typename Traits>
-struct ForwardSmem {
-    static constexpr int kQ = 0;
-    static constexpr int kK = kQ + Traits::QTile::kBytes;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kP = kV + Traits::KTile::kBytes;
-    static constexpr int kBytes = kP + Traits::ScoreTile::kBytes;
-
+struct QueryMajorMapping {
     static constexpr int kKeysPerLane = Traits::kBlockN / Traits::kLanesPerRow;
     static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
     static_assert(Traits::kThreads % Traits::kBlockM == 0, "every query row needs the same number of lanes");
     static_assert(is_lane_group<Traits::kLanesPerRow>(), "a row's lanes are a power-of-two group in one warp");
     static_assert(Traits::kBlockN % Traits::kLanesPerRow == 0 && Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
                   "keys and columns split evenly over a row's lanes");
-    static_assert(kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
+    static_assert(2 * kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
+};
+
+// Forward: Q stays, K/V stream, P is the probability tile.
+template <typename Traits>
+struct ForwardSmem : QueryMajorMapping<Traits> {
+    static constexpr int kQ = 0;
+    static constexpr int kK = kQ + Traits::QTile::kBytes;
+    static constexpr int kV = kK + Traits::KTile::kBytes;
+    static constexpr int kP = kV + Traits::KTile::kBytes;
+    static constexpr int kBytes = kP + Traits::ScoreTile::kBytes;
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
@@ -109,21 +115,13 @@ struct BackwardDkDvSmem {
 // Backward dQ without atomics (deterministic): one block per query block,
 // Q/dO stay, K/V stream, dS is query-major.
 template <typename Traits>
-struct BackwardDqSmem {
+struct BackwardDqSmem : QueryMajorMapping<Traits> {
     static constexpr int kQ = 0;
     static constexpr int kDo = kQ + Traits::QTile::kBytes;
     static constexpr int kK = kDo + Traits::QTile::kBytes;
     static constexpr int kV = kK + Traits::KTile::kBytes;
     static constexpr int kDS = kV + Traits::KTile::kBytes;
     static constexpr int kBytes = kDS + Traits::ScoreTile::kBytes;
-
-    static constexpr int kKeysPerLane = Traits::kBlockN / Traits::kLanesPerRow;
-    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
-    static_assert(Traits::kThreads % Traits::kBlockM == 0, "every query row needs the same number of lanes");
-    static_assert(is_lane_group<Traits::kLanesPerRow>(), "a row's lanes are a power-of-two group in one warp");
-    static_assert(Traits::kBlockN % Traits::kLanesPerRow == 0 && Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
-                  "keys and columns split evenly over a row's lanes");
-    static_assert(2 * kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -30,6 +30,14 @@ struct TensorRef {
 // Sizes shared by the forward and backward launches.
 struct ProblemSize {
     index_t batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim;
+
+    // Positions inside a sequence and head-dim columns fit in int (the
+    // launcher rejects sequences of 2^31 or more); offsets stay 64-bit.
+    __device__ __forceinline__ int seqlen_q_int() const { return static_cast<int>(seqlen_q); }
+    __device__ __forceinline__ int seqlen_k_int() const { return static_cast<int>(seqlen_k); }
+    __device__ __forceinline__ int head_dim_int() const { return static_cast<int>(head_dim); }
+    // Grouped-query attention: nheads / nheads_k consecutive query heads share a K/V head.
+    __device__ __forceinline__ index_t kv_head_of(index_t head) const { return head / (nheads / nheads_k); }
 };
 
 struct ForwardParams {

@@ -40,21 +40,17 @@ def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype,
     return make(seqlen_q, nheads), make(seqlen_k, nheads_k), make(seqlen_k, nheads_k)
 
 
-def naive_attention_same_precision(q, k, v, *, causal, softmax_scale):
-    """Attention the naive way in the inputs' own precision (CuPy): each
-    matrix product accumulates in float32 and is rounded to the input dtype,
-    as a framework's unfused bf16/fp16 attention does. Its error against
-    float64 is the yardstick for cuflash's low-precision error."""
+def _same_precision_probabilities(q, k_all, *, causal, softmax_scale):
+    """Probabilities as a framework's unfused low-precision attention makes
+    them: scores accumulated in float32 and rounded to the input dtype, the
+    softmax in float32, the result rounded to the input dtype (returned as
+    float32 holding those rounded values)."""
     import cupy
 
     dtype = q.dtype
-    f32 = lambda x: x.astype(cupy.float32)  # noqa: E731
-    nheads = q.shape[2]
-    k = cupy.repeat(k, nheads // k.shape[2], axis=2)
-    v = cupy.repeat(v, nheads // v.shape[2], axis=2)
-    scores = cupy.einsum("bqhd,bkhd->bhqk", f32(q), f32(k)).astype(dtype)
-    scores = f32(scores) * softmax_scale
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    scores = cupy.einsum("bqhd,bkhd->bhqk", q.astype(cupy.float32), k_all.astype(cupy.float32))
+    scores = scores.astype(dtype).astype(cupy.float32) * softmax_scale
+    seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
     if causal:
         rows = cupy.arange(seqlen_q)[:, None]
         cols = cupy.arange(seqlen_k)[None, :]
@@ -63,8 +59,21 @@ def naive_attention_same_precision(q, k, v, *, causal, softmax_scale):
     row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
     probs = cupy.exp(scores - row_max)
     row_sum = probs.sum(axis=-1, keepdims=True)
-    probs = (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype)
-    return cupy.einsum("bhqk,bkhd->bqhd", f32(probs), f32(v)).astype(dtype)
+    return (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype).astype(cupy.float32)
+
+
+def naive_attention_same_precision(q, k, v, *, causal, softmax_scale):
+    """Attention the naive way in the inputs' own precision (CuPy): each
+    matrix product accumulates in float32 and is rounded to the input dtype,
+    as a framework's unfused bf16/fp16 attention does. Its error against
+    float64 is the yardstick for cuflash's low-precision error."""
+    import cupy
+
+    group = q.shape[2] // k.shape[2]
+    probs = _same_precision_probabilities(q, cupy.repeat(k, group, axis=2), causal=causal,
+                                          softmax_scale=softmax_scale)
+    v_all = cupy.repeat(v, group, axis=2).astype(cupy.float32)
+    return cupy.einsum("bhqk,bkhd->bqhd", probs, v_all).astype(q.dtype)
 
 
 def to_numpy64(x) -> np.ndarray:
@@ -133,17 +142,7 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_sc
     group = nheads // nheads_k
     k_all = cupy.repeat(k, group, axis=2)
     v_all = cupy.repeat(v, group, axis=2)
-    scores = f32(rnd(cupy.einsum("bqhd,bkhd->bhqk", f32(q), f32(k_all)))) * softmax_scale
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    if causal:
-        rows = cupy.arange(seqlen_q)[:, None]
-        cols = cupy.arange(seqlen_k)[None, :]
-        scores = cupy.where(cols <= rows + (seqlen_k - seqlen_q), scores, -cupy.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
-    probs = cupy.exp(scores - row_max)
-    row_sum = probs.sum(axis=-1, keepdims=True)
-    probs = f32(rnd(probs / cupy.where(row_sum > 0, row_sum, 1.0)))
+    probs = _same_precision_probabilities(q, k_all, causal=causal, softmax_scale=softmax_scale)
     out = f32(rnd(cupy.einsum("bhqk,bkhd->bqhd", probs, f32(v_all))))
     dout32 = f32(dout)
     dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", probs, dout32).reshape(*k.shape[:3], group, k.shape[3]).sum(3))

@@ -17,7 +17,7 @@ from tests.helpers import (
     random_qkv,
 )
 from tests.test_forward_gpu import DTYPES, HEAD_DIMS, SEQLENS, _PoolTracker, _cupy, _dtype
-from tests.validation_cases import BAD_BACKWARD_CASES
+from tests.validation_cases import BAD_BACKWARD_CASES, make_cupy_arrays
 
 pytestmark = pytest.mark.gpu
 
@@ -160,21 +160,10 @@ def test_backward_memory_is_gradients_accumulator_and_delta():
 
 @pytest.mark.parametrize("case", [c for c in BAD_BACKWARD_CASES if not c.needs_two_gpus], ids=lambda c: c.id)
 def test_bad_backward_input_is_rejected_before_launch(case, monkeypatch):
-    cupy = _cupy()
     import cuflash.api as api
 
     monkeypatch.setattr(api, "_launch_backward", lambda *a, **k: pytest.fail("launched on bad input"))
-    arrays = {}
-    for name, spec in case.arrays().items():
-        dtype = _dtype(spec["dtype"])
-        shape = spec["shape"]
-        if "strides" in spec:
-            span = 1 + sum((s - 1) * st for s, st in zip(shape, spec["strides"]))
-            base = cupy.zeros(max(span, 1), dtype=dtype)
-            arrays[name] = cupy.lib.stride_tricks.as_strided(
-                base, shape=shape, strides=[st * dtype.itemsize for st in spec["strides"]])
-        else:
-            arrays[name] = cupy.zeros(shape, dtype=dtype)
+    arrays = make_cupy_arrays(case)
     with pytest.raises(case.error, match=case.match):
         cuflash.attention_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], arrays["out"],
                                    arrays["lse"], dq=arrays.get("dq"), dk=arrays.get("dk"), dv=arrays.get("dv"),

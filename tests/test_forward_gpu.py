@@ -17,7 +17,7 @@ from tests.helpers import (
     naive_attention_same_precision,
     random_qkv,
 )
-from tests.validation_cases import BAD_FORWARD_CASES
+from tests.validation_cases import BAD_FORWARD_CASES, make_cupy_arrays
 
 pytestmark = pytest.mark.gpu
 
@@ -216,23 +216,10 @@ def test_forward_memory_is_out_plus_lse():
 
 @pytest.mark.parametrize("case", [c for c in BAD_FORWARD_CASES if not c.needs_two_gpus], ids=lambda c: c.id)
 def test_bad_forward_input_is_rejected_before_launch(case, monkeypatch):
-    cupy = _cupy()
     import cuflash.api as api
 
     monkeypatch.setattr(api, "_launch_forward", lambda *a, **k: pytest.fail("launched on bad input"))
-    arrays = {}
-    for name, spec in case.arrays().items():
-        dtype = _dtype(spec.get("dtype", "float16"))
-        shape = spec["shape"]
-        if "strides" in spec:
-            itemsize = dtype.itemsize
-            span = 1 + sum((s - 1) * st for s, st in zip(shape, spec["strides"]))
-            base = cupy.zeros(max(span, 1), dtype=dtype)
-            arrays[name] = cupy.lib.stride_tricks.as_strided(
-                base, shape=shape, strides=[st * itemsize for st in spec["strides"]]
-            )
-        else:
-            arrays[name] = cupy.random.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+    arrays = make_cupy_arrays(case)
     with pytest.raises(case.error, match=case.match):
         cuflash.attention(arrays["q"], arrays["k"], arrays["v"], out=arrays.get("out"), **case.options)
 

@@ -122,3 +122,21 @@ BAD_BACKWARD_CASES = [
     _backward("causal-not-bool", TypeError, "causal must be a bool, got NoneType None", causal=None),
     _backward("dout-other-gpu", ValueError, "dout is on GPU 1 but q is on GPU 0", {"dout": {"device": 1}}),
 ]
+
+
+def make_cupy_arrays(case: BadCase) -> dict:
+    """Real GPU arrays for a case's specs (strided specs as views into a buffer)."""
+    import cupy
+
+    arrays = {}
+    for name, spec in case.arrays().items():
+        dtype = cupy.dtype(spec["dtype"])
+        shape = spec["shape"]
+        if "strides" in spec:
+            span = 1 + sum((size - 1) * stride for size, stride in zip(shape, spec["strides"]))
+            base = cupy.zeros(max(span, 1), dtype=dtype)
+            arrays[name] = cupy.lib.stride_tricks.as_strided(
+                base, shape=shape, strides=[stride * dtype.itemsize for stride in spec["strides"]])
+        else:
+            arrays[name] = cupy.zeros(shape, dtype=dtype)
+    return arrays
