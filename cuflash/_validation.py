@@ -111,7 +111,7 @@ def _check_writable(meta: TensorMeta) -> None:
 
 
 def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta | None,
-                  *, causal, softmax_scale) -> AttentionProblem:
+                  *, causal, softmax_scale, lse: TensorMeta | None = None) -> AttentionProblem:
     """Checks a forward call; returns its sizes. Raises ``TypeError`` or
     ``ValueError`` naming the argument, what was expected and what came."""
     for meta in (q, k, v):
@@ -146,6 +146,11 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         _check_like(out, q, "")
         _check_writable(out)
         check_same_device([q, out])
+    if lse is not None:
+        _check_lse(lse, (batch, nheads, seqlen_q))
+        if 0 not in lse.shape and lse.strides != contiguous_strides(lse.shape):
+            raise ValueError(f"lse must be C-contiguous, got strides {lse.strides} (in elements)")
+        check_same_device([q, lse])
 
     return AttentionProblem(
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
@@ -153,6 +158,24 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
         causal=check_causal(causal),
     )
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _check_lse(lse: TensorMeta, shape: tuple[int, int, int]) -> None:
+    if lse.dtype != "float32":
+        raise TypeError(f"lse must have dtype float32 (as the forward returns it), got {lse.dtype}")
+    if lse.shape != shape:
+        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {shape}, got {lse.shape}")
+    if lse.shape[-1] > 1 and lse.strides[-1] != 1 and 0 not in lse.shape:
+        raise ValueError(f"lse must be contiguous in its last dimension (stride 1), got strides {lse.strides}")
 
 
 def _check_like(meta: TensorMeta | None, like: TensorMeta, what: str) -> None:
@@ -179,13 +202,7 @@ def check_backward(dout: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
     _check_like(dout, q, " (batch, seqlen_q, nheads, head_dim)")
     _check_like(out, q, " (batch, seqlen_q, nheads, head_dim)")
-    lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-    if lse.dtype != "float32":
-        raise TypeError(f"lse must have dtype float32 (as the forward returns it), got {lse.dtype}")
-    if lse.shape != lse_shape:
-        raise ValueError(f"lse must have shape (batch, nheads, seqlen_q) = {lse_shape}, got {lse.shape}")
-    if lse.shape[-1] > 1 and lse.strides[-1] != 1 and 0 not in lse.shape:
-        raise ValueError(f"lse must be contiguous in its last dimension (stride 1), got strides {lse.strides}")
+    _check_lse(lse, (problem.batch, problem.nheads, problem.seqlen_q))
     for grad, like in ((dq, q), (dk, k), (dv, v)):
         _check_like(grad, like, "")
         if grad is not None:

@@ -15,7 +15,7 @@ from ._kernels import (
 from ._loader import loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
 from ._tiling import backward_tiling, forward_tiling
-from ._validation import AttentionProblem, check_backward, check_forward, check_same_device, meta_of
+from ._validation import AttentionProblem, check_backward, check_forward, meta_of
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -23,7 +23,7 @@ _MAX_GRID_X = 2**31 - 1
 _ELEMENTWISE_BLOCKS = 4096
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -42,6 +42,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         return_lse: also return the log-sum-exp of each query row.
         out: optional (batch, seqlen_q, nheads, head_dim) array of q's dtype to
             write the output into (not for JAX, whose arrays are immutable).
+        lse: optional (batch, nheads, seqlen_q) C-contiguous float32 array to
+            write the log-sum-exp into. With ``out`` and ``lse`` given the call
+            allocates nothing, as CUDA graph capture needs.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
@@ -50,7 +53,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         framework (PyTorch's current stream, CuPy's current stream).
     """
     return _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              return_lse=return_lse, out=out)
+                              return_lse=return_lse, out=out, lse=lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
@@ -125,35 +128,22 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
 
 def _attention_forward(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                        out=None, lse=None):
-    """``attention`` with an optional preallocated CuPy ``lse`` buffer (tests
-    poison it to prove that every element gets written)."""
     arrays = {"q": q, "k": k, "v": v}
-    if out is not None:
-        arrays["out"] = out
-    with _call(arrays, immutable_outputs=("out",) if out is not None else ()) as (bridge, views):
+    given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
+    with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
-                                causal=causal, softmax_scale=softmax_scale)
+                                causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"))
         lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-        if lse is not None:
-            lse_meta = meta_of("lse", lse)
-            check_same_device([metas["q"], lse_meta])
-            if lse_meta.shape != lse_shape or lse_meta.dtype != "float32" or not lse.flags.c_contiguous:
-                raise ValueError(f"lse must be a C-contiguous float32 array of shape {lse_shape}")
-        if out is None:
-            out_native, out_view = bridge.empty(tuple(views["q"].shape), views["q"].dtype)
-        else:
-            out_native, out_view = out, views["out"]
-        if lse is None:
-            lse_native, lse_view = bridge.empty(lse_shape, "float32")
-        else:
-            lse_native, lse_view = lse, lse
+        outputs = {}
+        for name, shape, dtype in (("out", tuple(views["q"].shape), views["q"].dtype), ("lse", lse_shape, "float32")):
+            outputs[name] = (given[name], views[name]) if name in given else bridge.empty(shape, dtype)
         if not problem.is_empty:
-            _launch_forward(problem, views["q"], views["k"], views["v"], out_view, lse_view, bridge.stream)
-        result = bridge.export(out_native, out_view) if out is None else out
-        if return_lse:
-            return result, bridge.export(lse_native, lse_view)
-        return result
+            _launch_forward(problem, views["q"], views["k"], views["v"], outputs["out"][1], outputs["lse"][1],
+                            bridge.stream)
+        results = [given[name] if name in given else bridge.export(*outputs[name])
+                   for name in (("out", "lse") if return_lse else ("out",))]
+        return tuple(results) if return_lse else results[0]
 
 
 def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:

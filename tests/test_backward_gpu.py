@@ -8,7 +8,6 @@ import math
 import pytest
 
 import cuflash
-from cuflash.api import _attention_forward
 from cuflash.reference import attention_backward_reference
 
 from tests.helpers import (
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.gpu
 def forward_for_backward(q, k, v, *, causal, softmax_scale=None, seed=0):
     """out and lse from cuflash's forward, and a random dout."""
     cupy = _cupy()
-    out, lse = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     rng = cupy.random.default_rng(seed + 12345)
     dout = rng.standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
     return dout, out, lse

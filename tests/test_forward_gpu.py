@@ -8,7 +8,6 @@ import math
 import pytest
 
 import cuflash
-from cuflash.api import _attention_forward
 from cuflash.reference import attention_reference
 
 from tests.helpers import (
@@ -44,8 +43,9 @@ def run_and_check(q, k, v, *, causal, softmax_scale=None):
     scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     lse = cupy.full((batch, nheads, seqlen_q), cupy.nan, dtype=cupy.float32)
-    result = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
-    assert result is out
+    result, lse_result = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
+                                           return_lse=True)
+    assert result is out and lse_result is lse
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     baseline = None
     if q.dtype != cupy.float32:
@@ -221,7 +221,8 @@ def test_bad_forward_input_is_rejected_before_launch(case, monkeypatch):
     monkeypatch.setattr(api, "_launch_forward", lambda *a, **k: pytest.fail("launched on bad input"))
     arrays = make_cupy_arrays(case)
     with pytest.raises(case.error, match=case.match):
-        cuflash.attention(arrays["q"], arrays["k"], arrays["v"], out=arrays.get("out"), **case.options)
+        cuflash.attention(arrays["q"], arrays["k"], arrays["v"], out=arrays.get("out"), lse=arrays.get("lse"),
+                          **case.options)
 
 
 def test_generic_dlpack_producer_gives_cupy():

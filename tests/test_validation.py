@@ -21,7 +21,7 @@ def meta(name, shape, dtype="float16", strides=None, device=0):
 def test_bad_forward_input_is_rejected(case):
     metas = {name: meta(name, **spec) for name, spec in case.arrays().items()}
     with pytest.raises(case.error, match=case.match):
-        check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"), **case.options)
+        check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"), lse=metas.get("lse"), **case.options)
 
 
 @pytest.mark.parametrize("case", BAD_BACKWARD_CASES, ids=lambda c: c.id)

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cuflash._validation import contiguous_strides
+
+__all__ = ["BAD_BACKWARD_CASES", "BAD_FORWARD_CASES", "GOOD_BACKWARD_SHAPES", "GOOD_SHAPES", "contiguous_strides",
+           "make_cupy_arrays"]
+
 GOOD_SHAPES = {"q": (2, 17, 4, 40), "k": (2, 33, 2, 40), "v": (2, 33, 2, 40)}
 GOOD_BACKWARD_SHAPES = {**GOOD_SHAPES, "dout": (2, 17, 4, 40), "out": (2, 17, 4, 40), "lse": (2, 4, 17)}
 #: dtype of each array of a good call; float16 where not named.
 GOOD_DTYPES = {"lse": "float32"}
 
 
-def contiguous_strides(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -81,6 +80,12 @@ BAD_FORWARD_CASES = [
     BadCase("scale-not-a-number", TypeError, "softmax_scale must be a real number or None, got str",
             options=_options(softmax_scale="0.1")),
     BadCase("causal-not-bool", TypeError, "causal must be a bool, got str 'yes'", options=_options(causal="yes")),
+    BadCase("lse-buffer-wrong-dtype", TypeError, "lse must have dtype float32 .* got float16",
+            {"lse": {"shape": (2, 4, 17), "dtype": "float16"}}),
+    BadCase("lse-buffer-wrong-shape", ValueError, r"lse must have shape \(batch, nheads, seqlen_q\) = \(2, 4, 17\), got \(2, 17, 4\)",
+            {"lse": {"shape": (2, 17, 4), "dtype": "float32"}}),
+    BadCase("lse-buffer-not-contiguous", ValueError, r"lse must be C-contiguous, got strides \(136, 34, 1\)",
+            {"lse": {"shape": (2, 4, 17), "dtype": "float32", "strides": (136, 34, 1)}}),
 ]
 
 
