@@ -61,8 +61,8 @@ def framework_of(x, name: str) -> str:
     if jax is not None and isinstance(x, jax.Array):
         if _is_jax_tracer(x):
             raise TypeError(
-                f"{name} is a traced JAX value: cuflash takes concrete JAX arrays only "
-                f"(call it outside jax.jit / jax.grad tracing)"
+                f"{name} is a traced JAX value: cuflash works eagerly only, on concrete JAX arrays "
+                f"(call it outside jax.jit; eager jax.grad through cuflash.jax.attention works)"
             )
         platforms = {device.platform for device in x.devices()}
         if platforms != {"gpu"}:

@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ def predictions(machine_name: str) -> list[dict]:
 
 def profile(out_dir: Path) -> list[dict]:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    log = out_dir / "ncu_raw.csv"
+    log = Path(tempfile.mkdtemp()) / "ncu_raw.csv"
     command = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", "regex:flash_",
                "--metrics", ",".join(METRICS.values()), "--csv", "--page", "raw", "--log-file", str(log),
                sys.executable, __file__, "--workload"]

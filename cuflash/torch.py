@@ -1,0 +1,143 @@
+"""PyTorch integration: differentiable attention as a ``torch.library``
+custom op (so ``torch.compile(fullgraph=True)`` traces through it), and
+drop-in replacements for ``torch.nn.functional.scaled_dot_product_attention``
+and ``flash_attn.flash_attn_func``.
+
+Importing this module imports PyTorch; ``import cuflash`` alone never does.
+Kernels run on PyTorch's current stream; outputs and work buffers come from
+PyTorch's caching allocator, so CUDA graph capture works (after one warm-up
+call has compiled the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import api
+from ._validation import check_causal, resolve_softmax_scale
+
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
+
+
+@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); ``deterministic`` is only carried to the backward."""
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+
+
+@_forward_op.register_fake
+def _forward_fake(q, k, v, causal, softmax_scale, deterministic):
+    batch, seqlen_q, nheads, _ = q.shape
+    # The real op returns fresh contiguous tensors, whatever q's strides.
+    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, causal: bool, softmax_scale: float,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+        # Autograd can hand over an expanded gradient (stride 0 everywhere,
+        # from a .sum()); the kernels need a contiguous last dimension.
+        dout = dout.contiguous()
+    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                  deterministic=deterministic)
+
+
+@_backward_op.register_fake
+def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.deterministic = deterministic
+
+
+def _backward(ctx, dout, dlse):
+    # The log-sum-exp is an auxiliary output that the public functions never
+    # return, so no gradient flows into it (dlse is None or zero).
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                                      ctx.deterministic)
+    return dq, dk, dv, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _forward(q, k, v, causal, softmax_scale, deterministic=False):
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
+    return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, bool(deterministic))[0]
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None):
+    """Differentiable ``cuflash.attention`` for PyTorch tensors.
+
+    q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
+    head_dim), nheads_k dividing nheads. Causal masking is bottom-right
+    aligned (FlashAttention-2). Returns the output (batch, seqlen_q, nheads,
+    head_dim); gradients flow to q, k and v through cuflash's backward.
+    """
+    return _forward(q, k, v, causal, softmax_scale)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
+    (batch, heads, seqlen, dim) CUDA tensors: the layout change is a view,
+    no copy. Not supported yet (``NotImplementedError``): ``attn_mask``,
+    ``dropout_p > 0``, and ``is_causal`` with seqlen_q != seqlen_k (PyTorch
+    aligns that mask to the top-left corner, cuflash to the bottom-right)."""
+    unsupported = []
+    if attn_mask is not None:
+        unsupported.append("attn_mask")
+    if dropout_p:
+        unsupported.append(f"dropout_p={dropout_p}")
+    if unsupported:
+        raise NotImplementedError(
+            f"cuflash.torch.scaled_dot_product_attention does not support {', '.join(unsupported)} yet"
+        )
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be (batch, heads, seqlen, dim), got shape {tuple(tensor.shape)}")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"key has {key.shape[1]} heads but query has {query.shape[1]}; pass enable_gqa=True for "
+            "grouped-query attention"
+        )
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            "is_causal with different query and key lengths: PyTorch's SDPA aligns the mask to the top-left "
+            "corner, cuflash to the bottom-right; use cuflash.torch.attention(causal=True) for the latter"
+        )
+    out = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale)
+    return out.transpose(1, 2)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """Drop-in for ``flash_attn.flash_attn_func`` (FlashAttention-2): q
+    (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k,
+    head_dim), bottom-right causal alignment, ``deterministic`` for a
+    bitwise-repeatable backward. Not supported yet (``NotImplementedError``):
+    dropout, sliding windows, softcapping, ALiBi, ``return_attn_probs``."""
+    unsupported = []
+    if dropout_p:
+        unsupported.append(f"dropout_p={dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        unsupported.append(f"window_size={tuple(window_size)}")
+    if softcap:
+        unsupported.append(f"softcap={softcap}")
+    if alibi_slopes is not None:
+        unsupported.append("alibi_slopes")
+    if return_attn_probs:
+        unsupported.append("return_attn_probs=True")
+    if unsupported:
+        raise NotImplementedError(f"cuflash.torch.flash_attn_func does not support {', '.join(unsupported)} yet")
+    return _forward(q, k, v, causal, softmax_scale, deterministic)

@@ -1,0 +1,437 @@
+"""cuflash.torch and cuflash.jax on the GPU: autograd, torch.compile, the
+SDPA and flash_attn drop-ins, streams, CUDA graphs, several GPUs, and short
+training runs against the frameworks' own attention."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import attention_backward_reference, attention_reference
+
+from tests.helpers import assert_output_accurate, naive_attention_backward_same_precision, naive_attention_same_precision
+
+pytestmark = pytest.mark.gpu
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _ct():
+    _torch()
+    import cuflash.torch as ct
+
+    return ct
+
+
+def _baselines(q, k, v, dout, causal):
+    import cupy
+
+    views = [cupy.from_dlpack(x.detach()) for x in (q, k, v, dout)]
+    scale = 1 / math.sqrt(q.shape[-1])
+    out = naive_attention_same_precision(*views[:3], causal=causal, softmax_scale=scale)
+    return out, naive_attention_backward_same_precision(views[3], *views[:3], causal=causal, softmax_scale=scale)
+
+
+def _qkv(torch, shape_q, shape_kv, dtype, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(*shape_q, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(*shape_kv, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(*shape_kv, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_attention_autograd(dtype, causal):
+    torch, ct = _torch(), _ct()
+    q, k, v = _qkv(torch, (2, 300, 8, 64), (2, 310, 2, 64), getattr(torch, dtype))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = ct.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    arrays = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
+    ref_out, _ = attention_reference(*arrays[:3], causal=causal)
+    ref_grads = attention_backward_reference(arrays[3], *arrays[:3], causal=causal)
+    base_out, base_grads = _baselines(q, k, v, dout, causal)
+    assert_output_accurate(out.detach(), ref_out, base_out)
+    for got, want, base in zip((q.grad, k.grad, v.grad), ref_grads, base_grads):
+        assert_output_accurate(got, want, base)
+
+
+def test_torch_opcheck():
+    torch, _ = _torch(), _ct()
+    q, k, v = _qkv(torch, (1, 64, 4, 32), (1, 80, 2, 32), torch.bfloat16)
+    for x in (q, k, v):
+        x.requires_grad_()
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.2, False))
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, True, 0.2, False)
+    torch.library.opcheck(torch.ops.cuflash.attention_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.2, False))
+
+
+def test_torch_compile_fullgraph():
+    torch, ct = _torch(), _ct()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+        def forward(self, q, k, v):
+            return self.proj(ct.attention(q, k, v, causal=True)).sum()
+
+    model = Model()
+    q, k, v = _qkv(torch, (2, 128, 4, 64), (2, 128, 4, 64), torch.bfloat16)
+    eager_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    compiled_inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+    eager = model(*eager_inputs)
+    eager.backward()
+    compiled = torch.compile(model, fullgraph=True)(*compiled_inputs)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+    for a, b in zip(compiled_inputs, eager_inputs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_drop_in_matches_pytorch(gqa):
+    torch, ct = _torch(), _ct()
+    heads_kv = 2 if gqa else 8
+    q, k, v = _qkv(torch, (2, 8, 257, 64), (2, heads_kv, 257, 64), torch.float32, seed=4)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ours_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3, enable_gqa=gqa)
+    ours = ct.scaled_dot_product_attention(*ours_leaves, is_causal=True, scale=0.3, enable_gqa=gqa)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    ours.backward(dout)
+    for a, b in zip(ours_leaves, leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_sdpa_drop_in_rejects_unsupported_arguments():
+    torch, ct = _torch(), _ct()
+    q = torch.randn(1, 2, 8, 16, device="cuda")
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        ct.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device="cuda"))
+    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+        ct.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="top-left"):
+        ct.scaled_dot_product_attention(q, q[:, :, :5], q[:, :, :5], is_causal=True)
+    with pytest.raises(ValueError, match="enable_gqa=True"):
+        ct.scaled_dot_product_attention(q, q[:, :1], q[:, :1])
+
+
+def test_flash_attn_func_drop_in():
+    torch, ct = _torch(), _ct()
+    q, k, v = _qkv(torch, (2, 200, 8, 128), (2, 260, 4, 128), torch.bfloat16, seed=5)
+    out = ct.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(out, ct.attention(q, k, v, causal=True), rtol=0, atol=0)
+    grads = []
+    for _ in range(3):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ct.flash_attn_func(*leaves, causal=True, deterministic=True).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for later in grads[1:]:
+        for a, b in zip(later, grads[0]):
+            assert torch.equal(a, b)
+    for kwargs, name in ((dict(dropout_p=0.1), "dropout_p"), (dict(window_size=(8, 0)), "window_size"),
+                         (dict(softcap=30.0), "softcap"), (dict(alibi_slopes=torch.ones(8)), "alibi_slopes"),
+                         (dict(return_attn_probs=True), "return_attn_probs")):
+        with pytest.raises(NotImplementedError, match=name):
+            ct.flash_attn_func(q, k, v, **kwargs)
+
+
+def test_torch_forward_and_backward_on_a_side_stream():
+    """The inputs are produced on a side stream behind a long sleep; cuflash
+    must run its forward and backward on that stream to see them."""
+    torch, ct = _torch(), _ct()
+    q_src, k_src, v_src = _qkv(torch, (2, 512, 4, 64), (2, 512, 4, 64), torch.float32, seed=6)
+    dout = torch.randn_like(q_src)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        q = torch.zeros_like(q_src, requires_grad=True)
+        torch.cuda._sleep(200_000_000)
+        with torch.no_grad():
+            q.copy_(q_src)
+        out = ct.attention(q, k_src, v_src)
+        out.backward(dout)
+        results = (out.detach().clone(), q.grad.clone())
+    side.synchronize()
+    arrays = [x.double().cpu().numpy() for x in (q_src, k_src, v_src, dout)]
+    assert_output_accurate(results[0], attention_reference(*arrays[:3])[0])
+    assert_output_accurate(results[1], attention_backward_reference(arrays[3], *arrays[:3])[0])
+
+
+_SPIN_AND_COPY = r"""
+extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"""
+
+
+def test_cupy_stream_context():
+    import cupy
+
+    spin = cupy.RawKernel(_SPIN_AND_COPY, "spin_and_copy")
+    rng = cupy.random.default_rng(7)
+    q_src, k, v = (rng.standard_normal((2, 400, 4, 64), dtype=cupy.float32) for _ in range(3))
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        q = cupy.zeros_like(q_src)
+        spin((64,), (256,), (q_src, q, np.int64(q.size), np.int64(400_000_000)))
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        dq, dk, dv = cuflash.attention_backward(cupy.ones_like(out), q, k, v, out, lse, causal=True)
+        stream.synchronize()
+    ref = attention_reference(q_src, k, v, causal=True)[0]
+    assert_output_accurate(out, ref)
+    assert_output_accurate(dq, attention_backward_reference(cupy.ones_like(out), q_src, k, v, causal=True)[0])
+
+
+def test_torch_cuda_graph_capture_and_replay():
+    torch, ct = _torch(), _ct()
+    shape = (2, 256, 4, 64)
+    static = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+    static_dout = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
+        for _ in range(2):
+            for x in static:
+                x.grad = None
+            ct.attention(*static, causal=True).backward(static_dout)
+    torch.cuda.current_stream().wait_stream(side)
+    for x in static:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ct.attention(*static, causal=True)
+        static_out.backward(static_dout)
+    for seed in (10, 11):
+        fresh = _qkv(torch, shape, shape, torch.bfloat16, seed=seed)
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = [x.clone().requires_grad_() for x in fresh]
+        expected = ct.attention(*eager, causal=True)
+        expected.backward(static_dout)
+        torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+        for captured, x in zip(static, eager):
+            torch.testing.assert_close(captured.grad, x.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_cupy_stream_capture_allocates_nothing():
+    import cupy
+
+    rng = cupy.random.default_rng(8)
+    q, k, v = (rng.standard_normal((2, 300, 4, 64), dtype=cupy.float32) for _ in range(3))
+    out = cupy.empty_like(q)
+    lse = cupy.empty((2, 4, 300), dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        cuflash.attention(q, k, v, causal=True, out=out, lse=lse)  # warm-up: compile and load
+        stream.synchronize()
+
+        def no_allocation(size):
+            raise AssertionError(f"CuPy's pool allocated {size} bytes during capture")
+
+        previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(no_allocation)
+        try:
+            stream.begin_capture()
+            cuflash.attention(q, k, v, causal=True, out=out, lse=lse)
+            graph = stream.end_capture()
+        finally:
+            cupy.cuda.set_allocator(previous)
+        for seed in (1, 2):
+            fresh = cupy.random.default_rng(seed).standard_normal(q.shape, dtype=cupy.float32)
+            q[...] = fresh
+            graph.launch(stream)
+            stream.synchronize()
+            ref_out, ref_lse = attention_reference(q, k, v, causal=True)
+            assert_output_accurate(out, ref_out)
+            assert np.allclose(lse.get(), ref_lse.get(), atol=1e-4)
+
+
+def test_inputs_on_the_second_gpu_stay_there():
+    torch, ct = _torch(), _ct()
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch.cuda.set_device(0)
+    torch.cuda.synchronize(0)
+    before = torch.cuda.mem_get_info(0)[0]
+    allocated_before = torch.cuda.memory_allocated(0)
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda:1", requires_grad=True) for _ in range(3))
+    out = ct.attention(q, k, v, causal=True)
+    out.sum().backward()
+    torch.cuda.synchronize(1)
+    assert out.device == torch.device("cuda:1") and q.grad.device == torch.device("cuda:1")
+    assert torch.cuda.memory_allocated(0) == allocated_before
+    assert torch.cuda.mem_get_info(0)[0] >= before - 2**20  # no buffer on GPU 0 (context pages aside)
+    arrays = [x.detach().double().cpu().numpy() for x in (q, k, v)]
+    assert_output_accurate(out.detach(), attention_reference(*arrays, causal=True)[0])
+
+
+def test_jax_custom_vjp_gradients():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.jax as cj
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (2, 150, 4, 64), dtype=jnp.float32)
+    k = jax.random.normal(keys[1], (2, 170, 2, 64), dtype=jnp.float32)
+    v = jax.random.normal(keys[2], (2, 170, 2, 64), dtype=jnp.float32)
+    weights = jax.random.normal(keys[3], q.shape, dtype=jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(cj.attention(q, k, v, causal=True) * weights)
+
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    arrays = [np.asarray(x, dtype=np.float64) for x in (q, k, v, weights)]
+    ref_out, _ = attention_reference(*arrays[:3], causal=True)
+    assert float(value) == pytest.approx(float((ref_out * arrays[3]).sum()), rel=1e-5)
+    for got, want in zip(grads, attention_backward_reference(arrays[3], *arrays[:3], causal=True)):
+        assert_output_accurate(np.asarray(got), want)
+    with pytest.raises(TypeError, match="eagerly"):
+        jax.jit(loss)(q, k, v)
+
+
+# --- end-to-end: a small transformer block trained for 50 steps in bfloat16 ---
+
+E2E_STEPS, E2E_VOCAB, E2E_DIM, E2E_HEADS, E2E_SEQ, E2E_BATCH = 50, 64, 128, 2, 64, 16
+#: Stated tolerance: at every step the two loss curves differ by at most 3% of the initial loss.
+E2E_TOLERANCE = 0.03
+
+
+def _record_e2e(name: str, ours, reference) -> float:
+    """Max gap of the two loss curves as a fraction of the initial loss;
+    both curves go to $OUT/e2e_losses.json when OUT is set (gpu_check.sh)."""
+    gap = float(np.abs(ours - reference).max() / reference[0])
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "e2e_losses.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[name] = {"cuflash": ours.tolist(), "reference": reference.tolist(), "max_gap_of_initial": gap,
+                      "tolerance": E2E_TOLERANCE}
+        path.write_text(json.dumps(data, indent=1))
+    return gap
+
+
+def _copy_task(rng, batch):
+    """Tokens and targets of a copy task (predict the previous token), learnable by causal attention."""
+    tokens = rng.integers(0, E2E_VOCAB, size=(batch, E2E_SEQ))
+    targets = np.concatenate([tokens[:, :1], tokens[:, :-1]], axis=1)
+    return tokens, targets
+
+
+def _torch_losses(attention_fn):
+    torch = _torch()
+    torch.manual_seed(0)
+    dim, heads = E2E_DIM, E2E_HEADS
+    head_dim = dim // heads
+    embed = torch.nn.Embedding(E2E_VOCAB, dim).cuda()
+    positions = torch.nn.Embedding(E2E_SEQ, dim).cuda()
+    norm1, norm2 = torch.nn.LayerNorm(dim).cuda(), torch.nn.LayerNorm(dim).cuda()
+    qkv, proj = torch.nn.Linear(dim, 3 * dim).cuda(), torch.nn.Linear(dim, dim).cuda()
+    mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)).cuda()
+    head = torch.nn.Linear(dim, E2E_VOCAB).cuda()
+    modules = torch.nn.ModuleList([embed, positions, norm1, norm2, qkv, proj, mlp, head])
+    optimizer = torch.optim.Adam(modules.parameters(), lr=3e-3)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(E2E_STEPS):
+        tokens, targets = (torch.as_tensor(x, device="cuda") for x in _copy_task(rng, E2E_BATCH))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            x = embed(tokens) + positions.weight[: tokens.shape[1]]
+            b, s, _ = x.shape
+            q, k, v = qkv(norm1(x)).view(b, s, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+            attended = attention_fn(q, k, v, is_causal=True)  # (b, h, s, d) in bfloat16
+            assert attended.dtype == torch.bfloat16
+            x = x + proj(attended.transpose(1, 2).reshape(b, s, dim))
+            x = x + mlp(norm2(x))
+            loss = torch.nn.functional.cross_entropy(head(x).float().reshape(-1, E2E_VOCAB), targets.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+def test_end_to_end_training_tracks_pytorch_sdpa():
+    torch, ct = _torch(), _ct()
+    ours = _torch_losses(ct.scaled_dot_product_attention)
+    reference = _torch_losses(torch.nn.functional.scaled_dot_product_attention)
+    gap = _record_e2e("torch_sdpa", ours, reference)
+    print(f"torch e2e: loss {reference[0]:.3f} -> {reference[-1]:.3f} (SDPA), {ours[-1]:.3f} (cuflash); "
+          f"max gap {gap:.4f} of the initial loss")
+    assert reference[-5:].mean() < reference[:5].mean() and ours[-5:].mean() < ours[:5].mean()  # both learn
+    assert gap <= E2E_TOLERANCE
+
+
+def _jax_losses(attention_fn):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    import optax
+
+    dim, heads = E2E_DIM, E2E_HEADS
+    head_dim = dim // heads
+    keys = jax.random.split(jax.random.PRNGKey(0), 7)
+    init = lambda key, shape: jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[0])  # noqa: E731
+    params = {"embed": jax.random.normal(keys[0], (E2E_VOCAB, dim)), "qkv": init(keys[1], (dim, 3 * dim)),
+              "proj": init(keys[2], (dim, dim)), "up": init(keys[3], (dim, 4 * dim)),
+              "down": init(keys[4], (4 * dim, dim)), "head": init(keys[5], (dim, E2E_VOCAB)),
+              "pos": 0.02 * jax.random.normal(keys[6], (E2E_SEQ, dim))}
+    optimizer = optax.adam(3e-3)
+    state = optimizer.init(params)
+
+    def layer_norm(x):
+        return (x - x.mean(-1, keepdims=True)) / jnp.sqrt(x.var(-1, keepdims=True) + 1e-5)
+
+    def loss_fn(params, tokens, targets):
+        x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+        b, s, _ = x.shape
+        qkv = (layer_norm(x) @ params["qkv"]).reshape(b, s, 3, heads, head_dim).astype(jnp.bfloat16)
+        attended = attention_fn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).astype(jnp.float32)
+        x = x + attended.reshape(b, s, dim) @ params["proj"]
+        x = x + jax.nn.gelu(layer_norm(x) @ params["up"]) @ params["down"]
+        logits = x @ params["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(E2E_STEPS):
+        tokens, targets = _copy_task(rng, E2E_BATCH)
+        loss, grads = jax.value_and_grad(loss_fn)(params, jnp.asarray(tokens), jnp.asarray(targets))
+        updates, state = optimizer.update(grads, state)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+def test_end_to_end_training_tracks_jax_dot_product_attention():
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("optax")
+    import cuflash.jax as cj
+
+    ours = _jax_losses(lambda q, k, v: cj.attention(q, k, v, causal=True))
+    reference = _jax_losses(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+    gap = _record_e2e("jax_dot_product_attention", ours, reference)
+    print(f"jax e2e: loss {reference[0]:.3f} -> {reference[-1]:.3f} (jax), {ours[-1]:.3f} (cuflash); "
+          f"max gap {gap:.4f} of the initial loss")
+    assert reference[-5:].mean() < reference[:5].mean() and ours[-5:].mean() < ours[:5].mean()
+    assert gap <= E2E_TOLERANCE
