@@ -117,6 +117,10 @@ class Bridge:
         if framework == JAX:
             # JAX runs on streams of its own; wait until x is computed.
             x.block_until_ready()
+        if framework == TORCH and x.requires_grad:
+            # PyTorch refuses to export a tensor that requires grad; the
+            # kernels only read it, and detach() is a view, not a copy.
+            x = x.detach()
         return cupy.from_dlpack(x)
 
     def empty(self, shape: tuple[int, ...], dtype):
