@@ -71,8 +71,9 @@ def test_torch_opcheck():
         x.requires_grad_()
     torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.2, False))
     out, lse = torch.ops.cuflash.attention_forward(q, k, v, True, 0.2, False)
+    # The backward op takes plain tensors (no double backward through cuflash).
     torch.library.opcheck(torch.ops.cuflash.attention_backward.default,
-                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.2, False))
+                          (torch.randn_like(out), *(x.detach() for x in (q, k, v, out, lse)), True, 0.2, False))
 
 
 def test_torch_compile_fullgraph():
