@@ -1,0 +1,42 @@
+"""Every kernel variant the launcher can ask for compiles for sm_90a, and
+ptxas reports its resources (CPU: nvcc only, no GPU)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_every_variant_compiles_and_is_reported():
+    import kernel_report
+
+    variants = kernel_report.all_variants()
+    rows = kernel_report.compile_report(variants, "sm_90a")
+    assert len(rows) == len(variants) == len({v.key for v in variants})
+    for row in rows:
+        assert row["registers"] > 0 and row["registers"] <= 255
+        # The SIMT kernels are not the fast path; a few bytes of spill in a
+        # few of them are tolerated here (see the closing notes), not more.
+        assert row["spill_stores"] <= 64, row
+
+
+@needs_nvcc
+def test_report_command_line_on_a_subset():
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--arch", "sm_80",
+                             "--only", "forward/bfloat16/hdim128", "--json"], capture_output=True, text=True,
+                            check=True)
+    import json
+
+    rows = json.loads(result.stdout)
+    assert {r["variant"] for r in rows} == {"forward/bfloat16/hdim128/m32n64w4/full",
+                                           "forward/bfloat16/hdim128/m32n64w4/causal"}
+    assert all(r["arch"] == "sm_80" and r["dynamic_smem"] > 0 for r in rows)

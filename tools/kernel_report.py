@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Compile every kernel variant without a GPU and report its resources.
+
+Writes one translation unit that explicitly instantiates every variant the
+launcher can ask for (the same tables: ``cuflash/_tiling.py`` and
+``cuflash/_kernels.py``), compiles it with ``nvcc -cubin -Xptxas -v`` for each
+architecture, and prints registers, stack frame, spill stores/loads and the
+dynamic shared memory per variant. ``--fail-on-spill`` exits 1 if any variant
+selected by ``--only`` spills to local memory.
+
+  python3 tools/kernel_report.py [--arch sm_90a --arch sm_80] [--only forward/bfloat16] [--json] [--fail-on-spill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from cuflash import _kernels  # noqa: E402
+from cuflash._loader import kernel_source_dir  # noqa: E402
+from cuflash._tiling import ELEMENT_SIZE, HEAD_DIM_BUCKETS, backward_tiling, forward_tiling  # noqa: E402
+
+_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams"}
+_ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gencode=arch=compute_90,code=sm_90",
+               "sm_80": "-gencode=arch=compute_80,code=sm_80"}
+
+
+def all_variants() -> list[_kernels.KernelVariant]:
+    """Every instantiation the launcher can request."""
+    variants = []
+    for dtype in ELEMENT_SIZE:
+        for head_dim in HEAD_DIM_BUCKETS:
+            fwd, bwd = forward_tiling(dtype, head_dim), backward_tiling(dtype, head_dim)
+            for causal in (False, True):
+                variants.append(_kernels.forward_variant(dtype, fwd, causal))
+                variants.append(_kernels.backward_dq_variant(dtype, fwd, causal))
+                for accumulate in (False, True):
+                    variants.append(_kernels.backward_dkdv_variant(dtype, bwd, causal, accumulate))
+        for kind in ("preprocess", "convert_dq"):
+            variants.append(_kernels.backward_elementwise_variant(kind, dtype))
+    return variants
+
+
+def _params_type(variant: _kernels.KernelVariant) -> str:
+    short = variant.function.split("::")[-1]
+    return _PARAMS.get(short, "cuflash::BackwardParams")
+
+
+def _translation_unit(variants) -> str:
+    sources = sorted({v.source for v in variants})
+    lines = [f'#include "{source}"' for source in sources]
+    lines += [f"template __global__ void {v.name_expression}(const {_params_type(v)});" for v in variants]
+    return "\n".join(lines) + "\n"
+
+
+def _demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None:
+        raise SystemExit("needs cu++filt or c++filt to read ptxas's report")
+    result = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()
+
+
+def _normalise(expression: str) -> str:
+    return re.sub(r"\s+", "", expression)
+
+
+def compile_report(variants, arch: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "all_variants.cu"
+        source.write_text(_translation_unit(variants))
+        command = ["nvcc", "-std=c++17", "-cubin", _ARCH_FLAGS[arch], "-Xptxas", "-v",
+                   f"-I{kernel_source_dir()}", str(source), "-o", str(Path(tmp) / "all.cubin")]
+        result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"nvcc failed for {arch}:\n{result.stderr[-4000:]}")
+    entries, current = {}, None
+    for line in result.stderr.splitlines():
+        if match := re.search(r"Compiling entry function '(\w+)'", line):
+            current = match.group(1)
+            entries[current] = {}
+        elif current and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            entries[current].update(stack=int(match.group(1)), spill_stores=int(match.group(2)),
+                                    spill_loads=int(match.group(3)))
+        elif current and (match := re.search(r"Used (\d+) registers", line)):
+            entries[current]["registers"] = int(match.group(1))
+    by_expression = {}
+    for mangled, demangled in zip(entries, _demangle(list(entries))):
+        expression = demangled.removeprefix("void ").split("(")[0]
+        by_expression[_normalise(expression)] = entries[mangled]
+    rows = []
+    for variant in variants:
+        found = by_expression.get(_normalise(variant.name_expression))
+        if found is None:
+            raise SystemExit(f"no ptxas report for {variant.name_expression} ({arch})")
+        rows.append({"variant": variant.key, "arch": arch, "threads": variant.threads,
+                     "dynamic_smem": variant.smem_bytes, **found})
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", choices=sorted(_ARCH_FLAGS), help="default: sm_90a and sm_80")
+    parser.add_argument("--only", default="", help="substring of the variant keys to report")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--fail-on-spill", action="store_true")
+    args = parser.parse_args()
+    variants = [v for v in all_variants() if args.only in v.key]
+    if not variants:
+        raise SystemExit(f"no variant key contains {args.only!r}")
+    rows = [row for arch in (args.arch or ["sm_90a", "sm_80"]) for row in compile_report(variants, arch)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'variant':58} {'arch':7} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8} {'smem':>7}")
+        for r in rows:
+            print(f"{r['variant']:58} {r['arch']:7} {r['registers']:4d} {r['stack']:5d} {r['spill_stores']:8d} "
+                  f"{r['spill_loads']:8d} {r['dynamic_smem']:7d}")
+    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    if spilling:
+        print(f"{len(spilling)} variant(s) spill: " + ", ".join(f"{r['variant']} ({r['arch']})" for r in spilling),
+              file=sys.stderr)
+    return 1 if args.fail_on_spill and spilling else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
