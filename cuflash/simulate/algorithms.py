@@ -242,43 +242,43 @@ def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
     pairs = sum(b.rows * b.keys for b in sweep)
     concurrent = min(heads, machine.sms)
     nq, nk = p.seqlen_q, p.seqlen_k
-    if "fwd" in passes:
-        working = 2 * nq * d * e + 2 * nq * f + 2 * bc * d * e
+    def resident(pass_name: str, working: int) -> bool:
+        """Whether the concurrent blocks' per-head working sets fit in L2."""
         hit = _fits(machine, concurrent * working)
-        t.notes.append(f"flash1 forward: per-head working set {working} B × {concurrent} blocks "
+        t.notes.append(f"flash1 {pass_name}: per-head working set {working} B × {concurrent} blocks "
                        f"{'fits' if hit else 'does not fit'} in L2")
+        return hit
+
+    def revisited(kind: str, tensor: str, size: int, element: int, hit: bool, formula: str) -> None:
+        """A row slice touched for every visited (i, j); from DRAM once per row if resident."""
+        t.access(tensor, kind, heads * visited_rows * size, element_size=element,
+                 dram=heads * distinct_rows * size if hit else None, formula=formula)
+
+    if "fwd" in passes:
+        hit = resident("forward", 2 * nq * d * e + 2 * nq * f + 2 * bc * d * e)
         t.write("O", heads * nq * d * e, element_size=e, formula="initialise O = 0 in HBM: B·H·Nq·d")
         t.write("l", heads * nq * f, element_size=f, formula="initialise l = 0 in HBM: B·H·Nq")
         t.write("m", heads * nq * f, element_size=f, formula="initialise m = -inf in HBM: B·H·Nq")
         t.read("K", heads * nk * d * e, element_size=e, formula="K_j once per outer step: B·H·Nk·d")
         t.read("V", heads * nk * d * e, element_size=e, formula="V_j once per outer step: B·H·Nk·d")
         for tensor, size, element in (("Q", d * e, e), ("O", d * e, e), ("l", f, f), ("m", f, f)):
-            once = heads * distinct_rows * size
-            t.read(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
-                   formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j·{'d' if element == e else '1'}")
+            revisited("read", tensor, size, element, hit,
+                      f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j·{'d' if element == e else '1'}")
         for tensor, size, element in (("O", d * e, e), ("l", f, f), ("m", f, f)):
-            once = heads * distinct_rows * size
-            t.write(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
-                    formula=f"{tensor}_i written back for every visited (i, j)")
+            revisited("write", tensor, size, element, hit, f"{tensor}_i written back for every visited (i, j)")
         t.flops(4 * heads * pairs * d, heads * (NONMATMUL["flash_fwd"] + 1) * pairs + heads * 4 * visited_rows * d,
                 "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 5 per score + 4·d per row per tile "
                 "(rescaling O)")
     if "bwd" in passes:
-        working = 4 * nq * d * e + 2 * nq * f + 2 * bc * d * e
-        hit = _fits(machine, concurrent * working)
-        t.notes.append(f"flash1 backward: per-head working set {working} B × {concurrent} blocks "
-                       f"{'fits' if hit else 'does not fit'} in L2")
+        hit = resident("backward", 4 * nq * d * e + 2 * nq * f + 2 * bc * d * e)
         for tensor, length in (("dQ", nq), ("dK", nk), ("dV", nk)):
             t.write(tensor, heads * length * d * e, element_size=e, formula=f"initialise {tensor} = 0 in HBM")
         t.read("K", heads * nk * d * e, element_size=e, formula="K_j once per outer step")
         t.read("V", heads * nk * d * e, element_size=e, formula="V_j once per outer step")
         for tensor, size, element in (("Q", d * e, e), ("O", d * e, e), ("dO", d * e, e), ("dQ", d * e, e),
                                       ("l", f, f), ("m", f, f)):
-            once = heads * distinct_rows * size
-            t.read(tensor, heads * visited_rows * size, element_size=element, dram=once if hit else None,
-                   formula=f"{tensor}_i for every visited (i, j)")
-        t.write("dQ", heads * visited_rows * d * e, element_size=e,
-                dram=heads * distinct_rows * d * e if hit else None, formula="dQ_i written back for every visited (i, j)")
+            revisited("read", tensor, size, element, hit, f"{tensor}_i for every visited (i, j)")
+        revisited("write", "dQ", d * e, e, hit, "dQ_i written back for every visited (i, j)")
         t.write("dK", heads * nk * d * e, element_size=e, formula="dK_j at the end of outer step j")
         t.write("dV", heads * nk * d * e, element_size=e, formula="dV_j at the end of outer step j")
         t.flops(10 * heads * pairs * d, heads * (NONMATMUL["flash_bwd"] + 2) * pairs + heads * 2 * visited_rows * d,

@@ -106,12 +106,6 @@ class Traffic:
         self.other_flops += other
         self.flop_formulas.append(formula)
 
-    def merge(self, other: "Traffic") -> "Traffic":
-        merged = Traffic(self.algorithm, self.terms + other.terms, self.matmul_flops + other.matmul_flops,
-                         self.other_flops + other.other_flops, {**self.blocks, **other.blocks},
-                         self.flop_formulas + other.flop_formulas, self.notes + other.notes)
-        return merged
-
     # --- summaries ---------------------------------------------------------
     def by_tensor(self) -> dict[str, dict[str, int]]:
         table: dict[str, dict[str, int]] = defaultdict(
