@@ -22,6 +22,22 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: Shared memory a Hopper or Ampere block may use (227 KiB).
 MAX_SMEM_BYTES = 227 * 1024
 
+#: Storage dtypes of the tensor-core forward (mma.sync with float32 accumulation).
+TENSOR_CORE_DTYPES = ("float16", "bfloat16")
+#: Head dims the tensor-core forward is compiled for; others run on the next larger one.
+TENSOR_CORE_HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
+#: Tensor-core forward tiles per compiled head dim: (block_m, block_n, warps).
+#: Each warp owns block_m / warps query rows; its accumulators (O: rows x head
+#: dim, S: rows x block_n) fill the register file, so the larger head dims take
+#: fewer rows or keys. tools/kernel_report.py checks that none spills.
+TENSOR_CORE_FORWARD_TILES = {
+    64: (128, 64, 4),
+    96: (128, 32, 4),
+    128: (128, 32, 4),
+    192: (64, 32, 4),
+    256: (64, 32, 4),
+}
+
 
 def pad_head_dim(head_dim: int) -> int:
     """The compiled head dim that serves ``head_dim`` (the smallest bucket >= it)."""
@@ -49,6 +65,8 @@ class Tiling:
     block_m: int
     block_n: int
     warps: int
+    #: tensor-core forward (flash_fwd_mma.cu) rather than the SIMT kernels
+    tensor_cores: bool = False
 
     @property
     def threads(self) -> int:
@@ -66,7 +84,10 @@ class Tiling:
         }
 
     def forward_smem_bytes(self, dtype_name: str) -> int:
-        """``ForwardSmem::kBytes``: Q, K, V, P."""
+        """``ForwardSmem::kBytes``: Q, K, V, P; for the tensor-core forward
+        ``MmaForwardTraits::kBytes``: Q, K, V with rows padded by 16 bytes."""
+        if self.tensor_cores:
+            return (self.block_m + 2 * self.block_n) * (self.head_dim_padded + 8) * ELEMENT_SIZE[dtype_name]
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
@@ -107,6 +128,34 @@ def forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     _check_budget(tiling.backward_dq_smem_bytes(dtype_name), f"backward dQ {tiling} for {dtype_name}")
     return tiling
+
+
+def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the tensor-core forward, for float16/bfloat16 and head_dim a
+    multiple of 8 (the launcher checks the rest: alignment, scale > 0, sm_80+)."""
+    if dtype_name not in TENSOR_CORE_DTYPES:
+        raise ValueError(f"the tensor-core forward takes {TENSOR_CORE_DTYPES}, got {dtype_name!r}")
+    padded = next((b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if head_dim <= b), None)
+    if padded is None or head_dim % 8 or head_dim <= 0:
+        raise ValueError(f"the tensor-core forward takes head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}")
+    block_m, block_n, warps = TENSOR_CORE_FORWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, tensor_cores=True)
+    _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
+    return tiling
+
+
+def tensor_cores_apply(dtype_name: str, head_dim: int) -> bool:
+    """Whether (dtype, head_dim) is one the tensor-core forward serves."""
+    return dtype_name in TENSOR_CORE_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+
+
+def default_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """The forward tiles the launcher picks for inputs with 16-byte aligned
+    rows on sm_80+ and a positive scale: the tensor-core table where it
+    applies, the SIMT table otherwise (see ``cuflash.api.forward_tiling_for``)."""
+    if tensor_cores_apply(dtype_name, head_dim):
+        return tensor_core_forward_tiling(dtype_name, head_dim)
+    return forward_tiling(dtype_name, head_dim)
 
 
 def backward_tiling(dtype_name: str, head_dim: int) -> Tiling:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager
 
@@ -14,7 +15,13 @@ from ._kernels import (
 )
 from ._loader import loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
-from ._tiling import backward_tiling, forward_tiling
+from ._tiling import (
+    Tiling,
+    backward_tiling,
+    forward_tiling,
+    tensor_core_forward_tiling,
+    tensor_cores_apply,
+)
 from ._validation import AttentionProblem, check_backward, check_forward, meta_of
 
 _LOG2E = math.log2(math.e)
@@ -157,8 +164,37 @@ def _size_fields(problem: AttentionProblem) -> tuple:
     return (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k, problem.head_dim)
 
 
-def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream) -> None:
-    tiling = forward_tiling(problem.dtype, problem.head_dim)
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def _rows_are_16_byte_chunks(x) -> bool:
+    """Whether every 8 consecutive 16-bit elements of a row, from the row's
+    start, are one aligned 16-byte load: the base pointer and the stride of
+    every dimension but the last (contiguous) one, where that dimension has
+    more than one entry, are multiples of 16 bytes."""
+    return x.data.ptr % 16 == 0 and all(
+        stride % 16 == 0 for size, stride in zip(x.shape[:-1], x.strides[:-1]) if size > 1)
+
+
+def forward_tiling_for(problem: AttentionProblem, arrays) -> Tiling:
+    """The forward kernel a problem runs on: the tensor-core kernel for
+    float16/bfloat16 with head_dim a multiple of 8, a positive softmax scale,
+    16-byte aligned rows (``arrays``: q, k, v, out as CuPy views) on sm_80 or
+    newer; the SIMT kernel otherwise (same results, slower)."""
+    if (tensor_cores_apply(problem.dtype, problem.head_dim) and problem.softmax_scale > 0
+            and _compute_capability(problem.device) >= 80 and all(map(_rows_are_16_byte_chunks, arrays))):
+        return tensor_core_forward_tiling(problem.dtype, problem.head_dim)
+    return forward_tiling(problem.dtype, problem.head_dim)
+
+
+def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream, tiling: Tiling | None = None) -> None:
+    """``tiling`` overrides the table (benchmarks of other tile sizes); by
+    default ``forward_tiling_for`` decides."""
+    tiling = tiling or forward_tiling_for(problem, (q, k, v, out))
     variant = forward_variant(problem.dtype, tiling, problem.causal)
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")

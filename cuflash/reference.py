@@ -16,7 +16,14 @@ import math
 
 import numpy as np
 
-from ._tiling import Tiling, backward_tiling, first_visible_query_block, forward_tiling, visible_key_blocks
+from ._tiling import (
+    Tiling,
+    backward_tiling,
+    default_forward_tiling,
+    first_visible_query_block,
+    forward_tiling,
+    visible_key_blocks,
+)
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -97,7 +104,7 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     if tiling is None:
-        tiling = forward_tiling(dtype_name, head_dim)
+        tiling = default_forward_tiling(dtype_name, head_dim)
     scale_log2 = _scale(softmax_scale, head_dim) * _LOG2E
     k = _expand_kv_heads(k, nheads, np).transpose(0, 2, 1, 3)  # (b, h, sk, d)
     v = _expand_kv_heads(v, nheads, np).transpose(0, 2, 1, 3)

@@ -125,6 +125,49 @@ struct BackwardDqSmem : QueryMajorMapping<Traits> {
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
+// Tensor-core forward (flash_fwd_mma.cu): the kWarps warps split the kBlockM
+// query rows evenly, each warp owning kMTiles tiles of 16 rows; K and V tiles
+// of kBlockN keys are shared by all warps. A K or V fragment read from shared
+// memory feeds kMTiles products, which is what keeps shared-memory bandwidth
+// below the tensor cores' appetite, and kMTiles * (kDTiles + kNTiles) * 4
+// accumulators per lane is what limits it.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct MmaForwardTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+
+    static constexpr int kRowsPerWarp = kBlockM / kWarps;
+    static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+    static constexpr int kNTiles = kBlockN / 8;        // n8 tiles of S = Q K^T per m16 tile
+    static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per m16 tile
+    static constexpr int kQkSteps = kHeadDim / 16;     // k16 steps of Q K^T
+    static constexpr int kPvSteps = kBlockN / 16;      // k16 steps of P V
+
+    // Every row is padded by one 16-byte chunk: ldmatrix reads one chunk from
+    // each of 8 rows at once, and with an odd number of chunks per row those
+    // 8 chunks fall in 8 different bank groups (no conflicts, no swizzle).
+    static constexpr int kStride = kHeadDim + 8;
+    static constexpr int kQ = 0;
+    static constexpr int kK = kQ + kBlockM * kStride * int(sizeof(Element));
+    static constexpr int kV = kK + kBlockN * kStride * int(sizeof(Element));
+    static constexpr int kBytes = kV + kBlockN * kStride * int(sizeof(Element));
+
+    // Q's A fragments stay in registers for the whole key loop when they fit
+    // in 32 registers; otherwise they are re-read from shared memory per block.
+    static constexpr bool kQInRegisters = kMTiles * kQkSteps * 4 <= 32;
+
+    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
+    static_assert(kBlockM % (16 * kWarps) == 0, "each warp owns whole m16 tiles");
+    static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
+    static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
+    static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
 // Dynamic shared memory this launch was given, read from the PTX special register.
 __device__ __forceinline__ unsigned dynamic_shared_memory_bytes() {
     unsigned bytes;

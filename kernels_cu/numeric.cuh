@@ -11,6 +11,8 @@ namespace cuflash {
 
 // Offsets into tensors are 64-bit so that tensors over 2^31 elements work.
 typedef long long index_t;
+// 32-bit register of packed 16-bit operands (NVRTC has no <cstdint>).
+typedef unsigned int u32;
 
 // log2(e): scores are folded into the log2 domain so that every softmax
 // exponential is a single exp2 (one MUFU.EX2 instruction).
@@ -51,6 +53,15 @@ __device__ __forceinline__ float to_float(Element x) {
 template <typename Element>
 __device__ __forceinline__ Element from_float(float x) {
     return ElementConversion<Element>::from_float(x);
+}
+
+// 2^x with one MUFU.EX2 (ex2.approx.ftz, about 2 ulp): exp2f would add
+// range handling for denormal results, which probabilities below 2^-126 do
+// not need. exp2_fast(-inf) = +0, which masked scores rely on.
+__device__ __forceinline__ float exp2_fast(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 template <typename T>

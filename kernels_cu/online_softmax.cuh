@@ -69,4 +69,88 @@ struct OnlineSoftmax {
     }
 };
 
+// The same online softmax for scores held in mma.m16n8k16 accumulator
+// fragments s[kMTiles][kNTiles][4] (see mma.cuh): a lane holds two rows per
+// m16 tile (elements 0-1 of each n8 tile for row `group`, 2-3 for row
+// `group + 8`), and the 4 lanes of a quad share each row.
+//
+// Two differences from OnlineSoftmax, both for speed:
+// - The scale is folded into the exponent with one fused multiply-add,
+//   p = exp2(s * scale_log2 - reference), on raw scores s = q.k. The max of
+//   raw scores times scale_log2 is the max of the scaled scores only for
+//   scale_log2 > 0; the launcher sends other scales to the SIMT kernel.
+// - The reference subtracted in the exponent is the running max only up to
+//   kRescaleSlack: it moves (and the output accumulator is rescaled) only when
+//   a block's max exceeds it by more than that. Any reference gives the same
+//   O / l; a stale one only lets p grow to 2^kRescaleSlack, harmless in
+//   float32 sums and in the float16/bfloat16 P of P V, and after the first
+//   blocks the rescaling of O (one multiply per accumulator) is mostly skipped.
+template <int kMTiles>
+struct FragmentOnlineSoftmax {
+    static constexpr int kRows = 2 * kMTiles;  // row r: m16 tile r / 2, half r % 2
+    static constexpr float kRescaleSlack = 8.0f;
+    float reference[kRows];    // log2 domain; -inf while no visible key was seen
+    float partial_sum[kRows];  // this lane's share of l = sum of exp2(score - reference)
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            reference[r] = negative_infinity();
+            partial_sum[r] = 0.0f;
+        }
+    }
+
+    // Turns the block's raw scores (masked ones -inf) into unnormalised
+    // probabilities in place and writes per row the factor by which the
+    // output accumulated so far must be scaled. Returns whether any factor
+    // of this lane differs from 1.
+    template <int kNTiles>
+    __device__ __forceinline__ bool update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+                                           float (&rescale)[kRows]) {
+        bool rescaled = false;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const int mt = r / 2, half = r % 2;
+            float block_max = negative_infinity();
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+            }
+            const float candidate = group_allreduce_max<4>(block_max) * scale_log2;
+            rescale[r] = 1.0f;
+            // -inf > anything is false: a fully masked block never moves the reference.
+            if (candidate > reference[r] + kRescaleSlack) {
+                // exp2(-inf) = 0 on the first visible block: nothing accumulated yet.
+                rescale[r] = exp2_fast(reference[r] - candidate);
+                reference[r] = candidate;
+                rescaled = true;
+            }
+            // While every key seen so far is masked the reference is -inf and
+            // -inf - (-inf) would be NaN; subtracting 0 keeps exp2(-inf) = 0.
+            const float subtract = reference[r] == negative_infinity() ? 0.0f : reference[r];
+            float block_sum = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& x = s[mt][nt][2 * half + e];
+                    x = exp2_fast(fmaf(x, scale_log2, -subtract));
+                    block_sum += x;
+                }
+            }
+            // Summed over the quad once at the end, not once per block.
+            partial_sum[r] = partial_sum[r] * rescale[r] + block_sum;
+        }
+        return rescaled;
+    }
+
+    // l of row r, on every lane of the quad.
+    __device__ __forceinline__ float row_sum(int r) const { return group_allreduce_sum<4>(partial_sum[r]); }
+
+    // Natural-log log-sum-exp of row r's scaled scores; -inf for a row that saw no key.
+    __device__ __forceinline__ float log_sum_exp(int r, float sum) const {
+        return sum > 0.0f ? (reference[r] + log2f(sum)) * kLn2 : negative_infinity();
+    }
+};
+
 }  // namespace cuflash

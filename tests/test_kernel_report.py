@@ -24,9 +24,23 @@ def test_every_variant_compiles_and_is_reported():
     assert len(rows) == len(variants) == len({v.key for v in variants})
     for row in rows:
         assert row["registers"] > 0 and row["registers"] <= 255
-        # The SIMT kernels are not the fast path; a few bytes of spill in a
-        # few of them are tolerated here (see the closing notes), not more.
-        assert row["spill_stores"] <= 64, row
+        if row["variant"].startswith(kernel_report.FAST_PATH):
+            # The tensor-core forward is the fast path: no local memory at all.
+            assert row["spill_stores"] == row["spill_loads"] == 0, row
+        else:
+            # The SIMT kernels are not the fast path; a few bytes of spill in a
+            # few of them are tolerated here (see the closing notes), not more.
+            assert row["spill_stores"] <= 64, row
+    assert sum(row["variant"].startswith(kernel_report.FAST_PATH) for row in rows) == 20
+
+
+@needs_nvcc
+def test_fast_path_spill_gate_on_sm80():
+    """The fast path must not spill on Ampere either (--fail-on-spill exits 1 if it does)."""
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--arch", "sm_80",
+                             "--only", "forward-mma/", "--fail-on-spill"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("forward-mma/") == 20
 
 
 @needs_nvcc

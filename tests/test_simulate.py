@@ -4,7 +4,7 @@ FlashAttention paper's Figure 2, and agreement with cuflash's own tiling."""
 import numpy as np
 import pytest
 
-from cuflash._tiling import backward_tiling, forward_tiling
+from cuflash._tiling import backward_tiling, default_forward_tiling
 from cuflash.reference import attention_backward_tiled, attention_tiled
 from cuflash.simulate import ALGORITHMS, MACHINES, Problem, key_sweep, query_sweep, run, summarize
 
@@ -34,8 +34,8 @@ HAND_COUNTS = {
     # 256 rows of Q, dO (2-byte) and LSE, D (float32) and add into the accumulator; dK, dV written;
     # conversion reads the accumulator and writes dQ
     ("flash2", "bwd"): 2 * ND + VEC + 2 * ND + 2 * ND + 4 * (2 * ND + 2 * VEC) + 4 * 2 * ND + 2 * ND + 2 * ND + ND,
-    # cuflash fp16 d=64: forward tiles 64 x 64, as flash2
-    ("cuflash", "fwd"): ND + 2 * 4 * ND + ND + VEC,
+    # cuflash fp16 d=64: tensor-core forward tiles 128 x 64, 2 query blocks read all 256 keys
+    ("cuflash", "fwd"): ND + 2 * 2 * ND + ND + VEC,
     # backward tiles 32 x 128: 2 key blocks, each reads all 256 rows
     ("cuflash", "bwd"): 2 * ND + VEC + 2 * ND + 2 * ND + 2 * (2 * ND + 2 * VEC) + 2 * 2 * ND + 2 * ND + 2 * ND + ND,
 }
@@ -132,7 +132,7 @@ def test_cuflash_matches_the_kernels_tiling(seqlen_q, seqlen_k, causal, head_dim
     """cuflash's simulated K/V reads walk the same tiles as the NumPy emulation
     of the kernels, read from the same tables."""
     problem = Problem(batch=1, nheads=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
-    fwd = forward_tiling("float16", head_dim)
+    fwd = default_forward_tiling("float16", head_dim)
     sweep = query_sweep(problem, fwd.block_m, fwd.block_n)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, seqlen_q, 1, head_dim))

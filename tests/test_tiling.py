@@ -14,9 +14,13 @@ from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
     MAX_SMEM_BYTES,
+    TENSOR_CORE_DTYPES,
+    TENSOR_CORE_HEAD_DIM_BUCKETS,
     backward_tiling,
     forward_tiling,
     pad_head_dim,
+    tensor_core_forward_tiling,
+    tensor_cores_apply,
 )
 
 VARIANTS = [(dtype, padded) for dtype in ELEMENT_SIZE for padded in HEAD_DIM_BUCKETS]
@@ -99,7 +103,31 @@ def _layouts():
                       f"{tiling.warps}>")
             for cxx, python in layouts:
                 rows.append((f"cuflash::{cxx}<{traits}>::kBytes", getattr(tiling, python)(dtype)))
+    for dtype in TENSOR_CORE_DTYPES:
+        for padded in TENSOR_CORE_HEAD_DIM_BUCKETS:
+            tiling = tensor_core_forward_tiling(dtype, padded)
+            rows.append((f"cuflash::MmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
+                         f"{tiling.block_n}, {tiling.warps}>::kBytes", tiling.forward_smem_bytes(dtype)))
     return rows
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+def test_tensor_core_table(dtype, head_dim):
+    tiling = tensor_core_forward_tiling(dtype, head_dim)
+    assert tiling.tensor_cores and tiling.head_dim_padded >= head_dim
+    assert tiling.head_dim_padded == min(b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if b >= head_dim)
+    # MmaForwardTraits: whole m16 tiles per warp, k16 steps over keys.
+    assert tiling.block_m % (16 * tiling.warps) == 0 and tiling.block_n % 16 == 0
+    assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
+    assert tensor_cores_apply(dtype, head_dim)
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 64), ("float16", 20), ("bfloat16", 257), ("float16", 0)])
+def test_tensor_core_table_rejects_what_it_does_not_serve(dtype, head_dim):
+    assert not tensor_cores_apply(dtype, head_dim)
+    with pytest.raises(ValueError, match="tensor-core forward"):
+        tensor_core_forward_tiling(dtype, head_dim)
 
 
 @needs_nvcc

@@ -27,9 +27,19 @@ sys.path.insert(0, str(REPO))
 
 from cuflash import _kernels  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._tiling import ELEMENT_SIZE, HEAD_DIM_BUCKETS, backward_tiling, forward_tiling  # noqa: E402
+from cuflash._tiling import (  # noqa: E402
+    ELEMENT_SIZE,
+    HEAD_DIM_BUCKETS,
+    TENSOR_CORE_DTYPES,
+    TENSOR_CORE_HEAD_DIM_BUCKETS,
+    backward_tiling,
+    forward_tiling,
+    tensor_core_forward_tiling,
+)
 
-_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams"}
+_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams", "flash_forward_mma_kernel": "cuflash::ForwardParams"}
+#: Key prefix of the fast-path variants, which must not spill at all.
+FAST_PATH = "forward-mma/"
 _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gencode=arch=compute_90,code=sm_90",
                "sm_80": "-gencode=arch=compute_80,code=sm_80"}
 
@@ -47,6 +57,10 @@ def all_variants() -> list[_kernels.KernelVariant]:
                     variants.append(_kernels.backward_dkdv_variant(dtype, bwd, causal, accumulate))
         for kind in ("preprocess", "convert_dq"):
             variants.append(_kernels.backward_elementwise_variant(kind, dtype))
+    for dtype in TENSOR_CORE_DTYPES:
+        for head_dim in TENSOR_CORE_HEAD_DIM_BUCKETS:
+            for causal in (False, True):
+                variants.append(_kernels.forward_variant(dtype, tensor_core_forward_tiling(dtype, head_dim), causal))
     return variants
 
 
@@ -63,7 +77,7 @@ def _translation_unit(variants) -> str:
 
 
 def _demangle(names: list[str]) -> list[str]:
-    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    tool = shutil.which("c++filt") or shutil.which("cu++filt")
     if tool is None:
         raise SystemExit("needs cu++filt or c++filt to read ptxas's report")
     result = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True)
@@ -71,7 +85,11 @@ def _demangle(names: list[str]) -> list[str]:
 
 
 def _normalise(expression: str) -> str:
-    return re.sub(r"\s+", "", expression)
+    """One spelling of a template instantiation, whichever demangler wrote it
+    (cu++filt spells template arguments as ``(int)32`` and ``(bool)1``)."""
+    expression = re.sub(r"\s+", "", expression)
+    expression = expression.replace("(bool)1", "true").replace("(bool)0", "false")
+    return re.sub(r"\((?:int|unsigned|long)\)", "", expression)
 
 
 def compile_report(variants, arch: str) -> list[dict]:
@@ -101,7 +119,8 @@ def compile_report(variants, arch: str) -> list[dict]:
     for variant in variants:
         found = by_expression.get(_normalise(variant.name_expression))
         if found is None:
-            raise SystemExit(f"no ptxas report for {variant.name_expression} ({arch})")
+            sample = ", ".join(sorted(by_expression)[:3])
+            raise SystemExit(f"no ptxas report for {variant.name_expression} ({arch}); reported e.g. {sample}")
         rows.append({"variant": variant.key, "arch": arch, "threads": variant.threads,
                      "dynamic_smem": variant.smem_bytes, **found})
     return rows
@@ -112,7 +131,8 @@ def main() -> int:
     parser.add_argument("--arch", action="append", choices=sorted(_ARCH_FLAGS), help="default: sm_90a and sm_80")
     parser.add_argument("--only", default="", help="substring of the variant keys to report")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--fail-on-spill", action="store_true")
+    parser.add_argument("--fail-on-spill", action="store_true",
+                        help="exit 1 if a selected variant spills (CI: --only forward-mma/)")
     args = parser.parse_args()
     variants = [v for v in all_variants() if args.only in v.key]
     if not variants:

@@ -6,8 +6,9 @@ dQ conversion) on the GPU for several shapes with
 ``ncu --clock-control none`` and sets the measured traffic beside the
 simulator's prediction:
 
-* requested: global-memory sectors the kernels' loads, stores and reductions
-  asked of L1 (``l1tex__t_sectors_pipe_lsu_mem_global_op_{ld,st,red}``) and of
+* requested: global-memory sectors the kernels' loads, asynchronous copies
+  (cp.async, the tensor-core forward's loads), stores and reductions asked of
+  L1 (``l1tex__t_sectors_pipe_lsu_mem_global_op_{ld,ldgsts,st,red}``) and of
   L2 (``lts__t_sectors_srcunit_tex_op_{read,write,red}``), 32 bytes each,
   against the simulator's exact requested bytes;
 * DRAM: ``dram__bytes_{read,write}`` against the simulator's L2-model estimate.
@@ -42,6 +43,7 @@ SHAPES = [
 
 METRICS = {
     "l1_ld": "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+    "l1_ldgsts": "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum",
     "l1_st": "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
     "l1_red": "l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum",
     "l2_read": "lts__t_sectors_srcunit_tex_op_read.sum",
@@ -112,7 +114,7 @@ def compare(predicted: list[dict], kernels: list[dict]) -> list[dict]:
         count = KERNELS_PER_SHAPE[row["pass"]]
         group = kernels[position: position + count]
         position += count
-        l1 = 32 * sum(k["l1_ld"] + k["l1_st"] + k["l1_red"] for k in group)
+        l1 = 32 * sum(k["l1_ld"] + k["l1_ldgsts"] + k["l1_st"] + k["l1_red"] for k in group)
         l2 = 32 * sum(k["l2_read"] + k["l2_write"] + k["l2_red"] for k in group)
         dram = sum(k["dram_read"] + k["dram_write"] for k in group)
         rows.append({**row, "kernels": [k["kernel"] for k in group], "measured_l1_requested": l1,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from .._tiling import (
     backward_tiling,
     first_visible_query_block,
+    default_forward_tiling,
     forward_tiling,
     visible_key_blocks,
 )
@@ -423,21 +424,26 @@ def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
 def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _TiledPlan:
     """cuflash's own tiles for this problem, from the tables its launcher uses."""
     dtype = p.dtype_name
-    fwd = forward_tiling(dtype, p.head_dim)
+    # The launcher's choice for aligned inputs: the tensor-core forward for
+    # 16-bit types and head_dim % 8 == 0, the SIMT kernel otherwise; the
+    # deterministic dQ pass always has the SIMT forward's tiles.
+    dq = forward_tiling(dtype, p.head_dim)
+    fwd = default_forward_tiling(dtype, p.head_dim)
     bwd = backward_tiling(dtype, p.head_dim)
     return _TiledPlan(
         fwd_m=block_m or fwd.block_m, fwd_n=block_n or fwd.block_n,
         bwd_m=bwd.block_m, bwd_n=bwd.block_n,
         fwd_blocks_per_sm=_blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads),
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
-        dq_m=fwd.block_m, dq_n=fwd.block_n, native_gqa=True,
+        dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
     )
 
 
 def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
-    """This library's kernels, tile for tile: the forward and dQ tiles of
-    ``forward_tiling`` and the dK/dV tiles of ``backward_tiling`` (the tables
-    the launcher reads). dK/dV per K/V head, walking the query heads of its
+    """This library's kernels, tile for tile: the forward tiles of
+    ``default_forward_tiling`` (tensor-core tiles for 16-bit types), the dQ
+    tiles of ``forward_tiling`` and the dK/dV tiles of ``backward_tiling`` (the
+    tables the launcher reads). dK/dV per K/V head, walking the query heads of its
     group; ``deterministic`` swaps the atomics for the dQ pass."""
     t = Traffic("cuflash")
     plan = cuflash_plan(p, machine, block_m, block_n)

@@ -1,0 +1,77 @@
+// Asynchronous global -> shared copies (cp.async, sm_80 and later) of
+// row-major tiles, 16 bytes per instruction, bypassing the register file so
+// that the next tile's load overlaps the current tile's math.
+//
+// Each 16-byte chunk is 8 elements of one row. The fast path requires what
+// makes every chunk an aligned 16-byte load: 16-byte aligned base pointers,
+// row/head/batch strides and head_dim multiples of 8 elements (the launcher
+// checks this and otherwise runs the SIMT kernels).
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// Copies 16 bytes from `src` to shared `dst`, or writes 16 zero bytes when
+// `valid` is false: with src-size 0 nothing is read, so `src` may point past
+// the end of the tensor (rows past the sequence, padded columns).
+__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
+    const u32 dst_address = static_cast<u32>(__cvta_generic_to_shared(dst));
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_address), "l"(src), "r"(src_bytes));
+}
+
+// Closes the group of copies issued since the last commit.
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Waits until at most kPending committed groups of this thread are in flight.
+// Other threads' copies are visible only after a barrier that follows this.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Issues the copies of a kRows x kHeadDim tile into shared memory with a row
+// stride of kStride elements. Rows at or past `valid_rows` and columns at or
+// past `head_dim` become zeros, so padded keys and head-dim columns add
+// nothing to any product (and never inject NaN from stale memory).
+template <int kRows, int kHeadDim, int kStride, int kThreads, typename Element>
+__device__ __forceinline__ void load_tile_async(Element* smem, const Element* gmem, index_t row_stride,
+                                                int valid_rows, int head_dim, int thread) {
+    constexpr int kChunkElements = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = kHeadDim / kChunkElements;
+    constexpr int kChunks = kRows * kChunksPerRow;
+    static_assert(kHeadDim % kChunkElements == 0 && kStride % kChunkElements == 0,
+                  "rows are whole 16-byte chunks");
+    if constexpr (kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0) {
+        // Each thread keeps one column and walks rows kRowStep apart: one
+        // pointer and one stride live in registers, not one address per chunk.
+        constexpr int kRowStep = kThreads / kChunksPerRow;
+        const int row0 = thread / kChunksPerRow;
+        const int col = thread % kChunksPerRow * kChunkElements;
+        const bool col_valid = col < head_dim;
+        const Element* src = gmem + static_cast<index_t>(row0) * row_stride + col;
+        const index_t step = kRowStep * row_stride;
+        Element* dst = smem + row0 * kStride + col;
+#pragma unroll
+        for (int i = 0; i < kRows / kRowStep; ++i) {
+            cp_async_16_or_zero(dst + i * kRowStep * kStride, src, col_valid && row0 + i * kRowStep < valid_rows);
+            src += step;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < ceil_div(kChunks, kThreads); ++i) {
+            const int chunk = thread + i * kThreads;
+            if (kChunks % kThreads == 0 || chunk < kChunks) {
+                const int row = chunk / kChunksPerRow;
+                const int col = chunk % kChunksPerRow * kChunkElements;
+                cp_async_16_or_zero(smem + row * kStride + col, gmem + static_cast<index_t>(row) * row_stride + col,
+                                    row < valid_rows && col < head_dim);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,255 @@
+// FlashAttention-2 forward pass on tensor cores (float16, bfloat16; sm_80+).
+//
+// One thread block per (query block, head, batch), kWarps warps, each owning
+// kRowsPerWarp query rows. S = Q K^T and O += P V are mma.m16n8k16 products
+// with float32 accumulators fed by ldmatrix; the probabilities P go from the
+// S accumulators to the A operand of P V in registers. The online softmax
+// works on the accumulator fragments, so S never touches shared memory.
+//
+// Pipeline (single K and V buffers, two barriers per key block): K_j and V_j
+// arrive by cp.async; V_j is in flight while S_j = Q K_j^T is computed, and
+// K_{j-1} while P_j V_j is. Key blocks are visited from the last to the
+// first, so the blocks that need masking (the partial last block, the causal
+// diagonal) come first and the rest run mask-free.
+#include "numeric.cuh"
+#include "params.cuh"
+#include "grid.cuh"
+#include "kernel_traits.cuh"
+#include "async_copy.cuh"
+#include "mma.cuh"
+#include "masking.cuh"
+#include "online_softmax.cuh"
+
+namespace cuflash {
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_forward_mma_kernel(const ForwardParams params) {
+    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    constexpr int kMTiles = Traits::kMTiles;
+    constexpr int kNTiles = Traits::kNTiles;
+    constexpr int kDTiles = Traits::kDTiles;
+    constexpr int kStride = Traits::kStride;
+    constexpr int kElementBytes = int(sizeof(Element));
+
+    require_shared_memory<Traits>();
+    extern __shared__ __align__(16) unsigned char shared_memory[];
+    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Traits::kQ);
+    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Traits::kK);
+    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Traits::kV);
+
+    const BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
+    const int m_block = kIsCausal ? longest_first(block.tile, params.num_m_blocks) : block.tile;
+    const index_t head = block.head;
+    const index_t batch = block.batch;
+    const index_t kv_head = params.size.kv_head_of(head);
+
+    const int seqlen_q = params.size.seqlen_q_int();
+    const int seqlen_k = params.size.seqlen_k_int();
+    const int head_dim = params.size.head_dim_int();
+    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+
+    const int thread = threadIdx.x;
+    const int warp = thread / 32;
+    const int lane = thread % 32;
+    const int m_start = m_block * kBlockM;
+    const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
+
+    const Element* q = params.q.row_ptr<const Element>(batch, head, m_start);
+    const Element* k = params.k.row_ptr<const Element>(batch, kv_head, 0);
+    const Element* v = params.v.row_ptr<const Element>(batch, kv_head, 0);
+    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
+    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
+
+    load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride, seqlen_q - m_start,
+                                                                 head_dim, thread);
+    if (n_blocks > 0) {
+        const int n_start = (n_blocks - 1) * kBlockN;
+        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+            k_tile, k + static_cast<index_t>(n_start) * params.k.row_stride, params.k.row_stride, seqlen_k - n_start,
+            head_dim, thread);
+    }
+    cp_async_commit();
+
+    // Per-lane ldmatrix row addresses (bytes), see mma.cuh for the layouts.
+    // Q (A operand): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
+    const u32 q_address = shared_address(q_tile) +
+        ((warp_row0 + lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    // K (B operand of Q K^T): matrices (keys 0-7: d 0-7 | d 8-15), (keys 8-15: ...), two n8 tiles per load.
+    const u32 k_address = shared_address(k_tile) +
+        ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * 8) * kElementBytes;
+    // V (B operand of P V, transposed): matrices (keys 0-7 | 8-15) x (d 0-7 | 8-15), two n8 tiles of d per load.
+    const u32 v_address = shared_address(v_tile) +
+        ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+
+    float o[kMTiles][kDTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                o[mt][dt][i] = 0.0f;
+            }
+        }
+    }
+    FragmentOnlineSoftmax<kMTiles> softmax;
+    softmax.init();
+    u32 q_fragments[Traits::kQInRegisters ? kMTiles : 1][Traits::kQInRegisters ? Traits::kQkSteps : 1][4];
+
+    for (int iteration = 0; iteration < n_blocks; ++iteration) {
+        const int n_block = n_blocks - 1 - iteration;
+        const int n_start = n_block * kBlockN;
+        // K_j (and Q, first time round) has landed for every thread, and every
+        // warp is done with V_{j+1}, whose buffer is refilled next.
+        cp_async_wait<0>();
+        __syncthreads();
+        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+            v_tile, v + static_cast<index_t>(n_start) * params.v.row_stride, params.v.row_stride, seqlen_k - n_start,
+            head_dim, thread);
+        cp_async_commit();
+
+        if (Traits::kQInRegisters && iteration == 0) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+                    ldmatrix_x4(q_fragments[mt][ks], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
+                }
+            }
+        }
+
+        // S = Q K^T, raw scores.
+        float s[kMTiles][kNTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    s[mt][nt][i] = 0.0f;
+                }
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+            u32 a[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                if constexpr (Traits::kQInRegisters) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        a[mt][i] = q_fragments[mt][ks][i];
+                    }
+                } else {
+                    ldmatrix_x4(a[mt], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
+                }
+            }
+#pragma unroll
+            for (int np = 0; np < kNTiles / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, k_address + (np * 16 * kStride + ks * 16) * kElementBytes);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    mma_m16n8k16<Element>(s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+
+        if (key_block_needs_mask<kIsCausal>(m_start, n_start, kBlockN, seqlen_k, diagonal_offset)) {
+            apply_mask_to_fragments<kIsCausal>(s, m_start + warp_row0, n_start, lane, seqlen_k, diagonal_offset);
+        }
+        float rescale[2 * kMTiles];
+        const bool rescaled = softmax.update(s, scale_log2, rescale);
+        // Warp-uniform skip: the factors are mostly all 1 (see FragmentOnlineSoftmax).
+        if (__any_sync(0xffffffffu, rescaled)) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    o[mt][dt][i] *= rescale[2 * mt + i / 2];
+                }
+            }
+        }
+        }
+
+        // V_j has landed for every thread, and every warp is done with K_j,
+        // whose buffer now takes K_{j-1} while P V runs.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (n_block > 0) {
+            const int next_start = n_start - kBlockN;
+            load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+                k_tile, k + static_cast<index_t>(next_start) * params.k.row_stride, params.k.row_stride,
+                seqlen_k - next_start, head_dim, thread);
+        }
+        cp_async_commit();
+
+        // O += P V. P is rounded to the element type for the product (as
+        // FlashAttention does); its float32 row sums were taken before rounding.
+#pragma unroll
+        for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
+            u32 a[kMTiles][4];
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                a[mt][0] = pack_pair<Element>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
+                a[mt][1] = pack_pair<Element>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
+                a[mt][2] = pack_pair<Element>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
+                a[mt][3] = pack_pair<Element>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kDTiles / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_address + (ps * 16 * kStride + dp * 16) * kElementBytes);
+#pragma unroll
+                for (int mt = 0; mt < kMTiles; ++mt) {
+                    mma_m16n8k16<Element>(o[mt][2 * dp], a[mt], b[0], b[1]);
+                    mma_m16n8k16<Element>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                }
+            }
+        }
+    }
+
+    // Epilogue. Every warp wrote and read only its own rows of the Q tile, so
+    // it can stage its normalised output there once its own reads are done.
+    __syncwarp();
+    const int group = lane / 4, quad = lane % 4;
+    float* lse_row = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) {
+        const int mt = r / 2, half = r % 2;
+        const float sum = softmax.row_sum(r);
+        // A row that saw no key has sum 0: its output is 0, not 0 / 0.
+        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
+        const int row_in_block = warp_row0 + mt * 16 + half * 8 + group;
+        if (quad == 0 && m_start + row_in_block < seqlen_q) {
+            lse_row[m_start + row_in_block] = softmax.log_sum_exp(r, sum);
+        }
+        u32* staged = reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * quad);
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            staged[dt * 4] = pack_pair<Element>(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum);
+        }
+    }
+    __syncwarp();
+    // 16-byte coalesced stores of the warp's rows; rows past seqlen_q and
+    // padded head-dim columns are not written.
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kWarpChunks = Traits::kRowsPerWarp * kChunksPerRow;
+    Element* out = params.out.row_ptr<Element>(batch, head, m_start);
+#pragma unroll
+    for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
+        const int chunk = lane + i * 32;
+        const int row_in_block = warp_row0 + chunk / kChunksPerRow;
+        const int col = chunk % kChunksPerRow * 8;
+        if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && m_start + row_in_block < seqlen_q && col < head_dim) {
+            *reinterpret_cast<uint4*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =
+                *reinterpret_cast<const uint4*>(q_tile + row_in_block * kStride + col);
+        }
+    }
+}
+
+}  // namespace cuflash

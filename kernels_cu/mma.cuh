@@ -1,0 +1,95 @@
+// Tensor-core building blocks (sm_80 and later): the warp-wide matrix
+// multiply-accumulate mma.sync.m16n8k16 with float32 accumulators, ldmatrix
+// loads of its operands from shared memory, and packing of float32 pairs
+// into 16-bit operand registers.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
+// lane = 4 * group + quad (group = lane / 4, quad = lane % 4):
+//   A (16 x 16, row-major), 4 registers of two elements each:
+//     a0 = A[group][2q, 2q+1]      a1 = A[group + 8][2q, 2q+1]
+//     a2 = A[group][2q+8, 2q+9]    a3 = A[group + 8][2q+8, 2q+9]
+//   B (16 x 8, k x n), 2 registers:  b0 = B[2q, 2q+1][group]   b1 = B[2q+8, 2q+9][group]
+//   C/D (16 x 8, float32), 4 values: c0, c1 = C[group][2q, 2q+1]   c2, c3 = C[group + 8][2q, 2q+1]
+// So the accumulators of two adjacent n-tiles, packed pairwise, are exactly
+// the A fragment of the next product: P goes from S to P V without shared memory.
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// 16-bit element types the tensor-core path supports, with their PTX names.
+template <typename Element>
+struct MmaElement;
+
+template <>
+struct MmaElement<__half> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __half2 pair = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&pair);
+    }
+};
+
+template <>
+struct MmaElement<__nv_bfloat16> {
+    static __device__ __forceinline__ u32 pack(float lo, float hi) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const u32*>(&pair);
+    }
+};
+
+// Two float32 values rounded to one register of two 16-bit elements, `lo` in
+// the low half (the element with the smaller column index in a fragment).
+template <typename Element>
+__device__ __forceinline__ u32 pack_pair(float lo, float hi) {
+    return MmaElement<Element>::pack(lo, hi);
+}
+
+// d += a * b for one 16 x 8 x 16 tile, float32 accumulation.
+template <typename Element>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                                     u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const u32 (&a)[4], u32 b0,
+                                                            u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 32-bit shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 shared_address(const void* pointer) {
+    return static_cast<u32>(__cvta_generic_to_shared(pointer));
+}
+
+// Four 8 x 8 matrices of 16-bit elements: lanes 8j..8j+7 give the addresses
+// of the eight 16-byte rows of matrix j; register j receives matrix j, each
+// lane holding elements (lane / 4, 2 * (lane % 4) + {0, 1}).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// The same, each matrix transposed on the way: lane holds elements
+// (2 * (lane % 4) + {0, 1}, lane / 4) of the stored matrix. Turns row-major
+// V (keys x dims) into the k-major B operand of P V.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+}  // namespace cuflash

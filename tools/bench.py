@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Attention forward speed: cuflash against PyTorch SDPA's FlashAttention-2
+(flash) and cuDNN backends, in one process, on the FlashAttention-2
+benchmark grid.
+
+Grid: batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim),
+seqlen 512 ... 16k, head_dim 64 and 128, causal and not, bf16 and fp16.
+FLOPs follow FlashAttention-2: 4 * batch * heads * seqlen^2 * head_dim,
+halved for causal.
+
+Timing: CUDA events on PyTorch's current stream. Before each timed batch
+the stream is held by ``torch.cuda._sleep`` so that every launch of the batch
+is queued before the first one starts: the events measure GPU time, not
+Python launch overhead (equally for every backend). Warm-up first, then the
+median of ``--repeats`` batches of ``--calls`` calls each. Each backend gets
+its native layout: cuflash (batch, seqlen, heads, dim), SDPA (batch, heads,
+seqlen, dim), both contiguous. Each row also reports cuflash's largest
+deviation from the flash backend's output, as a sanity check.
+
+Writes a table to stdout and ``bench.json`` under ``--out`` (default $OUT).
+
+  python3 tools/bench.py [--dtype bfloat16 --dtype float16] [--seqlens 512,1024] [--head-dims 64,128]
+                         [--tiles 128=128x64w4 ...]   # extra cuflash columns with other forward tiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TOKENS = 16384
+HIDDEN = 2048
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+#: bf16 matrix-multiply rate measured on the H100 (../shared/notes/anchors.md), for the floor column.
+MATMUL_TFLOPS = {"NVIDIA H100 80GB HBM3": 796.0}
+
+
+def forward_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
+    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
+    return flops / 2 if causal else flops
+
+
+def time_gpu(fn, *, calls: int, repeats: int, warmup: int = 3) -> float:
+    """Median milliseconds per call of ``fn`` (GPU time, see the module docstring)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        torch.cuda._sleep(20_000_000)  # ~10 ms: the launches below queue up behind it
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples)
+
+
+def _parse_tiles(specs: list[str]) -> dict[int, list]:
+    from cuflash._tiling import Tiling
+
+    tiles: dict[int, list] = {}
+    for spec in specs:
+        head_dim, shape = spec.split("=")
+        mn, warps = shape.split("w")
+        block_m, block_n = mn.split("x")
+        tiles.setdefault(int(head_dim), []).append(
+            Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
+                   tensor_cores=True))
+    return tiles
+
+
+def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -> list[dict]:
+    import cupy
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash
+    from cuflash import api
+    from cuflash._validation import check_forward, meta_of
+
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        for head_dim in head_dims:
+            heads = HIDDEN // head_dim
+            for seqlen in seqlens:
+                batch = TOKENS // seqlen
+                generator = torch.Generator(device="cuda").manual_seed(seqlen + head_dim)
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype,
+                                       generator=generator) for _ in range(3))
+                q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                for causal in causals:
+                    flops = forward_flops(batch, heads, seqlen, head_dim, causal)
+                    timings = {}
+                    with torch.no_grad():
+                        timings["cuflash"] = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal),
+                                                      calls=calls, repeats=repeats)
+                        for label, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                               ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                            try:
+                                with sdpa_kernel(backend):
+                                    timings[label] = time_gpu(lambda: sdpa(q_t, k_t, v_t, is_causal=causal),
+                                                              calls=calls, repeats=repeats)
+                            except RuntimeError as exc:  # backend unavailable for this shape
+                                print(f"# {label} unavailable at {dtype_name} d{head_dim} s{seqlen}: {exc}",
+                                      file=sys.stderr)
+                        ours = cuflash.attention(q, k, v, causal=causal)
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            theirs = sdpa(q_t, k_t, v_t, is_causal=causal).transpose(1, 2)
+                        deviation = (ours.float() - theirs.float()).abs().max().item()
+                        for tiling in extra_tiles.get(head_dim, []):
+                            qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
+                            problem = check_forward(meta_of("q", qc), meta_of("k", kc), meta_of("v", vc), None,
+                                                    causal=causal, softmax_scale=None)
+                            out = cupy.empty_like(qc)
+                            lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+                            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+                            label = f"cuflash-m{tiling.block_m}n{tiling.block_n}w{tiling.warps}"
+                            timings[label] = time_gpu(
+                                lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=tiling),
+                                calls=calls, repeats=repeats)
+                    row = {"pass": "fwd", "dtype": dtype_name, "head_dim": head_dim, "causal": causal,
+                           "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
+                           "max_abs_deviation_from_flash": deviation,
+                           "ms": timings, "tflops": {name: flops / (ms * 1e9) for name, ms in timings.items()}}
+                    for base in ("flash", "cudnn"):
+                        if base in timings:
+                            row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
+                    rows.append(row)
+                    print(_row_line(row), flush=True)
+                del q, k, v, q_t, k_t, v_t
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _row_line(row: dict) -> str:
+    t = row["tflops"]
+    extra = " ".join(f"{name}={value:.0f}" for name, value in t.items()
+                     if name not in ("cuflash", "flash", "cudnn"))
+    return (f"| {row['dtype']} | {row['head_dim']} | {'yes' if row['causal'] else 'no'} | {row['seqlen']} | "
+            f"{t['cuflash']:.0f} | {t.get('flash', float('nan')):.0f} | {t.get('cudnn', float('nan')):.0f} | "
+            f"{row.get('cuflash_over_flash', float('nan')):.2f} | {row.get('cuflash_over_cudnn', float('nan')):.2f} | "
+            f"{row['max_abs_deviation_from_flash']:.1e} |" + (f" {extra}" if extra else ""))
+
+
+HEADER = ("| dtype | head_dim | causal | seqlen | cuflash TFLOP/s | flash TFLOP/s | cuDNN TFLOP/s | "
+          "cuflash/flash | cuflash/cuDNN | max abs dev. vs flash |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def environment() -> dict:
+    import cupy
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        driver = "unknown"
+    try:
+        commit = os.environ.get("CUFLASH_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"device": props.name, "driver": driver, "torch": torch.__version__, "cupy": cupy.__version__,
+            "cuda_runtime": torch.version.cuda, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float16"))
+    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS, extra cuflash column")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    env = environment()
+    print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
+    print(HEADER)
+    rows = run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
+                    [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
+                    _parse_tiles(args.tiles))
+    matmul = MATMUL_TFLOPS.get(env["device"])
+    result = {"environment": env, "matmul_tflops": matmul, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    ratios = [r["cuflash_over_flash"] for r in rows if r["dtype"] == "bfloat16" and "cuflash_over_flash" in r]
+    if ratios:
+        print(f"\nbf16 cuflash/flash: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+              f"points >= 1.0: {sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
