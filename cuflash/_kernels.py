@@ -66,7 +66,8 @@ def _tiled_variant(kind: str, function: str, source: str, dtype_name: str, tilin
 def forward_variant(dtype_name: str, tiling: Tiling, causal: bool) -> KernelVariant:
     if tiling.tensor_cores:
         return _tiled_variant("forward-mma", "cuflash::flash_forward_mma_kernel", "flash_fwd_mma.cu", dtype_name,
-                              tiling, causal, tiling.forward_smem_bytes(dtype_name))
+                              tiling, causal, tiling.forward_smem_bytes(dtype_name),
+                              extra_args=(str(tiling.kv_stages),), extra_key=f"/kv{tiling.kv_stages}")
     return _tiled_variant("forward", "cuflash::flash_forward_kernel", "flash_fwd.cu", dtype_name, tiling, causal,
                           tiling.forward_smem_bytes(dtype_name))
 

@@ -26,16 +26,18 @@ MAX_SMEM_BYTES = 227 * 1024
 TENSOR_CORE_DTYPES = ("float16", "bfloat16")
 #: Head dims the tensor-core forward is compiled for; others run on the next larger one.
 TENSOR_CORE_HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
-#: Tensor-core forward tiles per compiled head dim: (block_m, block_n, warps).
-#: Each warp owns block_m / warps query rows; its accumulators (O: rows x head
-#: dim, S: rows x block_n) fill the register file, so the larger head dims take
-#: fewer rows or keys. tools/kernel_report.py checks that none spills.
+#: Tensor-core forward tiles per compiled head dim: (block_m, block_n, warps,
+#: K/V buffers). Each warp owns block_m / warps query rows; its accumulators
+#: (O: rows x head dim, S: rows x block_n) fill the register file, so the
+#: larger head dims take fewer rows or keys, and where double-buffered K/V
+#: copies would spill registers (96, 128) the tiles are single-buffered.
+#: tools/kernel_report.py checks that none spills.
 TENSOR_CORE_FORWARD_TILES = {
-    64: (128, 64, 4),
-    96: (128, 32, 4),
-    128: (128, 32, 4),
-    192: (64, 32, 4),
-    256: (64, 32, 4),
+    64: (128, 64, 4, 2),
+    96: (128, 64, 4, 1),
+    128: (128, 64, 4, 1),
+    192: (64, 32, 4, 2),
+    256: (64, 32, 4, 2),
 }
 
 
@@ -67,6 +69,8 @@ class Tiling:
     warps: int
     #: tensor-core forward (flash_fwd_mma.cu) rather than the SIMT kernels
     tensor_cores: bool = False
+    #: K/V buffers of the tensor-core forward (1 or 2, see MmaForwardTraits)
+    kv_stages: int = 1
 
     @property
     def threads(self) -> int:
@@ -85,9 +89,11 @@ class Tiling:
 
     def forward_smem_bytes(self, dtype_name: str) -> int:
         """``ForwardSmem::kBytes``: Q, K, V, P; for the tensor-core forward
-        ``MmaForwardTraits::kBytes``: Q, K, V with rows padded by 16 bytes."""
+        ``MmaForwardTraits::kBytes``: Q and ``kv_stages`` buffers of K and V,
+        rows padded by 16 bytes."""
         if self.tensor_cores:
-            return (self.block_m + 2 * self.block_n) * (self.head_dim_padded + 8) * ELEMENT_SIZE[dtype_name]
+            rows = self.block_m + 2 * self.kv_stages * self.block_n
+            return rows * (self.head_dim_padded + 8) * ELEMENT_SIZE[dtype_name]
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
@@ -138,8 +144,9 @@ def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     padded = next((b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if head_dim <= b), None)
     if padded is None or head_dim % 8 or head_dim <= 0:
         raise ValueError(f"the tensor-core forward takes head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}")
-    block_m, block_n, warps = TENSOR_CORE_FORWARD_TILES[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, tensor_cores=True)
+    block_m, block_n, warps, stages = TENSOR_CORE_FORWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, tensor_cores=True,
+                    kv_stages=stages)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 

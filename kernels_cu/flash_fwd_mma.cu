@@ -6,8 +6,11 @@
 // S accumulators to the A operand of P V in registers. The online softmax
 // works on the accumulator fragments, so S never touches shared memory.
 //
-// Pipeline (single K and V buffers, two barriers per key block): K_j and V_j
-// arrive by cp.async; V_j is in flight while S_j = Q K_j^T is computed, and
+// Pipeline (kKvStages in MmaForwardTraits): with two K/V buffers, one
+// barrier per key block; after it every warp is done with the previous
+// block's buffers, which then take the next block's K and V by cp.async while
+// this block is computed. With one buffer each (FlashAttention-2's schedule,
+// two barriers per block), V_j is copied while S_j = Q K_j^T is computed and
 // K_{j-1} while P_j V_j is. Key blocks are visited from the last to the
 // first, so the blocks that need masking (the partial last block, the causal
 // diagonal) come first and the rest run mask-free.
@@ -22,10 +25,10 @@
 
 namespace cuflash {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal, int kKvStages>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_mma_kernel(const ForwardParams params) {
-    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages>;
     constexpr int kMTiles = Traits::kMTiles;
     constexpr int kNTiles = Traits::kNTiles;
     constexpr int kDTiles = Traits::kDTiles;
@@ -61,13 +64,29 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
     const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
 
-    load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride, seqlen_q - m_start,
-                                                                 head_dim, thread);
-    if (n_blocks > 0) {
-        const int n_start = (n_blocks - 1) * kBlockN;
+    const auto load_keys = [&](int n_block, int stage) {
+        const int n_start = n_block * kBlockN;
         load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-            k_tile, k + static_cast<index_t>(n_start) * params.k.row_stride, params.k.row_stride, seqlen_k - n_start,
-            head_dim, thread);
+            k_tile + stage * (Traits::kKvTileBytes / kElementBytes),
+            k + static_cast<index_t>(n_start) * params.k.row_stride, params.k.row_stride, seqlen_k - n_start, head_dim,
+            thread);
+    };
+    const auto load_values = [&](int n_block, int stage) {
+        const int n_start = n_block * kBlockN;
+        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+            v_tile + stage * (Traits::kKvTileBytes / kElementBytes),
+            v + static_cast<index_t>(n_start) * params.v.row_stride, params.v.row_stride, seqlen_k - n_start, head_dim,
+            thread);
+    };
+    // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
+    // nothing and writes zeros and -inf.
+    if (n_blocks > 0) {
+        load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride,
+                                                                     seqlen_q - m_start, head_dim, thread);
+        load_keys(n_blocks - 1, 0);
+        if constexpr (kKvStages == 2) {
+            load_values(n_blocks - 1, 0);
+        }
     }
     cp_async_commit();
 
@@ -100,14 +119,22 @@ flash_forward_mma_kernel(const ForwardParams params) {
     for (int iteration = 0; iteration < n_blocks; ++iteration) {
         const int n_block = n_blocks - 1 - iteration;
         const int n_start = n_block * kBlockN;
-        // K_j (and Q, first time round) has landed for every thread, and every
-        // warp is done with V_{j+1}, whose buffer is refilled next.
+        const int stage = iteration % kKvStages;
+        // This block's K (and V with two stages, Q first time round) has
+        // landed for every thread, and every warp is done with the previous
+        // block, whose buffers are refilled now.
         cp_async_wait<0>();
         __syncthreads();
-        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-            v_tile, v + static_cast<index_t>(n_start) * params.v.row_stride, params.v.row_stride, seqlen_k - n_start,
-            head_dim, thread);
+        if constexpr (kKvStages == 2) {
+            if (n_block > 0) {
+                load_keys(n_block - 1, stage ^ 1);
+                load_values(n_block - 1, stage ^ 1);
+            }
+        } else {
+            load_values(n_block, 0);
+        }
         cp_async_commit();
+        const u32 stage_offset = stage * Traits::kKvTileBytes;
 
         if (Traits::kQInRegisters && iteration == 0) {
 #pragma unroll
@@ -131,7 +158,11 @@ flash_forward_mma_kernel(const ForwardParams params) {
                 }
             }
         }
-#pragma unroll
+        // With Q in shared memory the k16 steps are not unrolled: unrolled,
+        // the compiler hoists several steps' fragment loads at once, and next
+        // to 128-192 live accumulators that spills. (With Q in registers the
+        // fragments must be indexed at compile time, so that loop unrolls.)
+#pragma unroll(Traits::kQInRegisters ? Traits::kQkSteps : 1)
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             u32 a[kMTiles][4];
 #pragma unroll
@@ -148,7 +179,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
 #pragma unroll
             for (int np = 0; np < kNTiles / 2; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, k_address + (np * 16 * kStride + ks * 16) * kElementBytes);
+                ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * 16) * kElementBytes);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
                     mma_m16n8k16<Element>(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -165,56 +196,63 @@ flash_forward_mma_kernel(const ForwardParams params) {
         // Warp-uniform skip: the factors are mostly all 1 (see FragmentOnlineSoftmax).
         if (__any_sync(0xffffffffu, rescaled)) {
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
+            for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-            for (int dt = 0; dt < kDTiles; ++dt) {
+                for (int dt = 0; dt < kDTiles; ++dt) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    o[mt][dt][i] *= rescale[2 * mt + i / 2];
+                    for (int i = 0; i < 4; ++i) {
+                        o[mt][dt][i] *= rescale[2 * mt + i / 2];
+                    }
                 }
             }
         }
+
+        // P rounded to the element type for P V (as FlashAttention does; its
+        // float32 row sums were taken before rounding), packed now so that
+        // the float32 scores are dead before the V loop.
+        u32 p[kMTiles][Traits::kPvSteps][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
+                p[mt][ps][0] = pack_pair<Element>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
+                p[mt][ps][1] = pack_pair<Element>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
+                p[mt][ps][2] = pack_pair<Element>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
+                p[mt][ps][3] = pack_pair<Element>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+            }
         }
 
-        // V_j has landed for every thread, and every warp is done with K_j,
-        // whose buffer now takes K_{j-1} while P V runs.
-        cp_async_wait<0>();
-        __syncthreads();
-        if (n_block > 0) {
-            const int next_start = n_start - kBlockN;
-            load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-                k_tile, k + static_cast<index_t>(next_start) * params.k.row_stride, params.k.row_stride,
-                seqlen_k - next_start, head_dim, thread);
+        if constexpr (kKvStages == 1) {
+            // V_j has landed for every thread, and every warp is done with
+            // K_j, whose buffer now takes K_{j-1} while P V runs.
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n_block > 0) {
+                load_keys(n_block - 1, 0);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
 
-        // O += P V. P is rounded to the element type for the product (as
-        // FlashAttention does); its float32 row sums were taken before rounding.
+        // O += P V.
 #pragma unroll
         for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-            u32 a[kMTiles][4];
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                a[mt][0] = pack_pair<Element>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
-                a[mt][1] = pack_pair<Element>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
-                a[mt][2] = pack_pair<Element>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
-                a[mt][3] = pack_pair<Element>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
-            }
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, v_address + (ps * 16 * kStride + dp * 16) * kElementBytes);
+                ldmatrix_x4_trans(b, v_address + stage_offset + (ps * 16 * kStride + dp * 16) * kElementBytes);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_m16n8k16<Element>(o[mt][2 * dp], a[mt], b[0], b[1]);
-                    mma_m16n8k16<Element>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    mma_m16n8k16<Element>(o[mt][2 * dp], p[mt][ps], b[0], b[1]);
+                    mma_m16n8k16<Element>(o[mt][2 * dp + 1], p[mt][ps], b[2], b[3]);
                 }
             }
         }
     }
 
-    // Epilogue. Every warp wrote and read only its own rows of the Q tile, so
-    // it can stage its normalised output there once its own reads are done.
+    // Epilogue. Every warp read only its own rows of the Q tile, so it can
+    // stage its normalised output there once its own reads are done (and no
+    // copy into shared memory is still in flight).
+    cp_async_wait<0>();
     __syncwarp();
     const int group = lane / 4, quad = lane % 4;
     float* lse_row = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride;

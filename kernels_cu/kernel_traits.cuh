@@ -131,7 +131,7 @@ struct BackwardDqSmem : QueryMajorMapping<Traits> {
 // memory feeds kMTiles products, which is what keeps shared-memory bandwidth
 // below the tensor cores' appetite, and kMTiles * (kDTiles + kNTiles) * 4
 // accumulators per lane is what limits it.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_>
 struct MmaForwardTraits {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
@@ -151,10 +151,15 @@ struct MmaForwardTraits {
     // each of 8 rows at once, and with an odd number of chunks per row those
     // 8 chunks fall in 8 different bank groups (no conflicts, no swizzle).
     static constexpr int kStride = kHeadDim + 8;
+    // Buffers of K and V: with 2, block j-1 is copied in while block j is
+    // used; with 1 (where registers are too tight for the longer-lived copy
+    // state), V_j is copied during S_j and K_{j-1} during P_j V_j.
+    static constexpr int kKvStages = kKvStages_;
+    static constexpr int kKvTileBytes = kBlockN * kStride * int(sizeof(Element));
     static constexpr int kQ = 0;
     static constexpr int kK = kQ + kBlockM * kStride * int(sizeof(Element));
-    static constexpr int kV = kK + kBlockN * kStride * int(sizeof(Element));
-    static constexpr int kBytes = kV + kBlockN * kStride * int(sizeof(Element));
+    static constexpr int kV = kK + kKvStages * kKvTileBytes;
+    static constexpr int kBytes = kV + kKvStages * kKvTileBytes;
 
     // Q's A fragments stay in registers for the whole key loop when they fit
     // in 32 registers; otherwise they are re-read from shared memory per block.
@@ -165,6 +170,7 @@ struct MmaForwardTraits {
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
+    static_assert(kKvStages == 1 || kKvStages == 2, "single or double buffered K/V");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

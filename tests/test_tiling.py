@@ -107,7 +107,8 @@ def _layouts():
         for padded in TENSOR_CORE_HEAD_DIM_BUCKETS:
             tiling = tensor_core_forward_tiling(dtype, padded)
             rows.append((f"cuflash::MmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
-                         f"{tiling.block_n}, {tiling.warps}>::kBytes", tiling.forward_smem_bytes(dtype)))
+                         f"{tiling.block_n}, {tiling.warps}, {tiling.kv_stages}>::kBytes",
+                         tiling.forward_smem_bytes(dtype)))
     return rows
 
 

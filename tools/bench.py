@@ -20,7 +20,7 @@ deviation from the flash backend's output, as a sanity check.
 Writes a table to stdout and ``bench.json`` under ``--out`` (default $OUT).
 
   python3 tools/bench.py [--dtype bfloat16 --dtype float16] [--seqlens 512,1024] [--head-dims 64,128]
-                         [--tiles 128=128x64w4 ...]   # extra cuflash columns with other forward tiles
+                         [--tiles 128=128x64w4s2 ...]  # extra cuflash columns: other tiles, s = K/V buffers
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _parse_tiles(specs: list[str]) -> dict[int, list]:
     tiles: dict[int, list] = {}
     for spec in specs:
         head_dim, shape = spec.split("=")
+        shape, stages = shape.split("s") if "s" in shape else (shape, "1")
         mn, warps = shape.split("w")
         block_m, block_n = mn.split("x")
         tiles.setdefault(int(head_dim), []).append(
             Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
-                   tensor_cores=True))
+                   tensor_cores=True, kv_stages=int(stages)))
     return tiles
 
 
@@ -130,8 +131,8 @@ def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -
                                                     causal=causal, softmax_scale=None)
                             out = cupy.empty_like(qc)
                             lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
-                            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-                            label = f"cuflash-m{tiling.block_m}n{tiling.block_n}w{tiling.warps}"
+                            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+                            label = f"m{tiling.block_m}n{tiling.block_n}w{tiling.warps}s{tiling.kv_stages}"
                             timings[label] = time_gpu(
                                 lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=tiling),
                                 calls=calls, repeats=repeats)
@@ -191,7 +192,7 @@ def main() -> int:
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS, extra cuflash column")
+    parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS[sSTAGES], extra cuflash column")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
