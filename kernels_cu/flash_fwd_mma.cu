@@ -41,10 +41,17 @@ flash_forward_mma_kernel(const ForwardParams params) {
     Element* k_tile = reinterpret_cast<Element*>(shared_memory + Traits::kK);
     Element* v_tile = reinterpret_cast<Element*>(shared_memory + Traits::kV);
 
-    const BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
-    const int m_block = kIsCausal ? longest_first(block.tile, params.num_m_blocks) : block.tile;
-    const index_t head = block.head;
-    const index_t batch = block.batch;
+    // This block's query tile. Computed again for the epilogue (block_index
+    // is volatile), so that batch, head and m_start do not hold registers
+    // through the main loop, where the accumulators need every one.
+    const auto tile_origin = [&]() {
+        BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
+        block.tile = (kIsCausal ? longest_first(block.tile, params.num_m_blocks) : block.tile) * kBlockM;
+        return block;  // .tile is the first query row
+    };
+    const BlockCoordinates origin = tile_origin();
+    const index_t head = origin.head;
+    const index_t batch = origin.batch;
     const index_t kv_head = params.size.kv_head_of(head);
 
     const int seqlen_q = params.size.seqlen_q_int();
@@ -55,7 +62,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int thread = threadIdx.x;
     const int warp = thread / 32;
     const int lane = thread % 32;
-    const int m_start = m_block * kBlockM;
+    const int m_start = origin.tile;
     const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
 
     const Element* q = params.q.row_ptr<const Element>(batch, head, m_start);
@@ -63,6 +70,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const Element* v = params.v.row_ptr<const Element>(batch, kv_head, 0);
     const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
     const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
+    const int first_row_diagonal = m_start + diagonal_offset;  // last key the block's first row sees
 
     const auto load_keys = [&](int n_block, int stage) {
         const int n_start = n_block * kBlockN;
@@ -115,11 +123,24 @@ flash_forward_mma_kernel(const ForwardParams params) {
     FragmentOnlineSoftmax<kMTiles> softmax;
     softmax.init();
     u32 q_fragments[Traits::kQInRegisters ? kMTiles : 1][Traits::kQInRegisters ? Traits::kQkSteps : 1][4];
+    if constexpr (Traits::kQInRegisters) {
+        // Q's fragments, once: Q arrives with the first key block's copies.
+        cp_async_wait<0>();
+        __syncthreads();
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+                ldmatrix_x4(q_fragments[mt][ks], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
+            }
+        }
+    }
 
-    for (int iteration = 0; iteration < n_blocks; ++iteration) {
-        const int n_block = n_blocks - 1 - iteration;
+    // Key blocks from the last to the first; `stage` is the buffer holding
+    // block n_block. One counter, not two: the loop is short of registers.
+    int stage = 0;
+    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
         const int n_start = n_block * kBlockN;
-        const int stage = iteration % kKvStages;
         // This block's K (and V with two stages, Q first time round) has
         // landed for every thread, and every warp is done with the previous
         // block, whose buffers are refilled now.
@@ -136,16 +157,6 @@ flash_forward_mma_kernel(const ForwardParams params) {
         cp_async_commit();
         const u32 stage_offset = stage * Traits::kKvTileBytes;
 
-        if (Traits::kQInRegisters && iteration == 0) {
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-                for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-                    ldmatrix_x4(q_fragments[mt][ks], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
-                }
-            }
-        }
-
         // S = Q K^T, raw scores.
         float s[kMTiles][kNTiles][4];
 #pragma unroll
@@ -158,11 +169,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
                 }
             }
         }
-        // With Q in shared memory the k16 steps are not unrolled: unrolled,
-        // the compiler hoists several steps' fragment loads at once, and next
-        // to 128-192 live accumulators that spills. (With Q in registers the
-        // fragments must be indexed at compile time, so that loop unrolls.)
-#pragma unroll(Traits::kQInRegisters ? Traits::kQkSteps : 1)
+#pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             u32 a[kMTiles][4];
 #pragma unroll
@@ -188,8 +195,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
             }
         }
 
-        if (key_block_needs_mask<kIsCausal>(m_start, n_start, kBlockN, seqlen_k, diagonal_offset)) {
-            apply_mask_to_fragments<kIsCausal>(s, m_start + warp_row0, n_start, lane, seqlen_k, diagonal_offset);
+        if (key_block_needs_mask<kIsCausal>(first_row_diagonal, n_start, kBlockN, seqlen_k)) {
+            apply_mask_to_fragments<kIsCausal>(s, first_row_diagonal + warp_row0, n_start, lane, seqlen_k);
         }
         float rescale[2 * kMTiles];
         const bool rescaled = softmax.update(s, scale_log2, rescale);
@@ -247,6 +254,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
                 }
             }
         }
+        stage ^= kKvStages - 1;
     }
 
     // Epilogue. Every warp read only its own rows of the Q tile, so it can
@@ -255,7 +263,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
     cp_async_wait<0>();
     __syncwarp();
     const int group = lane / 4, quad = lane % 4;
-    float* lse_row = params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride;
+    const BlockCoordinates block = tile_origin();
+    const int first_row = block.tile;
+    float* lse_row = params.lse + block.batch * params.lse_batch_stride + block.head * params.lse_head_stride;
 #pragma unroll
     for (int r = 0; r < 2 * kMTiles; ++r) {
         const int mt = r / 2, half = r % 2;
@@ -263,8 +273,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
         // A row that saw no key has sum 0: its output is 0, not 0 / 0.
         const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
         const int row_in_block = warp_row0 + mt * 16 + half * 8 + group;
-        if (quad == 0 && m_start + row_in_block < seqlen_q) {
-            lse_row[m_start + row_in_block] = softmax.log_sum_exp(r, sum);
+        if (quad == 0 && first_row + row_in_block < seqlen_q) {
+            lse_row[first_row + row_in_block] = softmax.log_sum_exp(r, sum);
         }
         u32* staged = reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * quad);
 #pragma unroll
@@ -277,13 +287,13 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // padded head-dim columns are not written.
     constexpr int kChunksPerRow = kHeadDim / 8;
     constexpr int kWarpChunks = Traits::kRowsPerWarp * kChunksPerRow;
-    Element* out = params.out.row_ptr<Element>(batch, head, m_start);
+    Element* out = params.out.row_ptr<Element>(block.batch, block.head, first_row);
 #pragma unroll
     for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
         const int chunk = lane + i * 32;
         const int row_in_block = warp_row0 + chunk / kChunksPerRow;
         const int col = chunk % kChunksPerRow * 8;
-        if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && m_start + row_in_block < seqlen_q && col < head_dim) {
+        if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && first_row + row_in_block < seqlen_q && col < head_dim) {
             *reinterpret_cast<uint4*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =
                 *reinterpret_cast<const uint4*>(q_tile + row_in_block * kStride + col);
         }

@@ -15,8 +15,17 @@ struct BlockCoordinates {
     index_t batch;
 };
 
+// Reading the block index through a volatile asm makes every call compute
+// the coordinates afresh: a kernel that needs them again only in its
+// epilogue does not keep them in registers through its main loop.
+__device__ __forceinline__ unsigned block_index() {
+    unsigned index;
+    asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(index));
+    return index;
+}
+
 __device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles, index_t nheads) {
-    index_t linear = blockIdx.x;
+    index_t linear = block_index();
     BlockCoordinates c;
     c.tile = static_cast<int>(linear % num_tiles);
     linear /= num_tiles;

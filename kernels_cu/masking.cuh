@@ -60,30 +60,34 @@ __device__ __forceinline__ int first_visible_query_block(int n_start, int block_
 namespace cuflash {
 
 // Whether any score of the key block starting at n_start is masked for some
-// row of the query block starting at m_start: the block runs past the last
-// key, or (causal) its last key lies beyond the diagonal of the block's first
-// row. Only such blocks pay for apply_mask_to_fragments.
+// row of a group of consecutive query rows (a block's, or a warp's): the
+// block runs past the last key, or (causal) its last key lies beyond the
+// diagonal of the group's first row, which sees keys up to
+// first_row_diagonal = first row + causal_diagonal_offset. Only such key
+// blocks pay for apply_mask_to_fragments.
 template <bool kIsCausal>
-__device__ __forceinline__ bool key_block_needs_mask(int m_start, int n_start, int block_n, int seqlen_k,
-                                                     int diagonal_offset) {
-    return n_start + block_n > seqlen_k || (kIsCausal && n_start + block_n - 1 > m_start + diagonal_offset);
+__device__ __forceinline__ bool key_block_needs_mask(int first_row_diagonal, int n_start, int block_n, int seqlen_k) {
+    return n_start + block_n > seqlen_k || (kIsCausal && n_start + block_n - 1 > first_row_diagonal);
 }
 
 // Sets the masked scores of mma accumulator fragments s[kMTiles][kNTiles][4]
-// (layout in mma.cuh) to -inf. row0 is the query row of the warp's first
-// fragment row, key0 the first key of the block.
+// (layout in mma.cuh) to -inf. row0_diagonal is the last key visible to the
+// warp's first fragment row (its row index + causal_diagonal_offset; rows
+// further down see correspondingly more), key0 the first key of the block.
+// Passing the sum rather than row and offset saves a register in a loop
+// where the accumulators need all of them.
 template <bool kIsCausal, int kMTiles, int kNTiles>
-__device__ __forceinline__ void apply_mask_to_fragments(float (&s)[kMTiles][kNTiles][4], int row0, int key0, int lane,
-                                                        int seqlen_k, int diagonal_offset) {
+__device__ __forceinline__ void apply_mask_to_fragments(float (&s)[kMTiles][kNTiles][4], int row0_diagonal, int key0,
+                                                        int lane, int seqlen_k) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+            const int last_visible = row0_diagonal + mt * 16 + lane / 4 + (i / 2) * 8;
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
                 const int key = key0 + nt * 8 + 2 * (lane % 4) + i % 2;
-                if (!is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset)) {
+                if (key >= seqlen_k || (kIsCausal && key > last_visible)) {
                     s[mt][nt][i] = negative_infinity();
                 }
             }

@@ -2,6 +2,7 @@
 SDPA and flash_attn drop-ins, streams, CUDA graphs, several GPUs, and short
 training runs against the frameworks' own attention."""
 
+import fcntl
 import json
 import math
 import os
@@ -326,10 +327,13 @@ def _record_e2e(name: str, ours, reference) -> float:
     gap = float(np.abs(ours - reference).max() / reference[0])
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "e2e_losses.json"
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[name] = {"cuflash": ours.tolist(), "reference": reference.tolist(), "max_gap_of_initial": gap,
-                      "tolerance": E2E_TOLERANCE}
-        path.write_text(json.dumps(data, indent=1))
+        # gpu_check.sh may run tests in several processes (pytest-xdist).
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = json.loads(path.read_text()) if path.exists() else {}
+            data[name] = {"cuflash": ours.tolist(), "reference": reference.tolist(), "max_gap_of_initial": gap,
+                          "tolerance": E2E_TOLERANCE}
+            path.write_text(json.dumps(data, indent=1))
     return gap
 
 

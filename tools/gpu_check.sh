@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One-shot GPU check: runs the whole test suite (GPU tests included) on a
-# machine with a CUDA GPU, writes logs and a JSON summary under $OUT, and
-# prints a short table last. Fails if any test failed, errored or was skipped:
+# One-shot GPU check: runs the whole test suite (GPU tests included), the
+# Nsight Compute validation of the IO simulator and the forward benchmark on a
+# machine with a CUDA GPU, writes logs and JSON under $OUT, and prints a short
+# table last. Fails if any test failed, errored or was skipped:
 # on a GPU machine nothing may skip.
 #
 #   OUT=/tmp/out CUFLASH_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [extra pytest args]
@@ -30,8 +31,16 @@ print("nvrtc:", cupy.cuda.nvrtc.getVersion(), "device:", cupy.cuda.runtime.getDe
 PY
 } 2>&1 | tee "$OUT/environment.txt"
 
+# Tests in CUFLASH_PYTEST_WORKERS processes (pytest-xdist; default 4 where it
+# is installed, 1 = serial): compiling the kernel variants dominates a cold run.
+workers=${CUFLASH_PYTEST_WORKERS:-4}
+parallel=()
+if [ "$workers" -gt 1 ] && "$PYTHON" -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$workers")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several JAX processes share the GPU
+fi
 start=$(date +%s)
-"$PYTHON" -m pytest tests -p no:cacheprovider -q -rfEs --durations=15 \
+"$PYTHON" -m pytest tests -p no:cacheprovider -q -rfEs --durations=15 "${parallel[@]}" \
   --junitxml="$OUT/tests.xml" "$@" 2>&1 | tee "$OUT/tests.log"
 pytest_rc=${PIPESTATUS[0]}
 elapsed=$(( $(date +%s) - start ))
@@ -45,9 +54,19 @@ if [ "${CUFLASH_SKIP_NCU:-0}" != "1" ]; then
   tail -n 12 "$OUT/ncu_validation.log"
 fi
 
-"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" <<'PY'
+# Forward speed against PyTorch SDPA (flash, cuDNN) on the FlashAttention-2
+# grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
+bench_rc=0
+if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
+  CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py --out "$OUT" > "$OUT/bench.log" 2>&1
+  bench_rc=$?
+  grep -v "^#" "$OUT/bench.log" | tail -n 60
+fi
+
+"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" "$bench_rc" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 out, commit, rc, elapsed, ncu_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+bench_rc = int(sys.argv[6])
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 root = ET.parse(f"{out}/tests.xml").getroot()
 for suite in root.iter("testsuite"):
@@ -59,20 +78,30 @@ multi_gpu_skips = [case.get("name") for case in root.iter("testcase")
 counts["skipped"] -= len(multi_gpu_skips)
 env = open(f"{out}/environment.txt").read().splitlines()
 passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"] - len(multi_gpu_skips)
-ok = (rc == 0 and ncu_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0 and counts["skipped"] == 0
-      and counts["tests"] > 0)
+ok = (rc == 0 and ncu_rc == 0 and bench_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0
+      and counts["skipped"] == 0 and counts["tests"] > 0)
 summary = {"commit": commit, "ok": ok, "passed": passed, "failed": counts["failures"],
            "errors": counts["errors"], "skipped": counts["skipped"],
            "skipped_for_lack_of_gpus": multi_gpu_skips,
-           "seconds": elapsed, "ncu_validation_rc": ncu_rc, "environment": env}
+           "seconds": elapsed, "ncu_validation_rc": ncu_rc, "bench_rc": bench_rc, "environment": env}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print()
 print("| gpu_check | value |")
 print("|---|---|")
 for line in env[:2]:
     print(f"| env | {line} |")
-for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_rc"):
+for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_rc", "bench_rc"):
     print(f"| {key} | {summary[key]} |")
+try:
+    rows = json.load(open(f"{out}/bench.json"))["rows"]
+    for dtype in ("bfloat16", "float16"):
+        ratios = [r["cuflash_over_flash"] for r in rows if r["dtype"] == dtype and "cuflash_over_flash" in r]
+        cudnn = [r["cuflash_over_cudnn"] for r in rows if r["dtype"] == dtype and "cuflash_over_cudnn" in r]
+        if ratios:
+            print(f"| bench {dtype} fwd cuflash/flash | min {min(ratios):.2f}, max {max(ratios):.2f}, "
+                  f">= 1.0 at {sum(x >= 1.0 for x in ratios)}/{len(ratios)}; cuflash/cuDNN {min(cudnn):.2f}-{max(cudnn):.2f} |")
+except FileNotFoundError:
+    print("| bench | not run |")
 print(f"| skipped (needs 2 GPUs) | {len(multi_gpu_skips)} |")
 try:
     for name, row in json.load(open(f"{out}/e2e_losses.json")).items():
