@@ -12,6 +12,7 @@ stale binary. The compile options therefore carry a hash of every file under
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -26,7 +27,15 @@ _DEFAULT_SMEM_LIMIT = 48 * 1024
 def kernel_source_dir() -> Path:
     """Folder holding the CUDA sources: inside the installed package
     (``cuflash/kernels_cu``, where the wheel puts them), or ``kernels_cu/``
-    beside the package in a source checkout."""
+    beside the package in a source checkout. Developers can point
+    ``CUFLASH_KERNEL_SOURCE_DIR`` at another copy to compare kernel edits in
+    one benchmark run (the source hash keeps their caches apart)."""
+    override = os.environ.get("CUFLASH_KERNEL_SOURCE_DIR")
+    if override:
+        path = Path(override).resolve()
+        if not (path / "flash_fwd.cu").is_file():
+            raise FileNotFoundError(f"CUFLASH_KERNEL_SOURCE_DIR={override} holds no flash_fwd.cu")
+        return path
     package = Path(__file__).resolve().parent
     for candidate in (package / "kernels_cu", package.parent / "kernels_cu"):
         if (candidate / "flash_fwd.cu").is_file():

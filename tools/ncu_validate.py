@@ -43,7 +43,6 @@ SHAPES = [
 
 METRICS = {
     "l1_ld": "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
-    "l1_ldgsts": "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts.sum",
     "l1_st": "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum",
     "l1_red": "l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum",
     "l2_read": "lts__t_sectors_srcunit_tex_op_read.sum",
@@ -89,8 +88,23 @@ def predictions(machine_name: str) -> list[dict]:
     return rows
 
 
+#: Sectors of cp.async (LDGSTS) global loads, the tensor-core forward's only
+#: loads; ncu names them per cache policy, and versions differ in which exist.
+LDGSTS_METRICS = ("l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts",
+                  "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts_cache_access",
+                  "l1tex__t_sectors_pipe_lsu_mem_global_op_ldgsts_cache_bypass")
+
+
+def _available_ldgsts_metrics(ncu: str) -> dict[str, str]:
+    """The total if ncu has it, else the per-policy parts it has."""
+    listed = set(subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout.split())
+    names = [LDGSTS_METRICS[0]] if LDGSTS_METRICS[0] in listed else [n for n in LDGSTS_METRICS[1:] if n in listed]
+    return {f"l1_ldgsts_{i}": f"{name}.sum" for i, name in enumerate(names)}
+
+
 def profile(out_dir: Path) -> list[dict]:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    METRICS.update(_available_ldgsts_metrics(ncu))
     log = Path(tempfile.mkdtemp()) / "ncu_raw.csv"
     command = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", "regex:flash_",
                "--metrics", ",".join(METRICS.values()), "--csv", "--page", "raw", "--log-file", str(log),
@@ -114,7 +128,7 @@ def compare(predicted: list[dict], kernels: list[dict]) -> list[dict]:
         count = KERNELS_PER_SHAPE[row["pass"]]
         group = kernels[position: position + count]
         position += count
-        l1 = 32 * sum(k["l1_ld"] + k["l1_ldgsts"] + k["l1_st"] + k["l1_red"] for k in group)
+        l1 = 32 * sum(sum(v for name, v in k.items() if name.startswith("l1_")) for k in group)
         l2 = 32 * sum(k["l2_read"] + k["l2_write"] + k["l2_red"] for k in group)
         dram = sum(k["dram_read"] + k["dram_write"] for k in group)
         rows.append({**row, "kernels": [k["kernel"] for k in group], "measured_l1_requested": l1,
