@@ -30,13 +30,13 @@ TENSOR_CORE_HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 #: K/V buffers). Each warp owns block_m / warps query rows; its accumulators
 #: (O: rows x head dim, S: rows x block_n) fill the register file, so the
 #: larger head dims take fewer rows or keys, and where double-buffered K/V
-#: copies would spill registers (96, 128, 192) the tiles are single-buffered.
+#: copies would spill registers (96, 128) the tiles are single-buffered.
 #: tools/kernel_report.py checks that none spills.
 TENSOR_CORE_FORWARD_TILES = {
     64: (128, 64, 4, 2),
     96: (128, 64, 4, 1),
     128: (128, 64, 4, 1),
-    192: (64, 64, 4, 1),
+    192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
 

@@ -80,11 +80,11 @@ struct OnlineSoftmax {
 //   raw scores times scale_log2 is the max of the scaled scores only for
 //   scale_log2 > 0; the launcher sends other scales to the SIMT kernel.
 // - The reference subtracted in the exponent is the running max only up to
-//   kRescaleSlack: it moves (and the output accumulator is rescaled) only when
-//   a block's max exceeds it by more than that. Any reference gives the same
+//   kRescaleSlack: it moves (with a rescale factor other than 1) only when a
+//   block's max exceeds it by more than that. Any reference gives the same
 //   O / l; a stale one only lets p grow to 2^kRescaleSlack, harmless in
 //   float32 sums and in the float16/bfloat16 P of P V, and after the first
-//   blocks the rescaling of O (one multiply per accumulator) is mostly skipped.
+//   blocks the factors are almost always exactly 1.
 template <int kMTiles>
 struct FragmentOnlineSoftmax {
     static constexpr int kRows = 2 * kMTiles;  // row r: m16 tile r / 2, half r % 2
@@ -102,12 +102,10 @@ struct FragmentOnlineSoftmax {
 
     // Turns the block's raw scores (masked ones -inf) into unnormalised
     // probabilities in place and writes per row the factor by which the
-    // output accumulated so far must be scaled. Returns whether any factor
-    // of this lane differs from 1.
+    // output accumulated so far must be scaled.
     template <int kNTiles>
-    __device__ __forceinline__ bool update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
+    __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
                                            float (&rescale)[kRows]) {
-        bool rescaled = false;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const int mt = r / 2, half = r % 2;
@@ -123,7 +121,6 @@ struct FragmentOnlineSoftmax {
                 // exp2(-inf) = 0 on the first visible block: nothing accumulated yet.
                 rescale[r] = exp2_fast(reference[r] - candidate);
                 reference[r] = candidate;
-                rescaled = true;
             }
             // While every key seen so far is masked the reference is -inf and
             // -inf - (-inf) would be NaN; subtracting 0 keeps exp2(-inf) = 0.
@@ -141,7 +138,6 @@ struct FragmentOnlineSoftmax {
             // Summed over the quad once at the end, not once per block.
             partial_sum[r] = partial_sum[r] * rescale[r] + block_sum;
         }
-        return rescaled;
     }
 
     // l of row r, on every lane of the quad.
