@@ -1,0 +1,42 @@
+"""The committed benchmark JSON is self-consistent and BENCHMARKS.md is the
+rendering of it (CPU only: no timing happens here)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+BENCHMARKS = sorted((REPO / "benchmarks").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
+def test_rows_are_consistent(path):
+    from bench import SEQLENS, forward_flops
+
+    result = json.loads(path.read_text())
+    assert {"device", "driver", "torch", "commit", "date"} <= set(result["environment"])
+    rows = result["rows"]
+    grid = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in rows if r["pass"] == "fwd"}
+    assert grid == {(dt, d, c, s) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)
+                    for s in SEQLENS}
+    for r in rows:
+        assert r["batch"] * r["seqlen"] == 16384 and r["heads"] * r["head_dim"] == 2048
+        assert r["flops"] == forward_flops(r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"])
+        for backend, ms in r["ms"].items():
+            assert r["tflops"][backend] == pytest.approx(r["flops"] / (ms * 1e9))
+        for base in ("flash", "cudnn"):
+            assert r[f"cuflash_over_{base}"] == pytest.approx(r["ms"][base] / r["ms"]["cuflash"])
+
+
+def test_benchmarks_md_renders_the_h100_json():
+    rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
+                               str(REPO / "benchmarks" / "h100.json")], capture_output=True, text=True,
+                              check=True).stdout
+    committed = (REPO / "BENCHMARKS.md").read_text()
+    # The committed file also links the plot; everything else is identical.
+    assert committed.replace("![TFLOP/s against seqlen](h100_forward.png)\n\n", "") == rendered
