@@ -122,15 +122,14 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
 
     require_shared_memory<Smem>();
-    extern __shared__ __align__(16) unsigned char shared_memory[];
-    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Smem::kK);
-    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Smem::kV);
-    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Smem::kQ);
-    Element* do_tile = reinterpret_cast<Element*>(shared_memory + Smem::kDo);
-    float* pt_tile = reinterpret_cast<float*>(shared_memory + Smem::kPt);
-    float* dst_tile = reinterpret_cast<float*>(shared_memory + Smem::kDSt);
-    float* lse_tile = reinterpret_cast<float*>(shared_memory + Smem::kLse);
-    float* delta_tile = reinterpret_cast<float*>(shared_memory + Smem::kDelta);
+    Element* k_tile = shared_tile<Element>(Smem::kK);
+    Element* v_tile = shared_tile<Element>(Smem::kV);
+    Element* q_tile = shared_tile<Element>(Smem::kQ);
+    Element* do_tile = shared_tile<Element>(Smem::kDo);
+    float* pt_tile = shared_tile<float>(Smem::kPt);
+    float* dst_tile = shared_tile<float>(Smem::kDSt);
+    float* lse_tile = shared_tile<float>(Smem::kLse);
+    float* delta_tile = shared_tile<float>(Smem::kDelta);
 
     const ProblemSize& size = params.size;
     const BlockCoordinates block = block_coordinates(params.num_n_blocks, size.nheads_k);
@@ -264,12 +263,11 @@ flash_backward_dq_kernel(const BackwardParams params) {
     static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
 
     require_shared_memory<Smem>();
-    extern __shared__ __align__(16) unsigned char shared_memory[];
-    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Smem::kQ);
-    Element* do_tile = reinterpret_cast<Element*>(shared_memory + Smem::kDo);
-    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Smem::kK);
-    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Smem::kV);
-    float* ds_tile = reinterpret_cast<float*>(shared_memory + Smem::kDS);
+    Element* q_tile = shared_tile<Element>(Smem::kQ);
+    Element* do_tile = shared_tile<Element>(Smem::kDo);
+    Element* k_tile = shared_tile<Element>(Smem::kK);
+    Element* v_tile = shared_tile<Element>(Smem::kV);
+    float* ds_tile = shared_tile<float>(Smem::kDS);
 
     const ProblemSize& size = params.size;
     const BlockCoordinates block = block_coordinates(params.num_m_blocks, size.nheads);

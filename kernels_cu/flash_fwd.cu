@@ -31,11 +31,10 @@ flash_forward_kernel(const ForwardParams params) {
     static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
 
     require_shared_memory<Smem>();
-    extern __shared__ __align__(16) unsigned char shared_memory[];
-    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Smem::kQ);
-    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Smem::kK);
-    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Smem::kV);
-    float* p_tile = reinterpret_cast<float*>(shared_memory + Smem::kP);
+    Element* q_tile = shared_tile<Element>(Smem::kQ);
+    Element* k_tile = shared_tile<Element>(Smem::kK);
+    Element* v_tile = shared_tile<Element>(Smem::kV);
+    float* p_tile = shared_tile<float>(Smem::kP);
 
     const BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
     const int m_block = block.tile;

@@ -36,10 +36,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
     constexpr int kElementBytes = int(sizeof(Element));
 
     require_shared_memory<Traits>();
-    extern __shared__ __align__(16) unsigned char shared_memory[];
-    Element* q_tile = reinterpret_cast<Element*>(shared_memory + Traits::kQ);
-    Element* k_tile = reinterpret_cast<Element*>(shared_memory + Traits::kK);
-    Element* v_tile = reinterpret_cast<Element*>(shared_memory + Traits::kV);
+    Element* q_tile = shared_tile<Element>(Traits::kQ);
+    Element* k_tile = shared_tile<Element>(Traits::kK);
+    Element* v_tile = shared_tile<Element>(Traits::kV);
 
     // This block's query tile. Computed again for the epilogue (block_index
     // is volatile), so that batch, head and m_start do not hold registers
@@ -72,19 +71,17 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
     const int first_row_diagonal = m_start + diagonal_offset;  // last key the block's first row sees
 
-    const auto load_keys = [&](int n_block, int stage) {
+    // Copies key block n_block of K or V (`rows`, from the head's first key)
+    // into buffer `stage` of `tile`.
+    const auto load_key_block = [&](Element* tile, const Element* rows, index_t row_stride, int n_block, int stage) {
         const int n_start = n_block * kBlockN;
         load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-            k_tile + stage * (Traits::kKvTileBytes / kElementBytes),
-            k + static_cast<index_t>(n_start) * params.k.row_stride, params.k.row_stride, seqlen_k - n_start, head_dim,
-            thread);
+            tile + stage * (Traits::kKvTileBytes / kElementBytes), rows + static_cast<index_t>(n_start) * row_stride,
+            row_stride, seqlen_k - n_start, head_dim, thread);
     };
+    const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, k, params.k.row_stride, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) {
-        const int n_start = n_block * kBlockN;
-        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-            v_tile + stage * (Traits::kKvTileBytes / kElementBytes),
-            v + static_cast<index_t>(n_start) * params.v.row_stride, params.v.row_stride, seqlen_k - n_start, head_dim,
-            thread);
+        load_key_block(v_tile, v, params.v.row_stride, n_block, stage);
     };
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing and writes zeros and -inf.
@@ -110,16 +107,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
 
     float o[kMTiles][kDTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                o[mt][dt][i] = 0.0f;
-            }
-        }
-    }
+    fill_fragments(o, 0.0f);
     FragmentOnlineSoftmax<kMTiles> softmax;
     softmax.init();
     u32 q_fragments[Traits::kQInRegisters ? kMTiles : 1][Traits::kQInRegisters ? Traits::kQkSteps : 1][4];
@@ -159,16 +147,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
 
         // S = Q K^T, raw scores.
         float s[kMTiles][kNTiles][4];
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    s[mt][nt][i] = 0.0f;
-                }
-            }
-        }
+        fill_fragments(s, 0.0f);
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             u32 a[kMTiles][4];

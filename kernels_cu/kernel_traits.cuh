@@ -191,4 +191,12 @@ __device__ __forceinline__ void require_shared_memory() {
     }
 }
 
+// Typed pointer to the tile at byte `offset` of the launch's dynamic shared
+// memory (offsets come from a layout above; call require_shared_memory first).
+template <typename T>
+__device__ __forceinline__ T* shared_tile(int offset) {
+    extern __shared__ __align__(16) unsigned char shared_memory[];
+    return reinterpret_cast<T*>(shared_memory + offset);
+}
+
 }  // namespace cuflash

@@ -69,6 +69,21 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Sets every value of a fragment array (accumulators of kM x kN tiles).
+template <int kM, int kN>
+__device__ __forceinline__ void fill_fragments(float (&fragments)[kM][kN][4], float value) {
+#pragma unroll
+    for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int n = 0; n < kN; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                fragments[m][n][i] = value;
+            }
+        }
+    }
+}
+
 // 32-bit shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ u32 shared_address(const void* pointer) {
     return static_cast<u32>(__cvta_generic_to_shared(pointer));
