@@ -96,18 +96,15 @@ flash_forward_mma_kernel(const ForwardParams params) {
     cp_async_commit();
 
     // Per-lane ldmatrix row addresses (bytes), see mma.cuh for the layouts.
-    // Every operand is read as four 8x8 matrices (rows 0-7 | 8-15) x
-    // (columns 0-7 | 8-15), lanes 8j..8j+7 addressing matrix j, so one lane
-    // offset serves Q, K and V (one register, not three):
-    //   Q (A operand):              registers = a0, a1, a2, a3;
-    //   K (B operand of Q K^T):     rows are keys: registers = b0 and b0 of two
-    //                               n8 tiles, then their b1 (see the mma below);
-    //   V (B operand of P V, .trans): rows are keys: b0, b1 of one n8 tile of
-    //                               head-dim columns, then of the next.
-    const u32 lane_offset = ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
-    const u32 q_address = shared_address(q_tile) + warp_row0 * kStride * kElementBytes + lane_offset;
-    const u32 k_address = shared_address(k_tile) + lane_offset;
-    const u32 v_address = shared_address(v_tile) + lane_offset;
+    // Q (A operand): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
+    const u32 q_address = shared_address(q_tile) +
+        ((warp_row0 + lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    // K (B operand of Q K^T): matrices (keys 0-7: d 0-7 | d 8-15), (keys 8-15: ...), two n8 tiles per load.
+    const u32 k_address = shared_address(k_tile) +
+        ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * 8) * kElementBytes;
+    // V (B operand of P V, transposed): matrices (keys 0-7 | 8-15) x (d 0-7 | 8-15), two n8 tiles of d per load.
+    const u32 v_address = shared_address(v_tile) +
+        ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
 
     float o[kMTiles][kDTiles][4];
     fill_fragments(o, 0.0f);
@@ -171,8 +168,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
                 ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * 16) * kElementBytes);
 #pragma unroll
                 for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_m16n8k16<Element>(s[mt][2 * np], a[mt], b[0], b[2]);
-                    mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], b[1], b[3]);
+                    mma_m16n8k16<Element>(s[mt][2 * np], a[mt], b[0], b[1]);
+                    mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
                 }
             }
         }
