@@ -26,6 +26,8 @@ from ._tiling import (
 )
 
 _LOG2E = math.log2(math.e)
+#: FragmentOnlineSoftmax::kRescaleSlack (kernels_cu/online_softmax.cuh), log2 units.
+RESCALE_SLACK = 8.0
 _LN2 = math.log(2.0)
 
 
@@ -95,7 +97,10 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     Walks the same query blocks and key blocks as the kernel (tiles of
     ``tiling``, by default the launcher's choice for ``dtype_name`` and this
     head_dim), with the kernel's online softmax in the log2 domain, its
-    masking, and its skipping of fully masked key blocks.
+    masking, and its skipping of fully masked key blocks. For tensor-core
+    tiles it follows ``flash_fwd_mma.cu``: key blocks from the last to the
+    first, and a softmax reference that moves only when a block's max exceeds
+    it by more than ``RESCALE_SLACK`` (``FragmentOnlineSoftmax``).
 
     Returns ``(out, lse, key_blocks_visited)``, the last being the number of
     (query block, key block) pairs computed per (batch, head).
@@ -121,13 +126,20 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
         acc = np.zeros((batch, nheads, len(rows), head_dim))
         n_blocks = visible_key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k, causal)
         visited += n_blocks
-        for n_block in range(n_blocks):
+        order = range(n_blocks - 1, -1, -1) if tiling.tensor_cores else range(n_blocks)
+        for n_block in order:
             keys = np.arange(n_block * block_n, min((n_block + 1) * block_n, seqlen_k))
             scores = np.einsum("bhqd,bhkd->bhqk", q_block, k[:, :, keys]) * scale_log2
             if causal:
                 visible = keys[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
                 scores = np.where(visible, scores, -np.inf)
-            new_max = np.maximum(row_max, scores.max(axis=-1))
+            block_max = scores.max(axis=-1)
+            if tiling.tensor_cores:
+                # The reference (kept in row_max) moves only by more than the slack.
+                moves = block_max > row_max + RESCALE_SLACK
+                new_max = np.where(moves, block_max, row_max)
+            else:
+                new_max = np.maximum(row_max, block_max)
             # While every key so far is masked the max is -inf; use 0 so that
             # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
             reference = np.where(np.isneginf(new_max), 0.0, new_max)

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from cuflash._tiling import forward_tiling, visible_key_blocks
+from cuflash._tiling import forward_tiling, tensor_core_forward_tiling, visible_key_blocks
 from cuflash.reference import attention_reference, attention_tiled, causal_mask
 
 
@@ -79,6 +79,24 @@ def test_tiled_emulation_matches_reference(dtype_name, head_dim, seqlen_q, seqle
     k, v = (_random((2, seqlen_k, nheads_k, head_dim), rng) for _ in range(2))
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.3)
     out, lse, _ = attention_tiled(q, k, v, causal=causal, softmax_scale=0.3, dtype_name=dtype_name)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-12)
+    _assert_lse_equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ramp", [(6.0, 0.2), (1.6, 0.4), (0.2, 6.0)], ids=["steep-rise", "within-slack", "falling"])
+def test_tensor_core_schedule_with_stale_reference_matches_reference(causal, ramp):
+    """The tensor-core kernel's schedule (key blocks last to first, softmax
+    reference moving only beyond the slack), emulated in float64, is exact
+    whether scores rise steeply from block to block (the reference moves many
+    times), slowly (never moves after the first block: p grows to 2^8) or fall."""
+    rng = np.random.default_rng(11)
+    q = _random((1, 300, 2, 64), rng)
+    k, v = (_random((1, 700, 2, 64), rng) for _ in range(2))
+    k = k * np.linspace(*ramp, 700)[None, :, None, None]
+    tiling = tensor_core_forward_tiling("bfloat16", 64)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.5)
+    out, lse, _ = attention_tiled(q, k, v, causal=causal, softmax_scale=0.5, tiling=tiling)
     np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-12)
     _assert_lse_equal(lse, ref_lse)
 
