@@ -118,6 +118,7 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     lse = np.empty((batch, nheads, seqlen_q))
     visited = 0
     block_m, block_n = tiling.block_m, tiling.block_n
+    slack = RESCALE_SLACK if tiling.tensor_cores else 0.0
     for m_start in range(0, seqlen_q, block_m):
         rows = np.arange(m_start, min(m_start + block_m, seqlen_q))
         q_block = q[:, :, rows]
@@ -133,13 +134,11 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
             if causal:
                 visible = keys[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
                 scores = np.where(visible, scores, -np.inf)
+            # The reference (kept in row_max) moves only when the block's max
+            # exceeds it by more than the slack: 0 for the SIMT kernel (a
+            # plain running max), RESCALE_SLACK for the tensor-core one.
             block_max = scores.max(axis=-1)
-            if tiling.tensor_cores:
-                # The reference (kept in row_max) moves only by more than the slack.
-                moves = block_max > row_max + RESCALE_SLACK
-                new_max = np.where(moves, block_max, row_max)
-            else:
-                new_max = np.maximum(row_max, block_max)
+            new_max = np.where(block_max > row_max + slack, block_max, row_max)
             # While every key so far is masked the max is -inf; use 0 so that
             # exp2(-inf - 0) = 0 instead of exp2(-inf - -inf) = NaN.
             reference = np.where(np.isneginf(new_max), 0.0, new_max)

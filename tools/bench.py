@@ -85,57 +85,77 @@ def _parse_tiles(specs: list[str]) -> dict[int, list]:
     return tiles
 
 
-def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -> list[dict]:
+def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, float]:
+    """Milliseconds of the forward launched with each of ``tilings`` instead
+    of the table's (same inputs; CuPy views of the PyTorch tensors, buffers
+    and the problem made once for all of them)."""
     import cupy
+    import torch
+
+    from cuflash import api
+    from cuflash._validation import check_forward, meta_of
+
+    if not tilings:
+        return {}
+    qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
+    problem = check_forward(meta_of("q", qc), meta_of("k", kc), meta_of("v", vc), None, causal=causal,
+                            softmax_scale=None)
+    out = cupy.empty_like(qc)
+    lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
+    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
+    return {f"m{t.block_m}n{t.block_n}w{t.warps}s{t.kv_stages}": time_gpu(
+                lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=t),
+                calls=calls, repeats=repeats)
+            for t in tilings}
+
+
+def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tuple[dict[str, float], float]:
+    """Milliseconds per call of cuflash on q, k, v (batch, seqlen, heads, dim),
+    SDPA flash and SDPA cuDNN on ``sdpa_inputs`` (the same values in SDPA's
+    (batch, heads, seqlen, dim) layout) and of ``tilings``, and cuflash's
+    largest deviation from flash."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash
-    from cuflash import api
-    from cuflash._validation import check_forward, meta_of
+
+    q_t, k_t, v_t = sdpa_inputs
+    with torch.no_grad():
+        timings = {"cuflash": time_gpu(lambda: cuflash.attention(q, k, v, causal=causal),
+                                       calls=calls, repeats=repeats)}
+        for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    timings[label] = time_gpu(lambda: sdpa(q_t, k_t, v_t, is_causal=causal),
+                                              calls=calls, repeats=repeats)
+            except RuntimeError as exc:  # backend unavailable for this shape
+                print(f"# {label} unavailable at {tuple(q.shape)} {q.dtype}: {exc}", file=sys.stderr)
+        ours = cuflash.attention(q, k, v, causal=causal)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            theirs = sdpa(q_t, k_t, v_t, is_causal=causal).transpose(1, 2)
+        deviation = (ours.float() - theirs.float()).abs().max().item()
+        timings.update(_time_extra_tilings(q, k, v, causal, tilings, calls, repeats))
+    return timings, deviation
+
+
+def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -> list[dict]:
+    import torch
 
     rows = []
     for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
         for head_dim in head_dims:
             heads = HIDDEN // head_dim
             for seqlen in seqlens:
                 batch = TOKENS // seqlen
                 generator = torch.Generator(device="cuda").manual_seed(seqlen + head_dim)
-                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype,
-                                       generator=generator) for _ in range(3))
-                q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
+                                       dtype=getattr(torch, dtype_name), generator=generator) for _ in range(3))
+                sdpa_inputs = tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))  # SDPA's native layout
                 for causal in causals:
+                    timings, deviation = measure_point(q, k, v, sdpa_inputs, causal, extra_tiles.get(head_dim, []),
+                                                       calls, repeats)
                     flops = forward_flops(batch, heads, seqlen, head_dim, causal)
-                    timings = {}
-                    with torch.no_grad():
-                        timings["cuflash"] = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal),
-                                                      calls=calls, repeats=repeats)
-                        for label, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                               ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                            try:
-                                with sdpa_kernel(backend):
-                                    timings[label] = time_gpu(lambda: sdpa(q_t, k_t, v_t, is_causal=causal),
-                                                              calls=calls, repeats=repeats)
-                            except RuntimeError as exc:  # backend unavailable for this shape
-                                print(f"# {label} unavailable at {dtype_name} d{head_dim} s{seqlen}: {exc}",
-                                      file=sys.stderr)
-                        ours = cuflash.attention(q, k, v, causal=causal)
-                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                            theirs = sdpa(q_t, k_t, v_t, is_causal=causal).transpose(1, 2)
-                        deviation = (ours.float() - theirs.float()).abs().max().item()
-                        for tiling in extra_tiles.get(head_dim, []):
-                            qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
-                            problem = check_forward(meta_of("q", qc), meta_of("k", kc), meta_of("v", vc), None,
-                                                    causal=causal, softmax_scale=None)
-                            out = cupy.empty_like(qc)
-                            lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
-                            stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-                            label = f"m{tiling.block_m}n{tiling.block_n}w{tiling.warps}s{tiling.kv_stages}"
-                            timings[label] = time_gpu(
-                                lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=tiling),
-                                calls=calls, repeats=repeats)
                     row = {"pass": "fwd", "dtype": dtype_name, "head_dim": head_dim, "causal": causal,
                            "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
                            "max_abs_deviation_from_flash": deviation,
@@ -145,7 +165,7 @@ def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -
                             row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
                     rows.append(row)
                     print(_row_line(row), flush=True)
-                del q, k, v, q_t, k_t, v_t
+                del q, k, v, sdpa_inputs
                 torch.cuda.empty_cache()
     return rows
 

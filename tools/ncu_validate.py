@@ -104,16 +104,16 @@ def _available_ldgsts_metrics(ncu: str) -> dict[str, str]:
 
 def profile(out_dir: Path) -> list[dict]:
     ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
-    METRICS.update(_available_ldgsts_metrics(ncu))
+    metrics = {**METRICS, **_available_ldgsts_metrics(ncu)}
     log = Path(tempfile.mkdtemp()) / "ncu_raw.csv"
     command = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", "regex:flash_",
-               "--metrics", ",".join(METRICS.values()), "--csv", "--page", "raw", "--log-file", str(log),
+               "--metrics", ",".join(metrics.values()), "--csv", "--page", "raw", "--log-file", str(log),
                sys.executable, __file__, "--workload"]
     subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     text = log.read_text()
     table = list(csv.reader(io.StringIO(text[text.index('"ID"'):])))
     header, rows = table[0], [r for r in table[2:] if r and r[0].isdigit()]  # skip the units row
-    column = {name: header.index(metric) for name, metric in METRICS.items()}
+    column = {name: header.index(metric) for name, metric in metrics.items()}
     name_column = header.index("Kernel Name")
     kernels = []
     for row in rows:
