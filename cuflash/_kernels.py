@@ -64,7 +64,10 @@ def _tiled_variant(kind: str, function: str, source: str, dtype_name: str, tilin
 
 
 def forward_variant(dtype_name: str, tiling: Tiling, causal: bool) -> KernelVariant:
-    if tiling.tensor_cores:
+    if tiling.kernel == "wgmma":
+        return _tiled_variant("forward-wgmma", "cuflash::flash_forward_wgmma_kernel", "flash_fwd_wgmma.cu",
+                              dtype_name, tiling, causal, tiling.forward_smem_bytes(dtype_name))
+    if tiling.kernel == "mma":
         return _tiled_variant("forward-mma", "cuflash::flash_forward_mma_kernel", "flash_fwd_mma.cu", dtype_name,
                               tiling, causal, tiling.forward_smem_bytes(dtype_name),
                               extra_args=(str(tiling.kv_stages),), extra_key=f"/kv{tiling.kv_stages}")

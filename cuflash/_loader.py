@@ -22,6 +22,8 @@ from ._kernels import KernelVariant
 _SOURCE_SUFFIXES = (".cu", ".cuh")
 #: CUDA's default limit of dynamic shared memory; more needs an opt-in per kernel.
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+#: First NVRTC whose ``-arch=sm_90a`` wins over the ``-arch=sm_90`` CuPy appends.
+_SM90A_NVRTC = (12, 9)
 
 
 def kernel_source_dir() -> Path:
@@ -66,9 +68,15 @@ def compile_options(source_dir: Path, compute_capability: str, nvrtc_version: tu
         f"-I{source_dir}",
         f"-DCUFLASH_SOURCE_HASH={source_hash(source_dir)}",
     ]
-    if compute_capability == "90" and nvrtc_version >= (12, 9):
+    if compute_capability == "90" and nvrtc_version >= _SM90A_NVRTC:
         options.append("-arch=sm_90a")
     return tuple(options)
+
+
+def builds_sm90a() -> bool:
+    """Whether this process's NVRTC builds Hopper's own instructions (wgmma)
+    on a compute capability 9.0 device: NVRTC 12.9 or newer."""
+    return _nvrtc_version() >= _SM90A_NVRTC
 
 
 class KernelLoader:

@@ -39,6 +39,20 @@ TENSOR_CORE_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+#: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
+#: dim: (block_m, block_n, warps). One warpgroup (4 warps) per 64 query rows;
+#: head dims whose tensor-core bucket is missing here run on the mma.sync
+#: kernel (the swizzled layout needs whole 64-column panels, and the wgmma
+#: wrappers are compiled for N = 64 and 128).
+WGMMA_FORWARD_TILES = {
+    64: (128, 128, 8),
+    128: (128, 128, 8),
+}
+#: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
+#: 1024 (``WgmmaForwardTraits::kAlignment``).
+WGMMA_SMEM_ALIGNMENT = 1024
+#: Kernels a ``Tiling`` can describe.
+KERNELS = ("simt", "mma", "wgmma")
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -67,10 +81,24 @@ class Tiling:
     block_m: int
     block_n: int
     warps: int
-    #: tensor-core forward (flash_fwd_mma.cu) rather than the SIMT kernels
-    tensor_cores: bool = False
-    #: K/V buffers of the tensor-core forward (1 or 2, see MmaForwardTraits)
+    #: which kernel: "simt" (flash_fwd.cu and the backward), "mma" (mma.sync
+    #: forward, flash_fwd_mma.cu, sm_80+) or "wgmma" (Hopper forward,
+    #: flash_fwd_wgmma.cu, sm_90a)
+    kernel: str = "simt"
+    #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
+    #: the wgmma forward always double-buffers
     kv_stages: int = 1
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether this is a tensor-core forward (mma.sync or wgmma): both
+        visit key blocks last to first with a rescale slack (see
+        ``cuflash.reference.attention_tiled``)."""
+        return self.kernel != "simt"
 
     @property
     def threads(self) -> int:
@@ -88,12 +116,17 @@ class Tiling:
         }
 
     def forward_smem_bytes(self, dtype_name: str) -> int:
-        """``ForwardSmem::kBytes``: Q, K, V, P; for the tensor-core forward
+        """``ForwardSmem::kBytes``: Q, K, V, P; for the mma.sync forward
         ``MmaForwardTraits::kBytes``: Q and ``kv_stages`` buffers of K and V,
-        rows padded by 16 bytes."""
-        if self.tensor_cores:
+        rows padded by 16 bytes; for the wgmma forward
+        ``WgmmaForwardTraits::kBytes``: Q and two unpadded (swizzled) buffers
+        of K and V, plus the alignment slack."""
+        if self.kernel == "mma":
             rows = self.block_m + 2 * self.kv_stages * self.block_n
             return rows * (self.head_dim_padded + 8) * ELEMENT_SIZE[dtype_name]
+        if self.kernel == "wgmma":
+            rows = self.block_m + 4 * self.block_n
+            return rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
@@ -136,31 +169,63 @@ def forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return tiling
 
 
-def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the tensor-core forward, for float16/bfloat16 and head_dim a
-    multiple of 8 (the launcher checks the rest: alignment, scale > 0, sm_80+)."""
+def _tensor_core_bucket(dtype_name: str, head_dim: int) -> int:
+    """The tensor-core head-dim bucket serving (dtype, head_dim); ValueError
+    where the tensor-core forwards do not apply (``tensor_cores_apply``)."""
     if dtype_name not in TENSOR_CORE_DTYPES:
         raise ValueError(f"the tensor-core forward takes {TENSOR_CORE_DTYPES}, got {dtype_name!r}")
-    padded = next((b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if head_dim <= b), None)
-    if padded is None or head_dim % 8 or head_dim <= 0:
+    if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the tensor-core forward takes head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}")
+    return next(b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if head_dim <= b)
+
+
+def tensor_cores_apply(dtype_name: str, head_dim: int) -> bool:
+    """Whether (dtype, head_dim) is one the tensor-core forwards serve."""
+    try:
+        _tensor_core_bucket(dtype_name, head_dim)
+    except ValueError:
+        return False
+    return True
+
+
+def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the mma.sync forward (sm_80+), for float16/bfloat16 and
+    head_dim a multiple of 8 (the launcher checks the rest: alignment,
+    scale > 0)."""
+    padded = _tensor_core_bucket(dtype_name, head_dim)
     block_m, block_n, warps, stages = TENSOR_CORE_FORWARD_TILES[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, tensor_cores=True,
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
                     kv_stages=stages)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 
 
-def tensor_cores_apply(dtype_name: str, head_dim: int) -> bool:
-    """Whether (dtype, head_dim) is one the tensor-core forward serves."""
-    return dtype_name in TENSOR_CORE_DTYPES and head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM
+def wgmma_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether the Hopper forward serves (dtype, head_dim) (on sm_90a)."""
+    return tensor_cores_apply(dtype_name, head_dim) and _tensor_core_bucket(dtype_name, head_dim) in WGMMA_FORWARD_TILES
 
 
-def default_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_applies``."""
+    padded = _tensor_core_bucket(dtype_name, head_dim)
+    if padded not in WGMMA_FORWARD_TILES:
+        raise ValueError(f"the Hopper forward takes head dims in buckets {sorted(WGMMA_FORWARD_TILES)}, "
+                         f"got {head_dim} (bucket {padded})")
+    block_m, block_n, warps = WGMMA_FORWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
+    _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
+    return tiling
+
+
+def default_forward_tiling(dtype_name: str, head_dim: int, compute_capability: int = 80) -> Tiling:
     """The forward tiles the launcher picks for inputs with 16-byte aligned
-    rows on sm_80+ and a positive scale: the tensor-core table where it
-    applies, the SIMT table otherwise (see ``cuflash.api.forward_tiling_for``)."""
-    if tensor_cores_apply(dtype_name, head_dim):
+    rows and a positive scale on a device of ``compute_capability`` (90: the
+    Hopper kernel can be built, sm_90a): the wgmma table where it applies on
+    Hopper, the mma.sync table for other tensor-core cases, the SIMT table
+    otherwise (see ``cuflash.api.forward_tiling_for``)."""
+    if compute_capability == 90 and wgmma_applies(dtype_name, head_dim):
+        return wgmma_forward_tiling(dtype_name, head_dim)
+    if compute_capability >= 80 and tensor_cores_apply(dtype_name, head_dim):
         return tensor_core_forward_tiling(dtype_name, head_dim)
     return forward_tiling(dtype_name, head_dim)
 

@@ -13,14 +13,13 @@ from ._kernels import (
     backward_elementwise_variant,
     forward_variant,
 )
-from ._loader import loader
+from ._loader import builds_sm90a, loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
 from ._tiling import (
     Tiling,
     backward_tiling,
+    default_forward_tiling,
     forward_tiling,
-    tensor_core_forward_tiling,
-    tensor_cores_apply,
 )
 from ._validation import AttentionProblem, check_backward, check_forward, meta_of
 
@@ -181,14 +180,25 @@ def _rows_are_16_byte_chunks(x) -> bool:
 
 
 def forward_tiling_for(problem: AttentionProblem, arrays) -> Tiling:
-    """The forward kernel a problem runs on: the tensor-core kernel for
-    float16/bfloat16 with head_dim a multiple of 8, a positive softmax scale,
-    16-byte aligned rows (``arrays``: q, k, v, out as CuPy views) on sm_80 or
-    newer; the SIMT kernel otherwise (same results, slower)."""
-    if (tensor_cores_apply(problem.dtype, problem.head_dim) and problem.softmax_scale > 0
-            and _compute_capability(problem.device) >= 80 and all(map(_rows_are_16_byte_chunks, arrays))):
-        return tensor_core_forward_tiling(problem.dtype, problem.head_dim)
+    """The forward kernel a problem runs on. The tensor-core kernels need
+    float16/bfloat16 with head_dim a multiple of 8 (``default_forward_tiling``
+    decides by dtype, head dim and device generation), and at run time a
+    positive softmax scale and 16-byte aligned rows (``arrays``: q, k, v, out
+    as CuPy views); otherwise the SIMT kernel runs (same results, slower)."""
+    if problem.softmax_scale > 0 and all(map(_rows_are_16_byte_chunks, arrays)):
+        return default_forward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device))
     return forward_tiling(problem.dtype, problem.head_dim)
+
+
+def _kernel_generation(device_id: int) -> int:
+    """The compute capability the kernels can be built for on ``device_id``:
+    Hopper's own instructions (sm_90a) need NVRTC 12.9 or newer (see
+    ``cuflash._loader.compile_options``); with an older one a Hopper runs the
+    sm_80 kernels."""
+    capability = _compute_capability(device_id)
+    if capability == 90 and not builds_sm90a():
+        return 80
+    return capability
 
 
 def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream, tiling: Tiling | None = None) -> None:

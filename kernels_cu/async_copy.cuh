@@ -15,10 +15,13 @@ namespace cuflash {
 // Copies 16 bytes from `src` to shared `dst`, or writes 16 zero bytes when
 // `valid` is false: with src-size 0 nothing is read, so `src` may point past
 // the end of the tensor (rows past the sequence, padded columns).
-__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
-    const u32 dst_address = static_cast<u32>(__cvta_generic_to_shared(dst));
+__device__ __forceinline__ void cp_async_16_or_zero(u32 dst_address, const void* src, bool valid) {
     const int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_address), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_16_or_zero(void* dst, const void* src, bool valid) {
+    cp_async_16_or_zero(static_cast<u32>(__cvta_generic_to_shared(dst)), src, valid);
 }
 
 // Closes the group of copies issued since the last commit.
@@ -70,6 +73,29 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
                 cp_async_16_or_zero(smem + row * kStride + col, gmem + static_cast<index_t>(row) * row_stride + col,
                                     row < valid_rows && col < head_dim);
             }
+        }
+    }
+}
+
+// The same copy into a swizzled layout (SwizzledTile in wgmma.cuh, or any
+// Tile with its chunk_offset) at shared address `smem`. Consecutive threads
+// take consecutive chunks of a row: global reads stay coalesced, and the
+// 8 chunks of a 128-byte shared row land in 8 distinct 16-byte bank groups.
+template <typename Tile, int kThreads, typename Element>
+__device__ __forceinline__ void load_swizzled_tile_async(u32 smem, const Element* gmem, index_t row_stride,
+                                                         int valid_rows, int head_dim, int thread) {
+    constexpr int kChunkElements = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = Tile::kCols / kChunkElements;
+    constexpr int kChunks = Tile::kRows * kChunksPerRow;
+#pragma unroll
+    for (int i = 0; i < ceil_div(kChunks, kThreads); ++i) {
+        const int chunk = thread + i * kThreads;
+        if (kChunks % kThreads == 0 || chunk < kChunks) {
+            const int row = chunk / kChunksPerRow;
+            const int col_chunk = chunk % kChunksPerRow;
+            cp_async_16_or_zero(smem + Tile::chunk_offset(row, col_chunk),
+                                gmem + static_cast<index_t>(row) * row_stride + col_chunk * kChunkElements,
+                                row < valid_rows && col_chunk * kChunkElements < head_dim);
         }
     }
 }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "numeric.cuh"
+#include "swizzled_tile.cuh"
 
 namespace cuflash {
 
@@ -171,6 +172,46 @@ struct MmaForwardTraits {
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
     static_assert(kKvStages == 1 || kKvStages == 2, "single or double buffered K/V");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
+// Hopper forward (flash_fwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups, each
+// owning 64 query rows (one wgmma m64 tile) of the kBlockM; K and V tiles of
+// kBlockN keys, double-buffered, are read by every warpgroup straight from
+// shared memory by the tensor cores. Per thread the accumulators are S
+// (kBlockN / 2 floats), O (kHeadDim / 2) and the previous block's P
+// (kBlockN / 4 registers), all live at once while P V overlaps the softmax.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct WgmmaForwardTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
+    static constexpr int kBlockM = kBlockM_;
+    static constexpr int kBlockN = kBlockN_;
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kWarpgroups = kWarps / 4;
+
+    static constexpr int kNTiles = kBlockN / 8;     // n8 tiles of a warp's S
+    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's O
+    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of Q K^T
+    static constexpr int kPvSteps = kBlockN / 16;   // k16 steps of P V
+
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;
+    using KvTile = SwizzledTile<kBlockN, kHeadDim>;
+    static constexpr int kQ = 0;
+    static constexpr int kK = kQ + QTile::kBytes;           // two K buffers
+    static constexpr int kV = kK + 2 * KvTile::kBytes;      // two V buffers
+    static constexpr int kLayoutBytes = kV + 2 * KvTile::kBytes;
+    // Swizzle atoms must be 1024-byte aligned; the dynamic shared memory is
+    // only guaranteed 16, so the launch asks for this much more and the
+    // kernel rounds its base up.
+    static constexpr int kAlignment = 1024;
+    static constexpr int kBytes = kLayoutBytes + kAlignment;
+
+    static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
+    static_assert(kWarps % 4 == 0 && kBlockM == 64 * kWarpgroups, "one warpgroup per 64 query rows");
+    static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0, "whole 128-byte swizzle panels; wgmma N of 64 or 128");
+    static_assert(kBlockN / 2 + kHeadDim / 2 + kBlockN / 4 <= 192, "accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -1,8 +1,11 @@
-"""The tensor-core forward: which inputs take it, and the numerical hazards
-particular to it (stale softmax reference, masked first blocks, padded
-columns). The general forward grid of test_forward_gpu.py runs through it
-for float16/bfloat16 as well; these tests pin down the path choice so that a
-silent fallback to the SIMT kernel cannot pass for the fast path."""
+"""The tensor-core forwards: which inputs take them, and the numerical
+hazards particular to them (stale softmax reference, masked first blocks,
+padded columns). The general forward grid of test_forward_gpu.py runs
+through them for float16/bfloat16 as well; these tests pin down the path
+choice so that a silent fallback to the SIMT kernel cannot pass for the fast
+path. On Hopper the defaults take the wgmma kernel for head dims up to 64
+and 97-128; the ``generation`` parameter runs the hazard tests a second time
+as an sm_80 device would (mma.sync kernel), so that kernel stays covered there."""
 
 import math
 
@@ -21,6 +24,14 @@ def _cupy():
     import cupy
 
     return cupy
+
+
+@pytest.fixture(params=["device", "sm80"])
+def generation(request, monkeypatch):
+    """"device": the kernels this GPU gets; "sm80": those an Ampere gets."""
+    if request.param == "sm80":
+        monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    return request.param
 
 
 def _chosen(q, k, v, out=None, *, softmax_scale=None):
@@ -57,7 +68,7 @@ def test_what_falls_back_to_simt():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_rising_scores_move_the_stale_reference(dtype, causal):
+def test_rising_scores_move_the_stale_reference(dtype, causal, generation):
     """Key blocks are visited last to first; keys whose scores grow towards
     the start of the sequence raise the row max by far more than the rescale
     slack (2^8) from block to block, so the reference moves and the output is
@@ -72,7 +83,7 @@ def test_rising_scores_move_the_stale_reference(dtype, causal):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_scores_within_the_slack_never_rescale_and_stay_exact(dtype, head_dim):
+def test_scores_within_the_slack_never_rescale_and_stay_exact(dtype, head_dim, generation):
     """Scores that rise slowly (less than the slack per block) keep the
     first reference: p grows above 1 (up to 2^8) and the result must still
     match float64."""
@@ -84,7 +95,7 @@ def test_scores_within_the_slack_never_rescale_and_stay_exact(dtype, head_dim):
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1000, 17), (300, 129), (129, 1)])
-def test_causal_rows_that_see_no_key_in_their_first_blocks(seqlen_q, seqlen_k):
+def test_causal_rows_that_see_no_key_in_their_first_blocks(seqlen_q, seqlen_k, generation):
     """seqlen_q > seqlen_k, bottom-right causal: the first rows see no key
     (output 0, LSE -inf) and whole query blocks visit no key block."""
     cupy = _cupy()
@@ -95,3 +106,17 @@ def test_causal_rows_that_see_no_key_in_their_first_blocks(seqlen_q, seqlen_k):
     if hidden > 0:
         assert bool((out[:, :hidden] == 0).all())
         assert bool(cupy.isneginf(lse[:, :, :hidden]).all())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 1000), (1000, 17), (2049, 2049)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mma_kernel_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
+    """The mma.sync kernel at the head dims Hopper serves with wgmma, as an
+    Ampere GPU runs it."""
+    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + seqlen_q)
+    assert _chosen(q, k, v).kernel == "mma"
+    run_and_check(q, k, v, causal=causal)

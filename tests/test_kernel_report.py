@@ -25,13 +25,23 @@ def test_every_variant_compiles_and_is_reported():
     for row in rows:
         assert row["registers"] > 0 and row["registers"] <= 255
         if row["variant"].startswith(kernel_report.FAST_PATH):
-            # The tensor-core forward is the fast path: no local memory at all.
+            # The tensor-core forwards are the fast path: no local memory at all.
             assert row["spill_stores"] == row["spill_loads"] == 0, row
         else:
             # The SIMT kernels are not the fast path; a few bytes of spill in a
             # few of them are tolerated here (see the closing notes), not more.
             assert row["spill_stores"] <= 64, row
-    assert sum(row["variant"].startswith(kernel_report.FAST_PATH) for row in rows) == 20
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 20
+    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 8
+
+
+def test_hopper_only_variants_are_left_out_of_other_architectures():
+    import kernel_report
+
+    variants = kernel_report.all_variants()
+    sm80 = kernel_report.variants_for(variants, "sm_80")
+    assert not any(v.key.startswith("forward-wgmma/") for v in sm80)
+    assert len(kernel_report.variants_for(variants, "sm_90a")) == len(variants) == len(sm80) + 8
 
 
 @needs_nvcc

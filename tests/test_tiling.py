@@ -16,11 +16,16 @@ from cuflash._tiling import (
     MAX_SMEM_BYTES,
     TENSOR_CORE_DTYPES,
     TENSOR_CORE_HEAD_DIM_BUCKETS,
+    WGMMA_FORWARD_TILES,
+    Tiling,
     backward_tiling,
+    default_forward_tiling,
     forward_tiling,
     pad_head_dim,
     tensor_core_forward_tiling,
     tensor_cores_apply,
+    wgmma_applies,
+    wgmma_forward_tiling,
 )
 
 VARIANTS = [(dtype, padded) for dtype in ELEMENT_SIZE for padded in HEAD_DIM_BUCKETS]
@@ -109,6 +114,10 @@ def _layouts():
             rows.append((f"cuflash::MmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
                          f"{tiling.block_n}, {tiling.warps}, {tiling.kv_stages}>::kBytes",
                          tiling.forward_smem_bytes(dtype)))
+        for padded in WGMMA_FORWARD_TILES:
+            tiling = wgmma_forward_tiling(dtype, padded)
+            rows.append((f"cuflash::WgmmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
+                         f"{tiling.block_n}, {tiling.warps}>::kBytes", tiling.forward_smem_bytes(dtype)))
     return rows
 
 
@@ -129,6 +138,39 @@ def test_tensor_core_table_rejects_what_it_does_not_serve(dtype, head_dim):
     assert not tensor_cores_apply(dtype, head_dim)
     with pytest.raises(ValueError, match="tensor-core forward"):
         tensor_core_forward_tiling(dtype, head_dim)
+
+
+@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (104, 128), (128, 128)])
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+def test_wgmma_table(dtype, head_dim, bucket):
+    tiling = wgmma_forward_tiling(dtype, head_dim)
+    assert tiling.kernel == "wgmma" and tiling.tensor_cores and tiling.head_dim_padded == bucket
+    # WgmmaForwardTraits: one warpgroup per 64 rows, whole 64-column panels.
+    assert tiling.block_m == 16 * tiling.warps and tiling.block_n % 64 == 0
+    assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
+    assert wgmma_applies(dtype, head_dim)
+    assert default_forward_tiling(dtype, head_dim, 90) == tiling
+    assert default_forward_tiling(dtype, head_dim, 80).kernel == "mma"
+
+
+@pytest.mark.parametrize("dtype,head_dim,kernel", [("float16", 72, "mma"), ("bfloat16", 96, "mma"),
+                                                   ("bfloat16", 192, "mma"), ("float16", 256, "mma"),
+                                                   ("float32", 64, "simt"), ("bfloat16", 20, "simt")])
+def test_wgmma_table_leaves_other_head_dims_to_mma_or_simt(dtype, head_dim, kernel):
+    assert not wgmma_applies(dtype, head_dim)
+    assert default_forward_tiling(dtype, head_dim, 90).kernel == kernel
+    if kernel == "mma":
+        with pytest.raises(ValueError, match="Hopper forward takes head dims"):
+            wgmma_forward_tiling(dtype, head_dim)
+
+
+def test_pre_ampere_devices_get_simt():
+    assert default_forward_tiling("bfloat16", 64, 75).kernel == "simt"
+
+
+def test_tiling_rejects_an_unknown_kernel():
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Tiling(head_dim_padded=64, block_m=64, block_n=64, warps=4, kernel="tma")
 
 
 @needs_nvcc

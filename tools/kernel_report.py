@@ -36,12 +36,18 @@ from cuflash._tiling import (  # noqa: E402
     TENSOR_CORE_HEAD_DIM_BUCKETS,
     backward_tiling,
     forward_tiling,
+    WGMMA_FORWARD_TILES,
     tensor_core_forward_tiling,
+    wgmma_forward_tiling,
 )
 
-_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams", "flash_forward_mma_kernel": "cuflash::ForwardParams"}
-#: Key prefix of the fast-path variants, which must not spill at all.
-FAST_PATH = "forward-mma/"
+_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams", "flash_forward_mma_kernel": "cuflash::ForwardParams",
+           "flash_forward_wgmma_kernel": "cuflash::ForwardParams"}
+#: Key prefixes of the fast-path variants, which must not spill at all.
+FAST_PATH = ("forward-mma/", "forward-wgmma/")
+#: Key prefix of the variants built for sm_90a only (wgmma); other
+#: architectures do not compile them.
+HOPPER_ONLY = "forward-wgmma/"
 _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gencode=arch=compute_90,code=sm_90",
                "sm_80": "-gencode=arch=compute_80,code=sm_80"}
 
@@ -63,7 +69,15 @@ def all_variants() -> list[_kernels.KernelVariant]:
         for head_dim in TENSOR_CORE_HEAD_DIM_BUCKETS:
             for causal in (False, True):
                 variants.append(_kernels.forward_variant(dtype, tensor_core_forward_tiling(dtype, head_dim), causal))
+        for head_dim in WGMMA_FORWARD_TILES:
+            for causal in (False, True):
+                variants.append(_kernels.forward_variant(dtype, wgmma_forward_tiling(dtype, head_dim), causal))
     return variants
+
+
+def variants_for(variants, arch: str) -> list[_kernels.KernelVariant]:
+    """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone."""
+    return [v for v in variants if arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY)]
 
 
 def _params_type(variant: _kernels.KernelVariant) -> str:
@@ -148,12 +162,13 @@ def main() -> int:
     parser.add_argument("--only", default="", help="substring of the variant keys to report")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--fail-on-spill", action="store_true",
-                        help="exit 1 if a selected variant spills (CI: --only forward-mma/)")
+                        help="exit 1 if a selected variant spills (CI: the forward-mma/ and forward-wgmma/ ones)")
     args = parser.parse_args()
     variants = [v for v in all_variants() if args.only in v.key]
     if not variants:
         raise SystemExit(f"no variant key contains {args.only!r}")
-    rows = [row for arch in (args.arch or ["sm_90a", "sm_80"]) for row in compile_report(variants, arch)]
+    rows = [row for arch in (args.arch or ["sm_90a", "sm_80"])
+            for row in (compile_report(variants_for(variants, arch), arch) if variants_for(variants, arch) else [])]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

@@ -1,0 +1,132 @@
+// Hopper warpgroup matrix multiply (wgmma.mma_async, sm_90a only) and the
+// shared-memory layout its operands are read in.
+//
+// A warpgroup (4 consecutive warps, the first one's index divisible by 4)
+// issues D (+)= A B for a 64 x N x 16 tile: A from shared memory or from
+// registers, B from shared memory, D float32 in registers. The instruction is
+// asynchronous: it is issued, committed into a group, and waited for; until
+// the wait its accumulator and A registers belong to the tensor cores.
+//
+// Accumulator layout (PTX ISA, "wgmma 64xNx16 D fragments"): warp w of the
+// warpgroup holds rows 16w..16w+15, and within the warp each n8 column tile
+// is laid out exactly as mma.m16n8k16's C fragment (mma.cuh), tile j in
+// registers 4j..4j+3. So a warp's accumulators are a [1][N/8][4] fragment
+// array of mma.cuh, and the online softmax and masking written for those
+// apply unchanged. The register A operand of 64 x 16 is, per warp, mma's A
+// fragment of 16 x 16: S accumulators pack into P exactly as in mma.cuh.
+#pragma once
+
+#include "numeric.cuh"
+#include "swizzled_tile.cuh"
+
+namespace cuflash {
+
+typedef unsigned long long u64;
+
+// Shared-memory matrix descriptor of a 128-byte swizzled operand (PTX ISA,
+// "Matrix Descriptor Format"): start address, leading and stride byte
+// offsets, all in 16-byte units, and swizzle mode 1 (128 bytes) in bits
+// 62-63. The base-offset field stays 0: every atom is 1024-byte aligned.
+//   K-major (Q, K): stride = 1024 (the next 8 rows); leading unused (1) because
+//     one k16 step (32 bytes) lies inside a 128-byte row; the k16 steps of a
+//     panel start 32 bytes apart, panels kPanelBytes apart.
+//   MN-major (V as B of P V, transposed): stride = 1024 (the next 8 keys),
+//     leading = kPanelBytes (the next 64 columns of N); k16 steps 2048 bytes apart.
+__device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
+    return static_cast<u64>((address & 0x3FFFF) >> 4) | (static_cast<u64>(leading_bytes >> 4) << 16) |
+           (static_cast<u64>(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+
+// Orders this warpgroup's earlier register writes (accumulators, A
+// fragments) before the wgmma instructions that follow.
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+// Closes the group of wgmma instructions issued since the last commit.
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+// Waits until at most kPending committed groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Shared memory written through the generic proxy (cp.async, ordinary
+// stores) is read by wgmma through the async proxy: each writing thread
+// fences before the barrier that publishes the data.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The compiler sees a wgmma as finished when its asm statement is, so it
+// could move reads of the accumulators above the wait (or writes below the
+// issue). Touching every register in an empty asm pins them in place.
+template <int kN>
+__device__ __forceinline__ void pin_registers(float (&r)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+        asm volatile("" : "+f"(r[i])::"memory");
+    }
+}
+
+// One m64nNk16 instruction with float32 accumulators. ss: A and B from
+// shared memory, both K-major. rs: A from registers (4 per thread), B from
+// shared memory MN-major (transposed). accumulate = 0 ignores d's old values.
+template <typename Element, int kN>
+struct Wgmma;
+
+#define CUFLASH_ACC8(d, i)                                                                                 \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+        "+f"(d[i + 7])
+#define CUFLASH_ACC_OPERANDS_32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
+#define CUFLASH_ACC_OPERANDS_64(d) \
+    CUFLASH_ACC_OPERANDS_32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
+#define CUFLASH_ACC_LIST_32                                                                                        \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUFLASH_ACC_LIST_64                                                                                        \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
+    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// Operand numbers after the R accumulators: ss takes (desc A, desc B,
+// accumulate) as %R..%R+2; rs takes (a0..a3, desc B, accumulate) as %R..%R+5.
+#define CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, RS_OPERANDS, RS_FLAG)                  \
+    template <>                                                                                                   \
+    struct Wgmma<ELEMENT, N> {                                                                                    \
+        static __device__ __forceinline__ void ss(float (&d)[R], u64 a, u64 b, int accumulate) {                  \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                       \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
+                         CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, 0, 0;\n}\n"                              \
+                         : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
+                         : "l"(a), "l"(b), "r"(accumulate));                                                      \
+        }                                                                                                         \
+        static __device__ __forceinline__ void rs(float (&d)[R], const u32 (&a)[4], u64 b, int accumulate) {      \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_FLAG ", 0;\n"                                       \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
+                         CUFLASH_ACC_LIST_##R ", " RS_OPERANDS ", p, 1, 1, 1;\n}\n"                                 \
+                         : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));                 \
+        }                                                                                                         \
+    };
+
+#define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                          \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 64, 32, "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 128, 64, "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69")
+
+// The element-type table: one line per 16-bit input type.
+CUFLASH_DEFINE_WGMMA_N(__half, "f16")
+CUFLASH_DEFINE_WGMMA_N(__nv_bfloat16, "bf16")
+
+#undef CUFLASH_DEFINE_WGMMA_N
+#undef CUFLASH_DEFINE_WGMMA
+#undef CUFLASH_ACC_LIST_64
+#undef CUFLASH_ACC_LIST_32
+#undef CUFLASH_ACC_OPERANDS_64
+#undef CUFLASH_ACC_OPERANDS_32
+#undef CUFLASH_ACC8
+
+}  // namespace cuflash

@@ -1,0 +1,174 @@
+"""The Hopper forward (wgmma, sm_90a): which inputs take it, and its building
+blocks on their own.
+
+The probe kernel below runs one warpgroup through exactly the primitives
+flash_fwd_wgmma.cu composes (swizzled cp.async tiles, both descriptor kinds,
+ss and rs wgmma, the accumulator layout) and compares with NumPy, so a layout
+mistake shows up here as a wrong matrix product rather than only as a wrong
+attention output. The forward grid of test_forward_gpu.py runs through the
+kernel itself (float16/bfloat16, head dims up to 64 and 97-128) on Hopper."""
+
+import numpy as np
+import pytest
+
+from cuflash import api
+from cuflash._loader import builds_sm90a, compile_options, kernel_source_dir, _nvrtc_version
+from cuflash._validation import check_forward, meta_of
+
+from tests.helpers import random_qkv
+from tests.test_forward_gpu import run_and_check
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _hopper():
+    cupy = _cupy()
+    return cupy.cuda.Device().compute_capability == "90" and builds_sm90a()
+
+
+needs_hopper = pytest.mark.skipif("not _hopper()", reason="the wgmma forward needs an sm_90 GPU and NVRTC >= 12.9")
+
+_PROBE = r"""
+#include "async_copy.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+using namespace cuflash;
+
+// One warpgroup: S = A B^T (A: 64 x kD, B: kN x kD, both K-major from
+// shared memory), then O = round(S) V (S from registers, V: kN x kD read
+// MN-major). Outputs are row-major float32.
+template <typename Element, int kN, int kD>
+__global__ void wgmma_probe(const Element* a, const Element* b, const Element* v, float* s_out, float* o_out) {
+    using ATile = SwizzledTile<64, kD>;
+    using BTile = SwizzledTile<kN, kD>;
+    extern __shared__ __align__(16) unsigned char raw[];
+    const u32 base = (shared_address(raw) + 1023) & ~1023u;
+    const u32 a_smem = base, b_smem = base + ATile::kBytes, v_smem = b_smem + BTile::kBytes;
+    const int thread = threadIdx.x, warp = thread / 32, lane = thread % 32;
+    load_swizzled_tile_async<ATile, 128>(a_smem, a, kD, 64, kD, thread);
+    load_swizzled_tile_async<BTile, 128>(b_smem, b, kD, kN, kD, thread);
+    load_swizzled_tile_async<BTile, 128>(v_smem, v, kD, kN, kD, thread);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_shared();
+    __syncthreads();
+
+    float s[kN / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+        const u64 step = (ks % 4 * 32) >> 4;  // k16 step inside its 128-byte panel
+        Wgmma<Element, kN>::ss(s, swizzled_descriptor(a_smem + ks / 4 * ATile::kPanelBytes, 16, 1024) + step,
+                               swizzled_descriptor(b_smem + ks / 4 * BTile::kPanelBytes, 16, 1024) + step, ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(s);
+
+    const int row = warp * 16 + lane / 4, col = 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            s_out[(row + e / 2 * 8) * kN + 8 * j + col + e % 2] = s[4 * j + e];
+        }
+    }
+    u32 p[kN / 16][4];
+#pragma unroll
+    for (int ps = 0; ps < kN / 16; ++ps) {
+        p[ps][0] = pack_pair<Element>(s[8 * ps + 0], s[8 * ps + 1]);
+        p[ps][1] = pack_pair<Element>(s[8 * ps + 2], s[8 * ps + 3]);
+        p[ps][2] = pack_pair<Element>(s[8 * ps + 4], s[8 * ps + 5]);
+        p[ps][3] = pack_pair<Element>(s[8 * ps + 6], s[8 * ps + 7]);
+    }
+    float o[kD / 2];
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int ps = 0; ps < kN / 16; ++ps) {
+        Wgmma<Element, kD>::rs(o, p[ps], swizzled_descriptor(v_smem + ps * 2048, BTile::kPanelBytes, 1024), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    pin_registers(o);
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            o_out[(row + e / 2 * 8) * kD + 8 * j + col + e % 2] = o[4 * j + e];
+        }
+    }
+}
+"""
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n,d", [(64, 64), (128, 64), (64, 128), (128, 128)])
+def test_wgmma_probe_matches_numpy(dtype, n, d):
+    cupy = _cupy()
+    element = {"float16": "__half", "bfloat16": "__nv_bfloat16"}[dtype]
+    name = f"wgmma_probe<{element}, {n}, {d}>"
+    options = compile_options(kernel_source_dir(), "90", _nvrtc_version())
+    module = cupy.RawModule(code=_PROBE, options=options, name_expressions=[name])
+    kernel = module.get_function(name)
+    rng = np.random.default_rng(n + d)
+    a64, b64, v64 = (rng.standard_normal(shape) for shape in ((64, d), (n, d), (n, d)))
+    a, b, v = (cupy.asarray(x.astype(np.float32)).astype(cupy.dtype(dtype)) for x in (a64, b64, v64))
+    s_out = cupy.full((64, n), cupy.nan, dtype=cupy.float32)
+    o_out = cupy.full((64, d), cupy.nan, dtype=cupy.float32)
+    smem = 1024 + (64 + 2 * n) * d * 2
+    kernel.max_dynamic_shared_size_bytes = smem
+    kernel((1,), (128,), (a, b, v, s_out, o_out), shared_mem=smem)
+    af, bf, vf = (x.astype(cupy.float32).get().astype(np.float64) for x in (a, b, v))
+    s_ref = af @ bf.T
+    s_got = s_out.get()
+    assert not np.isnan(s_got).any()
+    np.testing.assert_allclose(s_got, s_ref, rtol=1e-5, atol=1e-4)
+    p = cupy.asarray(s_got).astype(cupy.dtype(dtype)).astype(cupy.float32).get().astype(np.float64)
+    o_got = o_out.get()
+    assert not np.isnan(o_got).any()
+    np.testing.assert_allclose(o_got, p @ vf, rtol=1e-5, atol=1e-3)
+
+
+def _chosen(q, k, v):
+    out = _cupy().empty_like(q)
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), meta_of("out", out), causal=False,
+                            softmax_scale=None)
+    return api.forward_tiling_for(problem, (q, k, v, out))
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,kernel", [(8, "wgmma"), (64, "wgmma"), (72, "mma"), (96, "mma"), (104, "wgmma"),
+                                             (128, "wgmma"), (192, "mma"), (256, "mma")])
+def test_hopper_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
+    tiling = _chosen(q, k, v)
+    assert tiling.kernel == kernel
+    assert tiling.head_dim_padded >= head_dim
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
+                                               (4096, 4096)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_forward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal):
+    """Partial query and key blocks, both orders of the sequence lengths,
+    several key blocks so that the double-buffered K/V alternate and the
+    P V of one block overlaps the softmax of the next."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype),
+                         seed=seqlen_q + seqlen_k + head_dim)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_and_check(q, k, v, causal=causal)
