@@ -66,7 +66,8 @@ def _tiled_variant(kind: str, function: str, source: str, dtype_name: str, tilin
 def forward_variant(dtype_name: str, tiling: Tiling, causal: bool) -> KernelVariant:
     if tiling.kernel == "wgmma":
         return _tiled_variant("forward-wgmma", "cuflash::flash_forward_wgmma_kernel", "flash_fwd_wgmma.cu",
-                              dtype_name, tiling, causal, tiling.forward_smem_bytes(dtype_name))
+                              dtype_name, tiling, causal, tiling.forward_smem_bytes(dtype_name),
+                              extra_args=(str(tiling.blocks_per_sm),), extra_key=f"/b{tiling.blocks_per_sm}")
     if tiling.kernel == "mma":
         return _tiled_variant("forward-mma", "cuflash::flash_forward_mma_kernel", "flash_fwd_mma.cu", dtype_name,
                               tiling, causal, tiling.forward_smem_bytes(dtype_name),

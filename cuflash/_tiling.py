@@ -40,13 +40,14 @@ TENSOR_CORE_FORWARD_TILES = {
     256: (64, 32, 4, 2),
 }
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
-#: dim: (block_m, block_n, warps). One warpgroup (4 warps) per 64 query rows;
-#: head dims whose tensor-core bucket is missing here run on the mma.sync
-#: kernel (the swizzled layout needs whole 64-column panels, and the wgmma
-#: wrappers are compiled for N = 64 and 128).
+#: dim: (block_m, block_n, warps, blocks per SM). One warpgroup (4 warps) per
+#: 64 query rows; the register budget is set (launch bounds) for that many
+#: resident blocks per SM. Head dims whose tensor-core bucket is missing here
+#: run on the mma.sync kernel (the swizzled layout needs whole 64-column
+#: panels, and the wgmma wrappers are compiled for N = 64 and 128).
 WGMMA_FORWARD_TILES = {
-    64: (128, 128, 8),
-    128: (128, 128, 8),
+    64: (128, 128, 8, 1),
+    128: (128, 128, 8, 1),
 }
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
@@ -88,6 +89,9 @@ class Tiling:
     #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
     #: the wgmma forward always double-buffers
     kv_stages: int = 1
+    #: resident blocks per SM the wgmma forward's register budget is set for
+    #: (its launch bounds); the other kernels leave it to the compiler
+    blocks_per_sm: int = 1
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -211,8 +215,9 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     if padded not in WGMMA_FORWARD_TILES:
         raise ValueError(f"the Hopper forward takes head dims in buckets {sorted(WGMMA_FORWARD_TILES)}, "
                          f"got {head_dim} (bucket {padded})")
-    block_m, block_n, warps = WGMMA_FORWARD_TILES[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
+    block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
+                    blocks_per_sm=blocks_per_sm)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 

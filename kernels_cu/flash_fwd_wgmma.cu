@@ -31,8 +31,8 @@
 
 namespace cuflash {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
-__global__ void __launch_bounds__(kWarps * 32, 1)
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal, int kBlocksPerSm>
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const ForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;

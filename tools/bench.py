@@ -71,21 +71,22 @@ def time_gpu(fn, *, calls: int, repeats: int, warmup: int = 3) -> float:
 
 
 def _parse_tiles(specs: list[str]) -> dict[int, list]:
-    """``HD=[KERNEL:]BMxBNwW[sS]``: an extra cuflash column for head dim HD
-    with that kernel ("mma", the default, or "wgmma"), tile, warps and (mma)
-    K/V buffers."""
+    """``HD=[KERNEL:]BMxBNwW[sS][bB]``: an extra cuflash column for head dim
+    HD with that kernel ("mma", the default, or "wgmma"), tile, warps, (mma)
+    K/V buffers and (wgmma) blocks per SM."""
     from cuflash._tiling import Tiling
 
     tiles: dict[int, list] = {}
     for spec in specs:
         head_dim, shape = spec.split("=")
         kernel, shape = shape.split(":") if ":" in shape else ("mma", shape)
+        shape, blocks = shape.split("b") if "b" in shape else (shape, "1")
         shape, stages = shape.split("s") if "s" in shape else (shape, "1")
         mn, warps = shape.split("w")
         block_m, block_n = mn.split("x")
         tiles.setdefault(int(head_dim), []).append(
             Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
-                   kernel=kernel, kv_stages=int(stages)))
+                   kernel=kernel, kv_stages=int(stages), blocks_per_sm=int(blocks)))
     return tiles
 
 
@@ -107,7 +108,7 @@ def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, f
     out = cupy.empty_like(qc)
     lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
     stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-    return {f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}" + (f"s{t.kv_stages}" if t.kernel == "mma" else ""): time_gpu(
+    return {f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}" + (f"s{t.kv_stages}" if t.kernel == "mma" else f"b{t.blocks_per_sm}"): time_gpu(
                 lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=t),
                 calls=calls, repeats=repeats)
             for t in tilings}
