@@ -46,7 +46,7 @@ TENSOR_CORE_FORWARD_TILES = {
 #: run on the mma.sync kernel (the swizzled layout needs whole 64-column
 #: panels, and the wgmma wrappers are compiled for N = 64 and 128).
 WGMMA_FORWARD_TILES = {
-    64: (128, 128, 8, 1),
+    64: (128, 64, 8, 2),
     128: (128, 128, 8, 1),
 }
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to

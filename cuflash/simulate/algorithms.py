@@ -424,16 +424,22 @@ def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
 def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _TiledPlan:
     """cuflash's own tiles for this problem, from the tables its launcher uses."""
     dtype = p.dtype_name
-    # The launcher's choice for aligned inputs: the tensor-core forward for
-    # 16-bit types and head_dim % 8 == 0, the SIMT kernel otherwise; the
-    # deterministic dQ pass always has the SIMT forward's tiles.
+    # The launcher's choice for aligned inputs on this machine's generation:
+    # a tensor-core forward (wgmma on Hopper where it applies, mma.sync
+    # otherwise) for 16-bit types and head_dim % 8 == 0, the SIMT kernel
+    # otherwise; the deterministic dQ pass always has the SIMT forward's tiles.
     dq = forward_tiling(dtype, p.head_dim)
-    fwd = default_forward_tiling(dtype, p.head_dim)
+    fwd = default_forward_tiling(dtype, p.head_dim, machine.compute_capability)
     bwd = backward_tiling(dtype, p.head_dim)
+    fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
+    if fwd.kernel == "wgmma":
+        # Its launch bounds set the registers for exactly blocks_per_sm
+        # resident blocks; the other kernels are sized by shared memory here.
+        fwd_blocks_per_sm = min(fwd_blocks_per_sm, fwd.blocks_per_sm)
     return _TiledPlan(
         fwd_m=block_m or fwd.block_m, fwd_n=block_n or fwd.block_n,
         bwd_m=bwd.block_m, bwd_n=bwd.block_n,
-        fwd_blocks_per_sm=_blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads),
+        fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
     )
@@ -441,7 +447,8 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
 
 def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
     """This library's kernels, tile for tile: the forward tiles of
-    ``default_forward_tiling`` (tensor-core tiles for 16-bit types), the dQ
+    ``default_forward_tiling`` for the machine's generation (tensor-core tiles
+    for 16-bit types), the dQ
     tiles of ``forward_tiling`` and the dK/dV tiles of ``backward_tiling`` (the
     tables the launcher reads). dK/dV per K/V head, walking the query heads of its
     group; ``deterministic`` swaps the atomics for the dQ pass."""

@@ -20,6 +20,9 @@ class Machine:
     hbm_bandwidth: float  #: bytes per second
     matmul_flops: float  #: dense fp16/bf16 tensor-core FLOP/s
     nonmatmul_flops: float  #: fp32 CUDA-core FLOP/s
+    #: compute capability, as the launcher uses it to pick cuflash's kernels
+    #: (90: the Hopper wgmma forward and its tiles)
+    compute_capability: int = 80
 
     def with_sram(self, sram_per_sm: int) -> "Machine":
         return replace(self, sram_per_sm=sram_per_sm, name=f"{self.name} (SRAM {sram_per_sm} B)")
@@ -37,9 +40,9 @@ MACHINES = {
     # 3.35 TB/s (3.0 TB/s measured on this project's H100), 989 TFLOP/s
     # bf16 dense (796 measured), 67 TFLOP/s fp32.
     "h100": Machine("h100", sms=132, sram_per_sm=228 * KIB, l2_bytes=50 * MIB, hbm_bandwidth=3.35e12,
-                    matmul_flops=989e12, nonmatmul_flops=67e12),
+                    matmul_flops=989e12, nonmatmul_flops=67e12, compute_capability=90),
     # H200 SXM 141 GB: as H100 with 4.8 TB/s HBM3e (4.3 measured here) and
     # 60 MB L2 as PyTorch reports it on this project's H200.
     "h200": Machine("h200", sms=132, sram_per_sm=228 * KIB, l2_bytes=60 * MIB, hbm_bandwidth=4.8e12,
-                    matmul_flops=989e12, nonmatmul_flops=67e12),
+                    matmul_flops=989e12, nonmatmul_flops=67e12, compute_capability=90),
 }
