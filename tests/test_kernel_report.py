@@ -45,14 +45,14 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
 
 
 @needs_nvcc
-def test_fast_path_spill_gate_command_line():
+@pytest.mark.parametrize("only", ["forward-mma/bfloat16/hdim128", "forward-wgmma/bfloat16/hdim128"])
+def test_fast_path_spill_gate_command_line(only):
     """--fail-on-spill exits 1 if a selected variant spills; the tensor-core
-    forward for Hopper (sm_90a) passes it."""
+    forwards for Hopper (sm_90a) pass it."""
     result = subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--arch", "sm_90a",
-                             "--only", "forward-mma/bfloat16/hdim128", "--fail-on-spill"], capture_output=True,
-                            text=True)
+                             "--only", only, "--fail-on-spill"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("forward-mma/bfloat16/hdim128") == 2
+    assert result.stdout.count(only) == 2
 
 
 @needs_nvcc
