@@ -44,9 +44,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // is volatile), so that batch, head and m_start do not hold registers
     // through the main loop, where the accumulators need every one.
     const auto tile_origin = [&]() {
-        BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
-        block.tile = (kIsCausal ? longest_first(block.tile, params.num_m_blocks) : block.tile) * kBlockM;
-        return block;  // .tile is the first query row
+        return query_tile_origin<kIsCausal>(params.num_m_blocks, params.size.nheads, kBlockM);  // .tile: first row
     };
     const BlockCoordinates origin = tile_origin();
     const index_t head = origin.head;

@@ -53,9 +53,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     // This block's query tile, computed again for the epilogue (see
     // block_index) so that it holds no registers through the main loop.
     const auto tile_origin = [&]() {
-        BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
-        block.tile = (kIsCausal ? longest_first(block.tile, params.num_m_blocks) : block.tile) * kBlockM;
-        return block;  // .tile is the first query row
+        return query_tile_origin<kIsCausal>(params.num_m_blocks, params.size.nheads, kBlockM);  // .tile: first row
     };
     const BlockCoordinates origin = tile_origin();
     const index_t kv_head = params.size.kv_head_of(origin.head);

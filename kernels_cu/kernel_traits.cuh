@@ -126,14 +126,11 @@ struct BackwardDqSmem : QueryMajorMapping<Traits> {
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
-// Tensor-core forward (flash_fwd_mma.cu): the kWarps warps split the kBlockM
-// query rows evenly, each warp owning kMTiles tiles of 16 rows; K and V tiles
-// of kBlockN keys are shared by all warps. A K or V fragment read from shared
-// memory feeds kMTiles products, which is what keeps shared-memory bandwidth
-// below the tensor cores' appetite, and kMTiles * (kDTiles + kNTiles) * 4
-// accumulators per lane is what limits it.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_>
-struct MmaForwardTraits {
+// What the two tensor-core forwards share: tile sizes, threads, and the
+// fragment counts of a warp's S = Q K^T and O accumulators (n8 column tiles
+// of the mma / wgmma accumulator layout, see mma.cuh) and of their k16 steps.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct TensorCoreForwardShape {
     using Element = Element_;
     static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
     static constexpr int kBlockM = kBlockM_;
@@ -141,12 +138,29 @@ struct MmaForwardTraits {
     static constexpr int kWarps = kWarps_;
     static constexpr int kThreads = kWarps * 32;
 
+    static constexpr int kNTiles = kBlockN / 8;     // n8 tiles of S per 16 rows
+    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of O per 16 rows
+    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of Q K^T
+    static constexpr int kPvSteps = kBlockN / 16;   // k16 steps of P V
+
+    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
+};
+
+// Tensor-core forward (flash_fwd_mma.cu): the kWarps warps split the kBlockM
+// query rows evenly, each warp owning kMTiles tiles of 16 rows; K and V tiles
+// of kBlockN keys are shared by all warps. A K or V fragment read from shared
+// memory feeds kMTiles products, which is what keeps shared-memory bandwidth
+// below the tensor cores' appetite, and kMTiles * (kDTiles + kNTiles) * 4
+// accumulators per lane is what limits it.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_>
+struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
+    using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
+    using typename Shape::Element;
+    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps, Shape::kDTiles, Shape::kNTiles,
+        Shape::kQkSteps;
+
     static constexpr int kRowsPerWarp = kBlockM / kWarps;
     static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
-    static constexpr int kNTiles = kBlockN / 8;        // n8 tiles of S = Q K^T per m16 tile
-    static constexpr int kDTiles = kHeadDim / 8;       // n8 tiles of O per m16 tile
-    static constexpr int kQkSteps = kHeadDim / 16;     // k16 steps of Q K^T
-    static constexpr int kPvSteps = kBlockN / 16;      // k16 steps of P V
 
     // Every row is padded by one 16-byte chunk: ldmatrix reads one chunk from
     // each of 8 rows at once, and with an odd number of chunks per row those
@@ -166,7 +180,6 @@ struct MmaForwardTraits {
     // in 32 registers; otherwise they are re-read from shared memory per block.
     static constexpr bool kQInRegisters = kMTiles * kQkSteps * 4 <= 32;
 
-    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
     static_assert(kBlockM % (16 * kWarps) == 0, "each warp owns whole m16 tiles");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
@@ -182,19 +195,10 @@ struct MmaForwardTraits {
 // (kBlockN / 2 floats), O (kHeadDim / 2) and the previous block's P
 // (kBlockN / 4 registers), all live at once while P V overlaps the softmax.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
-struct WgmmaForwardTraits {
-    using Element = Element_;
-    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
-    static constexpr int kBlockM = kBlockM_;
-    static constexpr int kBlockN = kBlockN_;
-    static constexpr int kWarps = kWarps_;
-    static constexpr int kThreads = kWarps * 32;
+struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
+    using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
+    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
     static constexpr int kWarpgroups = kWarps / 4;
-
-    static constexpr int kNTiles = kBlockN / 8;     // n8 tiles of a warp's S
-    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's O
-    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of Q K^T
-    static constexpr int kPvSteps = kBlockN / 16;   // k16 steps of P V
 
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KvTile = SwizzledTile<kBlockN, kHeadDim>;
@@ -208,7 +212,6 @@ struct WgmmaForwardTraits {
     static constexpr int kAlignment = 1024;
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
-    static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
     static_assert(kWarps % 4 == 0 && kBlockM == 64 * kWarpgroups, "one warpgroup per 64 query rows");
     static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0, "whole 128-byte swizzle panels; wgmma N of 64 or 128");
     static_assert(kBlockN / 2 + kHeadDim / 2 + kBlockN / 4 <= 192, "accumulators beyond this would spill");
