@@ -77,6 +77,12 @@ def forward_variant(dtype_name: str, tiling: Tiling, causal: bool) -> KernelVari
 
 
 def backward_dkdv_variant(dtype_name: str, tiling: Tiling, causal: bool, accumulate_dq: bool) -> KernelVariant:
+    if tiling.kernel == "wgmma":
+        if not accumulate_dq:
+            raise ValueError("the Hopper backward accumulates dQ with atomics; deterministic mode runs the SIMT one")
+        return _tiled_variant("backward-dkdv-wgmma", "cuflash::flash_backward_dkdv_wgmma_kernel",
+                              "flash_bwd_wgmma.cu", dtype_name, tiling, causal,
+                              tiling.backward_dkdv_smem_bytes(dtype_name), extra_key="/atomic-dq")
     return _tiled_variant("backward-dkdv", "cuflash::flash_backward_dkdv_kernel", "flash_bwd.cu", dtype_name,
                           tiling, causal, tiling.backward_dkdv_smem_bytes(dtype_name),
                           extra_args=(_cxx_bool(accumulate_dq),),

@@ -49,6 +49,14 @@ WGMMA_FORWARD_TILES = {
     64: (128, 64, 8, 2),
     128: (128, 128, 8, 1),
 }
+#: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu, atomic dQ
+#: only) per compiled head dim: (block_m query rows per step, block_n keys per
+#: block, warps). One warpgroup per 64 keys; S^T and dP^T take block_m / 2
+#: registers each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192.
+WGMMA_BACKWARD_TILES = {
+    64: (128, 128, 8),
+    128: (64, 128, 8),
+}
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
@@ -135,7 +143,14 @@ class Tiling:
         return t["q"] + 2 * t["k"] + t["score"]
 
     def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
-        """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta."""
+        """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
+        for the wgmma backward ``WgmmaBackwardTraits::kBytes``: K, V, two
+        buffers of Q and dO, dS^T (16-bit, swizzled), two buffers of LSE and
+        delta, plus the alignment slack."""
+        if self.kernel == "wgmma":
+            e = ELEMENT_SIZE[dtype_name]
+            d, m, n = self.head_dim_padded, self.block_m, self.block_n
+            return (2 * n * d + 4 * m * d + n * m) * e + 2 * 2 * m * 4 + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 
@@ -205,7 +220,7 @@ def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 
 def wgmma_applies(dtype_name: str, head_dim: int) -> bool:
-    """Whether the Hopper forward serves (dtype, head_dim) (on sm_90a)."""
+    """Whether the Hopper kernels serve (dtype, head_dim) (on sm_90a)."""
     return tensor_cores_apply(dtype_name, head_dim) and _tensor_core_bucket(dtype_name, head_dim) in WGMMA_FORWARD_TILES
 
 
@@ -233,6 +248,28 @@ def default_forward_tiling(dtype_name: str, head_dim: int, compute_capability: i
     if compute_capability >= 80 and tensor_cores_apply(dtype_name, head_dim):
         return tensor_core_forward_tiling(dtype_name, head_dim)
     return forward_tiling(dtype_name, head_dim)
+
+
+def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_applies``."""
+    padded = _tensor_core_bucket(dtype_name, head_dim)
+    if padded not in WGMMA_BACKWARD_TILES:
+        raise ValueError(f"the Hopper backward takes head dims in buckets {sorted(WGMMA_BACKWARD_TILES)}, "
+                         f"got {head_dim} (bucket {padded})")
+    block_m, block_n, warps = WGMMA_BACKWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
+    _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
+    return tiling
+
+
+def default_backward_tiling(dtype_name: str, head_dim: int, compute_capability: int = 80,
+                            deterministic: bool = False) -> Tiling:
+    """The backward dK/dV tiles the launcher picks for 16-byte aligned rows
+    on a device of ``compute_capability``: the Hopper kernel (atomic dQ) where
+    it applies and the mode is not deterministic, the SIMT table otherwise."""
+    if compute_capability == 90 and not deterministic and wgmma_applies(dtype_name, head_dim):
+        return wgmma_backward_tiling(dtype_name, head_dim)
+    return backward_tiling(dtype_name, head_dim)
 
 
 def backward_tiling(dtype_name: str, head_dim: int) -> Tiling:

@@ -18,6 +18,7 @@ from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
 from ._tiling import (
     Tiling,
     backward_tiling,
+    default_backward_tiling,
     default_forward_tiling,
     forward_tiling,
 )
@@ -222,10 +223,22 @@ def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream, tiling
     kernel((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes, stream=stream)
 
 
+def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool) -> Tiling:
+    """The dK/dV kernel a backward runs on: the Hopper (wgmma) kernel where
+    ``default_backward_tiling`` says so and q, k, v, dout, dk and dv have
+    16-byte aligned rows (cp.async copies in, 16-byte stores out); the SIMT
+    kernel otherwise."""
+    arrays = [views[name] for name in ("q", "k", "v", "dout")] + [grads[name] for name in ("dk", "dv")]
+    if all(map(_rows_are_16_byte_chunks, arrays)):
+        return default_backward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device),
+                                       deterministic)
+    return backward_tiling(problem.dtype, problem.head_dim)
+
+
 def _launch_backward(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool, bridge) -> None:
     """Preprocess (delta, zeroed dQ accumulator), dK/dV (with atomic dQ, or
     without and then the deterministic dQ pass), then dQ conversion."""
-    dkdv_tiling = backward_tiling(problem.dtype, problem.head_dim)
+    dkdv_tiling = backward_tiling_for(problem, views, grads, deterministic)
     dq_tiling = forward_tiling(problem.dtype, problem.head_dim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
     # Work buffers: delta (batch, nheads, seqlen_q) and, unless deterministic,

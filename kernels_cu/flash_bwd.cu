@@ -20,6 +20,7 @@
 #include "kernel_traits.cuh"
 #include "tile_copy.cuh"
 #include "masking.cuh"
+#include "probability.cuh"
 #include "tile_math.cuh"
 #include "warp_reduce.cuh"
 
@@ -100,14 +101,6 @@ __device__ __forceinline__ void load_row_stats(float* lse_log2, float* delta, co
                             : 0.0f;
         delta[i] = valid ? params.delta[(batch * params.size.nheads + head) * seqlen_q + row] : 0.0f;
     }
-}
-
-// P recomputed from the forward's log-sum-exp: exp(scale * q.k - lse) =
-// exp2(q.k * scale * log2(e) - lse * log2(e)). Masked entries are 0
-// explicitly: a row that sees no key has lse = -inf, and the exponent of its
-// (masked) entries would be NaN.
-__device__ __forceinline__ float recompute_probability(bool visible, float qk, float scale_log2, float lse_log2) {
-    return visible ? exp2f(qk * scale_log2 - lse_log2) : 0.0f;
 }
 
 template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal,

@@ -42,10 +42,8 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     constexpr int kDTiles = Traits::kDTiles;
 
     require_shared_memory<Traits>();
-    unsigned char* const unaligned = shared_tile<unsigned char>(0);
-    const u32 unaligned_address = shared_address(unaligned);
-    const u32 base = (unaligned_address + Traits::kAlignment - 1) & ~static_cast<u32>(Traits::kAlignment - 1);
-    unsigned char* const smem = unaligned + (base - unaligned_address);
+    unsigned char* smem;
+    const u32 base = aligned_shared_base<Traits::kAlignment>(smem);
     const u32 q_smem = base + Traits::kQ;
     const u32 k_smem = base + Traits::kK;
     const u32 v_smem = base + Traits::kV;

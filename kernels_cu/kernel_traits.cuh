@@ -218,6 +218,53 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
+// Hopper backward dK/dV (flash_bwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups,
+// each owning 64 of the block's kBlockN keys (one wgmma m64 tile of S^T, dP^T,
+// dK and dV), walking query blocks of kBlockM rows. Per thread: dK and dV
+// accumulators (kHeadDim / 2 floats each), S^T and dP^T (kBlockM / 2 each),
+// then this warpgroup's share of dQ_i = dS_i K_j (kDqCols / 2), which is
+// added to the float32 accumulator with atomics. The warpgroups split dQ's
+// kBlockM x kHeadDim into m64 tiles first, then into column blocks.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct WgmmaBackwardTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
+    static constexpr int kBlockM = kBlockM_;    // query rows per step
+    static constexpr int kBlockN = kBlockN_;    // keys per thread block
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kWarpgroups = kWarps / 4;
+
+    static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of a warp's S^T and dP^T
+    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's dK and dV
+    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
+    static constexpr int kRowSteps = kBlockM / 16;  // k16 steps of dV += P^T dO and dK += dS^T Q
+    static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ = dS K
+    static constexpr int kDqMTiles = kBlockM / 64;  // m64 tiles of dQ
+    static constexpr int kDqCols = kHeadDim * kDqMTiles / kWarpgroups;  // dQ columns per warpgroup
+
+    using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // K, V: rows are keys
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO: rows are queries
+    using DsTile = SwizzledTile<kBlockN, kBlockM>;   // dS^T: rows are keys, columns queries
+    static constexpr int kK = 0;
+    static constexpr int kV = kK + KvTile::kBytes;
+    static constexpr int kQ = kV + KvTile::kBytes;     // two buffers
+    static constexpr int kDo = kQ + 2 * QTile::kBytes;  // two buffers
+    static constexpr int kDs = kDo + 2 * QTile::kBytes;
+    static constexpr int kStats = kDs + DsTile::kBytes;  // two buffers of (LSE in log2, delta), kBlockM floats each
+    static constexpr int kLayoutBytes = kStats + 2 * 2 * kBlockM * 4;
+    static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
+    static constexpr int kBytes = kLayoutBytes + kAlignment;
+
+    static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
+    static_assert(kWarps % 4 == 0 && kBlockN == 64 * kWarpgroups, "one warpgroup per 64 keys");
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0, "whole 128-byte swizzle panels");
+    static_assert(kWarpgroups % kDqMTiles == 0 && kDqCols % 64 == 0 && kDqCols <= 128,
+                  "dQ splits into whole m64 tiles and 64-column blocks per warpgroup");
+    static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
 // Dynamic shared memory this launch was given, read from the PTX special register.
 __device__ __forceinline__ unsigned dynamic_shared_memory_bytes() {
     unsigned bytes;
@@ -241,6 +288,17 @@ template <typename T>
 __device__ __forceinline__ T* shared_tile(int offset) {
     extern __shared__ __align__(16) unsigned char shared_memory[];
     return reinterpret_cast<T*>(shared_memory + offset);
+}
+
+// Shared address (and generic pointer) of the launch's dynamic shared memory
+// rounded up to kAlignment; the launch asked for kAlignment bytes more.
+template <int kAlignment>
+__device__ __forceinline__ u32 aligned_shared_base(unsigned char*& generic) {
+    unsigned char* const unaligned = shared_tile<unsigned char>(0);
+    const u32 address = static_cast<u32>(__cvta_generic_to_shared(unaligned));
+    const u32 aligned = (address + kAlignment - 1) & ~static_cast<u32>(kAlignment - 1);
+    generic = unaligned + (aligned - address);
+    return aligned;
 }
 
 }  // namespace cuflash

@@ -73,8 +73,9 @@ __device__ __forceinline__ void pin_registers(float (&r)[kN]) {
 }
 
 // One m64nNk16 instruction with float32 accumulators. ss: A and B from
-// shared memory, both K-major. rs: A from registers (4 per thread), B from
-// shared memory MN-major (transposed). accumulate = 0 ignores d's old values.
+// shared memory, both K-major. ss_mn_major: the same with both MN-major
+// (each transposed by the instruction). rs: A from registers (4 per thread),
+// B from shared memory MN-major. accumulate = 0 ignores d's old values.
 template <typename Element, int kN>
 struct Wgmma;
 
@@ -101,6 +102,13 @@ struct Wgmma;
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                       \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
                          CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, 0, 0;\n}\n"                              \
+                         : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
+                         : "l"(a), "l"(b), "r"(accumulate));                                                      \
+        }                                                                                                         \
+        static __device__ __forceinline__ void ss_mn_major(float (&d)[R], u64 a, u64 b, int accumulate) {         \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                       \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
+                         CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, 1, 1;\n}\n"                              \
                          : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
                          : "l"(a), "l"(b), "r"(accumulate));                                                      \
         }                                                                                                         \

@@ -1,0 +1,312 @@
+// FlashAttention backward dK/dV (with atomic dQ) on Hopper's warpgroup tensor
+// cores (wgmma, sm_90a; float16, bfloat16). The algorithm is flash_bwd.cu's:
+// one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
+// accumulators while it walks every query block i of every query head
+// sharing this K/V head; the preprocessing (delta) and dQ conversion kernels
+// of flash_bwd.cu run before and after it.
+//
+// Each warpgroup owns 64 keys; per query block, in the transposed form that
+// keeps the key-side products in registers:
+//   S^T  = K Q^T, dP^T = V dO^T        both operands from swizzled shared memory
+//   P^T  = exp2(S^T * scale log2(e) - LSE log2(e)),  dS^T = P^T (dP^T - delta)
+//   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
+//                                      accumulators packed), B read MN-major
+//   dQ_i += scale * dS K               dS^T staged in shared memory, both
+//                                      operands MN-major; float32 atomics
+// Q, dO and their row statistics are double-buffered: the next query block
+// is copied by cp.async while this one is computed. dK is scaled once at the
+// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
+#include "numeric.cuh"
+#include "params.cuh"
+#include "grid.cuh"
+#include "kernel_traits.cuh"
+#include "async_copy.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+#include "masking.cuh"
+#include "probability.cuh"
+
+namespace cuflash {
+
+// Adds two adjacent float32 values to global memory with one vector
+// reduction (sm_90); `address` is 8-byte aligned.
+__device__ __forceinline__ void atomic_add_pair(float* address, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
+}
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using KvTile = typename Traits::KvTile;
+    using QTile = typename Traits::QTile;
+    using DsTile = typename Traits::DsTile;
+    constexpr int kQTiles = Traits::kQTiles;
+    constexpr int kDTiles = Traits::kDTiles;
+    constexpr int kDqCols = Traits::kDqCols;
+    constexpr u64 kRowStep = 2048 >> 4;  // 16 rows of a swizzled tile, in descriptor units
+
+    require_shared_memory<Traits>();
+    unsigned char* smem;
+    const u32 base = aligned_shared_base<Traits::kAlignment>(smem);
+    const u32 k_smem = base + Traits::kK;
+    const u32 v_smem = base + Traits::kV;
+    const u32 q_smem = base + Traits::kQ;
+    const u32 do_smem = base + Traits::kDo;
+    const u32 ds_smem = base + Traits::kDs;
+    float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
+
+    const ProblemSize& size = params.size;
+    const BlockCoordinates block = block_coordinates(params.num_n_blocks, size.nheads_k);
+    const index_t kv_head = block.head;
+    const index_t batch = block.batch;
+    const index_t group = size.nheads / size.nheads_k;
+    const int seqlen_q = size.seqlen_q_int();
+    const int seqlen_k = size.seqlen_k_int();
+    const int head_dim = size.head_dim_int();
+    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const float scale = static_cast<float>(params.softmax_scale);
+
+    const int thread = threadIdx.x;
+    const int warp = thread / 32;
+    const int lane = thread % 32;
+    const int warpgroup = warp / 4;
+    const int n_start = block.tile * kBlockN;
+    const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
+    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
+
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(k_smem, params.k.row_ptr<const Element>(batch, kv_head, n_start),
+                                                       params.k.row_stride, seqlen_k - n_start, head_dim, thread);
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(v_smem, params.v.row_ptr<const Element>(batch, kv_head, n_start),
+                                                       params.v.row_stride, seqlen_k - n_start, head_dim, thread);
+
+    // Steps: every visible query block of every query head of this K/V head.
+    const int m_block_begin = first_visible_query_block<kIsCausal>(n_start, kBlockM, seqlen_q, seqlen_k);
+    const int blocks_per_head = max(0, static_cast<int>(params.num_m_blocks) - m_block_begin);
+    const int steps = static_cast<int>(group) * blocks_per_head;
+    const auto step_head = [&](int step) { return kv_head * group + step / blocks_per_head; };
+    const auto step_m_start = [&](int step) { return (m_block_begin + step % blocks_per_head) * kBlockM; };
+
+    // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
+    // rows past seqlen_q get 0 and are masked) of `step` into `buffer`.
+    const auto load_query_block = [&](int step, int buffer) {
+        const index_t head = step_head(step);
+        const int m_start = step_m_start(step);
+        load_swizzled_tile_async<QTile, Traits::kThreads>(
+            q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(batch, head, m_start),
+            params.q.row_stride, seqlen_q - m_start, head_dim, thread);
+        load_swizzled_tile_async<QTile, Traits::kThreads>(
+            do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(batch, head, m_start),
+            params.dout.row_stride, seqlen_q - m_start, head_dim, thread);
+        float* lse_log2 = stats + buffer * 2 * kBlockM;
+        for (int i = thread; i < kBlockM; i += Traits::kThreads) {
+            const int row = m_start + i;
+            const bool valid = row < seqlen_q;
+            lse_log2[i] = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e
+                                : 0.0f;
+            lse_log2[kBlockM + i] = valid ? params.delta[(batch * size.nheads + head) * size.seqlen_q + row] : 0.0f;
+        }
+    };
+    if (steps > 0) {
+        load_query_block(0, 0);
+    }
+    cp_async_commit();
+
+    // Descriptors (wgmma.cuh). K-major: K and V as A of S^T / dP^T (this
+    // warpgroup's 64 keys), Q and dO as their B. MN-major: dO and Q as B of
+    // dV / dK, dS^T (this warpgroup's m64 tile of queries) and K (its column
+    // block of dQ) for dQ.
+    const auto kmajor_step = [](int ks, int panel_bytes) {
+        return static_cast<u64>((ks / 4 * panel_bytes + ks % 4 * 32) >> 4);
+    };
+    const u64 k_descriptor = swizzled_descriptor(k_smem + warpgroup * 64 * 128, 16, 1024);
+    const u64 v_descriptor = swizzled_descriptor(v_smem + warpgroup * 64 * 128, 16, 1024);
+    const u64 q_descriptor = swizzled_descriptor(q_smem, 16, 1024);
+    const u64 do_descriptor = swizzled_descriptor(do_smem, 16, 1024);
+    const u64 q_mn_descriptor = swizzled_descriptor(q_smem, QTile::kPanelBytes, 1024);
+    const u64 do_mn_descriptor = swizzled_descriptor(do_smem, QTile::kPanelBytes, 1024);
+    constexpr u64 kQBufferStep = QTile::kBytes >> 4;
+    const int dq_m_tile = warpgroup % Traits::kDqMTiles;
+    const int dq_col0 = warpgroup / Traits::kDqMTiles * kDqCols;
+    const u64 ds_mn_descriptor = swizzled_descriptor(ds_smem + dq_m_tile * DsTile::kPanelBytes, DsTile::kPanelBytes, 1024);
+    const u64 k_mn_descriptor = swizzled_descriptor(k_smem + dq_col0 / 64 * KvTile::kPanelBytes, KvTile::kPanelBytes, 1024);
+
+    float dk[1][kDTiles][4];
+    float dv[1][kDTiles][4];
+    fill_fragments(dk, 0.0f);
+    fill_fragments(dv, 0.0f);
+    float(&dk_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(dk);
+    float(&dv_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(dv);
+    unsigned char* const ds_tile = smem + Traits::kDs;
+
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = step & 1;
+        // This step's Q, dO and statistics have landed for every thread;
+        // every warpgroup is done with the previous step (its buffers and dS^T).
+        cp_async_wait<0>();
+        fence_async_shared();
+        __syncthreads();
+        if (step + 1 < steps) {
+            load_query_block(step + 1, buffer ^ 1);
+        }
+        cp_async_commit();
+        const index_t head = step_head(step);
+        const int m_start = step_m_start(step);
+
+        float s[1][kQTiles][4];
+        float dp[1][kQTiles][4];
+        float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(s);
+        float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(dp);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+            Wgmma<Element, kBlockM>::ss(s_flat, k_descriptor + kmajor_step(ks, KvTile::kPanelBytes),
+                                        q_descriptor + buffer * kQBufferStep + kmajor_step(ks, QTile::kPanelBytes),
+                                        ks > 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+            Wgmma<Element, kBlockM>::ss(dp_flat, v_descriptor + kmajor_step(ks, KvTile::kPanelBytes),
+                                        do_descriptor + buffer * kQBufferStep + kmajor_step(ks, QTile::kPanelBytes),
+                                        ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(s_flat);
+        pin_registers(dp_flat);
+
+        // P^T and dS^T in place of S^T and dP^T. Only blocks that cross the
+        // causal diagonal or the end of either sequence test each entry; in
+        // the others every row sees every key (so its LSE is finite).
+        const float* lse_log2 = stats + buffer * 2 * kBlockM;
+        const float* delta = lse_log2 + kBlockM;
+        const bool needs_mask = m_start + kBlockM > seqlen_q || n_start + kBlockN > seqlen_k ||
+                                (kIsCausal && n_start + kBlockN - 1 > m_start + diagonal_offset);
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + col);
+            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = n_start + warp_key0 + lane / 4 + e / 2 * 8;
+                const int row = m_start + col + e % 2;
+                const bool visible =
+                    !needs_mask || (row < seqlen_q && is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset));
+                const float p = recompute_probability(visible, s[0][j][e], scale_log2, e % 2 ? lse_pair.y : lse_pair.x);
+                s[0][j][e] = p;
+                dp[0][j][e] = p * (dp[0][j][e] - (e % 2 ? delta_pair.y : delta_pair.x));
+            }
+        }
+        // P^T and dS^T rounded to the element type as the A operands of dV
+        // and dK; dS^T also to shared memory for dQ (same swizzle as the tiles).
+        u32 p_frag[Traits::kRowSteps][4];
+        u32 ds_frag[Traits::kRowSteps][4];
+#pragma unroll
+        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                p_frag[ps][2 * h] = pack_pair<Element>(s[0][2 * ps + h][0], s[0][2 * ps + h][1]);
+                p_frag[ps][2 * h + 1] = pack_pair<Element>(s[0][2 * ps + h][2], s[0][2 * ps + h][3]);
+                ds_frag[ps][2 * h] = pack_pair<Element>(dp[0][2 * ps + h][0], dp[0][2 * ps + h][1]);
+                ds_frag[ps][2 * h + 1] = pack_pair<Element>(dp[0][2 * ps + h][2], dp[0][2 * ps + h][3]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+            const u32 (&frag)[4] = ds_frag[j / 2];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int key_row = warp_key0 + lane / 4 + half * 8;
+                *reinterpret_cast<u32*>(ds_tile + DsTile::chunk_offset(key_row, j) + 4 * (lane % 4)) =
+                    frag[(j % 2) * 2 + half];
+            }
+        }
+        fence_async_shared();  // dS^T, written by ordinary stores, is read by the tensor cores
+
+        wgmma_fence();
+#pragma unroll
+        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + ps * kRowStep, 1);
+        }
+#pragma unroll
+        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + ps * kRowStep, 1);
+        }
+        wgmma_commit();
+
+        __syncthreads();  // every warpgroup's dS^T is in shared memory
+        float dq[kDqCols / 2];
+#pragma unroll
+        for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
+            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + ks * kRowStep, k_mn_descriptor + ks * kRowStep,
+                                                 ks > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(dq);
+        pin_registers(dv_flat);
+        pin_registers(dk_flat);
+
+        float* dq_rows = params.dq_accum + ((batch * size.seqlen_q + m_start) * size.nheads + head) * head_dim;
+        const index_t dq_row_stride = size.nheads * head_dim;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = dq_m_tile * 64 + (warp % 4) * 16 + lane / 4 + half * 8;
+            if (m_start + row < seqlen_q) {
+#pragma unroll
+                for (int j = 0; j < kDqCols / 8; ++j) {
+                    const int col = dq_col0 + 8 * j + 2 * (lane % 4);
+                    if (col < head_dim) {
+                        atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[4 * j + 2 * half] * scale,
+                                        dq[4 * j + 2 * half + 1] * scale);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: every warpgroup is past its last read of K and V; each warp
+    // stages its 16 rows of dK (scaled) and dV there (same swizzle) and
+    // stores them 16 bytes at a time. Keys past seqlen_k and padded columns
+    // are not written; with no visible query the results are zeros.
+    cp_async_wait<0>();
+    __syncthreads();
+    unsigned char* const tiles[2] = {smem + Traits::kK, smem + Traits::kV};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key_row = warp_key0 + lane / 4 + half * 8;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            const int offset = KvTile::chunk_offset(key_row, dt) + 4 * (lane % 4);
+            *reinterpret_cast<u32*>(tiles[0] + offset) =
+                pack_pair<Element>(dk[0][dt][2 * half] * scale, dk[0][dt][2 * half + 1] * scale);
+            *reinterpret_cast<u32*>(tiles[1] + offset) = pack_pair<Element>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
+        }
+    }
+    __syncwarp();
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    Element* const outputs[2] = {params.dk.row_ptr<Element>(batch, kv_head, n_start),
+                                 params.dv.row_ptr<Element>(batch, kv_head, n_start)};
+    const index_t strides[2] = {params.dk.row_stride, params.dv.row_stride};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+#pragma unroll
+        for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
+            const int chunk = lane + i * 32;
+            const int key_row = warp_key0 + chunk / kChunksPerRow;
+            const int col_chunk = chunk % kChunksPerRow;
+            if (n_start + key_row < seqlen_k && col_chunk * 8 < head_dim) {
+                *reinterpret_cast<uint4*>(outputs[t] + static_cast<index_t>(key_row) * strides[t] + col_chunk * 8) =
+                    *reinterpret_cast<const uint4*>(tiles[t] + KvTile::chunk_offset(key_row, col_chunk));
+            }
+        }
+    }
+#else
+    // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
+    __trap();
+#endif
+}
+
+}  // namespace cuflash

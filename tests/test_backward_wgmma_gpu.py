@@ -1,0 +1,82 @@
+"""The Hopper backward dK/dV kernel (wgmma, sm_90a): which calls take it, and
+its sizes. The backward grid of test_backward_gpu.py runs through it for
+float16/bfloat16 at head dims up to 64 and 97-128 on Hopper; the SIMT
+backward keeps the other cases, the deterministic mode, and (tested here
+with the generation pinned to sm_80) what an Ampere GPU runs."""
+
+import pytest
+
+from cuflash import api
+from cuflash._validation import check_backward, meta_of
+
+from tests.helpers import random_qkv
+from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
+from tests.test_forward_wgmma_gpu import needs_hopper
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _chosen(q, k, v, *, deterministic=False):
+    cupy = _cupy()
+    dout, out, lse = forward_for_backward(q, k, v, causal=False)
+    grads = {name: cupy.empty_like(x) for name, x in (("dq", q), ("dk", k), ("dv", v))}
+    views = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    problem = check_backward(*(meta_of(name, views[name]) for name in ("dout", "q", "k", "v", "out", "lse")),
+                             None, None, None, causal=False, softmax_scale=None, deterministic=deterministic)
+    return api.backward_tiling_for(problem, views, grads, deterministic)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,kernel", [(8, "wgmma"), (64, "wgmma"), (96, "simt"), (104, "wgmma"),
+                                             (128, "wgmma"), (256, "simt")])
+def test_hopper_backward_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
+    assert _chosen(q, k, v).kernel == kernel
+    assert _chosen(q, k, v, deterministic=True).kernel == "simt"  # fixed-order dQ: the SIMT passes
+
+
+@needs_hopper
+def test_unaligned_rows_fall_back_to_simt():
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.dtype("bfloat16"), layout="sliced")
+    assert _chosen(q, k, v).kernel == "simt"
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
+                                               (1000, 17), (17, 1000)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+def test_wgmma_backward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal, heads):
+    """Partial query and key blocks, both orders of the lengths (causal rows
+    that see no key), several query blocks per key block so that the Q/dO
+    buffers alternate, and query heads summed into one K/V head."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype(dtype),
+                         seed=seqlen_q + 3 * seqlen_k + head_dim)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=causal, seed=seqlen_q)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 129)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_simt_backward_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
+    """The SIMT backward (atomic dQ) at the head dims Hopper serves with
+    wgmma, as an Ampere GPU runs it."""
+    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + 1)
+    assert _chosen(q, k, v).kernel == "simt"
+    run_backward_and_check(q, k, v, causal=causal, seed=5)
