@@ -36,7 +36,7 @@ def _hopper() -> bool:
         return False
 
 
-needs_hopper = pytest.mark.skipif("not _hopper()", reason="needs an sm_90 GPU and NVRTC >= 12.9 (the wgmma forward)")
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU and NVRTC >= 12.9 (the wgmma forward)")
 
 _PROBE = r"""
 #include "async_copy.cuh"
