@@ -75,15 +75,24 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
 }
 
 // dq (input dtype, any strides) = the float32 accumulator, already scaled.
+// One warp per query row, as in the preprocessing: the row's coordinates
+// take 64-bit divisions, which per element would cost more than the copy.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_convert_dq_kernel(const BackwardParams params) {
     const ProblemSize& size = params.size;
-    const index_t total = size.batch * size.seqlen_q * size.nheads * size.head_dim;
-    const index_t step = static_cast<index_t>(gridDim.x) * blockDim.x;
-    for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
-        const QueryRow q = query_row(i / size.head_dim, size);
-        params.dq.row_ptr<Element>(q.batch, q.head, q.row)[i % size.head_dim] = from_float<Element>(params.dq_accum[i]);
+    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const int head_dim = size.head_dim_int();
+    const int lane = threadIdx.x % 32;
+    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
+    for (index_t r = first; r < rows; r += step) {
+        const QueryRow q = query_row(r, size);
+        Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
+        const float* acc = params.dq_accum + r * head_dim;
+        for (int c = lane; c < head_dim; c += 32) {
+            dq[c] = from_float<Element>(acc[c]);
+        }
     }
 }
 

@@ -24,7 +24,6 @@
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "masking.cuh"
-#include "probability.cuh"
 
 namespace cuflash {
 
@@ -85,14 +84,12 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const int m_block_begin = first_visible_query_block<kIsCausal>(n_start, kBlockM, seqlen_q, seqlen_k);
     const int blocks_per_head = max(0, static_cast<int>(params.num_m_blocks) - m_block_begin);
     const int steps = static_cast<int>(group) * blocks_per_head;
-    const auto step_head = [&](int step) { return kv_head * group + step / blocks_per_head; };
-    const auto step_m_start = [&](int step) { return (m_block_begin + step % blocks_per_head) * kBlockM; };
 
     // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
-    // rows past seqlen_q get 0 and are masked) of `step` into `buffer`.
-    const auto load_query_block = [&](int step, int buffer) {
-        const index_t head = step_head(step);
-        const int m_start = step_m_start(step);
+    // rows past seqlen_q get 0 and are masked) of query block m_block of
+    // `head` into `buffer`.
+    const auto load_query_block = [&](index_t head, int m_block, int buffer) {
+        const int m_start = m_block * kBlockM;
         load_swizzled_tile_async<QTile, Traits::kThreads>(
             q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(batch, head, m_start),
             params.q.row_stride, seqlen_q - m_start, head_dim, thread);
@@ -103,13 +100,19 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         for (int i = thread; i < kBlockM; i += Traits::kThreads) {
             const int row = m_start + i;
             const bool valid = row < seqlen_q;
-            lse_log2[i] = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e
-                                : 0.0f;
+            const float lse = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row]
+                                    : 0.0f;
+            // A row that sees no key (LSE -inf) has every score masked to -inf;
+            // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
+            lse_log2[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
             lse_log2[kBlockM + i] = valid ? params.delta[(batch * size.nheads + head) * size.seqlen_q + row] : 0.0f;
         }
     };
+    // The step's query head and block, advanced step by step (no divisions).
+    index_t head = kv_head * group;
+    int m_block = m_block_begin;
     if (steps > 0) {
-        load_query_block(0, 0);
+        load_query_block(head, m_block, 0);
     }
     cp_async_commit();
 
@@ -120,12 +123,17 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const auto kmajor_step = [](int ks, int panel_bytes) {
         return static_cast<u64>((ks / 4 * panel_bytes + ks % 4 * 32) >> 4);
     };
-    const u64 k_descriptor = swizzled_descriptor(k_smem + warpgroup * 64 * 128, 16, 1024);
-    const u64 v_descriptor = swizzled_descriptor(v_smem + warpgroup * 64 * 128, 16, 1024);
-    const u64 q_descriptor = swizzled_descriptor(q_smem, 16, 1024);
-    const u64 do_descriptor = swizzled_descriptor(do_smem, 16, 1024);
-    const u64 q_mn_descriptor = swizzled_descriptor(q_smem, QTile::kPanelBytes, 1024);
-    const u64 do_mn_descriptor = swizzled_descriptor(do_smem, QTile::kPanelBytes, 1024);
+    // One K-major base descriptor; the others differ from it by constants
+    // (start address or leading-offset field), which keeps them out of the
+    // registers the accumulators need.
+    const u64 base_descriptor = swizzled_descriptor(base, 16, 1024);
+    constexpr u64 kMnLeading = static_cast<u64>((QTile::kPanelBytes >> 4) - 1) << 16;  // leading 16 -> panel bytes
+    const u64 k_descriptor = base_descriptor + ((Traits::kK + warpgroup * 64 * 128) >> 4);
+    const u64 v_descriptor = k_descriptor + ((Traits::kV - Traits::kK) >> 4);
+    const u64 q_descriptor = base_descriptor + (Traits::kQ >> 4);
+    const u64 do_descriptor = base_descriptor + (Traits::kDo >> 4);
+    const u64 q_mn_descriptor = q_descriptor + kMnLeading;
+    const u64 do_mn_descriptor = do_descriptor + kMnLeading;
     constexpr u64 kQBufferStep = QTile::kBytes >> 4;
     const int dq_m_tile = warpgroup % Traits::kDqMTiles;
     const int dq_col0 = warpgroup / Traits::kDqMTiles * kDqCols;
@@ -147,12 +155,17 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         cp_async_wait<0>();
         fence_async_shared();
         __syncthreads();
+        index_t next_head = head;
+        int next_m_block = m_block + 1;
+        if (next_m_block == m_block_begin + blocks_per_head) {
+            next_m_block = m_block_begin;
+            ++next_head;
+        }
         if (step + 1 < steps) {
-            load_query_block(step + 1, buffer ^ 1);
+            load_query_block(next_head, next_m_block, buffer ^ 1);
         }
         cp_async_commit();
-        const index_t head = step_head(step);
-        const int m_start = step_m_start(step);
+        const int m_start = m_block * kBlockM;
 
         float s[1][kQTiles][4];
         float dp[1][kQTiles][4];
@@ -177,12 +190,15 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         pin_registers(dp_flat);
 
         // P^T and dS^T in place of S^T and dP^T. Only blocks that cross the
-        // causal diagonal or the end of either sequence test each entry; in
-        // the others every row sees every key (so its LSE is finite).
+        // causal diagonal or the end of either sequence are masked (scores to
+        // -inf, so P^T = 0 there).
         const float* lse_log2 = stats + buffer * 2 * kBlockM;
         const float* delta = lse_log2 + kBlockM;
-        const bool needs_mask = m_start + kBlockM > seqlen_q || n_start + kBlockN > seqlen_k ||
-                                (kIsCausal && n_start + kBlockN - 1 > m_start + diagonal_offset);
+        if (m_start + kBlockM > seqlen_q || n_start + kBlockN > seqlen_k ||
+            (kIsCausal && n_start + kBlockN - 1 > m_start + diagonal_offset)) {
+            apply_mask_to_transposed_fragments<kIsCausal>(s, n_start + warp_key0, m_start, lane, seqlen_q, seqlen_k,
+                                                          diagonal_offset);
+        }
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
             const int col = 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
@@ -190,11 +206,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = n_start + warp_key0 + lane / 4 + e / 2 * 8;
-                const int row = m_start + col + e % 2;
-                const bool visible =
-                    !needs_mask || (row < seqlen_q && is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset));
-                const float p = recompute_probability(visible, s[0][j][e], scale_log2, e % 2 ? lse_pair.y : lse_pair.x);
+                const float p = exp2_fast(fmaf(s[0][j][e], scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
                 s[0][j][e] = p;
                 dp[0][j][e] = p * (dp[0][j][e] - (e % 2 ? delta_pair.y : delta_pair.x));
             }
@@ -265,6 +277,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                 }
             }
         }
+        head = next_head;
+        m_block = next_m_block;
     }
 
     // Epilogue: every warpgroup is past its last read of K and V; each warp

@@ -95,4 +95,31 @@ __device__ __forceinline__ void apply_mask_to_fragments(float (&s)[kMTiles][kNTi
     }
 }
 
+// The same for transposed scores S^T (rows are keys, columns query rows), as
+// the backward's key-major accumulators hold them: key0 is the first key of
+// the warp's 16 fragment rows, row0 the first query row of the tile. A query
+// row sees a key iff the key exists, the row exists and (causal) the key is at
+// most row + diagonal_offset.
+template <bool kIsCausal, int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask_to_transposed_fragments(float (&s)[kMTiles][kNTiles][4], int key0, int row0,
+                                                                   int lane, int seqlen_q, int seqlen_k,
+                                                                   int diagonal_offset) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
+            // Rows below first_row see this key (causal); none do if the key is past the end.
+            const int first_row = key >= seqlen_k ? seqlen_q : (kIsCausal ? key - diagonal_offset : 0);
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                const int row = row0 + nt * 8 + 2 * (lane % 4) + i % 2;
+                if (row >= seqlen_q || row < first_row) {
+                    s[mt][nt][i] = negative_infinity();
+                }
+            }
+        }
+    }
+}
+
 }  // namespace cuflash

@@ -16,7 +16,7 @@ BENCHMARKS = sorted((REPO / "benchmarks").glob("*.json"))
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
 def test_rows_are_consistent(path):
-    from bench import SEQLENS, forward_flops
+    from bench import PASS_FLOPS, SEQLENS, forward_flops
 
     result = json.loads(path.read_text())
     assert {"device", "driver", "torch", "commit", "date"} <= set(result["environment"])
@@ -24,9 +24,20 @@ def test_rows_are_consistent(path):
     grid = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in rows if r["pass"] == "fwd"}
     assert grid == {(dt, d, c, s) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)
                     for s in SEQLENS}
+    by_pass = {}
+    for r in rows:
+        by_pass.setdefault(r["pass"], {})[(r["dtype"], r["head_dim"], r["causal"], r["seqlen"])] = r
+    if "bwd" in by_pass:  # backward rows: at least the bf16 grid, and fwd+bwd for each
+        assert {key for key in by_pass["bwd"] if key[0] == "bfloat16"} == {
+            key for key in grid if key[0] == "bfloat16"}
+        assert set(by_pass["fwd+bwd"]) == set(by_pass["bwd"])
+        for key, both in by_pass["fwd+bwd"].items():
+            for backend, ms in both["ms"].items():
+                assert ms == pytest.approx(by_pass["fwd"][key]["ms"][backend] + by_pass["bwd"][key]["ms"][backend])
     for r in rows:
         assert r["batch"] * r["seqlen"] == 16384 and r["heads"] * r["head_dim"] == 2048
-        assert r["flops"] == forward_flops(r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"])
+        assert r["flops"] == PASS_FLOPS[r["pass"]] * forward_flops(r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                                                                   r["causal"])
         for backend, ms in r["ms"].items():
             assert r["tflops"][backend] == pytest.approx(r["flops"] / (ms * 1e9))
         for base in ("flash", "cudnn"):

@@ -33,6 +33,7 @@ def test_every_variant_compiles_and_is_reported():
             assert row["spill_stores"] <= 64, row
     assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 20
     assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 8
+    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 8
 
 
 def test_hopper_only_variants_are_left_out_of_other_architectures():
@@ -40,12 +41,13 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
 
     variants = kernel_report.all_variants()
     sm80 = kernel_report.variants_for(variants, "sm_80")
-    assert not any(v.key.startswith("forward-wgmma/") for v in sm80)
-    assert len(kernel_report.variants_for(variants, "sm_90a")) == len(variants) == len(sm80) + 8
+    assert not any(v.key.startswith(("forward-wgmma/", "backward-dkdv-wgmma/")) for v in sm80)
+    assert len(kernel_report.variants_for(variants, "sm_90a")) == len(variants) == len(sm80) + 16
 
 
 @needs_nvcc
-@pytest.mark.parametrize("only", ["forward-mma/bfloat16/hdim128", "forward-wgmma/bfloat16/hdim128"])
+@pytest.mark.parametrize("only", ["forward-mma/bfloat16/hdim128", "forward-wgmma/bfloat16/hdim128",
+                                  "backward-dkdv-wgmma/bfloat16/hdim128"])
 def test_fast_path_spill_gate_command_line(only):
     """--fail-on-spill exits 1 if a selected variant spills; the tensor-core
     forwards for Hopper (sm_90a) pass it."""

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Attention forward speed: cuflash against PyTorch SDPA's FlashAttention-2
-(flash) and cuDNN backends, in one process, on the FlashAttention-2
-benchmark grid.
+"""Attention speed, forward and backward: cuflash against PyTorch SDPA's
+FlashAttention-2 (flash) and cuDNN backends, in one process, on the
+FlashAttention-2 benchmark grid.
 
 Grid: batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim),
 seqlen 512 ... 16k, head_dim 64 and 128, causal and not, bf16 and fp16.
 FLOPs follow FlashAttention-2: 4 * batch * heads * seqlen^2 * head_dim,
-halved for causal.
+halved for causal; the backward counts 2.5 times that, forward + backward
+3.5 times (its time is the sum of the two measured times). Backward rows are
+made for the dtypes of --backward-dtype (default bfloat16; "none" for none).
 
 Timing: CUDA events on PyTorch's current stream. Before each timed batch
 the stream is held by ``torch.cuda._sleep`` so that every launch of the batch
@@ -48,6 +50,10 @@ MATMUL_TFLOPS = {"NVIDIA H100 80GB HBM3": 796.0}
 def forward_flops(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool) -> float:
     flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
     return flops / 2 if causal else flops
+
+
+#: FLOPs of each pass in units of the forward's (FlashAttention-2's convention).
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def time_gpu(fn, *, calls: int, repeats: int, warmup: int = 3) -> float:
@@ -144,7 +150,50 @@ def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tupl
     return timings, deviation
 
 
-def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -> list[dict]:
+def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats) -> dict[str, float]:
+    """Milliseconds per call of the backward alone: cuflash.attention_backward
+    on the forward's out and LSE (preprocess, dK/dV, dQ conversion), and each
+    SDPA backend's autograd backward of one recorded forward (its own
+    preprocessing and dQ conversion included), all with the same dO."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash
+
+    generator = torch.Generator(device="cuda").manual_seed(7)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=generator)
+    with torch.no_grad():
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    timings = {"cuflash": time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
+                                   calls=calls, repeats=repeats)}
+    leaves = tuple(x.detach().requires_grad_() for x in sdpa_inputs)
+    dout_t = dout.transpose(1, 2).contiguous()
+    for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                recorded = sdpa(*leaves, is_causal=causal)
+                timings[label] = time_gpu(lambda: torch.autograd.grad(recorded, leaves, dout_t, retain_graph=True),
+                                          calls=calls, repeats=repeats)
+            del recorded
+        except RuntimeError as exc:  # backend unavailable for this shape
+            print(f"# {label} backward unavailable at {tuple(q.shape)} {q.dtype}: {exc}", file=sys.stderr)
+    return timings
+
+
+def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings, deviation) -> dict:
+    flops = PASS_FLOPS[pass_name] * forward_flops(batch, heads, seqlen, head_dim, causal)
+    row = {"pass": pass_name, "dtype": dtype_name, "head_dim": head_dim, "causal": causal,
+           "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
+           "max_abs_deviation_from_flash": deviation,
+           "ms": timings, "tflops": {name: flops / (ms * 1e9) for name, ms in timings.items()}}
+    for base in ("flash", "cudnn"):
+        if base in timings:
+            row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
+    return row
+
+
+def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, backward_dtypes=()) -> list[dict]:
     import torch
 
     rows = []
@@ -160,16 +209,16 @@ def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles) -
                 for causal in causals:
                     timings, deviation = measure_point(q, k, v, sdpa_inputs, causal, extra_tiles.get(head_dim, []),
                                                        calls, repeats)
-                    flops = forward_flops(batch, heads, seqlen, head_dim, causal)
-                    row = {"pass": "fwd", "dtype": dtype_name, "head_dim": head_dim, "causal": causal,
-                           "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
-                           "max_abs_deviation_from_flash": deviation,
-                           "ms": timings, "tflops": {name: flops / (ms * 1e9) for name, ms in timings.items()}}
-                    for base in ("flash", "cudnn"):
-                        if base in timings:
-                            row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
-                    rows.append(row)
-                    print(_row_line(row), flush=True)
+                    shape = (dtype_name, head_dim, causal, seqlen, batch, heads)
+                    rows.append(_row("fwd", *shape, timings, deviation))
+                    print(_row_line(rows[-1]), flush=True)
+                    if dtype_name in backward_dtypes:
+                        backward = measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats)
+                        rows.append(_row("bwd", *shape, backward, deviation))
+                        print(_row_line(rows[-1]), flush=True)
+                        both = {name: timings[name] + backward[name] for name in backward if name in timings}
+                        rows.append(_row("fwd+bwd", *shape, both, deviation))
+                        print(_row_line(rows[-1]), flush=True)
                 del q, k, v, sdpa_inputs
                 torch.cuda.empty_cache()
     return rows
@@ -179,14 +228,14 @@ def _row_line(row: dict) -> str:
     t = row["tflops"]
     extra = " ".join(f"{name}={value:.0f}" for name, value in t.items()
                      if name not in ("cuflash", "flash", "cudnn"))
-    return (f"| {row['dtype']} | {row['head_dim']} | {'yes' if row['causal'] else 'no'} | {row['seqlen']} | "
+    return (f"| {row['pass']} | {row['dtype']} | {row['head_dim']} | {'yes' if row['causal'] else 'no'} | {row['seqlen']} | "
             f"{t['cuflash']:.0f} | {t.get('flash', float('nan')):.0f} | {t.get('cudnn', float('nan')):.0f} | "
             f"{row.get('cuflash_over_flash', float('nan')):.2f} | {row.get('cuflash_over_cudnn', float('nan')):.2f} | "
             f"{row['max_abs_deviation_from_flash']:.1e} |" + (f" {extra}" if extra else ""))
 
 
-HEADER = ("| dtype | head_dim | causal | seqlen | cuflash TFLOP/s | flash TFLOP/s | cuDNN TFLOP/s | "
-          "cuflash/flash | cuflash/cuDNN | max abs dev. vs flash |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| pass | dtype | head_dim | causal | seqlen | cuflash TFLOP/s | flash TFLOP/s | cuDNN TFLOP/s | "
+          "cuflash/flash | cuflash/cuDNN | max abs dev. vs flash (fwd) |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def environment() -> dict:
@@ -218,6 +267,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS[sSTAGES], extra cuflash column")
+    parser.add_argument("--backward-dtype", action="append", choices=("bfloat16", "float16", "none"),
+                        help="dtypes that also get backward and forward+backward rows (default: bfloat16)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
@@ -226,16 +277,18 @@ def main() -> int:
     print(HEADER)
     rows = run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
                     [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
-                    _parse_tiles(args.tiles))
+                    _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]))
     matmul = MATMUL_TFLOPS.get(env["device"])
     result = {"environment": env, "matmul_tflops": matmul, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
-    ratios = [r["cuflash_over_flash"] for r in rows if r["dtype"] == "bfloat16" and "cuflash_over_flash" in r]
-    if ratios:
-        print(f"\nbf16 cuflash/flash: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
-              f"points >= 1.0: {sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
+    for pass_name in PASS_FLOPS:
+        ratios = [r["cuflash_over_flash"] for r in rows
+                  if r["dtype"] == "bfloat16" and r["pass"] == pass_name and "cuflash_over_flash" in r]
+        if ratios:
+            print(f"\nbf16 {pass_name} cuflash/flash: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+                  f"points >= 1.0: {sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
     return 0
 
 

@@ -29,7 +29,10 @@ def markdown(result: dict, plot: str | None) -> str:
         f"CuPy {env['cupy']}",
         f"- Date: {env['date']}, cuflash commit `{env['commit']}`",
         "- Grid (FlashAttention-2's): batch x seqlen = 16384 tokens, hidden 2048 (heads = 2048 / head_dim).",
-        "- TFLOP/s = 4 * batch * heads * seqlen^2 * head_dim / time, halved for causal.",
+        "- TFLOP/s = 4 * batch * heads * seqlen^2 * head_dim / time, halved for causal; the backward (bwd) counts "
+        "2.5 times that, forward + backward (fwd+bwd: the sum of the two measured times) 3.5 times.",
+        "- bwd: `cuflash.attention_backward` (preprocess, dK/dV, dQ conversion) against each backend's autograd "
+        "backward of one recorded forward, same dO.",
         "- flash / cuDNN = PyTorch `scaled_dot_product_attention` with `SDPBackend.FLASH_ATTENTION` "
         "(FlashAttention-2) / `SDPBackend.CUDNN_ATTENTION`, timed in the same process, each in its native layout.",
         "- Timing: CUDA events, median of 15 batches of 10 calls after warm-up, the stream held by a sleep kernel "

@@ -54,13 +54,13 @@ if [ "${CUFLASH_SKIP_NCU:-0}" != "1" ]; then
   tail -n 12 "$OUT/ncu_validation.log"
 fi
 
-# Forward speed against PyTorch SDPA (flash, cuDNN) on the FlashAttention-2
-# grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
+# Forward (bf16, fp16) and backward (bf16) speed against PyTorch SDPA (flash,
+# cuDNN) on the FlashAttention-2 grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
 bench_rc=0
 if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
   CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py --out "$OUT" > "$OUT/bench.log" 2>&1
   bench_rc=$?
-  grep -v "^#" "$OUT/bench.log" | tail -n 60
+  grep -v "^#" "$OUT/bench.log" | grep -v "| float16 |" | tail -n 80
 fi
 
 "$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" "$bench_rc" <<'PY'
@@ -96,12 +96,15 @@ for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_
     print(f"| {key} | {summary[key]} |")
 try:
     rows = json.load(open(f"{out}/bench.json"))["rows"]
-    for dtype in ("bfloat16", "float16"):
-        ratios = [r["cuflash_over_flash"] for r in rows if r["dtype"] == dtype and "cuflash_over_flash" in r]
-        cudnn = [r["cuflash_over_cudnn"] for r in rows if r["dtype"] == dtype and "cuflash_over_cudnn" in r]
-        if ratios:
-            print(f"| bench {dtype} fwd cuflash/flash | min {min(ratios):.2f}, max {max(ratios):.2f}, "
-                  f">= 1.0 at {sum(x >= 1.0 for x in ratios)}/{len(ratios)}; cuflash/cuDNN {min(cudnn):.2f}-{max(cudnn):.2f} |")
+    for pass_name in ("fwd", "bwd", "fwd+bwd"):
+        for dtype in ("bfloat16", "float16"):
+            chosen = [r for r in rows if r["dtype"] == dtype and r["pass"] == pass_name]
+            ratios = [r["cuflash_over_flash"] for r in chosen if "cuflash_over_flash" in r]
+            cudnn = [r["cuflash_over_cudnn"] for r in chosen if "cuflash_over_cudnn" in r]
+            if ratios:
+                print(f"| bench {dtype} {pass_name} cuflash/flash | min {min(ratios):.2f}, max {max(ratios):.2f}, "
+                      f">= 1.0 at {sum(x >= 1.0 for x in ratios)}/{len(ratios)}; "
+                      f"cuflash/cuDNN {min(cudnn):.2f}-{max(cudnn):.2f} |")
 except FileNotFoundError:
     print("| bench | not run |")
 print(f"| skipped (needs 2 GPUs, or Hopper) | {len(multi_gpu_skips)} |")
