@@ -150,7 +150,7 @@ def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tupl
     return timings, deviation
 
 
-def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats) -> dict[str, float]:
+def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic=False) -> dict[str, float]:
     """Milliseconds per call of the backward alone: cuflash.attention_backward
     on the forward's out and LSE (preprocess, dK/dV, dQ conversion), and each
     SDPA backend's autograd backward of one recorded forward (its own
@@ -167,6 +167,10 @@ def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats) -> dict[str, 
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     timings = {"cuflash": time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
                                    calls=calls, repeats=repeats)}
+    if deterministic:  # the fixed-order dQ pass (SIMT kernels): slow, so timed with few calls
+        timings["cuflash-deterministic"] = time_gpu(
+            lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True),
+            calls=1, repeats=3, warmup=1)
     leaves = tuple(x.detach().requires_grad_() for x in sdpa_inputs)
     dout_t = dout.transpose(1, 2).contiguous()
     for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -193,7 +197,8 @@ def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings,
     return row
 
 
-def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, backward_dtypes=()) -> list[dict]:
+def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, backward_dtypes=(),
+             deterministic=False) -> list[dict]:
     import torch
 
     rows = []
@@ -213,7 +218,7 @@ def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, b
                     rows.append(_row("fwd", *shape, timings, deviation))
                     print(_row_line(rows[-1]), flush=True)
                     if dtype_name in backward_dtypes:
-                        backward = measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats)
+                        backward = measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic)
                         rows.append(_row("bwd", *shape, backward, deviation))
                         print(_row_line(rows[-1]), flush=True)
                         both = {name: timings[name] + backward[name] for name in backward if name in timings}
@@ -269,6 +274,8 @@ def main() -> int:
     parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS[sSTAGES], extra cuflash column")
     parser.add_argument("--backward-dtype", action="append", choices=("bfloat16", "float16", "none"),
                         help="dtypes that also get backward and forward+backward rows (default: bfloat16)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="backward rows also time deterministic=True (column cuflash-deterministic)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
@@ -277,7 +284,8 @@ def main() -> int:
     print(HEADER)
     rows = run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
                     [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
-                    _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]))
+                    _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),
+                    deterministic=args.deterministic)
     matmul = MATMUL_TFLOPS.get(env["device"])
     result = {"environment": env, "matmul_tflops": matmul, "rows": rows}
     out = Path(args.out)
