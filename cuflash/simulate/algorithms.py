@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from .._tiling import (
     backward_tiling,
     first_visible_query_block,
+    default_backward_tiling,
     default_forward_tiling,
     forward_tiling,
     visible_key_blocks,
@@ -430,7 +431,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # otherwise; the deterministic dQ pass always has the SIMT forward's tiles.
     dq = forward_tiling(dtype, p.head_dim)
     fwd = default_forward_tiling(dtype, p.head_dim, machine.compute_capability)
-    bwd = backward_tiling(dtype, p.head_dim)
+    bwd = default_backward_tiling(dtype, p.head_dim, machine.compute_capability, p.deterministic)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
