@@ -58,8 +58,17 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
         const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
         const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
         float sum = 0.0f;
-        for (int c = lane; c < head_dim; c += 32) {
-            sum = fmaf(to_float(o[c]), to_float(dout[c]), sum);
+        // Two elements per lane and access where the rows allow it (even
+        // head_dim, pair-aligned rows): half the load instructions.
+        if (head_dim % 2 == 0 && pair_aligned<Element>(o) && pair_aligned<Element>(dout)) {
+            for (int c = 2 * lane; c < head_dim; c += 64) {
+                const float2 a = load_pair(o + c), b = load_pair(dout + c);
+                sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+            }
+        } else {
+            for (int c = lane; c < head_dim; c += 32) {
+                sum = fmaf(to_float(o[c]), to_float(dout[c]), sum);
+            }
         }
         sum = group_allreduce_sum<32>(sum);
         if (lane == 0) {
@@ -67,8 +76,14 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
         }
         if (params.dq_accum != nullptr) {
             float* acc = params.dq_accum + r * head_dim;
-            for (int c = lane; c < head_dim; c += 32) {
-                acc[c] = 0.0f;
+            if (head_dim % 2 == 0) {  // the accumulator is contiguous: rows of even length are 8-byte aligned
+                for (int c = 2 * lane; c < head_dim; c += 64) {
+                    *reinterpret_cast<float2*>(acc + c) = make_float2(0.0f, 0.0f);
+                }
+            } else {
+                for (int c = lane; c < head_dim; c += 32) {
+                    acc[c] = 0.0f;
+                }
             }
         }
     }
@@ -90,8 +105,14 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
         const QueryRow q = query_row(r, size);
         Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
         const float* acc = params.dq_accum + r * head_dim;
-        for (int c = lane; c < head_dim; c += 32) {
-            dq[c] = from_float<Element>(acc[c]);
+        if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {
+            for (int c = 2 * lane; c < head_dim; c += 64) {
+                store_pair(dq + c, *reinterpret_cast<const float2*>(acc + c));
+            }
+        } else {
+            for (int c = lane; c < head_dim; c += 32) {
+                dq[c] = from_float<Element>(acc[c]);
+            }
         }
     }
 }

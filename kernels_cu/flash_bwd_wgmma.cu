@@ -300,23 +300,10 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         }
     }
     __syncwarp();
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    Element* const outputs[2] = {params.dk.row_ptr<Element>(batch, kv_head, n_start),
-                                 params.dv.row_ptr<Element>(batch, kv_head, n_start)};
-    const index_t strides[2] = {params.dk.row_stride, params.dv.row_stride};
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-#pragma unroll
-        for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
-            const int chunk = lane + i * 32;
-            const int key_row = warp_key0 + chunk / kChunksPerRow;
-            const int col_chunk = chunk % kChunksPerRow;
-            if (n_start + key_row < seqlen_k && col_chunk * 8 < head_dim) {
-                *reinterpret_cast<uint4*>(outputs[t] + static_cast<index_t>(key_row) * strides[t] + col_chunk * 8) =
-                    *reinterpret_cast<const uint4*>(tiles[t] + KvTile::chunk_offset(key_row, col_chunk));
-            }
-        }
-    }
+    store_warp_rows<KvTile>(params.dk.row_ptr<Element>(batch, kv_head, n_start), params.dk.row_stride, tiles[0],
+                            warp_key0, seqlen_k - n_start, head_dim, lane);
+    store_warp_rows<KvTile>(params.dv.row_ptr<Element>(batch, kv_head, n_start), params.dv.row_stride, tiles[1],
+                            warp_key0, seqlen_k - n_start, head_dim, lane);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

@@ -208,20 +208,8 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         }
     }
     __syncwarp();
-    // Rows past seqlen_q and padded head-dim columns are not written.
-    constexpr int kChunksPerRow = kHeadDim / 8;
-    constexpr int kWarpChunks = 16 * kChunksPerRow;
-    Element* out = params.out.row_ptr<Element>(block.batch, block.head, first_row);
-#pragma unroll
-    for (int i = 0; i < kWarpChunks / 32; ++i) {
-        const int chunk = lane + i * 32;
-        const int row_in_block = warp_row0 + chunk / kChunksPerRow;
-        const int col_chunk = chunk % kChunksPerRow;
-        if (first_row + row_in_block < seqlen_q && col_chunk * 8 < head_dim) {
-            *reinterpret_cast<uint4*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride + col_chunk * 8) =
-                *reinterpret_cast<const uint4*>(q_tile + QTile::chunk_offset(row_in_block, col_chunk));
-        }
-    }
+    store_warp_rows<QTile>(params.out.row_ptr<Element>(block.batch, block.head, first_row), params.out.row_stride,
+                           q_tile, warp_row0, seqlen_q - first_row, head_dim, lane);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

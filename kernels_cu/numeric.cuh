@@ -55,6 +55,50 @@ __device__ __forceinline__ Element from_float(float x) {
     return ElementConversion<Element>::from_float(x);
 }
 
+// Two adjacent elements as float32 (x: the lower address), loaded or stored
+// with one access: 4 bytes for 16-bit types, 8 for float. The pointer must be
+// aligned to that size (pair_aligned).
+template <typename Element>
+struct ElementPair;
+
+template <>
+struct ElementPair<float> {
+    using Storage = float2;
+    static __device__ __forceinline__ float2 to_float2(float2 v) { return v; }
+    static __device__ __forceinline__ float2 from_float2(float2 v) { return v; }
+};
+
+template <>
+struct ElementPair<__half> {
+    using Storage = __half2;
+    static __device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+    static __device__ __forceinline__ __half2 from_float2(float2 v) { return __float22half2_rn(v); }
+};
+
+template <>
+struct ElementPair<__nv_bfloat16> {
+    using Storage = __nv_bfloat162;
+    static __device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+    static __device__ __forceinline__ __nv_bfloat162 from_float2(float2 v) { return __float22bfloat162_rn(v); }
+};
+
+template <typename Element>
+__device__ __forceinline__ bool pair_aligned(const void* p) {
+    return reinterpret_cast<unsigned long long>(p) % (2 * sizeof(Element)) == 0;
+}
+
+template <typename Element>
+__device__ __forceinline__ float2 load_pair(const Element* p) {
+    using Pair = ElementPair<Element>;
+    return Pair::to_float2(*reinterpret_cast<const typename Pair::Storage*>(p));
+}
+
+template <typename Element>
+__device__ __forceinline__ void store_pair(Element* p, float2 v) {
+    using Pair = ElementPair<Element>;
+    *reinterpret_cast<typename Pair::Storage*>(p) = Pair::from_float2(v);
+}
+
 // 2^x with one MUFU.EX2 (ex2.approx.ftz, about 2 ulp): exp2f would add
 // range handling for denormal results, which probabilities below 2^-126 do
 // not need. exp2_fast(-inf) = +0, which masked scores rely on.

@@ -29,4 +29,26 @@ struct SwizzledTile {
     }
 };
 
+// Stores the 16 rows row0 .. row0 + 15 of a swizzled tile (a warp's
+// accumulator rows, staged there) to `out`, the tile's row 0 in global memory
+// (rows row_stride elements apart), 16 bytes per lane: consecutive lanes
+// write consecutive chunks of a row. Rows at or past valid_rows and columns at
+// or past head_dim are not written.
+template <typename Tile, typename Element>
+__device__ __forceinline__ void store_warp_rows(Element* out, index_t row_stride, const unsigned char* tile, int row0,
+                                                int valid_rows, int head_dim, int lane) {
+    constexpr int kChunksPerRow = Tile::kCols / 8;
+    static_assert(sizeof(Element) == 2 && (16 * kChunksPerRow) % 32 == 0, "16-bit rows, whole warp steps");
+#pragma unroll
+    for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
+        const int chunk = lane + i * 32;
+        const int row = row0 + chunk / kChunksPerRow;
+        const int col_chunk = chunk % kChunksPerRow;
+        if (row < valid_rows && col_chunk * 8 < head_dim) {
+            *reinterpret_cast<uint4*>(out + static_cast<index_t>(row) * row_stride + col_chunk * 8) =
+                *reinterpret_cast<const uint4*>(tile + Tile::chunk_offset(row, col_chunk));
+        }
+    }
+}
+
 }  // namespace cuflash

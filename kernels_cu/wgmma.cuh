@@ -95,23 +95,22 @@ struct Wgmma;
 
 // Operand numbers after the R accumulators: ss takes (desc A, desc B,
 // accumulate) as %R..%R+2; rs takes (a0..a3, desc B, accumulate) as %R..%R+5.
+// One shared-memory-operand function NAME; TRANSPOSE is "0, 0" (both
+// K-major) or "1, 1" (both MN-major).
+#define CUFLASH_WGMMA_SS(NAME, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, TRANSPOSE)                                   \
+    static __device__ __forceinline__ void NAME(float (&d)[R], u64 a, u64 b, int accumulate) {                    \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                           \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                    \
+                     CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, " TRANSPOSE ";\n}\n"                         \
+                     : CUFLASH_ACC_OPERANDS_##R(d)                                                                \
+                     : "l"(a), "l"(b), "r"(accumulate));                                                          \
+    }
+
 #define CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, RS_OPERANDS, RS_FLAG)                  \
     template <>                                                                                                   \
     struct Wgmma<ELEMENT, N> {                                                                                    \
-        static __device__ __forceinline__ void ss(float (&d)[R], u64 a, u64 b, int accumulate) {                  \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                       \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
-                         CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, 0, 0;\n}\n"                              \
-                         : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
-                         : "l"(a), "l"(b), "r"(accumulate));                                                      \
-        }                                                                                                         \
-        static __device__ __forceinline__ void ss_mn_major(float (&d)[R], u64 a, u64 b, int accumulate) {         \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                       \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
-                         CUFLASH_ACC_LIST_##R ", " SS_OPERANDS ", p, 1, 1, 1, 1;\n}\n"                              \
-                         : CUFLASH_ACC_OPERANDS_##R(d)                                                            \
-                         : "l"(a), "l"(b), "r"(accumulate));                                                      \
-        }                                                                                                         \
+        CUFLASH_WGMMA_SS(ss, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, "0, 0")                                         \
+        CUFLASH_WGMMA_SS(ss_mn_major, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, "1, 1")                                \
         static __device__ __forceinline__ void rs(float (&d)[R], const u32 (&a)[4], u64 b, int accumulate) {      \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_FLAG ", 0;\n"                                       \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
@@ -131,6 +130,7 @@ CUFLASH_DEFINE_WGMMA_N(__nv_bfloat16, "bf16")
 
 #undef CUFLASH_DEFINE_WGMMA_N
 #undef CUFLASH_DEFINE_WGMMA
+#undef CUFLASH_WGMMA_SS
 #undef CUFLASH_ACC_LIST_64
 #undef CUFLASH_ACC_LIST_32
 #undef CUFLASH_ACC_OPERANDS_64
