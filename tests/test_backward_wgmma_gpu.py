@@ -80,3 +80,16 @@ def test_simt_backward_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqle
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + 1)
     assert _chosen(q, k, v).kernel == "simt"
     run_backward_and_check(q, k, v, causal=causal, seed=5)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 40, 56, 104, 120])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_backward_padded_head_dims(dtype, head_dim, causal):
+    """Head dims below their bucket (64 or 128): padded columns add nothing
+    to S^T and dP^T, and dQ, dK, dV are written only up to head_dim."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=causal, seed=head_dim)

@@ -176,3 +176,16 @@ def test_wgmma_forward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal):
                          seed=seqlen_q + seqlen_k + head_dim)
     assert _chosen(q, k, v).kernel == "wgmma"
     run_and_check(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 40, 56, 104, 120])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_forward_padded_head_dims(dtype, head_dim, causal):
+    """Head dims below their bucket (64 or 128): the padded columns are
+    zero-filled on the way in and never written out."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_and_check(q, k, v, causal=causal)
