@@ -39,6 +39,9 @@ TENSOR_CORE_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+#: Head-dim buckets the Hopper kernels (forward and backward) are compiled
+#: for; both tables below have exactly these keys (tests/test_tiling.py).
+WGMMA_HEAD_DIMS = (64, 128)
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
 #: dim: (block_m, block_n, warps, blocks per SM). One warpgroup (4 warps) per
 #: 64 query rows; the register budget is set (launch bounds) for that many
@@ -221,15 +224,20 @@ def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 def wgmma_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the Hopper kernels serve (dtype, head_dim) (on sm_90a)."""
-    return tensor_cores_apply(dtype_name, head_dim) and _tensor_core_bucket(dtype_name, head_dim) in WGMMA_FORWARD_TILES
+    return tensor_cores_apply(dtype_name, head_dim) and _tensor_core_bucket(dtype_name, head_dim) in WGMMA_HEAD_DIMS
+
+
+def _wgmma_bucket(dtype_name: str, head_dim: int, what: str) -> int:
+    padded = _tensor_core_bucket(dtype_name, head_dim)
+    if padded not in WGMMA_HEAD_DIMS:
+        raise ValueError(f"the Hopper {what} takes head dims in buckets {list(WGMMA_HEAD_DIMS)}, "
+                         f"got {head_dim} (bucket {padded})")
+    return padded
 
 
 def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_applies``."""
-    padded = _tensor_core_bucket(dtype_name, head_dim)
-    if padded not in WGMMA_FORWARD_TILES:
-        raise ValueError(f"the Hopper forward takes head dims in buckets {sorted(WGMMA_FORWARD_TILES)}, "
-                         f"got {head_dim} (bucket {padded})")
+    padded = _wgmma_bucket(dtype_name, head_dim, "forward")
     block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
                     blocks_per_sm=blocks_per_sm)
@@ -252,10 +260,7 @@ def default_forward_tiling(dtype_name: str, head_dim: int, compute_capability: i
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_applies``."""
-    padded = _tensor_core_bucket(dtype_name, head_dim)
-    if padded not in WGMMA_BACKWARD_TILES:
-        raise ValueError(f"the Hopper backward takes head dims in buckets {sorted(WGMMA_BACKWARD_TILES)}, "
-                         f"got {head_dim} (bucket {padded})")
+    padded = _wgmma_bucket(dtype_name, head_dim, "backward")
     block_m, block_n, warps = WGMMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")

@@ -114,8 +114,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
 @contextmanager
 def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
-    """Checks that ``arrays`` are GPU arrays on one device and yields the
-    call's bridge and CuPy views of them, inside that device and stream."""
+    """Checks that ``arrays`` (which include q, whose framework, device and
+    stream the call takes) are GPU arrays on one device and yields the call's
+    bridge and CuPy views of them, inside that device and stream."""
     import cupy
 
     frameworks = {name: _interop.framework_of(x, name) for name, x in arrays.items()}
@@ -123,8 +124,7 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
         if frameworks[name] == _interop.JAX:
             raise TypeError(f"{name} must be a mutable GPU array; JAX arrays are immutable, so leave {name}=None")
     devices = {name: _interop.device_of(x, frameworks[name]) for name, x in arrays.items()}
-    first = next(iter(arrays))
-    lead = "q" if "q" in arrays else first
+    lead = "q"
     bridge = _interop.bridge_for(arrays[lead], frameworks[lead], devices[lead])
     for name, device in devices.items():
         if device != bridge.device_id:

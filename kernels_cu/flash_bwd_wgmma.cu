@@ -44,7 +44,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
-    constexpr u64 kRowStep = 2048 >> 4;  // 16 rows of a swizzled tile, in descriptor units
 
     require_shared_memory<Traits>();
     unsigned char* smem;
@@ -120,12 +119,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // warpgroup's 64 keys), Q and dO as their B. MN-major: dO and Q as B of
     // dV / dK, dS^T (this warpgroup's m64 tile of queries) and K (its column
     // block of dQ) for dQ.
-    const auto kmajor_step = [](int ks, int panel_bytes) {
-        return static_cast<u64>((ks / 4 * panel_bytes + ks % 4 * 32) >> 4);
-    };
-    // One K-major base descriptor; the others differ from it by constants
-    // (start address or leading-offset field), which keeps them out of the
-    // registers the accumulators need.
     const u64 base_descriptor = swizzled_descriptor(base, 16, 1024);
     constexpr u64 kMnLeading = static_cast<u64>((QTile::kPanelBytes >> 4) - 1) << 16;  // leading 16 -> panel bytes
     const u64 k_descriptor = base_descriptor + ((Traits::kK + warpgroup * 64 * 128) >> 4);
@@ -174,14 +167,14 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-            Wgmma<Element, kBlockM>::ss(s_flat, k_descriptor + kmajor_step(ks, KvTile::kPanelBytes),
-                                        q_descriptor + buffer * kQBufferStep + kmajor_step(ks, QTile::kPanelBytes),
+            Wgmma<Element, kBlockM>::ss(s_flat, k_descriptor + kmajor_k_step<KvTile>(ks),
+                                        q_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
                                         ks > 0);
         }
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-            Wgmma<Element, kBlockM>::ss(dp_flat, v_descriptor + kmajor_step(ks, KvTile::kPanelBytes),
-                                        do_descriptor + buffer * kQBufferStep + kmajor_step(ks, QTile::kPanelBytes),
+            Wgmma<Element, kBlockM>::ss(dp_flat, v_descriptor + kmajor_k_step<KvTile>(ks),
+                                        do_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
                                         ks > 0);
         }
         wgmma_commit();
@@ -217,13 +210,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         u32 ds_frag[Traits::kRowSteps][4];
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                p_frag[ps][2 * h] = pack_pair<Element>(s[0][2 * ps + h][0], s[0][2 * ps + h][1]);
-                p_frag[ps][2 * h + 1] = pack_pair<Element>(s[0][2 * ps + h][2], s[0][2 * ps + h][3]);
-                ds_frag[ps][2 * h] = pack_pair<Element>(dp[0][2 * ps + h][0], dp[0][2 * ps + h][1]);
-                ds_frag[ps][2 * h + 1] = pack_pair<Element>(dp[0][2 * ps + h][2], dp[0][2 * ps + h][3]);
-            }
+            pack_a_fragment<Element>(p_frag[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+            pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
@@ -240,11 +228,11 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + ps * kRowStep, 1);
+            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + ps * kMnMajorKStep, 1);
         }
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + ps * kRowStep, 1);
+            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + ps * kMnMajorKStep, 1);
         }
         wgmma_commit();
 
@@ -252,7 +240,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         float dq[kDqCols / 2];
 #pragma unroll
         for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + ks * kRowStep, k_mn_descriptor + ks * kRowStep,
+            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + ks * kMnMajorKStep, k_mn_descriptor + ks * kMnMajorKStep,
                                                  ks > 0);
         }
         wgmma_commit();

@@ -199,10 +199,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                p[mt][ps][0] = pack_pair<Element>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
-                p[mt][ps][1] = pack_pair<Element>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
-                p[mt][ps][2] = pack_pair<Element>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
-                p[mt][ps][3] = pack_pair<Element>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+                pack_a_fragment<Element>(p[mt][ps], s[mt][2 * ps], s[mt][2 * ps + 1]);
             }
         }
 

@@ -90,12 +90,11 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     }
     cp_async_commit();
 
-    // Descriptors (wgmma.cuh). K-major Q and K: k16 step ks is 32 bytes into
-    // its panel; MN-major V: step ps is 16 keys = 2048 bytes further.
+    // Descriptors (wgmma.cuh): K-major Q and K, MN-major V; k16 steps by
+    // kmajor_k_step and kMnMajorKStep.
     const u64 q_descriptor = swizzled_descriptor(q_smem + warpgroup * 64 * 128, 16, 1024);
     const u64 k_descriptor = swizzled_descriptor(k_smem, 16, 1024);
     const u64 v_descriptor = swizzled_descriptor(v_smem, KvTile::kPanelBytes, 1024);
-    const auto qk_step = [](int ks, int panel_bytes) { return static_cast<u64>((ks / 4 * panel_bytes + ks % 4 * 32) >> 4); };
     constexpr u64 kBufferStep = KvTile::kBytes >> 4;  // the second K or V buffer, in descriptor units
 
     float o[1][kDTiles][4];
@@ -126,15 +125,15 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         wgmma_fence();  // P and the rescaled O were written by this thread since the last wgmma
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-            Wgmma<Element, kBlockN>::ss(s_flat, q_descriptor + qk_step(ks, QTile::kPanelBytes),
-                                        k_descriptor + stage * kBufferStep + qk_step(ks, KvTile::kPanelBytes),
+            Wgmma<Element, kBlockN>::ss(s_flat, q_descriptor + kmajor_k_step<QTile>(ks),
+                                        k_descriptor + stage * kBufferStep + kmajor_k_step<KvTile>(ks),
                                         ks > 0);
         }
         wgmma_commit();
         if (i > 0) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + (stage ^ 1) * kBufferStep + ps * (2048 >> 4),
+                Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + (stage ^ 1) * kBufferStep + ps * kMnMajorKStep,
                                              1);
             }
             wgmma_commit();
@@ -162,10 +161,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         // P rounded to the element type (its float32 row sums were taken before rounding).
 #pragma unroll
         for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-            p[ps][0] = pack_pair<Element>(s[0][2 * ps][0], s[0][2 * ps][1]);
-            p[ps][1] = pack_pair<Element>(s[0][2 * ps][2], s[0][2 * ps][3]);
-            p[ps][2] = pack_pair<Element>(s[0][2 * ps + 1][0], s[0][2 * ps + 1][1]);
-            p[ps][3] = pack_pair<Element>(s[0][2 * ps + 1][2], s[0][2 * ps + 1][3]);
+            pack_a_fragment<Element>(p[ps], s[0][2 * ps], s[0][2 * ps + 1]);
         }
     }
     if (n_blocks > 0) {
@@ -177,7 +173,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + stage * kBufferStep + ps * (2048 >> 4), 1);
+            Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + stage * kBufferStep + ps * kMnMajorKStep, 1);
         }
         wgmma_commit();
         wgmma_wait<0>();

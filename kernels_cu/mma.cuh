@@ -49,24 +49,29 @@ __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
 template <typename Element>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const u32 (&a)[4], u32 b0,
-                                                     u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// One specialisation per 16-bit input type, differing only in its PTX name.
+#define CUFLASH_DEFINE_MMA_M16N8K16(ELEMENT, PTX_TYPE)                                                           \
+    template <>                                                                                                 \
+    __device__ __forceinline__ void mma_m16n8k16<ELEMENT>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {  \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE                            \
+                     ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"                   \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                         \
+    }
+CUFLASH_DEFINE_MMA_M16N8K16(__half, "f16")
+CUFLASH_DEFINE_MMA_M16N8K16(__nv_bfloat16, "bf16")
+#undef CUFLASH_DEFINE_MMA_M16N8K16
 
-template <>
-__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const u32 (&a)[4], u32 b0,
-                                                            u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// The A fragment of one k16 step from the accumulators of the two n8 tiles it
+// spans (lo: its columns 0-7, hi: 8-15), rounded to Element. The layouts
+// match (see above), so P goes from S's accumulators to the A operand of
+// P V without shared memory; the same holds for wgmma's (wgmma.cuh).
+template <typename Element>
+__device__ __forceinline__ void pack_a_fragment(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+    a[0] = pack_pair<Element>(lo[0], lo[1]);
+    a[1] = pack_pair<Element>(lo[2], lo[3]);
+    a[2] = pack_pair<Element>(hi[0], hi[1]);
+    a[3] = pack_pair<Element>(hi[2], hi[3]);
 }
 
 // Sets every value of a fragment array (accumulators of kM x kN tiles).

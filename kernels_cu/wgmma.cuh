@@ -37,6 +37,16 @@ __device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_byte
            (static_cast<u64>(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
+// Descriptor offsets (16-byte units) of k16 step ks in a SwizzledTile.
+// K-major: 32 bytes further inside a 128-byte row, the next panel after 4
+// steps (the hardware applies the swizzle to the resulting addresses).
+template <typename Tile>
+__device__ __forceinline__ constexpr u64 kmajor_k_step(int ks) {
+    return static_cast<u64>((ks / 4 * Tile::kPanelBytes + ks % 4 * 32) >> 4);
+}
+// MN-major: 16 rows (2048 bytes) further.
+constexpr u64 kMnMajorKStep = 2048 >> 4;
+
 // Orders this warpgroup's earlier register writes (accumulators, A
 // fragments) before the wgmma instructions that follow.
 __device__ __forceinline__ void wgmma_fence() {

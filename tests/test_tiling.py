@@ -16,7 +16,9 @@ from cuflash._tiling import (
     MAX_SMEM_BYTES,
     TENSOR_CORE_DTYPES,
     TENSOR_CORE_HEAD_DIM_BUCKETS,
+    WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
+    WGMMA_HEAD_DIMS,
     Tiling,
     backward_tiling,
     default_forward_tiling,
@@ -162,6 +164,10 @@ def test_wgmma_table_leaves_other_head_dims_to_mma_or_simt(dtype, head_dim, kern
     if kernel == "mma":
         with pytest.raises(ValueError, match="Hopper forward takes head dims"):
             wgmma_forward_tiling(dtype, head_dim)
+
+
+def test_hopper_tables_cover_the_same_head_dims():
+    assert set(WGMMA_FORWARD_TILES) == set(WGMMA_BACKWARD_TILES) == set(WGMMA_HEAD_DIMS)
 
 
 def test_pre_ampere_devices_get_simt():

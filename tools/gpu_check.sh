@@ -75,16 +75,16 @@ for suite in root.iter("testsuite"):
 # Tests that need more GPUs than this machine has, or a Hopper GPU on another
 # kind, may skip; nothing else may.
 ALLOWED_SKIPS = ("needs 2 GPUs", "needs an sm_90 GPU")
-multi_gpu_skips = [case.get("name") for case in root.iter("testcase") for skipped in case.findall("skipped")
+allowed_skips = [case.get("name") for case in root.iter("testcase") for skipped in case.findall("skipped")
                    if any(reason in (skipped.get("message") or "") for reason in ALLOWED_SKIPS)]
-counts["skipped"] -= len(multi_gpu_skips)
+counts["skipped"] -= len(allowed_skips)
 env = open(f"{out}/environment.txt").read().splitlines()
-passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"] - len(multi_gpu_skips)
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"] - len(allowed_skips)
 ok = (rc == 0 and ncu_rc == 0 and bench_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0
       and counts["skipped"] == 0 and counts["tests"] > 0)
 summary = {"commit": commit, "ok": ok, "passed": passed, "failed": counts["failures"],
            "errors": counts["errors"], "skipped": counts["skipped"],
-           "skipped_for_lack_of_gpus": multi_gpu_skips,
+           "skipped_for_lack_of_gpus": allowed_skips,
            "seconds": elapsed, "ncu_validation_rc": ncu_rc, "bench_rc": bench_rc, "environment": env}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print()
@@ -107,7 +107,7 @@ try:
                       f"cuflash/cuDNN {min(cudnn):.2f}-{max(cudnn):.2f} |")
 except FileNotFoundError:
     print("| bench | not run |")
-print(f"| skipped (needs 2 GPUs, or Hopper) | {len(multi_gpu_skips)} |")
+print(f"| skipped (needs 2 GPUs, or Hopper) | {len(allowed_skips)} |")
 try:
     for name, row in json.load(open(f"{out}/e2e_losses.json")).items():
         print(f"| e2e {name} | loss {row['reference'][0]:.3f} -> {row['reference'][-1]:.3f} (reference), "
