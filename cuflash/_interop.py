@@ -56,13 +56,15 @@ def framework_of(x, name: str) -> str:
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cuda":
             raise TypeError(f"{name} must be {_EXPECTED}, got a torch.Tensor on device '{x.device}'")
+        if x.layout != torch.strided:
+            raise TypeError(f"{name} must be a dense (strided) tensor, got a torch.Tensor with layout {x.layout}")
         return TORCH
     jax = _jax()
     if jax is not None and isinstance(x, jax.Array):
         if _is_jax_tracer(x):
             raise TypeError(
-                f"{name} is a traced JAX value: cuflash works eagerly only, on concrete JAX arrays "
-                f"(call it outside jax.jit; eager jax.grad through cuflash.jax.attention works)"
+                f"{name} is a traced JAX value: cuflash.attention takes concrete arrays; inside jax.jit, "
+                f"jax.grad or jax.vmap use cuflash.jax.attention, which runs on XLA's stream"
             )
         platforms = {device.platform for device in x.devices()}
         if platforms != {"gpu"}:
@@ -182,3 +184,115 @@ def _cupy_stream_of_torch(torch_stream, device_id: int):
     with warnings.catch_warnings():  # ExternalStream is deprecated in CuPy 14 but still works
         warnings.simplefilter("ignore", DeprecationWarning)
         return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_id)
+
+
+# --- The fast lane: what a call with a cached plan reads of its arrays ---
+
+def _no_array(x):
+    return None, 0
+
+
+def _cupy_signature(x):
+    memory = x.data
+    return (x.__class__, x.dtype, x.shape, x.strides, memory.device_id), memory.ptr
+
+
+def _torch_signature(x):
+    # is_cuda and the device index together: an index alone would let a
+    # tensor of another device type with the same shapes match a CUDA plan.
+    return (x.__class__, x.dtype, x.shape, x.stride(), x.get_device(), x.is_cuda), x.data_ptr()
+
+
+#: Array class -> function returning (its part of a call's signature, data
+#: pointer). Filled as frameworks are first seen (``fast_lane``); any class
+#: not here (JAX arrays, other DLPack producers, tensor subclasses) takes the
+#: full path every call.
+_SIGNATURES = {type(None): _no_array}
+
+
+def call_signature(arrays):
+    """``(signature, pointers)`` of a call's arrays (None entries allowed),
+    or ``(None, None)`` where an array is not one the fast lane reads. The
+    signature holds everything validation and planning depend on: class,
+    dtype, shape, strides and device of each array."""
+    parts, pointers = [], []
+    try:
+        for x in arrays:
+            part, pointer = _SIGNATURES[x.__class__](x)
+            parts.append(part)
+            pointers.append(pointer)
+    except Exception:  # not a fast-lane class, or an array the full path will explain
+        return None, None
+    return tuple(parts), pointers
+
+
+def current_device() -> int:
+    """The current CUDA device of this thread."""
+    from cupy.cuda.runtime import getDevice
+
+    return getDevice()
+
+
+@dataclass(frozen=True)
+class FastLane:
+    """How calls with a cached plan allocate outputs and read the current
+    stream, for one framework."""
+
+    allocator: object  #: (shape, NumPy dtype, device) -> () -> (array, pointer)
+    stream: object  #: device -> () -> current stream of that device, as an int
+
+
+def _cupy_lane() -> FastLane:
+    import cupy
+
+    def allocator(shape, dtype, device):
+        empty = cupy.empty
+
+        def allocate():
+            array = empty(shape, dtype)  # on the current device, which the fast path checked
+            return array, array.data.ptr
+        return allocate
+
+    def stream(device):
+        get_current_stream = cupy.cuda.get_current_stream
+        return lambda: get_current_stream().ptr
+
+    _SIGNATURES[cupy.ndarray] = _cupy_signature
+    return FastLane(allocator, stream)
+
+
+def _torch_lane() -> FastLane:
+    import functools
+
+    torch = _torch()
+
+    def allocator(shape, dtype, device):
+        dtype, where, empty = _TORCH_DTYPES[np.dtype(dtype).name](torch), torch.device("cuda", device), torch.empty
+
+        def allocate():
+            tensor = empty(shape, dtype=dtype, device=where)
+            return tensor, tensor.data_ptr()
+        return allocate
+
+    def stream(device):
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return functools.partial(raw, device)
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+
+    _SIGNATURES[torch.Tensor] = _torch_signature
+    _SIGNATURES[torch.nn.Parameter] = _torch_signature
+    return FastLane(allocator, stream)
+
+
+_LANES = {CUPY: _cupy_lane, TORCH: _torch_lane}
+_lanes: dict = {}
+
+
+def fast_lane(framework: str) -> FastLane | None:
+    """The fast lane of ``framework`` (CuPy, PyTorch), made on first use;
+    None for frameworks calls of which always take the full path."""
+    lane = _lanes.get(framework)
+    if lane is None and framework in _LANES:
+        lane = _lanes[framework] = _LANES[framework]()
+    return lane

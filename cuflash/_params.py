@@ -61,11 +61,12 @@ assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
 
 
-def tensor_ref(array) -> tuple[int, int, int, int]:
-    """TensorRef fields of a 4-D CuPy array (batch, seqlen, heads, dim)."""
-    itemsize = array.dtype.itemsize
-    batch, row, head = (stride // itemsize for stride in array.strides[:3])
-    return (array.data.ptr, batch, row, head)
+def tensor_ref(layout) -> tuple[int, int, int, int]:
+    """TensorRef fields of a 4-D (batch, seqlen, heads, dim) array layout
+    (``.strides`` in bytes, ``.itemsize``), its pointer left 0: launch plans
+    write the pointer of each call (``cuflash._launch.LaunchPlan``)."""
+    batch, row, head = (stride // layout.itemsize for stride in layout.strides[:3])
+    return (0, batch, row, head)
 
 
 def flat_fields(dtype: np.dtype, prefix: str = "") -> list[tuple[str, int]]:

@@ -1,10 +1,23 @@
-"""The public attention functions: arrays in, arrays of the same kind out."""
+"""The public attention functions: arrays in, arrays of the same kind out.
+
+Every call runs through a launch plan (``cuflash._launch``). The first call
+of a signature (frameworks, dtypes, shapes, strides, devices, pointer
+alignment, flags) is validated in full and planned; the plan is kept in a
+bounded cache, and a later call of that signature from CuPy or PyTorch only
+reads its pointers and the stream, allocates its outputs and launches
+(``_cached_call``). Whatever differs between two calls of one signature
+(pointers, their 16-byte alignment, the current device, the stream) is read
+on every call: alignment is part of the signature, a call on another
+current device takes the full path, the stream is queried each time.
+"""
 
 from __future__ import annotations
 
 import functools
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 from . import _interop
 from ._kernels import (
@@ -13,21 +26,105 @@ from ._kernels import (
     backward_elementwise_variant,
     forward_variant,
 )
+from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
 from ._tiling import (
+    ELEMENT_SIZE,
     Tiling,
     backward_tiling,
     default_backward_tiling,
     default_forward_tiling,
     forward_tiling,
 )
-from ._validation import AttentionProblem, check_backward, check_forward, meta_of
+from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
 #: Blocks of the grid-stride element-wise backward kernels (preprocess, dQ conversion).
 _ELEMENTWISE_BLOCKS = 4096
+
+#: Arrays of a forward call, in the order of the plan's pointer slots.
+FORWARD_ARRAYS = ("q", "k", "v", "out", "lse")
+FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse")
+#: Arrays of a backward call (the work buffers delta and dq_accum last), in
+#: the order of the plan's pointer slots.
+BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum")
+BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
+                  "dq_accum")
+#: Arrays whose rows the tensor-core kernels copy in 16-byte chunks: the
+#: pointer alignment of these is part of a call's signature.
+_FORWARD_ALIGNED = (0, 1, 2, 3)  # q, k, v, out
+_BACKWARD_ALIGNED = (0, 1, 2, 3, 7, 8)  # dout, q, k, v, dk, dv
+
+#: Plans by call signature, for every framework.
+plans = PlanCache()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape, byte strides and element size of an array: what a plan needs
+    of it (pointers come with each call)."""
+
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+    @classmethod
+    def of(cls, array) -> "Layout":
+        """Layout of a CuPy array."""
+        return cls(tuple(array.shape), tuple(array.strides), array.dtype.itemsize)
+
+    @classmethod
+    def contiguous(cls, shape: tuple[int, ...], dtype_name: str) -> "Layout":
+        """Layout of a C-contiguous array (what the allocators return)."""
+        itemsize = ELEMENT_SIZE[dtype_name]
+        return cls(tuple(shape), tuple(s * itemsize for s in contiguous_strides(tuple(shape))), itemsize)
+
+
+@dataclass(frozen=True)
+class CachedCall:
+    """A plan with what a call of its signature needs besides: how to
+    allocate the outputs and work buffers the caller did not give (index into
+    the call's arrays, allocator returning ``(array, pointer)``) and how to
+    read the current stream of q's framework."""
+
+    plan: LaunchPlan
+    allocations: tuple[tuple[int, Callable], ...]
+    stream: Callable[[], int]
+
+    def run(self, arrays: list, pointers: list) -> None:
+        for index, allocate in self.allocations:
+            arrays[index], pointers[index] = allocate()
+        self.plan.launch(pointers, self.stream())
+
+
+def _signature(kind: str, arrays: list, flags: tuple, aligned_indices: tuple[int, ...]):
+    """The plan-cache key of a call and its pointers, or ``(None, None)``
+    where an array is not one the cache serves (any type but a CuPy array,
+    a PyTorch tensor or None) or a flag cannot be hashed."""
+    signature, pointers = _interop.call_signature(arrays)
+    if signature is None:
+        return None, None
+    misaligned = 0
+    for index in aligned_indices:
+        misaligned |= pointers[index]
+    key = (kind, signature, flags, not misaligned & 15)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable flag: the full path explains what it should be
+        return None, None
+    return key, pointers
+
+
+def _cached_call(key, arrays: list, pointers: list) -> bool:
+    """Runs the call from its cached plan; False where there is none or the
+    current device is not the plan's (then the full path runs)."""
+    call = plans.get(key)
+    if call is None or _interop.current_device() != call.plan.device:
+        return False
+    call.run(arrays, pointers)
+    return True
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None):
@@ -59,8 +156,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    return _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                              return_lse=return_lse, out=out, lse=lse)
+    arrays = [q, k, v, out, lse]
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale)
+    key, pointers = _signature("forward", arrays, flags, _FORWARD_ALIGNED)
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse, key=key)
+    return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
@@ -89,27 +190,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
-    arrays = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-    given = {name: x for name, x in (("dq", dq), ("dk", dk), ("dv", dv)) if x is not None}
-    with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
-        metas = {name: meta_of(name, view) for name, view in views.items()}
-        problem = check_backward(
-            metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
-            metas.get("dq"), metas.get("dk"), metas.get("dv"),
-            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-        )
-        grads = {}
-        for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
-            if name in given:
-                grads[name] = (given[name], views[name])
-            else:
-                grads[name] = bridge.empty(tuple(views[like].shape), views[like].dtype)
-        _launch_backward(problem, views, {name: view for name, (_, view) in grads.items()},
-                         bool(deterministic), bridge)
-        return tuple(
-            given[name] if name in given else bridge.export(native, view)
-            for name, (native, view) in grads.items()
-        )
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None]
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
+             deterministic)
+    key, pointers = _signature("backward", arrays, flags, _BACKWARD_ALIGNED)
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
+                                     deterministic=deterministic, key=key)
+    return arrays[6], arrays[7], arrays[8]
 
 
 @contextmanager
@@ -134,24 +222,84 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
         yield bridge, views
 
 
-def _attention_forward(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-                       out=None, lse=None):
+def _run_planned(key, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, natives: dict,
+                 allocated: dict) -> list:
+    """Launches ``plan`` on the pointers of ``views`` (by slot name), then
+    hands the outputs this call allocated back in q's framework, and caches
+    the plan under ``key`` for the fast path where q's framework has one.
+    ``allocated``: name -> (shape, dtype, native array) of what this call
+    allocated (``bridge.empty``), which later calls of the signature allocate
+    the same way. Returns the call's arrays in the order of ``names`` (None
+    for an absent one)."""
+    pointers = [views[name].data.ptr if name in views else 0 for name in names]
+    plan.launch(pointers, bridge.stream.ptr)
+    for name, (_, _, native) in allocated.items():
+        if name in natives:  # an output, not a work buffer
+            natives[name] = bridge.export(native, views[name])
+    lane = _interop.fast_lane(bridge.framework) if key is not None else None
+    if lane is not None:
+        allocations = tuple((names.index(name), lane.allocator(shape, dtype, bridge.device_id))
+                            for name, (shape, dtype, _) in allocated.items())
+        plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id)))
+    return [natives.get(name) for name in names]
+
+
+def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, key) -> list:
+    """The full path of a forward call: validation, plan, launch. Returns
+    the arrays of ``FORWARD_ARRAYS`` in q's framework."""
     arrays = {"q": q, "k": k, "v": v}
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
                                 causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"))
-        lse_shape = (problem.batch, problem.nheads, problem.seqlen_q)
-        outputs = {}
-        for name, shape, dtype in (("out", tuple(views["q"].shape), views["q"].dtype), ("lse", lse_shape, "float32")):
-            outputs[name] = (given[name], views[name]) if name in given else bridge.empty(shape, dtype)
-        if not problem.is_empty:
-            _launch_forward(problem, views["q"], views["k"], views["v"], outputs["out"][1], outputs["lse"][1],
-                            bridge.stream)
-        results = [given[name] if name in given else bridge.export(*outputs[name])
-                   for name in (("out", "lse") if return_lse else ("out",))]
-        return tuple(results) if return_lse else results[0]
+        natives = dict(arrays) | given
+        allocated = {}
+        for name, shape, dtype in (("out", tuple(views["q"].shape), views["q"].dtype),
+                                   ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32")):
+            if name not in given:
+                native, views[name] = bridge.empty(shape, dtype)
+                natives[name] = None
+                allocated[name] = (shape, dtype, native)
+        plan = forward_plan(problem, {name: Layout.of(views[name]) for name in ("q", "k", "v", "out")},
+                            aligned=_pointers_aligned(views[name] for name in ("q", "k", "v", "out")))
+        return _run_planned(key, bridge, plan, FORWARD_ARRAYS, views, natives, allocated)
+
+
+def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, key) -> list:
+    """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``.
+    Returns the arrays of ``BACKWARD_ARRAYS`` in q's framework."""
+    inputs = dict(zip(BACKWARD_ARRAYS[:6], arrays[:6]))
+    given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
+    with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
+        metas = {name: meta_of(name, view) for name, view in views.items()}
+        problem = check_backward(
+            metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
+            metas.get("dq"), metas.get("dk"), metas.get("dv"),
+            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+        )
+        natives = inputs | given
+        allocated = {}
+        # Work buffers: delta (batch, nheads, seqlen_q) and, unless
+        # deterministic, the float32 dQ accumulator (batch, seqlen_q, nheads,
+        # head_dim). They come from the caller's framework (PyTorch's caching
+        # allocator for PyTorch callers), on the call's stream.
+        work = {"delta": ((problem.batch, problem.nheads, problem.seqlen_q), "float32")}
+        if not deterministic:
+            work["dq_accum"] = ((problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim), "float32")
+        for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
+            if name not in given:
+                shape, dtype = tuple(views[like].shape), views[like].dtype
+                native, views[name] = bridge.empty(shape, dtype)
+                natives[name] = None
+                allocated[name] = (shape, dtype, native)
+        for name, (shape, dtype) in work.items():
+            native, views[name] = bridge.empty(shape, dtype)
+            allocated[name] = (shape, dtype, native)
+        layouts = {name: Layout.of(views[name]) for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")}
+        plan = backward_plan(problem, layouts, Layout.of(views["lse"]), bool(deterministic),
+                             aligned=_pointers_aligned(views[name] for name in ("dout", "q", "k", "v", "dk", "dv")))
+        return _run_planned(key, bridge, plan, BACKWARD_ARRAYS, views, natives, allocated)
 
 
 def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:
@@ -172,22 +320,34 @@ def _compute_capability(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
 
 
-def _rows_are_16_byte_chunks(x) -> bool:
+def _pointers_aligned(arrays) -> bool:
+    """Whether the data pointer of every CuPy array in ``arrays`` is a multiple of 16 bytes."""
+    return all(x.data.ptr % 16 == 0 for x in arrays)
+
+
+def _rows_are_16_byte_chunks(layout: Layout) -> bool:
     """Whether every 8 consecutive 16-bit elements of a row, from the row's
-    start, are one aligned 16-byte load: the base pointer and the stride of
-    every dimension but the last (contiguous) one, where that dimension has
-    more than one entry, are multiples of 16 bytes."""
-    return x.data.ptr % 16 == 0 and all(
-        stride % 16 == 0 for size, stride in zip(x.shape[:-1], x.strides[:-1]) if size > 1)
+    start, are one aligned 16-byte load given an aligned base pointer: the
+    stride of every dimension but the last (contiguous) one, where that
+    dimension has more than one entry, is a multiple of 16 bytes."""
+    return all(stride % 16 == 0 for size, stride in zip(layout.shape[:-1], layout.strides[:-1]) if size > 1)
 
 
-def forward_tiling_for(problem: AttentionProblem, arrays) -> Tiling:
+def _as_layouts(arrays) -> list[Layout]:
+    return [x if isinstance(x, Layout) else Layout.of(x) for x in arrays]
+
+
+def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None = None) -> Tiling:
     """The forward kernel a problem runs on. The tensor-core kernels need
     float16/bfloat16 with head_dim a multiple of 8 (``default_forward_tiling``
     decides by dtype, head dim and device generation), and at run time a
     positive softmax scale and 16-byte aligned rows (``arrays``: q, k, v, out
-    as CuPy views); otherwise the SIMT kernel runs (same results, slower)."""
-    if problem.softmax_scale > 0 and all(map(_rows_are_16_byte_chunks, arrays)):
+    as CuPy views or ``Layout``s; ``aligned``: whether their pointers are
+    16-byte aligned, read from the CuPy views where not given); otherwise the
+    SIMT kernel runs (same results, slower)."""
+    if aligned is None:
+        aligned = _pointers_aligned(arrays)
+    if problem.softmax_scale > 0 and aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))):
         return default_forward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device))
     return forward_tiling(problem.dtype, problem.head_dim)
 
@@ -203,93 +363,98 @@ def _kernel_generation(device_id: int) -> int:
     return capability
 
 
-def _launch_forward(problem: AttentionProblem, q, k, v, out, lse, stream, tiling: Tiling | None = None) -> None:
-    """``tiling`` overrides the table (benchmarks of other tile sizes); by
-    default ``forward_tiling_for`` decides."""
-    tiling = tiling or forward_tiling_for(problem, (q, k, v, out))
-    variant = forward_variant(problem.dtype, tiling, problem.causal)
+def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
+    """The launch plan of a validated forward: ``layouts`` of q, k, v and
+    out, ``aligned`` whether their pointers will be 16-byte aligned. Pointer
+    slots: ``FORWARD_SLOTS``; the log-sum-exp is C-contiguous. ``tiling``
+    overrides the table (benchmarks of other tile sizes); by default
+    ``forward_tiling_for`` decides."""
+    names = ("q", "k", "v", "out")
+    tiling = tiling or forward_tiling_for(problem, [layouts[name] for name in names], aligned)
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
-    grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
-    kernel = loader.get(variant, problem.device)
+    launches = []
+    if not problem.is_empty:
+        variant = forward_variant(problem.dtype, tiling, problem.causal)
+        grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
+        launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
     params = pack(
         FORWARD_PARAMS,
-        q=tensor_ref(q), k=tensor_ref(k), v=tensor_ref(v), out=tensor_ref(out),
-        lse=lse.data.ptr,
+        **{name: tensor_ref(layouts[name]) for name in names},
+        lse=0,
         lse_batch_stride=problem.nheads * problem.seqlen_q,
         lse_head_stride=problem.seqlen_q,
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
     )
-    kernel((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes, stream=stream)
+    return LaunchPlan(problem.device, [params], FORWARD_SLOTS, launches)
 
 
-def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool) -> Tiling:
+def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,
+                        aligned: bool | None = None) -> Tiling:
     """The dK/dV kernel a backward runs on: the Hopper (wgmma) kernel where
     ``default_backward_tiling`` says so and q, k, v, dout, dk and dv have
     16-byte aligned rows (cp.async copies in, 16-byte stores out); the SIMT
-    kernel otherwise."""
+    kernel otherwise. ``views``/``grads``: CuPy views or ``Layout``s;
+    ``aligned`` as for ``forward_tiling_for``."""
     arrays = [views[name] for name in ("q", "k", "v", "dout")] + [grads[name] for name in ("dk", "dv")]
-    if all(map(_rows_are_16_byte_chunks, arrays)):
+    if aligned is None:
+        aligned = _pointers_aligned(arrays)
+    if aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))):
         return default_backward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device),
                                        deterministic)
     return backward_tiling(problem.dtype, problem.head_dim)
 
 
-def _launch_backward(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool, bridge) -> None:
-    """Preprocess (delta, zeroed dQ accumulator), dK/dV (with atomic dQ, or
-    without and then the deterministic dQ pass), then dQ conversion."""
-    dkdv_tiling = backward_tiling_for(problem, views, grads, deterministic)
+def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
+                  aligned: bool) -> LaunchPlan:
+    """The launch plan of a validated backward: preprocess (delta, zeroed dQ
+    accumulator), dK/dV (with atomic dQ, or without and then the
+    deterministic dQ pass), then dQ conversion. ``layouts`` of dout, q, k,
+    v, out, dq, dk, dv; ``lse``'s layout; ``aligned`` whether the pointers of
+    dout, q, k, v, dk and dv will be 16-byte aligned. Pointer slots:
+    ``BACKWARD_SLOTS`` (dq_accum 0 when deterministic)."""
+    dkdv_tiling = backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
     dq_tiling = forward_tiling(problem.dtype, problem.head_dim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
-    # Work buffers: delta (batch, nheads, seqlen_q) and, unless deterministic,
-    # the float32 dQ accumulator (batch, seqlen_q, nheads, head_dim).
-    # They come from the caller's framework (PyTorch's caching allocator for
-    # PyTorch callers), on the call's stream.
-    delta = bridge.empty((problem.batch, problem.nheads, problem.seqlen_q), "float32")[1]
-    dq_accum = None if deterministic else bridge.empty(
-        (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim), "float32")[1]
-    lse = views["lse"]
-    itemsize = lse.dtype.itemsize
-    num_m_blocks_dkdv = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
-    params = pack(
-        BACKWARD_PARAMS,
-        **{name: tensor_ref(views[name]) for name in ("q", "k", "v", "out", "dout")},
-        **{name: tensor_ref(grads[name]) for name in ("dq", "dk", "dv")},
-        lse=lse.data.ptr,
-        lse_batch_stride=lse.strides[0] // itemsize,
-        lse_head_stride=lse.strides[1] // itemsize,
-        delta=delta.data.ptr,
-        dq_accum=0 if dq_accum is None else dq_accum.data.ptr,
+    fields = dict(
+        **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
+        lse=0,
+        lse_batch_stride=lse.strides[0] // lse.itemsize,
+        lse_head_stride=lse.strides[1] // lse.itemsize,
+        delta=0,
+        dq_accum=0,
         size=_size_fields(problem),
-        num_m_blocks=num_m_blocks_dkdv,
+        num_m_blocks=-(-problem.seqlen_q // dkdv_tiling.block_m),
         num_n_blocks=num_n_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
     )
-    stream, device = bridge.stream, problem.device
+    structs = [pack(BACKWARD_PARAMS, **fields)]
+    device = problem.device
+    launches = []
 
     def elementwise(kind: str, work: int):
         variant = backward_elementwise_variant(kind, problem.dtype)
         blocks = max(1, min(_ELEMENTWISE_BLOCKS, -(-work // variant.threads)))
-        loader.get(variant, device)((blocks,), (variant.threads,), (params,), stream=stream)
+        launches.append(KernelLaunch(loader.get(variant, device), blocks, variant.threads, 0))
 
     if rows:
         elementwise("preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
         variant = backward_dkdv_variant(problem.dtype, dkdv_tiling, problem.causal, accumulate_dq=not deterministic)
-        loader.get(variant, device)((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes,
-                                    stream=stream)
-    if not rows:
-        return
-    if deterministic:
-        # The dQ pass has the forward's tiles; its grid is over those query blocks.
-        params["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)
+        launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
+    if rows and deterministic:
+        # The dQ pass has the forward's tiles; its grid is over those query
+        # blocks, so it takes a second struct with that block count.
+        fields["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)
+        structs.append(pack(BACKWARD_PARAMS, **fields))
         variant = backward_dq_variant(problem.dtype, dq_tiling, problem.causal)
-        grid = _grid_size(int(params["num_m_blocks"][0]), problem, problem.nheads, "the backward dQ pass")
-        loader.get(variant, device)((grid,), (variant.threads,), (params,), shared_mem=variant.smem_bytes,
-                                    stream=stream)
-    else:
+        grid = _grid_size(fields["num_m_blocks"], problem, problem.nheads, "the backward dQ pass")
+        launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
+                                     struct=1))
+    elif rows:
         elementwise("convert_dq", rows * 32)  # one warp per query row
+    return LaunchPlan(device, structs, BACKWARD_SLOTS, launches)

@@ -1,46 +1,235 @@
-"""JAX integration: ``attention`` with a ``jax.custom_vjp`` whose backward is
-cuflash's backward kernel.
+"""JAX integration: ``attention`` with a ``jax.custom_vjp`` whose forward and
+backward are cuflash's kernels, usable eagerly and inside ``jax.jit``,
+``jax.grad``, ``jax.value_and_grad``, ``jax.checkpoint`` and ``jax.vmap``.
 
-Eager only: the kernels take concrete arrays through DLPack, so under
-``jax.jit`` (or any other tracing) the call raises a ``TypeError`` saying so.
-``jax.grad`` / ``jax.value_and_grad`` of eager code work. Importing this
-module imports JAX; ``import cuflash`` alone never does.
+Each pass is a ``jax.experimental.buffer_callback`` (JAX 0.6.1 or newer): at
+run time XLA hands a Python callback its device buffers and CUDA stream, and
+the callback launches the cached launch plan on that stream, writing
+straight into the output buffers XLA allocated (no copy, no host round trip,
+no synchronisation). Arguments are validated when the function is traced,
+from shapes and dtypes, before anything runs. Under ``jax.vmap`` the mapped
+axes become extra leading batch entries (``vmap_method="broadcast_all"``:
+an unmapped k or v is broadcast along the mapped axis first).
+
+On a JAX without ``buffer_callback`` the kernels take concrete arrays
+through DLPack: eager calls and eager ``jax.grad`` work, and a traced call
+raises a ``TypeError`` saying so. Importing this module imports JAX;
+``import cuflash`` alone never does.
 """
 
 from __future__ import annotations
 
-from functools import partial
+import functools
+import math
 
 import jax
+import numpy as np
 
-from . import api
+from . import _interop, api
+from ._validation import TensorMeta, check_backward, check_causal, check_forward, contiguous_strides
 
-__all__ = ["attention"]
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # JAX < 0.6.1
+    buffer_callback = None
+
+__all__ = ["attention", "JIT_SUPPORTED"]
+
+#: Whether this JAX can run cuflash inside ``jax.jit`` (``buffer_callback``).
+JIT_SUPPORTED = buffer_callback is not None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None):
-    """Differentiable ``cuflash.attention`` for concrete JAX arrays.
+def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
+    """Differentiable ``cuflash.attention`` for JAX arrays, eager or traced.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
-    head_dim), nheads_k dividing nheads. Causal masking is bottom-right
-    aligned. Returns the output (batch, seqlen_q, nheads, head_dim).
+    head_dim), nheads_k dividing nheads; float16, bfloat16 or float32 on a
+    CUDA GPU. Causal masking is bottom-right aligned. ``deterministic``: the
+    backward's dq is bitwise repeatable (as ``cuflash.attention_backward``).
+    Returns the output (batch, seqlen_q, nheads, head_dim); gradients flow to
+    q, k and v through cuflash's backward.
     """
-    return _attention(q, k, v, bool(causal), softmax_scale)
+    causal = check_causal(causal)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    if not JIT_SUPPORTED:
+        return _eager(q, k, v, causal, softmax_scale, bool(deterministic))
+    problem = check_forward(*(_meta(name, x) for name, x in (("q", q), ("k", k), ("v", v))), None,
+                            causal=causal, softmax_scale=softmax_scale)
+    return _attention(q, k, v, causal, problem.softmax_scale, bool(deterministic))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, causal, softmax_scale):
+def _meta(name: str, x) -> TensorMeta:
+    """What validation needs of a JAX array or tracer: shape and dtype (XLA
+    buffers are C-contiguous); the device is known only at run time."""
+    for attribute in ("shape", "dtype"):
+        if not hasattr(x, attribute):
+            raise TypeError(f"{name} must be a JAX array, got {type(x).__module__}.{type(x).__qualname__}")
+    _check_platform(name, x)
+    shape = tuple(int(n) for n in x.shape)
+    return TensorMeta(name=name, shape=shape, strides=contiguous_strides(shape), dtype=np.dtype(x.dtype).name,
+                      device=0)
+
+
+def _check_platform(name: str, x) -> None:
+    """A concrete array must live on a GPU; a traced one is checked when the
+    callback runs (its buffers then have to be CUDA memory)."""
+    if isinstance(x, jax.Array) and not _interop._is_jax_tracer(x):
+        platforms = {device.platform for device in x.devices()}
+        if platforms != {"gpu"}:
+            raise TypeError(f"{name} must be a JAX array on a CUDA GPU, got one on {sorted(platforms)}")
+
+
+# --- traced route: buffer_callback ---
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, causal, softmax_scale, deterministic):
+    return _forward_call(q, k, v, causal, softmax_scale)[0]
+
+
+def _attention_fwd(q, k, v, causal, softmax_scale, deterministic):
+    out, lse = _forward_call(q, k, v, causal, softmax_scale)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_bwd(causal, softmax_scale, deterministic, residuals, dout):
+    q, k, v, out, lse = residuals
+    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)[:3]
+    return dq, dk, dv
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _shape_dtype(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def _forward_call(q, k, v, causal, softmax_scale):
+    batch, seqlen_q, nheads, _ = q.shape
+    results = (_shape_dtype(q.shape, q.dtype), _shape_dtype((batch, nheads, seqlen_q), np.float32))
+    return buffer_callback(_forward_callback(causal, softmax_scale), results, vmap_method="broadcast_all")(q, k, v)
+
+
+def _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    # delta and the float32 dQ accumulator are work buffers: XLA allocates
+    # them as extra outputs, which nothing reads afterwards.
+    results = [_shape_dtype(x.shape, x.dtype) for x in (q, k, v)]
+    results.append(_shape_dtype((batch, nheads, seqlen_q), np.float32))
+    if not deterministic:
+        results.append(_shape_dtype((batch, seqlen_q, nheads, head_dim), np.float32))
+    callback = _backward_callback(causal, softmax_scale, deterministic)
+    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(dout, q, k, v, out, lse)
+
+
+# One callback object per set of flags: the callback is a static parameter of
+# the primitive, so a fresh closure per call would recompile every eager call.
+
+@functools.lru_cache(maxsize=None)
+def _forward_callback(causal: bool, softmax_scale: float):
+    def callback(ctx, outputs, q, k, v):
+        out, lse = outputs
+        _launch(("forward", causal, softmax_scale), ctx.stream, [q, k, v, out, lse], api.FORWARD_ARRAYS)
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_callback(causal: bool, softmax_scale: float, deterministic: bool):
+    def callback(ctx, outputs, dout, q, k, v, out, lse):
+        buffers = [dout, q, k, v, out, lse, *outputs]
+        if deterministic:
+            buffers.append(None)  # no dQ accumulator
+        _launch(("backward", causal, softmax_scale, deterministic), ctx.stream, buffers, api.BACKWARD_ARRAYS)
+    return callback
+
+
+def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) -> None:
+    """Runs the plan of these buffers (XLA's, C-contiguous; any leading
+    vmapped axes fold into the batch) on XLA's ``stream``."""
+    pointers, shapes = [], []
+    for name, buffer in zip(names, buffers):
+        if buffer is None:
+            pointers.append(0)
+            shapes.append(None)
+            continue
+        interface = getattr(buffer, "__cuda_array_interface__", None)
+        if interface is None:
+            raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
+        pointers.append(interface["data"][0])
+        shapes.append(tuple(buffer.shape))
+    dtype = np.dtype(buffers[names.index("q")].dtype).name
+    device = _device_of_pointer(pointers[names.index("q")])
+    misaligned = 0
+    for pointer in pointers:
+        misaligned |= pointer
+    aligned = not misaligned & 15
+    key = ("jax", flags, tuple(shapes), dtype, device, aligned)
+    plan = api.plans.get(key)
+    if plan is None:
+        plan = _plan(flags, shapes, dtype, device, names, aligned)
+        api.plans.put(key, plan)
+    if _interop.current_device() == device:
+        plan.launch(pointers, stream)
+    else:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            plan.launch(pointers, stream)
+
+
+def _device_of_pointer(pointer: int) -> int:
+    from cupy.cuda import runtime
+
+    if pointer == 0:  # an empty buffer: no memory, no device of its own
+        return _interop.current_device()
+    return runtime.pointerGetAttributes(pointer).device
+
+
+def _folded(shape: tuple[int, ...], trailing: int) -> tuple[int, ...]:
+    """``shape`` with every axis before the last ``trailing`` folded into one
+    (vmap's leading axes join the batch axis)."""
+    return (math.prod(shape[:-trailing]),) + tuple(shape[-trailing:])
+
+
+def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):
+    """The launch plan of one buffer signature (validated again, now with
+    the folded shapes and the device)."""
+    trailing = {"lse": 2, "delta": 2}
+    metas = {}
+    for name, shape in zip(names, shapes):
+        if shape is not None:
+            folded = _folded(shape, trailing.get(name, 3))
+            metas[name] = TensorMeta(name, folded, contiguous_strides(folded),
+                                     "float32" if name in ("lse", "delta", "dq_accum") else dtype, device)
+    layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()}
+    if flags[0] == "forward":
+        _, causal, scale = flags
+        problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,
+                                softmax_scale=scale, lse=metas["lse"])
+        return api.forward_plan(problem, layouts, aligned=aligned)
+    _, causal, scale, deterministic = flags
+    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
+                             causal=causal, softmax_scale=scale, deterministic=deterministic)
+    return api.backward_plan(problem, layouts, layouts["lse"], deterministic, aligned=aligned)
+
+
+# --- eager route for a JAX without buffer_callback ---
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _eager(q, k, v, causal, softmax_scale, deterministic):
     return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale):
+def _eager_fwd(q, k, v, causal, softmax_scale, deterministic):
     out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, softmax_scale, residuals, dout):
+def _eager_bwd(causal, softmax_scale, deterministic, residuals, dout):
     q, k, v, out, lse = residuals
-    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                  deterministic=deterministic)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_eager.defvjp(_eager_fwd, _eager_bwd)

@@ -1,7 +1,14 @@
-"""PyTorch integration: differentiable attention as a ``torch.library``
-custom op (so ``torch.compile(fullgraph=True)`` traces through it), and
-drop-in replacements for ``torch.nn.functional.scaled_dot_product_attention``
-and ``flash_attn.flash_attn_func``.
+"""PyTorch integration: differentiable attention, and drop-in replacements
+for ``torch.nn.functional.scaled_dot_product_attention`` and
+``flash_attn.flash_attn_func``.
+
+Two routes to the same kernels, with identical results and gradients:
+eager calls go through a plain ``torch.autograd.Function`` (the cheaper one
+on the host: no dispatcher round trip, no schema parsing), and under
+``torch.compile`` the call is a ``torch.library`` custom op with a fake
+(meta) implementation, so ``torch.compile(fullgraph=True)`` traces through
+it. ``EAGER_ROUTE`` names the eager one ("function" or "custom_op");
+``tools/bench.py`` measures both.
 
 Importing this module imports PyTorch; ``import cuflash`` alone never does.
 Kernels run on PyTorch's current stream; outputs and work buffers come from
@@ -11,6 +18,7 @@ call has compiled the kernels).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import api
@@ -71,9 +79,56 @@ def _backward(ctx, dout, dlse):
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _forward(q, k, v, causal, softmax_scale, deterministic=False):
-    scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
-    return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, bool(deterministic))[0]
+class _AttentionFunction(torch.autograd.Function):
+    """The eager route: cuflash's forward, and its backward from the saved
+    inputs, output and log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()  # an expanded gradient (from a .sum()); see _backward_op
+        dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, causal=ctx.causal,
+                                            softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
+#: How eager calls reach the kernels: "function" (``torch.autograd.Function``)
+#: or "custom_op" (the ``torch.library`` op that ``torch.compile`` traces).
+#: Both give identical results; "function" costs less host time per call
+#: (tools/bench.py's host-overhead table measures both).
+EAGER_ROUTE = "function"
+
+
+def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None):
+    if deterministic.__class__ is not bool:
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+        deterministic = bool(deterministic)
+    route = route or EAGER_ROUTE
+    if route == "custom_op" or torch.compiler.is_compiling():
+        _check_cuda_tensors(q, k, v)
+        scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
+        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, deterministic)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def _check_cuda_tensors(*tensors):
+    """The custom op dispatches on the device: check first, so that a CPU
+    tensor gets cuflash's one-line error rather than the dispatcher's."""
+    for name, tensor in zip(("q", "k", "v"), tensors):
+        if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cuda", "meta"):
+            raise TypeError(f"{name} must be a CUDA tensor, got a torch.Tensor on device '{tensor.device}'")
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None):

@@ -8,6 +8,7 @@ import math
 import pytest
 
 import cuflash
+from cuflash._launch import LaunchPlan
 from cuflash.reference import attention_backward_reference
 
 from tests.helpers import (
@@ -159,9 +160,7 @@ def test_backward_memory_is_gradients_accumulator_and_delta():
 
 @pytest.mark.parametrize("case", [c for c in BAD_BACKWARD_CASES if not c.needs_two_gpus], ids=lambda c: c.id)
 def test_bad_backward_input_is_rejected_before_launch(case, monkeypatch):
-    import cuflash.api as api
-
-    monkeypatch.setattr(api, "_launch_backward", lambda *a, **k: pytest.fail("launched on bad input"))
+    monkeypatch.setattr(LaunchPlan, "launch", lambda *a, **k: pytest.fail("launched on bad input"))
     arrays = make_cupy_arrays(case)
     with pytest.raises(case.error, match=case.match):
         cuflash.attention_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], arrays["out"],

@@ -8,6 +8,7 @@ import math
 import pytest
 
 import cuflash
+from cuflash._launch import LaunchPlan
 from cuflash.reference import attention_reference
 
 from tests.helpers import (
@@ -117,12 +118,20 @@ def test_forward_empty_key_sequence_gives_zeros_and_minus_inf(causal):
     assert lse.shape == (2, 4, 33) and bool(cupy.isneginf(lse).all())
 
 
+def _fail_if_any_kernel(message):
+    real = LaunchPlan.launch
+
+    def launch(plan, pointers, stream):
+        if plan.kernel_count:
+            pytest.fail(message)
+        real(plan, pointers, stream)
+    return launch
+
+
 @pytest.mark.parametrize("shape_q", [(2, 0, 4, 64), (0, 5, 4, 64), (2, 5, 0, 64)])
 def test_forward_empty_query_launches_nothing(shape_q, monkeypatch):
     cupy = _cupy()
-    import cuflash.api as api
-
-    monkeypatch.setattr(api, "_launch_forward", lambda *a, **k: pytest.fail("launched on an empty problem"))
+    monkeypatch.setattr(LaunchPlan, "launch", _fail_if_any_kernel("launched on an empty problem"))
     q = cupy.ones(shape_q, dtype=cupy.float16)
     nheads_k = 0 if shape_q[2] == 0 else 2
     k = cupy.ones((shape_q[0], 7, nheads_k, 64), dtype=cupy.float16)
@@ -216,9 +225,7 @@ def test_forward_memory_is_out_plus_lse():
 
 @pytest.mark.parametrize("case", [c for c in BAD_FORWARD_CASES if not c.needs_two_gpus], ids=lambda c: c.id)
 def test_bad_forward_input_is_rejected_before_launch(case, monkeypatch):
-    import cuflash.api as api
-
-    monkeypatch.setattr(api, "_launch_forward", lambda *a, **k: pytest.fail("launched on bad input"))
+    monkeypatch.setattr(LaunchPlan, "launch", lambda *a, **k: pytest.fail("launched on bad input"))
     arrays = make_cupy_arrays(case)
     with pytest.raises(case.error, match=case.match):
         cuflash.attention(arrays["q"], arrays["k"], arrays["v"], out=arrays.get("out"), lse=arrays.get("lse"),

@@ -19,6 +19,18 @@ its native layout: cuflash (batch, seqlen, heads, dim), SDPA (batch, heads,
 seqlen, dim), both contiguous. Each row also reports cuflash's largest
 deviation from the flash backend's output, as a sanity check.
 
+"As the user sees it" (``user_ms``, forward and forward + backward rows):
+``triton.testing.do_bench`` (L2 flushed before each call, each call timed
+alone with CUDA events, nothing holding the stream, so a call's host cost
+shows wherever it exceeds its GPU time), median, with SDPA-layout tensors:
+cuflash through its SDPA drop-in (transposed views, no copy), flash and
+cuDNN through ``F.scaled_dot_product_attention``; forward + backward is one
+autograd step (forward, then ``backward`` of the same dO).
+
+Host overhead (``--host``, on by default; tools/host_overhead.py): per-call
+host microseconds of cuflash and SDPA on a small problem, and JAX under
+``jax.jit``: cuflash.jax.attention against jax.nn.dot_product_attention.
+
 Writes a table to stdout and ``bench.json`` under ``--out`` (default $OUT).
 
   python3 tools/bench.py [--dtype bfloat16 --dtype float16] [--seqlens 512,1024] [--head-dims 64,128]
@@ -28,6 +40,7 @@ Writes a table to stdout and ``bench.json`` under ``--out`` (default $OUT).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,6 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
 
 TOKENS = 16384
 HIDDEN = 2048
@@ -76,6 +90,45 @@ def time_gpu(fn, *, calls: int, repeats: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def time_user(fn, grad_to_none=None) -> float | None:
+    """Median milliseconds per call as the user sees it (see the module
+    docstring); None without Triton."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return None
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def measure_user(sdpa_inputs, dout_t, causal) -> tuple[dict, dict]:
+    """Milliseconds per call as the user sees it, forward (no grad) and
+    autograd forward + backward, of cuflash's SDPA drop-in, SDPA flash and
+    SDPA cuDNN on the same SDPA-layout tensors."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash.torch as ct
+
+    leaves = [x.detach().clone().requires_grad_() for x in sdpa_inputs]
+    forward, both = {}, {}
+    backends = (("cuflash", None, ct.scaled_dot_product_attention), ("flash", SDPBackend.FLASH_ATTENTION, sdpa),
+                ("cudnn", SDPBackend.CUDNN_ATTENTION, sdpa))
+    for label, backend, attention in backends:
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                with torch.no_grad():
+                    ms = time_user(lambda: attention(*sdpa_inputs, is_causal=causal))
+                if ms is None:
+                    return {}, {}
+                forward[label] = ms
+                both[label] = time_user(lambda: attention(*leaves, is_causal=causal).backward(dout_t),
+                                        grad_to_none=leaves)
+        except RuntimeError as exc:  # backend unavailable for this shape
+            print(f"# {label} (user timing) unavailable: {exc}", file=sys.stderr)
+    return forward, both
+
+
 def _parse_tiles(specs: list[str]) -> dict[int, list]:
     """``HD=[KERNEL:]BMxBNwW[sS][bB]``: an extra cuflash column for head dim
     HD with that kernel ("mma", the default, or "wgmma"), tile, warps, (mma)
@@ -98,8 +151,8 @@ def _parse_tiles(specs: list[str]) -> dict[int, list]:
 
 def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, float]:
     """Milliseconds of the forward launched with each of ``tilings`` instead
-    of the table's (same inputs; CuPy views of the PyTorch tensors, buffers
-    and the problem made once for all of them)."""
+    of the table's (same inputs; CuPy views of the PyTorch tensors, buffers,
+    the problem and each tiling's launch plan made once)."""
     import cupy
     import torch
 
@@ -113,11 +166,16 @@ def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, f
                             softmax_scale=None)
     out = cupy.empty_like(qc)
     lse = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
-    stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream())
-    return {f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}" + (f"s{t.kv_stages}" if t.kernel == "mma" else f"b{t.blocks_per_sm}"): time_gpu(
-                lambda: api._launch_forward(problem, qc, kc, vc, out, lse, stream, tiling=t),
-                calls=calls, repeats=repeats)
-            for t in tilings}
+    stream = torch.cuda.current_stream().cuda_stream
+    layouts = {name: api.Layout.of(x) for name, x in (("q", qc), ("k", kc), ("v", vc), ("out", out))}
+    pointers = [x.data.ptr for x in (qc, kc, vc, out, lse)]
+    timings = {}
+    for t in tilings:
+        plan = api.forward_plan(problem, layouts, aligned=True, tiling=t)
+        label = f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}" + (
+            f"s{t.kv_stages}" if t.kernel == "mma" else f"b{t.blocks_per_sm}")
+        timings[label] = time_gpu(lambda: plan.launch(pointers, stream), calls=calls, repeats=repeats)
+    return timings
 
 
 def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tuple[dict[str, float], float]:
@@ -185,7 +243,7 @@ def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic
     return timings
 
 
-def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings, deviation) -> dict:
+def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings, deviation, user=None) -> dict:
     flops = PASS_FLOPS[pass_name] * forward_flops(batch, heads, seqlen, head_dim, causal)
     row = {"pass": pass_name, "dtype": dtype_name, "head_dim": head_dim, "causal": causal,
            "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
@@ -194,11 +252,16 @@ def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings,
     for base in ("flash", "cudnn"):
         if base in timings:
             row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
+    if user and "cuflash" in user:
+        row["user_ms"] = user
+        for base in ("flash", "cudnn"):
+            if base in user:
+                row[f"user_cuflash_over_{base}"] = user[base] / user["cuflash"]
     return row
 
 
 def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, backward_dtypes=(),
-             deterministic=False) -> list[dict]:
+             deterministic=False, user=True) -> list[dict]:
     import torch
 
     rows = []
@@ -211,20 +274,22 @@ def run_grid(dtypes, seqlens, head_dims, causals, calls, repeats, extra_tiles, b
                 q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda",
                                        dtype=getattr(torch, dtype_name), generator=generator) for _ in range(3))
                 sdpa_inputs = tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))  # SDPA's native layout
+                dout_t = torch.randn(sdpa_inputs[0].shape, device="cuda", dtype=q.dtype, generator=generator)
                 for causal in causals:
                     timings, deviation = measure_point(q, k, v, sdpa_inputs, causal, extra_tiles.get(head_dim, []),
                                                        calls, repeats)
+                    user_forward, user_both = measure_user(sdpa_inputs, dout_t, causal) if user else ({}, {})
                     shape = (dtype_name, head_dim, causal, seqlen, batch, heads)
-                    rows.append(_row("fwd", *shape, timings, deviation))
+                    rows.append(_row("fwd", *shape, timings, deviation, user_forward))
                     print(_row_line(rows[-1]), flush=True)
                     if dtype_name in backward_dtypes:
                         backward = measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic)
                         rows.append(_row("bwd", *shape, backward, deviation))
                         print(_row_line(rows[-1]), flush=True)
                         both = {name: timings[name] + backward[name] for name in backward if name in timings}
-                        rows.append(_row("fwd+bwd", *shape, both, deviation))
+                        rows.append(_row("fwd+bwd", *shape, both, deviation, user_both))
                         print(_row_line(rows[-1]), flush=True)
-                del q, k, v, sdpa_inputs
+                del q, k, v, sdpa_inputs, dout_t
                 torch.cuda.empty_cache()
     return rows
 
@@ -236,7 +301,8 @@ def _row_line(row: dict) -> str:
     return (f"| {row['pass']} | {row['dtype']} | {row['head_dim']} | {'yes' if row['causal'] else 'no'} | {row['seqlen']} | "
             f"{t['cuflash']:.0f} | {t.get('flash', float('nan')):.0f} | {t.get('cudnn', float('nan')):.0f} | "
             f"{row.get('cuflash_over_flash', float('nan')):.2f} | {row.get('cuflash_over_cudnn', float('nan')):.2f} | "
-            f"{row['max_abs_deviation_from_flash']:.1e} |" + (f" {extra}" if extra else ""))
+            f"{row['max_abs_deviation_from_flash']:.1e} |" + (f" {extra}" if extra else "")
+            + (f" user cuflash/flash {row['user_cuflash_over_flash']:.2f}" if "user_cuflash_over_flash" in row else ""))
 
 
 HEADER = ("| pass | dtype | head_dim | causal | seqlen | cuflash TFLOP/s | flash TFLOP/s | cuDNN TFLOP/s | "
@@ -276,18 +342,32 @@ def main() -> int:
                         help="dtypes that also get backward and forward+backward rows (default: bfloat16)")
     parser.add_argument("--deterministic", action="store_true",
                         help="backward rows also time deterministic=True (column cuflash-deterministic)")
+    parser.add_argument("--no-user", action="store_true", help="skip the as-the-user-sees-it timings")
+    parser.add_argument("--no-host", action="store_true", help="skip the host-overhead tables")
+    parser.add_argument("--host-only", action="store_true", help="only the host-overhead tables")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     env = environment()
     print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
-    print(HEADER)
-    rows = run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
-                    [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
-                    _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),
-                    deterministic=args.deterministic)
-    matmul = MATMUL_TFLOPS.get(env["device"])
-    result = {"environment": env, "matmul_tflops": matmul, "rows": rows}
+    result = {"environment": env, "matmul_tflops": MATMUL_TFLOPS.get(env["device"]), "rows": []}
+    if not args.no_host:
+        import host_overhead
+
+        result["host_overhead"] = host_overhead.torch_host_table()
+        try:
+            result["jax_jit"] = host_overhead.jax_table()
+        except ImportError as exc:
+            print(f"# JAX table skipped: {exc}")
+            result["jax_jit"] = []
+        print("\n".join(host_overhead.markdown(result["host_overhead"], result["jax_jit"])) + "\n", flush=True)
+    rows = result["rows"]
+    if not args.host_only:
+        print(HEADER)
+        rows += run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
+                         [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
+                         _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),
+                         deterministic=args.deterministic, user=not args.no_user)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
@@ -297,6 +377,11 @@ def main() -> int:
         if ratios:
             print(f"\nbf16 {pass_name} cuflash/flash: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
                   f"points >= 1.0: {sum(r >= 1.0 for r in ratios)}/{len(ratios)}")
+        user = [r["user_cuflash_over_flash"] for r in rows
+                if r["dtype"] == "bfloat16" and r["pass"] == pass_name and "user_cuflash_over_flash" in r]
+        if user:
+            print(f"bf16 {pass_name} as the user sees it, cuflash/flash: min {min(user):.3f}, "
+                  f"median {statistics.median(user):.3f}; points >= 1.0: {sum(r >= 1.0 for r in user)}/{len(user)}")
     return 0
 
 

@@ -1,0 +1,128 @@
+"""Launch plans: the kernels of one call signature, ready to run with new
+pointers on a given stream, and the bounded cache that keeps them.
+
+A plan is made once per signature (framework, dtypes, shapes, strides,
+devices, pointer alignment, flags) after the full validation in
+``cuflash.api``. Its parameter structs hold every field that the signature
+fixes (sizes, strides, scale, block counts); a call writes only the
+pointers and launches through the driver (``cuLaunchKernel``), which copies
+the struct at launch: no per-call NumPy packing, no CuPy argument parsing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ._params import flat_fields
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch of a plan: a compiled kernel (``cupy.RawKernel``),
+    a one-dimensional grid and block, dynamic shared memory, and which of the
+    plan's parameter structs it takes."""
+
+    kernel: object
+    grid: int
+    threads: int
+    smem_bytes: int
+    struct: int = 0
+
+
+def _word_index(dtype: np.dtype, field: str) -> int:
+    """Index of ``field`` (a dotted path, e.g. ``q.ptr``) among the struct's 8-byte words."""
+    offsets = dict(flat_fields(dtype))
+    if field not in offsets:
+        raise KeyError(f"the parameter struct has no field {field!r}")
+    return offsets[field] // 8
+
+
+class LaunchPlan:
+    """Kernels of one call signature with their parameter structs filled in
+    but for the pointers, which ``launch`` writes before each call.
+
+    ``slots`` names the pointer fields (``q.ptr``, ``lse``, ...) in the order
+    ``launch`` receives the pointers; a slot is written into every struct.
+    Thread-safe: the structs are shared, so a lock spans writing them and
+    launching (the driver has copied the arguments when the launch returns).
+    """
+
+    def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence[str],
+                 launches: Sequence[KernelLaunch]):
+        self.device = device
+        self.slots = tuple(slots)
+        self._structs = list(structs)
+        for struct in self._structs:
+            if struct.shape != (1,) or struct.dtype.itemsize % 8:
+                raise ValueError("a parameter struct is one element of whole 8-byte words")
+        words = [struct.view(np.uint64) for struct in self._structs]
+        self._writes = tuple(
+            tuple((words[i], _word_index(struct.dtype, slot)) for i, struct in enumerate(self._structs))
+            for slot in self.slots
+        )
+        # cuLaunchKernel's kernelParams: an array of one pointer, to the struct.
+        self._argument_arrays = [np.array([struct.ctypes.data], dtype=np.uint64) for struct in self._structs]
+        self._launches = tuple(
+            (int(launch.kernel.kernel.ptr), launch.grid, launch.threads, launch.smem_bytes,
+             self._argument_arrays[launch.struct].ctypes.data)
+            for launch in launches
+        )
+        self._lock = threading.Lock()
+        from cupy.cuda import driver
+
+        self._launch_kernel = driver.launchKernel
+
+    @property
+    def kernel_count(self) -> int:
+        return len(self._launches)
+
+    def launch(self, pointers: Sequence[int], stream: int) -> None:
+        """Writes ``pointers`` (one per slot) and launches every kernel on
+        ``stream`` (a ``cudaStream_t`` as an int). The current CUDA device
+        must be the plan's."""
+        launch_kernel = self._launch_kernel
+        with self._lock:
+            for writes, pointer in zip(self._writes, pointers):
+                for words, index in writes:
+                    words[index] = pointer
+            for function, grid, threads, smem_bytes, arguments in self._launches:
+                launch_kernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, arguments, 0)
+
+
+class PlanCache:
+    """A bounded least-recently-used map from call signatures to plans."""
+
+    def __init__(self, max_entries: int = 512):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        entry = self._entries.get(key)
+        if entry is not None:
+            try:
+                self._entries.move_to_end(key)
+            except KeyError:  # evicted by another thread since the lookup
+                pass
+        return entry
+
+    def put(self, key, entry) -> None:
+        with self._lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)

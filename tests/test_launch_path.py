@@ -1,0 +1,327 @@
+"""The launch path: plans made once per call signature, reused only by calls
+they fit. CPU tests check the plan machinery with the driver call recorded;
+GPU tests check that a cached plan never serves a call it does not fit
+(other strides, alignment, flags, dtype, stream, device)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cuflash import _launch, api
+from cuflash._launch import KernelLaunch, LaunchPlan, PlanCache
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack
+from cuflash.reference import attention_backward_reference, attention_reference
+
+from tests.helpers import assert_output_accurate, random_qkv
+
+
+class _FakeKernel:
+    """Stands for a ``cupy.RawKernel``: only its function pointer is read."""
+
+    def __init__(self, pointer):
+        self.kernel = type("Function", (), {"ptr": pointer})()
+
+
+def _forward_struct():
+    return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
+                lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6), num_m_blocks=15,
+                softmax_scale_log2=0.5)
+
+
+def _read_struct(address: int, dtype: np.dtype) -> np.ndarray:
+    raw = ctypes.string_at(address, dtype.itemsize)
+    return np.frombuffer(raw, dtype=dtype)
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """Replaces the driver's launch by a recorder that also copies the
+    struct each launch points at, as cuLaunchKernel does."""
+    from cupy.cuda import driver
+
+    calls = []
+
+    def launch_kernel(function, gx, gy, gz, bx, by, bz, smem, stream, arguments, extra):
+        (struct_address,) = _read_struct(arguments, np.dtype(np.uint64))
+        calls.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
+                      "stream": stream, "struct_address": int(struct_address), "extra": extra})
+
+    monkeypatch.setattr(driver, "launchKernel", launch_kernel)
+    return calls
+
+
+def test_plan_writes_each_pointer_into_its_field_and_launches_in_order(recorded_launches):
+    struct = _forward_struct()
+    plan = LaunchPlan(0, [struct], api.FORWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(111), 7, 128, 4096), KernelLaunch(_FakeKernel(222), 3, 256, 0)])
+    pointers = [0x1000, 0x2000, 0x3000, 0x4000, 0x5000]
+    plan.launch(pointers, stream=99)
+    assert [c["function"] for c in recorded_launches] == [111, 222]
+    assert recorded_launches[0]["grid"] == (7, 1, 1) and recorded_launches[0]["block"] == (128, 1, 1)
+    assert recorded_launches[0]["smem"] == 4096 and recorded_launches[1]["smem"] == 0
+    assert {c["stream"] for c in recorded_launches} == {99} and {c["extra"] for c in recorded_launches} == {0}
+    written = _read_struct(recorded_launches[0]["struct_address"], FORWARD_PARAMS)[0]
+    for name, pointer in zip(("q", "k", "v", "out"), pointers):
+        assert written[name]["ptr"] == pointer
+    assert written["lse"] == 0x5000
+    # Everything else is as planned.
+    assert tuple(written["q"])[1:] == (1, 2, 3) and written["num_m_blocks"] == 15
+    assert written["softmax_scale_log2"] == 0.5 and tuple(written["size"]) == (1, 2, 3, 4, 5, 6)
+    plan.launch([1, 2, 3, 4, 5], stream=7)  # a second call overwrites every pointer
+    written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
+    assert [written[n]["ptr"] for n in ("q", "k", "v", "out")] == [1, 2, 3, 4] and written["lse"] == 5
+
+
+def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
+    fields = {name: (0, 1, 2, 3) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
+    fields.update(lse=0, lse_batch_stride=1, lse_head_stride=2, delta=0, dq_accum=0, size=(1, 1, 1, 1, 1, 1),
+                  num_m_blocks=4, num_n_blocks=5, softmax_scale_log2=1.0, softmax_scale=1.0)
+    first = pack(BACKWARD_PARAMS, **fields)
+    fields["num_m_blocks"] = 8
+    second = pack(BACKWARD_PARAMS, **fields)
+    plan = LaunchPlan(0, [first, second], api.BACKWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(1), 1, 32, 0), KernelLaunch(_FakeKernel(2), 1, 32, 0, struct=1)])
+    pointers = list(range(100, 100 + len(api.BACKWARD_SLOTS)))
+    plan.launch(pointers, stream=0)
+    structs = [_read_struct(c["struct_address"], BACKWARD_PARAMS)[0] for c in recorded_launches]
+    assert [s["num_m_blocks"] for s in structs] == [4, 8]
+    for written in structs:
+        for slot, pointer in zip(api.BACKWARD_SLOTS, pointers):
+            name, _, field = slot.partition(".")
+            assert (written[name][field] if field else written[name]) == pointer
+
+
+def test_plan_rejects_a_struct_it_cannot_address():
+    with pytest.raises(KeyError, match="no field 'bogus.ptr'"):
+        LaunchPlan(0, [_forward_struct()], ("bogus.ptr",), [])
+    with pytest.raises(ValueError, match="one element"):
+        LaunchPlan(0, [np.zeros(2, dtype=FORWARD_PARAMS)], api.FORWARD_SLOTS, [])
+
+
+def test_plan_cache_is_bounded_and_least_recently_used_goes_first():
+    cache = PlanCache(max_entries=3)
+    for key in "abc":
+        cache.put(key, key.upper())
+    assert cache.get("a") == "A"  # a is now the most recent
+    cache.put("d", "D")
+    assert cache.get("b") is None and [cache.get(k) for k in "acd"] == ["A", "C", "D"]
+    assert len(cache) == 3
+    with pytest.raises(ValueError, match="at least 1"):
+        PlanCache(0)
+
+
+def test_signature_refuses_unknown_classes_and_unhashable_flags():
+    assert api._signature("forward", [np.zeros(3)], (), ())[0] is None  # NumPy arrays: full path, clear error
+    assert api._signature("forward", [None], ([],), ())[0] is None  # an unhashable flag: full path
+    key, pointers = api._signature("forward", [None, None], (bool, True), ())
+    assert pointers == [0, 0] and key == ("forward", (None, None), (bool, True), True)
+
+
+# --- on the GPU ---
+
+def _cupy():
+    return pytest.importorskip("cupy")
+
+
+def _plans_grow(action) -> int:
+    before = len(api.plans)
+    action()
+    return len(api.plans) - before
+
+
+@pytest.fixture
+def fresh_plans(monkeypatch):
+    """An empty plan cache of its own for one test."""
+    monkeypatch.setattr(api, "plans", PlanCache())
+    return api.plans
+
+
+@pytest.fixture
+def full_path_counter(monkeypatch):
+    """Counts calls that took the full (validating, planning) path."""
+    counts = {"forward": 0, "backward": 0}
+    forward, backward = api._attention_forward, api._attention_backward
+
+    def counted_forward(*args, **kwargs):
+        counts["forward"] += 1
+        return forward(*args, **kwargs)
+
+    def counted_backward(*args, **kwargs):
+        counts["backward"] += 1
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_attention_forward", counted_forward)
+    monkeypatch.setattr(api, "_attention_backward", counted_backward)
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_second_call_of_a_signature_reuses_its_plan(dtype, fresh_plans, full_path_counter):
+    cupy = _cupy()
+    import cuflash
+
+    q, k, v = random_qkv(cupy, 2, 127, 130, 4, 2, 64, cupy.dtype(dtype), seed=1)
+    first, first_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert full_path_counter["forward"] == 1 and len(fresh_plans) == 1
+    q2, k2, v2 = random_qkv(cupy, 2, 127, 130, 4, 2, 64, cupy.dtype(dtype), seed=2)  # new pointers, same signature
+    out, lse = cuflash.attention(q2, k2, v2, causal=True, return_lse=True)
+    assert full_path_counter["forward"] == 1 and len(fresh_plans) == 1
+    again = cuflash.attention(q, k, v, causal=True)
+    assert bool((again == first).all())  # bitwise: same plan, same inputs
+    assert_output_accurate(out, attention_reference(q2, k2, v2, causal=True)[0])
+    dout = cupy.asarray(np.random.default_rng(3).standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    for _ in range(2):
+        grads = cuflash.attention_backward(dout, q2, k2, v2, out, lse, causal=True)
+    assert full_path_counter["backward"] == 1 and len(fresh_plans) == 2
+    for got, want in zip(grads, attention_backward_reference(dout, q2, k2, v2, causal=True)):
+        assert_output_accurate(got, want)
+
+
+@pytest.mark.gpu
+def test_plan_does_not_serve_other_strides(fresh_plans):
+    cupy = _cupy()
+    import cuflash
+
+    for layout in ("bshd", "bhsd", "sliced"):
+        q, k, v = random_qkv(cupy, 2, 100, 90, 4, 4, 64, cupy.float16, layout=layout, seed=4)
+        assert_output_accurate(cuflash.attention(q, k, v), attention_reference(q, k, v)[0])
+    assert len(fresh_plans) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_plan_for_aligned_pointers_does_not_serve_misaligned_ones(head_dim, fresh_plans):
+    """Same shapes and strides, one pointer 2 bytes off a 16-byte boundary:
+    the tensor-core kernels' 16-byte copies would be misaligned there, so
+    the call must get a plan of its own (the SIMT kernel)."""
+    cupy = _cupy()
+    import cuflash
+
+    shape = (2, 70, 4, head_dim)
+    size = int(np.prod(shape))
+    rng = np.random.default_rng(5)
+    buffers = [cupy.asarray(rng.standard_normal(size + 8).astype(np.float32)).astype(cupy.float16) for _ in range(3)]
+    aligned = [b[:size].reshape(shape) for b in buffers]
+    shifted = [aligned[0], aligned[1], buffers[2][1:size + 1].reshape(shape)]  # v misaligned, same strides
+    assert shifted[2].strides == aligned[2].strides and shifted[2].data.ptr % 16 == 2
+    for arrays in (aligned, shifted, aligned):
+        out = cupy.full(shape, cupy.nan, dtype=cupy.float16)
+        cuflash.attention(*arrays, causal=True, out=out)
+        assert_output_accurate(out, attention_reference(*arrays, causal=True)[0])
+    assert len(fresh_plans) == 2
+    alignment_bits = sorted(key[-1] for key in fresh_plans._entries)
+    assert alignment_bits == [False, True]
+
+
+@pytest.mark.gpu
+def test_plan_does_not_serve_other_flags_or_bad_input(fresh_plans, monkeypatch):
+    cupy = _cupy()
+    import cuflash
+
+    q, k, v = random_qkv(cupy, 1, 50, 64, 2, 2, 32, cupy.float32, seed=6)
+    for causal, scale in ((True, None), (False, None), (True, 0.3), (True, np.float64(0.3))):
+        out = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale)
+        assert_output_accurate(out, attention_reference(q, k, v, causal=causal, softmax_scale=scale)[0])
+    assert len(fresh_plans) == 4
+    monkeypatch.setattr(LaunchPlan, "launch", lambda *a, **k: pytest.fail("launched on bad input"))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cuflash.attention(q, k, v, causal=1)  # equal to True and hashed alike, but not a bool
+    with pytest.raises(TypeError, match="softmax_scale must be a real number"):
+        cuflash.attention(q, k, v, softmax_scale=True)
+    with pytest.raises(TypeError, match="k must have the same dtype as q"):
+        cuflash.attention(q, k.astype(cupy.float16), v)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        cuflash.attention(q, k, v, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        cuflash.attention_backward(q, q, k, v, q, cupy.zeros((1, 2, 50), cupy.float32), deterministic="yes")
+
+
+_SPIN_AND_COPY = r"""
+extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"""
+
+
+@pytest.mark.gpu
+def test_cached_plan_runs_on_the_stream_of_each_call(fresh_plans):
+    """Warm the plan on one stream, then call from another stream whose
+    inputs are written behind a long spin: the call must run behind it."""
+    cupy = _cupy()
+    import cuflash
+
+    spin = cupy.RawKernel(_SPIN_AND_COPY, "spin_and_copy")
+    rng = cupy.random.default_rng(7)
+    q_src, k, v = (rng.standard_normal((2, 300, 4, 64), dtype=cupy.float32) for _ in range(3))
+    cuflash.attention(q_src, k, v, causal=True)  # plan made on the default stream
+    cupy.cuda.Device().synchronize()
+    for _ in range(2):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            q = cupy.zeros_like(q_src)
+            spin((64,), (256,), (q_src, q, np.int64(q.size), np.int64(300_000_000)))
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+            dq = cuflash.attention_backward(cupy.ones_like(out), q, k, v, out, lse, causal=True)[0]
+            stream.synchronize()
+        assert_output_accurate(out, attention_reference(q_src, k, v, causal=True)[0])
+        assert_output_accurate(dq, attention_backward_reference(cupy.ones_like(out), q_src, k, v, causal=True)[0])
+    assert len(fresh_plans) == 2
+
+
+@pytest.mark.gpu
+def test_torch_cached_plan_runs_on_the_current_stream(fresh_plans):
+    torch = pytest.importorskip("torch")
+    import cuflash
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q_src, k, v = (torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    cuflash.attention(q_src, k, v)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        q = torch.zeros_like(q_src)
+        torch.cuda._sleep(200_000_000)
+        q.copy_(q_src)
+        out = cuflash.attention(q, k, v)
+        result = out.clone()
+    side.synchronize()
+    arrays = [x.double().cpu().numpy() for x in (q_src, k, v)]
+    assert_output_accurate(result, attention_reference(*arrays)[0])
+    assert len(fresh_plans) == 1
+
+
+@pytest.mark.gpu
+def test_plan_does_not_serve_another_device(fresh_plans):
+    cupy = _cupy()
+    import cuflash
+
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = []
+    for device in (0, 1, 0):
+        with cupy.cuda.Device(device):
+            q, k, v = random_qkv(cupy, 1, 64, 64, 2, 2, 64, cupy.float16, seed=9)
+            out = cuflash.attention(q, k, v)
+            assert out.device.id == device
+            results.append(out.get())
+    with cupy.cuda.Device(0):
+        q, k, v = random_qkv(cupy, 1, 64, 64, 2, 2, 64, cupy.float16, seed=9)
+    with cupy.cuda.Device(1):  # arrays on GPU 0, GPU 1 current: the plan of GPU 0 on the full path
+        out = cuflash.attention(q, k, v)
+    assert out.device.id == 0 and np.array_equal(out.get(), results[0])
+    assert np.array_equal(results[0], results[1]) and len(fresh_plans) == 2
+
+
+def test_launch_module_names_no_framework():
+    """The plan machinery is framework-neutral: only interop knows frameworks."""
+    import inspect
+
+    source = inspect.getsource(_launch)
+    assert "torch" not in source and "jax" not in source

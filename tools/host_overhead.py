@@ -1,0 +1,156 @@
+"""Host cost of a call, as tools/bench.py reports it: per-call host
+microseconds of cuflash and of the frameworks' own attention on a small
+problem, and the per-step time of a jitted JAX training step.
+
+Host time per call: the GPU is held by a sleep kernel (``torch.cuda._sleep``)
+on the stream every call below launches to, ``calls`` calls are timed with
+``time.perf_counter`` while their launches queue behind it, then the stream
+is drained; the median over ``repeats`` such batches, divided by ``calls``.
+Nothing waits on the GPU inside the timed loop, so this is Python plus
+launch cost, the floor of what a call costs when its GPU work is short.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+#: The small problem of the launch-path issue: batch 1, 128 tokens, 8 heads, head_dim 64, bf16, causal.
+SMALL = dict(batch=1, seqlen=128, heads=8, head_dim=64)
+#: The JAX training-step point: seqlen 2048, head_dim 128 on the FlashAttention-2 grid (16384 tokens, hidden 2048).
+JAX_STEP = dict(batch=8, seqlen=2048, heads=16, head_dim=128)
+
+
+def host_us(fn, *, calls: int = 100, repeats: int = 7, warmup: int = 5) -> float:
+    """Median host microseconds per call of ``fn`` (see the module docstring)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda._sleep(100_000_000)  # ~50 ms: far longer than the timed launches take to queue
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def torch_host_table() -> list[dict]:
+    """Per-call host µs of each call on the small problem, PyTorch and CuPy."""
+    import cupy
+    import torch
+    import torch.nn.functional as F
+
+    import cuflash
+    import cuflash.torch as ct
+
+    b, s, h, d = SMALL["batch"], SMALL["seqlen"], SMALL["heads"], SMALL["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    q_t, k_t, v_t, dout_t = (x.transpose(1, 2) for x in (q, k, v, dout))  # SDPA layout, views
+    cq, ck, cv, cdout, cout, clse = (cupy.from_dlpack(x) for x in (q, k, v, dout, out, lse))
+    leaves = [x.detach().clone().requires_grad_() for x in (q_t, k_t, v_t)]
+
+    def autograd_step(attention, **kwargs):
+        def step():
+            for leaf in leaves:
+                leaf.grad = None
+            attention(*leaves, is_causal=True, **kwargs).backward(dout_t)
+        return step
+
+    def dropin_route(route):
+        def attention(q, k, v, is_causal):
+            out = ct._forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, None, route=route)
+            return out.transpose(1, 2)
+        return attention
+
+    rows = []
+    with torch.no_grad():
+        rows.append(("forward", "F.scaled_dot_product_attention", host_us(lambda: F.scaled_dot_product_attention(
+            q_t, k_t, v_t, is_causal=True))))
+        rows.append(("forward", "cuflash.attention (PyTorch)", host_us(lambda: cuflash.attention(q, k, v, causal=True))))
+        rows.append(("forward", "cuflash.attention (CuPy)", host_us(lambda: cuflash.attention(cq, ck, cv, causal=True))))
+        rows.append(("forward", "cuflash.torch.scaled_dot_product_attention", host_us(
+            lambda: ct.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True))))
+        rows.append(("backward", "cuflash.attention_backward (PyTorch)", host_us(
+            lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True))))
+        rows.append(("backward", "cuflash.attention_backward (CuPy)", host_us(
+            lambda: cuflash.attention_backward(cdout, cq, ck, cv, cout, clse, causal=True))))
+    rows.append(("autograd fwd+bwd", "F.scaled_dot_product_attention", host_us(
+        autograd_step(F.scaled_dot_product_attention), calls=50)))
+    for route in ("function", "custom_op"):
+        rows.append(("autograd fwd+bwd", f"cuflash.torch.scaled_dot_product_attention ({route} route)",
+                     host_us(autograd_step(dropin_route(route)), calls=50)))
+    return [{"what": what, "call": call, "host_us": us} for what, call, us in rows]
+
+
+def _time_jax(fn, args, *, calls: int, repeats: int = 7) -> float:
+    """Median microseconds per call of a jitted ``fn`` run ``calls`` times
+    back to back (async dispatch), the last result waited for."""
+    import jax
+
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            result = fn(*args)
+        jax.block_until_ready(result)
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def jax_table() -> list[dict]:
+    """Under ``jax.jit``: per-call µs of a forward and of a forward + backward
+    on the small problem (host-bound), and per-step µs of a training step
+    (value and gradient with respect to q, k, v) at seqlen 2048, head_dim
+    128, causal, bf16: cuflash.jax.attention against
+    jax.nn.dot_product_attention (its cuDNN implementation, and XLA's)."""
+    import jax
+    import jax.numpy as jnp
+
+    import cuflash.jax as cj
+
+    def candidates():
+        yield "cuflash.jax.attention", lambda q, k, v: cj.attention(q, k, v, causal=True)
+        for implementation in ("cudnn", "xla"):
+            yield (f"jax.nn.dot_product_attention ({implementation})",
+                   lambda q, k, v, i=implementation: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                  implementation=i))
+
+    rows = []
+    for point, calls in ((SMALL, 200), (JAX_STEP, 20)):
+        b, s, h, d = point["batch"], point["seqlen"], point["heads"], point["head_dim"]
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        q, k, v, weight = (jax.random.normal(key, (b, s, h, d), dtype=jnp.bfloat16) for key in keys)
+        for name, attention in candidates():
+            forward = jax.jit(attention)
+            step = jax.jit(jax.value_and_grad(
+                lambda q, k, v, a=attention: (a(q, k, v).astype(jnp.float32) * weight).sum(), argnums=(0, 1, 2)))
+            try:
+                rows.append({"point": point, "call": name, "pass": "fwd",
+                             "us": _time_jax(forward, (q, k, v), calls=calls)})
+                rows.append({"point": point, "call": name, "pass": "fwd+bwd step",
+                             "us": _time_jax(step, (q, k, v), calls=calls)})
+            except Exception as exc:  # an implementation unavailable for this shape
+                rows.append({"point": point, "call": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    return rows
+
+
+def markdown(torch_rows: list[dict], jax_rows: list[dict]) -> list[str]:
+    lines = ["| pass | call | host µs per call |", "|---|---|---|"]
+    lines += [f"| {r['what']} | {r['call']} | {r['host_us']:.1f} |" for r in torch_rows]
+    lines += ["", "| JAX, under jax.jit | point (batch, seqlen, heads, head_dim) | pass | µs per call |",
+              "|---|---|---|---|"]
+    for r in jax_rows:
+        p = r["point"]
+        where = f"{p['batch']}, {p['seqlen']}, {p['heads']}, {p['head_dim']}"
+        value = f"{r['us']:.1f}" if "us" in r else r["error"]
+        lines.append(f"| {r['call']} | {where} | {r.get('pass', '-')} | {value} |")
+    return lines
