@@ -160,7 +160,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale)
     key, pointers = _signature("forward", arrays, flags, _FORWARD_ALIGNED)
     if key is None or not _cached_call(key, arrays, pointers):
-        arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse, key=key)
+        arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
+                                    key=functools.partial(_signature, "forward", arrays, flags, _FORWARD_ALIGNED))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
@@ -196,7 +197,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     key, pointers = _signature("backward", arrays, flags, _BACKWARD_ALIGNED)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
-                                     deterministic=deterministic, key=key)
+                                     deterministic=deterministic,
+                                     key=functools.partial(_signature, "backward", list(arrays), flags,
+                                                           _BACKWARD_ALIGNED))
     return arrays[6], arrays[7], arrays[8]
 
 
@@ -208,6 +211,8 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
     import cupy
 
     frameworks = {name: _interop.framework_of(x, name) for name, x in arrays.items()}
+    for framework in set(frameworks.values()):
+        _interop.fast_lane(framework)  # lets later calls with these array classes compute their signature
     for name in immutable_outputs:
         if frameworks[name] == _interop.JAX:
             raise TypeError(f"{name} must be a mutable GPU array; JAX arrays are immutable, so leave {name}=None")
@@ -226,7 +231,9 @@ def _run_planned(key, bridge, plan: LaunchPlan, names: tuple[str, ...], views: d
                  allocated: dict) -> list:
     """Launches ``plan`` on the pointers of ``views`` (by slot name), then
     hands the outputs this call allocated back in q's framework, and caches
-    the plan under ``key`` for the fast path where q's framework has one.
+    the plan under the call's signature (``key()``: ``_signature``'s result,
+    computed now that ``_call`` has registered the call's array classes) for
+    the fast path where q's framework has one.
     ``allocated``: name -> (shape, dtype, native array) of what this call
     allocated (``bridge.empty``), which later calls of the signature allocate
     the same way. Returns the call's arrays in the order of ``names`` (None
@@ -236,8 +243,9 @@ def _run_planned(key, bridge, plan: LaunchPlan, names: tuple[str, ...], views: d
     for name, (_, _, native) in allocated.items():
         if name in natives:  # an output, not a work buffer
             natives[name] = bridge.export(native, views[name])
-    lane = _interop.fast_lane(bridge.framework) if key is not None else None
-    if lane is not None:
+    lane = _interop.fast_lane(bridge.framework)
+    key = key()[0] if lane is not None else None
+    if key is not None:
         allocations = tuple((names.index(name), lane.allocator(shape, dtype, bridge.device_id))
                             for name, (shape, dtype, _) in allocated.items())
         plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id)))

@@ -140,6 +140,45 @@ def jax_table() -> list[dict]:
                              "us": _time_jax(step, (q, k, v), calls=calls)})
             except Exception as exc:  # an implementation unavailable for this shape
                 rows.append({"point": point, "call": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        if point is JAX_STEP:
+            rows += _jax_block_rows(candidates(), point, calls)
+    return rows
+
+
+def _jax_block_rows(candidates, point: dict, calls: int) -> list[dict]:
+    """Per-step µs of a jitted training step of one pre-norm transformer
+    block (QKV projection, causal attention, output projection, 4x MLP,
+    bf16 weights and activations; value and gradient with respect to all
+    weights) on ``point``'s tokens, hidden = heads * head_dim."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, h, d = point["batch"], point["seqlen"], point["heads"], point["head_dim"]
+    hidden = h * d
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    init = lambda key, shape: (jax.random.normal(key, shape, jnp.float32) / shape[0] ** 0.5).astype(jnp.bfloat16)  # noqa: E731
+    params = {"qkv": init(keys[0], (hidden, 3 * hidden)), "proj": init(keys[1], (hidden, hidden)),
+              "up": init(keys[2], (hidden, 4 * hidden)), "down": init(keys[3], (4 * hidden, hidden))}
+    x = jax.random.normal(keys[4], (b, s, hidden), dtype=jnp.bfloat16)
+
+    def norm(x):
+        x32 = x.astype(jnp.float32)
+        return ((x32 - x32.mean(-1, keepdims=True)) * jax.lax.rsqrt(x32.var(-1, keepdims=True) + 1e-5)).astype(x.dtype)
+
+    rows = []
+    for name, attention in candidates:
+        def loss(params, x, attention=attention):
+            qkv = (norm(x) @ params["qkv"]).reshape(b, s, 3, h, d)
+            x = x + attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, s, hidden) @ params["proj"]
+            x = x + jax.nn.gelu(norm(x) @ params["up"]) @ params["down"]
+            return x.astype(jnp.float32).mean()
+
+        step = jax.jit(jax.value_and_grad(loss))
+        try:
+            rows.append({"point": point, "call": name, "pass": "transformer block step",
+                         "us": _time_jax(step, (params, x), calls=calls)})
+        except Exception as exc:
+            rows.append({"point": point, "call": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
     return rows
 
 
