@@ -125,21 +125,26 @@ class Bridge:
             x = x.detach()
         return cupy.from_dlpack(x)
 
-    def empty(self, shape: tuple[int, ...], dtype):
+    def empty(self, shape: tuple[int, ...], dtype, like_strides: tuple[int, ...] | None = None):
         """A new uninitialised output array: ``(native, cupy_view)``.
 
-        PyTorch outputs come from PyTorch's caching allocator, on its current
+        ``like_strides`` (element strides of the array the output mirrors,
+        e.g. q for out and dq): the output is dense with its dimensions laid
+        out in the same order (``dense_strides_like``), as
+        ``torch.empty_like`` does, so that a gradient matches its input's
+        layout and autograd need not copy it, and SDPA-layout inputs get an
+        SDPA-layout output. JAX outputs are always C-contiguous. PyTorch
+        outputs come from PyTorch's caching allocator, on its current
         stream, so they behave as any tensor PyTorch made itself; other
         outputs come from CuPy's pool.
         """
         import cupy
 
+        strides = None if like_strides is None or self.framework == JAX else dense_strides_like(shape, like_strides)
         if self.framework == TORCH:
-            torch = _torch()
-            native = torch.empty(shape, dtype=_TORCH_DTYPES[np.dtype(dtype).name](torch),
-                                 device=f"cuda:{self.device_id}")
+            native = _torch_allocator(shape, dtype, self.device_id, strides)()[0]
             return native, cupy.from_dlpack(native)
-        array = cupy.empty(shape, dtype=dtype)
+        array = _cupy_allocator(shape, dtype, self.device_id, strides)()[0]
         return array, array
 
     def export(self, native, view):
@@ -226,11 +231,16 @@ def call_signature(arrays):
     return tuple(parts), pointers
 
 
+def current_device_getter():
+    """() -> the current CUDA device of the calling thread."""
+    from cupy.cuda import runtime
+
+    return runtime.getDevice
+
+
 def current_device() -> int:
     """The current CUDA device of this thread."""
-    from cupy.cuda.runtime import getDevice
-
-    return getDevice()
+    return current_device_getter()()
 
 
 @dataclass(frozen=True)
@@ -238,41 +248,90 @@ class FastLane:
     """How calls with a cached plan allocate outputs and read the current
     stream, for one framework."""
 
-    allocator: object  #: (shape, NumPy dtype, device) -> () -> (array, pointer)
+    allocator: object  #: (shape, NumPy dtype, device, element strides or None) -> () -> (array, pointer)
     stream: object  #: device -> () -> current stream of that device, as an int
+
+
+def dense_strides_like(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a dense array of ``shape`` whose dimensions are laid
+    out in the order of ``strides`` (largest stride outermost; ties keep the
+    dimension order). For a dense input this is its own strides; for a
+    C-contiguous one, the C-contiguous strides."""
+    order = sorted(range(len(shape)), key=lambda axis: (-strides[axis], axis))
+    dense, step = [0] * len(shape), 1
+    for axis in reversed(order):
+        dense[axis] = step
+        step *= max(shape[axis], 1)
+    return tuple(dense)
+
+
+def _cupy_allocator(shape, dtype, device, strides=None):
+    """() -> (CuPy array, pointer) of ``shape`` and ``dtype`` on the current
+    device (the fast path checks it is ``device``), with element ``strides``
+    (dense) or C-contiguous."""
+    import cupy
+
+    dtype = np.dtype(dtype)
+    if strides is None or strides == _c_strides(shape):
+        empty = cupy.empty
+
+        def allocate():
+            array = empty(shape, dtype)
+            return array, array.data.ptr
+        return allocate
+    ndarray, alloc = cupy.ndarray, cupy.cuda.alloc
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    byte_strides = tuple(stride * dtype.itemsize for stride in strides)
+
+    def allocate_strided():
+        memory = alloc(nbytes)
+        return ndarray(shape, dtype, memory, strides=byte_strides), memory.ptr
+    return allocate_strided
+
+
+def _c_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _torch_allocator(shape, dtype, device, strides=None):
+    """() -> (tensor, pointer) from PyTorch's caching allocator on its current
+    stream, with element ``strides`` (dense) or C-contiguous."""
+    torch = _torch()
+    dtype, where = _TORCH_DTYPES[np.dtype(dtype).name](torch), torch.device("cuda", device)
+    if strides is None or strides == _c_strides(shape):
+        empty = torch.empty
+
+        def allocate():
+            tensor = empty(shape, dtype=dtype, device=where)
+            return tensor, tensor.data_ptr()
+        return allocate
+    empty_strided = torch.empty_strided
+
+    def allocate_strided():
+        tensor = empty_strided(shape, strides, dtype=dtype, device=where)
+        return tensor, tensor.data_ptr()
+    return allocate_strided
 
 
 def _cupy_lane() -> FastLane:
     import cupy
-
-    def allocator(shape, dtype, device):
-        empty = cupy.empty
-
-        def allocate():
-            array = empty(shape, dtype)  # on the current device, which the fast path checked
-            return array, array.data.ptr
-        return allocate
 
     def stream(device):
         get_current_stream = cupy.cuda.get_current_stream
         return lambda: get_current_stream().ptr
 
     _SIGNATURES[cupy.ndarray] = _cupy_signature
-    return FastLane(allocator, stream)
+    return FastLane(_cupy_allocator, stream)
 
 
 def _torch_lane() -> FastLane:
     import functools
 
     torch = _torch()
-
-    def allocator(shape, dtype, device):
-        dtype, where, empty = _TORCH_DTYPES[np.dtype(dtype).name](torch), torch.device("cuda", device), torch.empty
-
-        def allocate():
-            tensor = empty(shape, dtype=dtype, device=where)
-            return tensor, tensor.data_ptr()
-        return allocate
 
     def stream(device):
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -282,7 +341,7 @@ def _torch_lane() -> FastLane:
 
     _SIGNATURES[torch.Tensor] = _torch_signature
     _SIGNATURES[torch.nn.Parameter] = _torch_signature
-    return FastLane(allocator, stream)
+    return FastLane(_torch_allocator, stream)
 
 
 _LANES = {CUPY: _cupy_lane, TORCH: _torch_lane}

@@ -92,6 +92,7 @@ class CachedCall:
     plan: LaunchPlan
     allocations: tuple[tuple[int, Callable], ...]
     stream: Callable[[], int]
+    current_device: Callable[[], int]
 
     def run(self, arrays: list, pointers: list) -> None:
         for index, allocate in self.allocations:
@@ -102,26 +103,25 @@ class CachedCall:
 def _signature(kind: str, arrays: list, flags: tuple, aligned_indices: tuple[int, ...]):
     """The plan-cache key of a call and its pointers, or ``(None, None)``
     where an array is not one the cache serves (any type but a CuPy array,
-    a PyTorch tensor or None) or a flag cannot be hashed."""
+    a PyTorch tensor or None)."""
     signature, pointers = _interop.call_signature(arrays)
     if signature is None:
         return None, None
     misaligned = 0
     for index in aligned_indices:
         misaligned |= pointers[index]
-    key = (kind, signature, flags, not misaligned & 15)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable flag: the full path explains what it should be
-        return None, None
-    return key, pointers
+    return (kind, signature, flags, not misaligned & 15), pointers
 
 
 def _cached_call(key, arrays: list, pointers: list) -> bool:
-    """Runs the call from its cached plan; False where there is none or the
-    current device is not the plan's (then the full path runs)."""
-    call = plans.get(key)
-    if call is None or _interop.current_device() != call.plan.device:
+    """Runs the call from its cached plan; False where there is none, the
+    current device is not the plan's, or a flag cannot be hashed (then the
+    full path runs, and explains a bad flag)."""
+    try:
+        call = plans.get(key)
+    except TypeError:  # an unhashable flag
+        return False
+    if call is None or call.current_device() != call.plan.device:
         return False
     call.run(arrays, pointers)
     return True
@@ -246,10 +246,15 @@ def _run_planned(key, bridge, plan: LaunchPlan, names: tuple[str, ...], views: d
     lane = _interop.fast_lane(bridge.framework)
     key = key()[0] if lane is not None else None
     if key is not None:
-        allocations = tuple((names.index(name), lane.allocator(shape, dtype, bridge.device_id))
-                            for name, (shape, dtype, _) in allocated.items())
-        plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id)))
+        allocations = tuple(
+            (names.index(name), lane.allocator(shape, dtype, bridge.device_id, _element_strides(views[name])))
+            for name, (shape, dtype, _) in allocated.items())
+        plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id), _interop.current_device_getter()))
     return [natives.get(name) for name in names]
+
+
+def _element_strides(view) -> tuple[int, ...]:
+    return tuple(stride // view.dtype.itemsize for stride in view.strides)
 
 
 def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, key) -> list:
@@ -263,10 +268,10 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, key) -> list
                                 causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"))
         natives = dict(arrays) | given
         allocated = {}
-        for name, shape, dtype in (("out", tuple(views["q"].shape), views["q"].dtype),
-                                   ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32")):
+        for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, views["q"]),
+                                         ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32", None)):
             if name not in given:
-                native, views[name] = bridge.empty(shape, dtype)
+                native, views[name] = bridge.empty(shape, dtype, None if like is None else _element_strides(like))
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
         plan = forward_plan(problem, {name: Layout.of(views[name]) for name in ("q", "k", "v", "out")},
@@ -298,7 +303,7 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, k
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
             if name not in given:
                 shape, dtype = tuple(views[like].shape), views[like].dtype
-                native, views[name] = bridge.empty(shape, dtype)
+                native, views[name] = bridge.empty(shape, dtype, _element_strides(views[like]))
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
         for name, (shape, dtype) in work.items():

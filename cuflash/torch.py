@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import api
+from ._interop import dense_strides_like
 from ._validation import check_causal, resolve_softmax_scale
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
@@ -37,8 +38,13 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 @_forward_op.register_fake
 def _forward_fake(q, k, v, causal, softmax_scale, deterministic):
     batch, seqlen_q, nheads, _ = q.shape
-    # The real op returns fresh contiguous tensors, whatever q's strides.
-    return q.new_empty(q.shape), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    # The real op lays out out like q (see cuflash._interop.dense_strides_like)
+    # and returns a C-contiguous log-sum-exp.
+    return _empty_like_layout(q), q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+
+
+def _empty_like_layout(x):
+    return x.new_empty_strided(x.shape, dense_strides_like(tuple(x.shape), tuple(x.stride())))
 
 
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
@@ -55,7 +61,7 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _setup_context(ctx, inputs, output):

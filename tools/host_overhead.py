@@ -193,3 +193,68 @@ def markdown(torch_rows: list[dict], jax_rows: list[dict]) -> list[str]:
         value = f"{r['us']:.1f}" if "us" in r else r["error"]
         lines.append(f"| {r['call']} | {where} | {r.get('pass', '-')} | {value} |")
     return lines
+
+
+def profile(what: str, calls: int = 2000, top: int = 25) -> None:
+    """cProfile of ``calls`` calls of one small-problem call ("forward-torch",
+    "forward-cupy", "backward-torch", "autograd-function", "autograd-custom_op"),
+    the stream held as in ``host_us``; prints the ``top`` entries by own time."""
+    import cProfile
+    import pstats
+
+    import cupy
+    import torch
+
+    import cuflash
+    import cuflash.torch as ct
+
+    b, s, h, d = SMALL["batch"], SMALL["seqlen"], SMALL["heads"], SMALL["head_dim"]
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    leaves = [x.transpose(1, 2).detach().clone().requires_grad_() for x in (q, k, v)]
+    dout_t = dout.transpose(1, 2)
+
+    def autograd(route):
+        def step():
+            for leaf in leaves:
+                leaf.grad = None
+            result = ct._forward(*(x.transpose(1, 2) for x in leaves), True, None, route=route)
+            result.transpose(1, 2).backward(dout_t)
+        return step
+
+    calls_by_name = {
+        "forward-torch": lambda: cuflash.attention(q, k, v, causal=True),
+        "forward-cupy": lambda: cuflash.attention(cq, ck, cv, causal=True),
+        "backward-torch": lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True),
+        "autograd-function": autograd("function"),
+        "autograd-custom_op": autograd("custom_op"),
+    }
+    fn = calls_by_name[what]
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    done = 0
+    while done < calls:
+        torch.cuda._sleep(100_000_000)
+        profiler.enable()
+        for _ in range(min(100, calls - done)):
+            fn()
+        profiler.disable()
+        done += 100
+        torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="host cost per call; --profile NAME for a cProfile of one call")
+    parser.add_argument("--profile", action="append", default=[])
+    args = parser.parse_args()
+    for name in args.profile:
+        print(f"=== {name}")
+        profile(name)
+    if not args.profile:
+        print("\n".join(markdown(torch_host_table(), jax_table())))
