@@ -42,6 +42,10 @@ def test_rows_are_consistent(path):
             assert r["tflops"][backend] == pytest.approx(r["flops"] / (ms * 1e9))
         for base in ("flash", "cudnn"):
             assert r[f"cuflash_over_{base}"] == pytest.approx(r["ms"][base] / r["ms"]["cuflash"])
+            if base in r.get("user_ms", {}):
+                assert r[f"user_cuflash_over_{base}"] == pytest.approx(r["user_ms"][base] / r["user_ms"]["cuflash"])
+    for row in result.get("host_overhead", []):
+        assert {"what", "call", "host_us"} <= set(row) and row["host_us"] > 0
 
 
 def test_benchmarks_md_renders_the_h100_json():

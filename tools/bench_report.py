@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 BACKENDS = ("cuflash", "flash", "cudnn")
 
 
@@ -60,6 +62,34 @@ def markdown(result: dict, plot: str | None) -> str:
             ratios = [r["cuflash_over_flash"] for r in rows if r["pass"] == pass_name and r["dtype"] == dtype]
             lines.append(f"\n{dtype}: cuflash / flash from {min(ratios):.2f} to {max(ratios):.2f}, "
                          f">= 1.00 at {sum(x >= 1.0 for x in ratios)} of {len(ratios)} points.")
+        lines.append("")
+        user = [r for r in rows if r["pass"] == pass_name and "user_ms" in r]
+        if user:
+            lines += [f"### {pass_name} as the user sees it", "",
+                      "`triton.testing.do_bench` (L2 flushed, each call timed alone, nothing holding the stream: "
+                      "host cost shows wherever it exceeds GPU time), SDPA-layout tensors, cuflash through its SDPA "
+                      "drop-in" + (", forward + backward as one autograd step" if pass_name == "fwd+bwd" else "")
+                      + ". Milliseconds per call.", "",
+                      "| dtype | head_dim | causal | seqlen | cuflash ms | flash ms | cuDNN ms | cuflash / flash | "
+                      "cuflash / cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
+            for r in user:
+                u = r["user_ms"]
+                lines.append(
+                    f"| {r['dtype']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | "
+                    f"{u['cuflash']:.3f} | {u.get('flash', float('nan')):.3f} | {u.get('cudnn', float('nan')):.3f} | "
+                    f"{r.get('user_cuflash_over_flash', float('nan')):.2f} | "
+                    f"{r.get('user_cuflash_over_cudnn', float('nan')):.2f} |")
+            lines.append("")
+    if result.get("host_overhead") or result.get("jax_jit"):
+        import host_overhead
+
+        lines += ["## Host cost per call", "",
+                  "Small problem (batch 1, 128 tokens, 8 heads, head_dim 64, bf16, causal): host microseconds per "
+                  "call with the stream held by a sleep kernel, so only Python and launch cost is timed (median of "
+                  "15 batches, the candidates taking turns; tools/host_overhead.py). JAX rows: microseconds per "
+                  "call of the jitted function called back to back (async dispatch), the last result waited for; "
+                  "at (8, 2048, 16, 128) this is GPU-bound.", ""]
+        lines += host_overhead.markdown(result.get("host_overhead", []), result.get("jax_jit", []))
         lines.append("")
     if plot:
         lines += [f"![TFLOP/s against seqlen]({Path(plot).name})", ""]

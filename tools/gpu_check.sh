@@ -107,6 +107,24 @@ try:
                       f"cuflash/cuDNN {min(cudnn):.2f}-{max(cudnn):.2f} |")
 except FileNotFoundError:
     print("| bench | not run |")
+try:
+    bench = json.load(open(f"{out}/bench.json"))
+    for pass_name in ("fwd", "fwd+bwd"):
+        for seqlen in sorted({r["seqlen"] for r in bench["rows"]}):
+            user = [r["user_cuflash_over_flash"] for r in bench["rows"] if r["pass"] == pass_name
+                    and r["dtype"] == "bfloat16" and r["seqlen"] == seqlen and "user_cuflash_over_flash" in r]
+            if user:
+                print(f"| as the user sees it, bf16 {pass_name} seqlen {seqlen}: cuflash/flash | "
+                      f"{min(user):.2f}-{max(user):.2f} |")
+    for row in bench.get("host_overhead", []):
+        print(f"| host µs, {row['what']}: {row['call']} | {row['host_us']:.1f} |")
+    for row in bench.get("jax_jit", []):
+        p = row["point"]
+        value = f"{row['us']:.1f}" if "us" in row else row["error"]
+        print(f"| jax.jit µs, {row['call']} {row.get('pass', '')} at seqlen {p['seqlen']}, d {p['head_dim']} | "
+              f"{value} |")
+except (FileNotFoundError, KeyError):
+    pass
 print(f"| skipped (needs 2 GPUs, or Hopper) | {len(allowed_skips)} |")
 try:
     for name, row in json.load(open(f"{out}/e2e_losses.json")).items():

@@ -21,22 +21,26 @@ SMALL = dict(batch=1, seqlen=128, heads=8, head_dim=64)
 JAX_STEP = dict(batch=8, seqlen=2048, heads=16, head_dim=128)
 
 
-def host_us(fn, *, calls: int = 100, repeats: int = 7, warmup: int = 5) -> float:
-    """Median host microseconds per call of ``fn`` (see the module docstring)."""
+def host_us(candidates: dict, *, calls: int = 100, repeats: int = 15, warmup: int = 5) -> dict[str, float]:
+    """Median host microseconds per call of each function in ``candidates``
+    (name -> fn; see the module docstring). The candidates take turns, batch
+    by batch, so that a drift of the host's speed hits them alike."""
     import torch
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda._sleep(100_000_000)  # ~50 ms: far longer than the timed launches take to queue
-        start = time.perf_counter()
-        for _ in range(calls):
+    for fn in candidates.values():
+        for _ in range(warmup):
             fn()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    torch.cuda.synchronize()
+    samples = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            torch.cuda._sleep(100_000_000)  # ~50 ms: far longer than the timed launches take to queue
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def torch_host_table() -> list[dict]:
@@ -69,23 +73,30 @@ def torch_host_table() -> list[dict]:
             return out.transpose(1, 2)
         return attention
 
+    passes = {
+        "forward": {
+            "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True),
+            "cuflash.attention (PyTorch)": lambda: cuflash.attention(q, k, v, causal=True),
+            "cuflash.attention (CuPy)": lambda: cuflash.attention(cq, ck, cv, causal=True),
+            "cuflash.torch.scaled_dot_product_attention": lambda: ct.scaled_dot_product_attention(
+                q_t, k_t, v_t, is_causal=True),
+        },
+        "backward": {
+            "cuflash.attention_backward (PyTorch)": lambda: cuflash.attention_backward(dout, q, k, v, out, lse,
+                                                                                     causal=True),
+            "cuflash.attention_backward (CuPy)": lambda: cuflash.attention_backward(cdout, cq, ck, cv, cout, clse,
+                                                                                  causal=True),
+        },
+    }
     rows = []
-    with torch.no_grad():
-        rows.append(("forward", "F.scaled_dot_product_attention", host_us(lambda: F.scaled_dot_product_attention(
-            q_t, k_t, v_t, is_causal=True))))
-        rows.append(("forward", "cuflash.attention (PyTorch)", host_us(lambda: cuflash.attention(q, k, v, causal=True))))
-        rows.append(("forward", "cuflash.attention (CuPy)", host_us(lambda: cuflash.attention(cq, ck, cv, causal=True))))
-        rows.append(("forward", "cuflash.torch.scaled_dot_product_attention", host_us(
-            lambda: ct.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True))))
-        rows.append(("backward", "cuflash.attention_backward (PyTorch)", host_us(
-            lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True))))
-        rows.append(("backward", "cuflash.attention_backward (CuPy)", host_us(
-            lambda: cuflash.attention_backward(cdout, cq, ck, cv, cout, clse, causal=True))))
-    rows.append(("autograd fwd+bwd", "F.scaled_dot_product_attention", host_us(
-        autograd_step(F.scaled_dot_product_attention), calls=50)))
+    for what, candidates in passes.items():
+        with torch.no_grad():
+            timings = host_us(candidates)
+        rows += [(what, name, us) for name, us in timings.items()]
+    autograd = {"F.scaled_dot_product_attention": autograd_step(F.scaled_dot_product_attention)}
     for route in ("function", "custom_op"):
-        rows.append(("autograd fwd+bwd", f"cuflash.torch.scaled_dot_product_attention ({route} route)",
-                     host_us(autograd_step(dropin_route(route)), calls=50)))
+        autograd[f"cuflash.torch.scaled_dot_product_attention ({route} route)"] = autograd_step(dropin_route(route))
+    rows += [("autograd fwd+bwd", name, us) for name, us in host_us(autograd, calls=50).items()]
     return [{"what": what, "call": call, "host_us": us} for what, call, us in rows]
 
 
