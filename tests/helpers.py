@@ -152,3 +152,15 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_sc
     dq = rnd(softmax_scale * cupy.einsum("bhqk,bkhd->bqhd", dscores, f32(k_all)))
     dk = rnd(softmax_scale * cupy.einsum("bhqk,bqhd->bkhd", dscores, f32(q)).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
     return dq, dk, dv
+
+
+#: A kernel that spins for ``cycles`` clock cycles, then copies ``src`` to
+#: ``dst``: writes inputs late on a stream, to show a call waits for them.
+SPIN_AND_COPY = r"""
+extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long n, long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+"""

@@ -14,7 +14,12 @@ import pytest
 import cuflash
 from cuflash.reference import attention_backward_reference, attention_reference
 
-from tests.helpers import assert_output_accurate, naive_attention_backward_same_precision, naive_attention_same_precision
+from tests.helpers import (
+    SPIN_AND_COPY,
+    assert_output_accurate,
+    naive_attention_backward_same_precision,
+    naive_attention_same_precision,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -174,20 +179,10 @@ def test_torch_forward_and_backward_on_a_side_stream():
     assert_output_accurate(results[1], attention_backward_reference(arrays[3], *arrays[:3])[0])
 
 
-_SPIN_AND_COPY = r"""
-extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long n, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-"""
-
-
 def test_cupy_stream_context():
     import cupy
 
-    spin = cupy.RawKernel(_SPIN_AND_COPY, "spin_and_copy")
+    spin = cupy.RawKernel(SPIN_AND_COPY, "spin_and_copy")
     rng = cupy.random.default_rng(7)
     q_src, k, v = (rng.standard_normal((2, 400, 4, 64), dtype=cupy.float32) for _ in range(3))
     cupy.cuda.Device().synchronize()

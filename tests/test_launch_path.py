@@ -16,6 +16,7 @@ from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack
 from cuflash.reference import attention_backward_reference, attention_reference
 
 from tests.helpers import (
+    SPIN_AND_COPY,
     assert_output_accurate,
     naive_attention_backward_same_precision,
     naive_attention_same_precision,
@@ -251,16 +252,6 @@ def test_plan_does_not_serve_other_flags_or_bad_input(fresh_plans, monkeypatch):
         cuflash.attention_backward(q, q, k, v, q, cupy.zeros((1, 2, 50), cupy.float32), deterministic="yes")
 
 
-_SPIN_AND_COPY = r"""
-extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long n, long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        dst[i] = src[i];
-}
-"""
-
-
 @pytest.mark.gpu
 def test_cached_plan_runs_on_the_stream_of_each_call(fresh_plans):
     """Warm the plan on one stream, then call from another stream whose
@@ -268,7 +259,7 @@ def test_cached_plan_runs_on_the_stream_of_each_call(fresh_plans):
     cupy = _cupy()
     import cuflash
 
-    spin = cupy.RawKernel(_SPIN_AND_COPY, "spin_and_copy")
+    spin = cupy.RawKernel(SPIN_AND_COPY, "spin_and_copy")
     rng = cupy.random.default_rng(7)
     q_src, k, v = (rng.standard_normal((2, 300, 4, 64), dtype=cupy.float32) for _ in range(3))
     cuflash.attention(q_src, k, v, causal=True)  # plan made on the default stream
