@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._validation import contiguous_strides
+
 #: DLPack device types (dlpack.h): host memory, CUDA device memory, CUDA managed memory.
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
@@ -272,7 +274,7 @@ def _cupy_allocator(shape, dtype, device, strides=None):
     import cupy
 
     dtype = np.dtype(dtype)
-    if strides is None or strides == _c_strides(shape):
+    if strides is None or strides == contiguous_strides(shape):
         empty = cupy.empty
 
         def allocate():
@@ -289,20 +291,12 @@ def _cupy_allocator(shape, dtype, device, strides=None):
     return allocate_strided
 
 
-def _c_strides(shape):
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _torch_allocator(shape, dtype, device, strides=None):
     """() -> (tensor, pointer) from PyTorch's caching allocator on its current
     stream, with element ``strides`` (dense) or C-contiguous."""
     torch = _torch()
     dtype, where = _TORCH_DTYPES[np.dtype(dtype).name](torch), torch.device("cuda", device)
-    if strides is None or strides == _c_strides(shape):
+    if strides is None or strides == contiguous_strides(shape):
         empty = torch.empty
 
         def allocate():

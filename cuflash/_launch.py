@@ -56,7 +56,6 @@ class LaunchPlan:
     def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence[str],
                  launches: Sequence[KernelLaunch]):
         self.device = device
-        self.slots = tuple(slots)
         self._structs = list(structs)
         for struct in self._structs:
             if struct.shape != (1,) or struct.dtype.itemsize % 8:
@@ -67,7 +66,7 @@ class LaunchPlan:
                  for struct in self._structs]
         self._writes = tuple(
             tuple((words[i], _word_index(struct.dtype, slot)) for i, struct in enumerate(self._structs))
-            for slot in self.slots
+            for slot in slots
         )
         # cuLaunchKernel's kernelParams: an array of one pointer, to the struct.
         self._argument_arrays = [np.array([struct.ctypes.data], dtype=np.uint64) for struct in self._structs]

@@ -75,6 +75,12 @@ def check_causal(causal) -> bool:
     return bool(causal)
 
 
+def check_deterministic(deterministic) -> bool:
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    return bool(deterministic)
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     """The scale applied to q.k before the softmax: 1/sqrt(head_dim) by default."""
     if softmax_scale is None:
@@ -198,8 +204,7 @@ def check_backward(dout: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta
     """Checks a backward call; returns its sizes. Raises ``TypeError`` or
     ``ValueError`` naming the argument, what was expected and what came."""
     problem = check_forward(q, k, v, None, causal=causal, softmax_scale=softmax_scale)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    check_deterministic(deterministic)
     _check_like(dout, q, " (batch, seqlen_q, nheads, head_dim)")
     _check_like(out, q, " (batch, seqlen_q, nheads, head_dim)")
     _check_lse(lse, (problem.batch, problem.nheads, problem.seqlen_q))

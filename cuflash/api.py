@@ -52,10 +52,13 @@ FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse")
 BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
                   "dq_accum")
-#: Arrays whose rows the tensor-core kernels copy in 16-byte chunks: the
-#: pointer alignment of these is part of a call's signature.
-_FORWARD_ALIGNED = (0, 1, 2, 3)  # q, k, v, out
-_BACKWARD_ALIGNED = (0, 1, 2, 3, 7, 8)  # dout, q, k, v, dk, dv
+#: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
+#: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS: the 16-byte alignment of
+#: their pointers decides the kernel, so it is part of a call's signature.
+_ALIGNED_ARRAYS = {
+    "forward": (0, 1, 2, 3),  # q, k, v, out
+    "backward": (0, 1, 2, 3, 7, 8),  # dout, q, k, v, dk, dv
+}
 
 #: Plans by call signature, for every framework.
 plans = PlanCache()
@@ -100,17 +103,25 @@ class CachedCall:
         self.plan.launch(pointers, self.stream())
 
 
-def _signature(kind: str, arrays: list, flags: tuple, aligned_indices: tuple[int, ...]):
+def pointers_aligned(kind: str, pointers: list) -> bool:
+    """Whether the pointers the ``kind`` ("forward", "backward") kernels copy
+    in 16-byte chunks are 16-byte aligned (``pointers`` in the order of
+    FORWARD_ARRAYS / BACKWARD_ARRAYS; 0 for an array still to be allocated,
+    which the allocators align)."""
+    misaligned = 0
+    for index in _ALIGNED_ARRAYS[kind]:
+        misaligned |= pointers[index]
+    return not misaligned & 15
+
+
+def _signature(kind: str, arrays: list, flags: tuple):
     """The plan-cache key of a call and its pointers, or ``(None, None)``
     where an array is not one the cache serves (any type but a CuPy array,
     a PyTorch tensor or None)."""
     signature, pointers = _interop.call_signature(arrays)
     if signature is None:
         return None, None
-    misaligned = 0
-    for index in aligned_indices:
-        misaligned |= pointers[index]
-    return (kind, signature, flags, not misaligned & 15), pointers
+    return (kind, signature, flags, pointers_aligned(kind, pointers)), pointers
 
 
 def _cached_call(key, arrays: list, pointers: list) -> bool:
@@ -158,10 +169,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
     """
     arrays = [q, k, v, out, lse]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale)
-    key, pointers = _signature("forward", arrays, flags, _FORWARD_ALIGNED)
+    key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-                                    key=functools.partial(_signature, "forward", arrays, flags, _FORWARD_ALIGNED))
+                                    signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
@@ -194,12 +205,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic)
-    key, pointers = _signature("backward", arrays, flags, _BACKWARD_ALIGNED)
+    key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic,
-                                     key=functools.partial(_signature, "backward", list(arrays), flags,
-                                                           _BACKWARD_ALIGNED))
+                                     signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
 
@@ -227,24 +237,28 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
         yield bridge, views
 
 
-def _run_planned(key, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, natives: dict,
-                 allocated: dict) -> list:
-    """Launches ``plan`` on the pointers of ``views`` (by slot name), then
-    hands the outputs this call allocated back in q's framework, and caches
-    the plan under the call's signature (``key()``: ``_signature``'s result,
-    computed now that ``_call`` has registered the call's array classes) for
-    the fast path where q's framework has one.
+def _view_pointers(names: tuple[str, ...], views: dict) -> list:
+    """Data pointers of ``views`` in the order of ``names`` (0 for an absent one)."""
+    return [views[name].data.ptr if name in views else 0 for name in names]
+
+
+def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, pointers: list,
+                 natives: dict, allocated: dict) -> list:
+    """Launches ``plan`` on ``pointers`` (``_view_pointers(names, views)``),
+    then hands the outputs this call allocated back in q's framework, and
+    caches the plan under the call's signature (``signature()``:
+    ``_signature``'s result, computed now that ``_call`` has registered the
+    call's array classes) for the fast path where q's framework has one.
     ``allocated``: name -> (shape, dtype, native array) of what this call
     allocated (``bridge.empty``), which later calls of the signature allocate
     the same way. Returns the call's arrays in the order of ``names`` (None
     for an absent one)."""
-    pointers = [views[name].data.ptr if name in views else 0 for name in names]
     plan.launch(pointers, bridge.stream.ptr)
     for name, (_, _, native) in allocated.items():
         if name in natives:  # an output, not a work buffer
             natives[name] = bridge.export(native, views[name])
     lane = _interop.fast_lane(bridge.framework)
-    key = key()[0] if lane is not None else None
+    key = signature()[0] if lane is not None else None
     if key is not None:
         allocations = tuple(
             (names.index(name), lane.allocator(shape, dtype, bridge.device_id, _element_strides(views[name])))
@@ -257,7 +271,7 @@ def _element_strides(view) -> tuple[int, ...]:
     return tuple(stride // view.dtype.itemsize for stride in view.strides)
 
 
-def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, key) -> list:
+def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature) -> list:
     """The full path of a forward call: validation, plan, launch. Returns
     the arrays of ``FORWARD_ARRAYS`` in q's framework."""
     arrays = {"q": q, "k": k, "v": v}
@@ -268,18 +282,19 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, key) -> list
                                 causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"))
         natives = dict(arrays) | given
         allocated = {}
-        for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, views["q"]),
+        for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, metas["q"].strides),
                                          ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32", None)):
             if name not in given:
-                native, views[name] = bridge.empty(shape, dtype, None if like is None else _element_strides(like))
+                native, views[name] = bridge.empty(shape, dtype, like)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
+        pointers = _view_pointers(FORWARD_ARRAYS, views)
         plan = forward_plan(problem, {name: Layout.of(views[name]) for name in ("q", "k", "v", "out")},
-                            aligned=_pointers_aligned(views[name] for name in ("q", "k", "v", "out")))
-        return _run_planned(key, bridge, plan, FORWARD_ARRAYS, views, natives, allocated)
+                            aligned=pointers_aligned("forward", pointers))
+        return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
 
 
-def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, key) -> list:
+def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature) -> list:
     """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``.
     Returns the arrays of ``BACKWARD_ARRAYS`` in q's framework."""
     inputs = dict(zip(BACKWARD_ARRAYS[:6], arrays[:6]))
@@ -303,16 +318,17 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, k
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
             if name not in given:
                 shape, dtype = tuple(views[like].shape), views[like].dtype
-                native, views[name] = bridge.empty(shape, dtype, _element_strides(views[like]))
+                native, views[name] = bridge.empty(shape, dtype, metas[like].strides)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
         for name, (shape, dtype) in work.items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
         layouts = {name: Layout.of(views[name]) for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")}
+        pointers = _view_pointers(BACKWARD_ARRAYS, views)
         plan = backward_plan(problem, layouts, Layout.of(views["lse"]), bool(deterministic),
-                             aligned=_pointers_aligned(views[name] for name in ("dout", "q", "k", "v", "dk", "dv")))
-        return _run_planned(key, bridge, plan, BACKWARD_ARRAYS, views, natives, allocated)
+                             aligned=pointers_aligned("backward", pointers))
+        return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated)
 
 
 def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:

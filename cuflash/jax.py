@@ -26,7 +26,14 @@ import jax
 import numpy as np
 
 from . import _interop, api
-from ._validation import TensorMeta, check_backward, check_causal, check_forward, contiguous_strides
+from ._validation import (
+    TensorMeta,
+    check_backward,
+    check_causal,
+    check_deterministic,
+    check_forward,
+    contiguous_strides,
+)
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -49,14 +56,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False)
     Returns the output (batch, seqlen_q, nheads, head_dim); gradients flow to
     q, k and v through cuflash's backward.
     """
-    causal = check_causal(causal)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    causal, deterministic = check_causal(causal), check_deterministic(deterministic)
     if not JIT_SUPPORTED:
-        return _eager(q, k, v, causal, softmax_scale, bool(deterministic))
+        return _eager(q, k, v, causal, softmax_scale, deterministic)
     problem = check_forward(*(_meta(name, x) for name, x in (("q", q), ("k", k), ("v", v))), None,
                             causal=causal, softmax_scale=softmax_scale)
-    return _attention(q, k, v, causal, problem.softmax_scale, bool(deterministic))
+    return _attention(q, k, v, causal, problem.softmax_scale, deterministic)
 
 
 def _meta(name: str, x) -> TensorMeta:
@@ -158,12 +163,10 @@ def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) ->
             raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
         pointers.append(interface["data"][0])
         shapes.append(tuple(buffer.shape))
-    dtype = np.dtype(buffers[names.index("q")].dtype).name
-    device = _device_of_pointer(pointers[names.index("q")])
-    misaligned = 0
-    for pointer in pointers:
-        misaligned |= pointer
-    aligned = not misaligned & 15
+    q = names.index("q")
+    dtype = np.dtype(buffers[q].dtype).name
+    device = _device_of_pointer(pointers[q])
+    aligned = api.pointers_aligned(flags[0], pointers)
     key = ("jax", flags, tuple(shapes), dtype, device, aligned)
     plan = api.plans.get(key)
     if plan is None:

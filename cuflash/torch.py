@@ -18,12 +18,11 @@ call has compiled the kernels).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import api
 from ._interop import dense_strides_like
-from ._validation import check_causal, resolve_softmax_scale
+from ._validation import check_causal, check_deterministic, resolve_softmax_scale
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
 
@@ -116,9 +115,7 @@ EAGER_ROUTE = "function"
 
 def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None):
     if deterministic.__class__ is not bool:
-        if not isinstance(deterministic, (bool, np.bool_)):
-            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-        deterministic = bool(deterministic)
+        deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
     if route == "custom_op" or torch.compiler.is_compiling():
         _check_cuda_tensors(q, k, v)

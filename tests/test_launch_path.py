@@ -120,11 +120,13 @@ def test_plan_cache_is_bounded_and_least_recently_used_goes_first():
 
 
 def test_signature_refuses_unknown_classes_and_unhashable_flags():
-    assert api._signature("forward", [np.zeros(3)], (), ())[0] is None  # NumPy arrays: full path, clear error
-    key, pointers = api._signature("forward", [None], ([],), ())
-    assert api._cached_call(key, [None], pointers) is False  # an unhashable flag: the full path explains it
-    key, pointers = api._signature("forward", [None, None], (bool, True), ())
-    assert pointers == [0, 0] and key == ("forward", (None, None), (bool, True), True)
+    assert api._signature("forward", [np.zeros(3)] + [None] * 4, ())[0] is None  # NumPy: full path, clear error
+    key, pointers = api._signature("forward", [None] * 5, ([],))
+    assert api._cached_call(key, [None] * 5, pointers) is False  # an unhashable flag: the full path explains it
+    key, pointers = api._signature("forward", [None] * 5, (bool, True))
+    assert pointers == [0] * 5 and key == ("forward", (None,) * 5, (bool, True), True)
+    assert not api.pointers_aligned("backward", [0, 16, 32, 8, 0, 0, 0, 64, 80, 0, 0])  # v misaligned
+    assert api.pointers_aligned("backward", [0, 16, 32, 48, 4, 4, 0, 64, 80, 4, 0])  # out, lse, delta are not copied
 
 
 # --- on the GPU ---
