@@ -17,7 +17,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from ._kernels import KernelVariant
+from ._kernel_families import KernelVariant
 
 _SOURCE_SUFFIXES = (".cu", ".cuh")
 #: CUDA's default limit of dynamic shared memory; more needs an opt-in per kernel.

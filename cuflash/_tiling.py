@@ -1,10 +1,12 @@
-"""Tile sizes of cuflash's kernels: the one table the launcher, the NumPy
-emulation of the tiled algorithm and the IO simulator all read.
+"""Tile sizes of cuflash's kernels, per (dtype, head dim), and the shared
+memory they take: the tables ``cuflash._kernel_families`` points each kernel
+family at (which family runs a call is decided there).
 
-The CUDA side (``kernels_cu/kernel_traits.cuh``) receives these numbers as
-template arguments and derives the shared-memory layout from them; the
-``forward_smem_bytes`` formula below mirrors that derivation, and the kernel
-checks at run time that it was given at least as much as it needs.
+The CUDA side (``kernels_cu/simt_traits.cuh``, ``tensor_core_traits.cuh``)
+receives these numbers as template arguments and derives the shared-memory
+layout from them; the ``*_smem_bytes`` formulas below mirror that derivation
+(tests/test_tiling.py compares them with the traits), and each kernel checks
+at run time that it was given at least as much as it needs.
 """
 
 from __future__ import annotations
@@ -22,17 +24,16 @@ ELEMENT_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 #: Shared memory a Hopper or Ampere block may use (227 KiB).
 MAX_SMEM_BYTES = 227 * 1024
 
-#: Storage dtypes of the tensor-core forward (mma.sync with float32 accumulation).
-TENSOR_CORE_DTYPES = ("float16", "bfloat16")
-#: Head dims the tensor-core forward is compiled for; others run on the next larger one.
-TENSOR_CORE_HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
-#: Tensor-core forward tiles per compiled head dim: (block_m, block_n, warps,
+#: Storage dtypes of the tensor-core kernels (mma.sync and wgmma, float32 accumulation).
+MMA_DTYPES = ("float16", "bfloat16")
+#: mma.sync forward tiles (flash_fwd_mma.cu) per compiled head dim (a head
+#: dim runs on the next larger one): (block_m, block_n, warps,
 #: K/V buffers). Each warp owns block_m / warps query rows; its accumulators
 #: (O: rows x head dim, S: rows x block_n) fill the register file, so the
 #: larger head dims take fewer rows or keys, and where double-buffered K/V
 #: copies would spill registers (96, 128) the tiles are single-buffered.
 #: tools/kernel_report.py checks that none spills.
-TENSOR_CORE_FORWARD_TILES = {
+MMA_FORWARD_TILES = {
     64: (128, 64, 4, 2),
     96: (128, 64, 4, 1),
     128: (128, 64, 4, 1),
@@ -77,7 +78,7 @@ def pad_head_dim(head_dim: int) -> int:
 
 def smem_tile_bytes(rows: int, cols: int, element_size: int) -> int:
     """Bytes of one shared-memory tile; mirrors ``SmemTile`` in
-    ``kernels_cu/kernel_traits.cuh``: rows padded by one 4-byte word, each
+    ``kernels_cu/simt_traits.cuh``: rows padded by one 4-byte word, each
     tile rounded up to 16 bytes."""
     pad = 1 if element_size >= 4 else 4 // element_size
     return -(-rows * (cols + pad) * element_size // 16) * 16
@@ -109,10 +110,10 @@ class Tiling:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     @property
-    def tensor_cores(self) -> bool:
-        """Whether this is a tensor-core forward (mma.sync or wgmma): both
-        visit key blocks last to first with a rescale slack (see
-        ``cuflash.reference.attention_tiled``)."""
+    def keys_last_to_first(self) -> bool:
+        """Whether this forward visits key blocks last to first with a
+        rescale slack, as both tensor-core forwards (mma.sync, wgmma) do
+        (see ``cuflash.reference.attention_tiled``)."""
         return self.kernel != "simt"
 
     @property
@@ -191,31 +192,31 @@ def forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return tiling
 
 
-def _tensor_core_bucket(dtype_name: str, head_dim: int) -> int:
-    """The tensor-core head-dim bucket serving (dtype, head_dim); ValueError
-    where the tensor-core forwards do not apply (``tensor_cores_apply``)."""
-    if dtype_name not in TENSOR_CORE_DTYPES:
-        raise ValueError(f"the tensor-core forward takes {TENSOR_CORE_DTYPES}, got {dtype_name!r}")
+def _mma_bucket(dtype_name: str, head_dim: int) -> int:
+    """The mma.sync head-dim bucket serving (dtype, head_dim); ValueError
+    where the tensor-core kernels do not apply (``mma_applies``)."""
+    if dtype_name not in MMA_DTYPES:
+        raise ValueError(f"the tensor-core forward takes {MMA_DTYPES}, got {dtype_name!r}")
     if head_dim <= 0 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the tensor-core forward takes head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}")
-    return next(b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if head_dim <= b)
+    return next(b for b in MMA_FORWARD_TILES if head_dim <= b)
 
 
-def tensor_cores_apply(dtype_name: str, head_dim: int) -> bool:
-    """Whether (dtype, head_dim) is one the tensor-core forwards serve."""
+def mma_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether (dtype, head_dim) is one the tensor-core kernels serve."""
     try:
-        _tensor_core_bucket(dtype_name, head_dim)
+        _mma_bucket(dtype_name, head_dim)
     except ValueError:
         return False
     return True
 
 
-def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the mma.sync forward (sm_80+), for float16/bfloat16 and
     head_dim a multiple of 8 (the launcher checks the rest: alignment,
     scale > 0)."""
-    padded = _tensor_core_bucket(dtype_name, head_dim)
-    block_m, block_n, warps, stages = TENSOR_CORE_FORWARD_TILES[padded]
+    padded = _mma_bucket(dtype_name, head_dim)
+    block_m, block_n, warps, stages = MMA_FORWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
                     kv_stages=stages)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
@@ -224,11 +225,11 @@ def tensor_core_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 def wgmma_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the Hopper kernels serve (dtype, head_dim) (on sm_90a)."""
-    return tensor_cores_apply(dtype_name, head_dim) and _tensor_core_bucket(dtype_name, head_dim) in WGMMA_HEAD_DIMS
+    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_HEAD_DIMS
 
 
 def _wgmma_bucket(dtype_name: str, head_dim: int, what: str) -> int:
-    padded = _tensor_core_bucket(dtype_name, head_dim)
+    padded = _mma_bucket(dtype_name, head_dim)
     if padded not in WGMMA_HEAD_DIMS:
         raise ValueError(f"the Hopper {what} takes head dims in buckets {list(WGMMA_HEAD_DIMS)}, "
                          f"got {head_dim} (bucket {padded})")
@@ -245,19 +246,6 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return tiling
 
 
-def default_forward_tiling(dtype_name: str, head_dim: int, compute_capability: int = 80) -> Tiling:
-    """The forward tiles the launcher picks for inputs with 16-byte aligned
-    rows and a positive scale on a device of ``compute_capability`` (90: the
-    Hopper kernel can be built, sm_90a): the wgmma table where it applies on
-    Hopper, the mma.sync table for other tensor-core cases, the SIMT table
-    otherwise (see ``cuflash.api.forward_tiling_for``)."""
-    if compute_capability == 90 and wgmma_applies(dtype_name, head_dim):
-        return wgmma_forward_tiling(dtype_name, head_dim)
-    if compute_capability >= 80 and tensor_cores_apply(dtype_name, head_dim):
-        return tensor_core_forward_tiling(dtype_name, head_dim)
-    return forward_tiling(dtype_name, head_dim)
-
-
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_applies``."""
     padded = _wgmma_bucket(dtype_name, head_dim, "backward")
@@ -265,16 +253,6 @@ def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
-
-
-def default_backward_tiling(dtype_name: str, head_dim: int, compute_capability: int = 80,
-                            deterministic: bool = False) -> Tiling:
-    """The backward dK/dV tiles the launcher picks for 16-byte aligned rows
-    on a device of ``compute_capability``: the Hopper kernel (atomic dQ) where
-    it applies and the mode is not deterministic, the SIMT table otherwise."""
-    if compute_capability == 90 and not deterministic and wgmma_applies(dtype_name, head_dim):
-        return wgmma_backward_tiling(dtype_name, head_dim)
-    return backward_tiling(dtype_name, head_dim)
 
 
 def backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
@@ -294,28 +272,3 @@ def backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     tiling = Tiling(head_dim_padded=padded, block_m=32, block_n=block_n, warps=warps)
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
-
-
-def visible_key_blocks(m_start: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int,
-                       causal: bool) -> int:
-    """Key blocks, counted from the first, that a query block starting at row
-    ``m_start`` must visit; the rest are fully masked and skipped. Mirrors
-    ``visible_key_blocks`` in ``kernels_cu/masking.cuh`` (bottom-right causal
-    alignment: row i sees key j iff j <= i + seqlen_k - seqlen_q)."""
-    if not causal:
-        return -(-seqlen_k // block_n)
-    last_row = min(m_start + block_m, seqlen_q) - 1
-    last_visible_key = last_row + seqlen_k - seqlen_q
-    if last_visible_key < 0:
-        return 0
-    return -(-min(last_visible_key + 1, seqlen_k) // block_n)
-
-
-def first_visible_query_block(n_start: int, block_m: int, seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """First query block with a row that sees some key of the key block
-    starting at ``n_start``; the backward's dK/dV walk skips the blocks before
-    it. Mirrors ``first_visible_query_block`` in ``kernels_cu/masking.cuh``."""
-    if not causal:
-        return 0
-    first_row = max(0, n_start - (seqlen_k - seqlen_q))
-    return first_row // block_m

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._masks import MaskPolicy, ScoreTransform, mask_for, mask_named, score_transform_named
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
@@ -55,6 +56,21 @@ class AttentionProblem:
     device: int
     softmax_scale: float
     causal: bool
+    #: a mask policy by name (``cuflash._masks.MASKS``) in place of the one
+    #: ``causal`` picks; set only by internal callers and tests
+    mask_name: str | None = None
+    #: a score transform by name (``cuflash._masks.SCORE_TRANSFORMS``); None: the identity
+    score_name: str | None = None
+
+    @property
+    def mask(self) -> MaskPolicy:
+        """The mask policy the kernels are instantiated with."""
+        return mask_for(self.causal) if self.mask_name is None else mask_named(self.mask_name)
+
+    @property
+    def score(self) -> ScoreTransform:
+        """The score transform the kernels are instantiated with."""
+        return score_transform_named("identity" if self.score_name is None else self.score_name)
 
     @property
     def is_empty(self) -> bool:

@@ -20,23 +20,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import _interop
-from ._kernels import (
-    backward_dkdv_variant,
-    backward_dq_variant,
-    backward_elementwise_variant,
-    forward_variant,
-)
+from ._kernel_families import FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
-from ._tiling import (
-    ELEMENT_SIZE,
-    Tiling,
-    backward_tiling,
-    default_backward_tiling,
-    default_forward_tiling,
-    forward_tiling,
-)
+from ._tiling import ELEMENT_SIZE, Tiling
 from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
 _LOG2E = math.log2(math.e)
@@ -367,18 +355,18 @@ def _as_layouts(arrays) -> list[Layout]:
 
 
 def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None = None) -> Tiling:
-    """The forward kernel a problem runs on. The tensor-core kernels need
-    float16/bfloat16 with head_dim a multiple of 8 (``default_forward_tiling``
-    decides by dtype, head dim and device generation), and at run time a
-    positive softmax scale and 16-byte aligned rows (``arrays``: q, k, v, out
-    as CuPy views or ``Layout``s; ``aligned``: whether their pointers are
-    16-byte aligned, read from the CuPy views where not given); otherwise the
-    SIMT kernel runs (same results, slower)."""
+    """The forward kernel a problem runs on: the first forward family of
+    ``cuflash._kernel_families`` that applies. The tensor-core kernels need
+    float16/bfloat16 with head_dim a multiple of 8, the device generation,
+    and at run time a positive softmax scale and 16-byte aligned rows
+    (``arrays``: q, k, v, out as CuPy views or ``Layout``s; ``aligned``:
+    whether their pointers are 16-byte aligned, read from the CuPy views
+    where not given); otherwise the SIMT kernel runs (same results, slower)."""
     if aligned is None:
         aligned = _pointers_aligned(arrays)
-    if problem.softmax_scale > 0 and aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))):
-        return default_forward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device))
-    return forward_tiling(problem.dtype, problem.head_dim)
+    return select("forward", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
+                  aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
+                  positive_scale=problem.softmax_scale > 0)
 
 
 def _kernel_generation(device_id: int) -> int:
@@ -403,7 +391,7 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     launches = []
     if not problem.is_empty:
-        variant = forward_variant(problem.dtype, tiling, problem.causal)
+        variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score)
         grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
     params = pack(
@@ -421,18 +409,18 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,
                         aligned: bool | None = None) -> Tiling:
-    """The dK/dV kernel a backward runs on: the Hopper (wgmma) kernel where
-    ``default_backward_tiling`` says so and q, k, v, dout, dk and dv have
-    16-byte aligned rows (cp.async copies in, 16-byte stores out); the SIMT
-    kernel otherwise. ``views``/``grads``: CuPy views or ``Layout``s;
-    ``aligned`` as for ``forward_tiling_for``."""
+    """The dK/dV kernel a backward runs on: the first dK/dV family that
+    applies, the Hopper (wgmma) kernel where the dtype, head dim, device and
+    mode allow and q, k, v, dout, dk and dv have 16-byte aligned rows
+    (cp.async copies in, 16-byte stores out); the SIMT kernel otherwise.
+    ``views``/``grads``: CuPy views or ``Layout``s; ``aligned`` as for
+    ``forward_tiling_for``."""
     arrays = [views[name] for name in ("q", "k", "v", "dout")] + [grads[name] for name in ("dk", "dv")]
     if aligned is None:
         aligned = _pointers_aligned(arrays)
-    if aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))):
-        return default_backward_tiling(problem.dtype, problem.head_dim, _kernel_generation(problem.device),
-                                       deterministic)
-    return backward_tiling(problem.dtype, problem.head_dim)
+    return select("backward-dkdv", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
+                  aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
+                  deterministic=deterministic)
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
@@ -444,7 +432,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     dout, q, k, v, dk and dv will be 16-byte aligned. Pointer slots:
     ``BACKWARD_SLOTS`` (dq_accum 0 when deterministic)."""
     dkdv_tiling = backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
-    dq_tiling = forward_tiling(problem.dtype, problem.head_dim)
+    dq_family = FAMILY["backward-dq"]
+    dq_tiling = dq_family.tiles(problem.dtype, problem.head_dim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     fields = dict(
@@ -464,26 +453,27 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     device = problem.device
     launches = []
 
-    def elementwise(kind: str, work: int):
-        variant = backward_elementwise_variant(kind, problem.dtype)
+    def elementwise(family: str, work: int):
+        variant = FAMILY[family].variant(problem.dtype)
         blocks = max(1, min(_ELEMENTWISE_BLOCKS, -(-work // variant.threads)))
         launches.append(KernelLaunch(loader.get(variant, device), blocks, variant.threads, 0))
 
     if rows:
-        elementwise("preprocess", rows * 32)  # one warp per query row
+        elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        variant = backward_dkdv_variant(problem.dtype, dkdv_tiling, problem.causal, accumulate_dq=not deterministic)
+        variant = family_of("backward-dkdv", dkdv_tiling.kernel).variant(problem.dtype, dkdv_tiling, problem.mask,
+                                                                         problem.score, not deterministic)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and deterministic:
         # The dQ pass has the forward's tiles; its grid is over those query
         # blocks, so it takes a second struct with that block count.
         fields["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)
         structs.append(pack(BACKWARD_PARAMS, **fields))
-        variant = backward_dq_variant(problem.dtype, dq_tiling, problem.causal)
+        variant = dq_family.variant(problem.dtype, dq_tiling, problem.mask, problem.score)
         grid = _grid_size(fields["num_m_blocks"], problem, problem.nheads, "the backward dQ pass")
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
                                      struct=1))
     elif rows:
-        elementwise("convert_dq", rows * 32)  # one warp per query row
+        elementwise("backward-convert-dq", rows * 32)  # one warp per query row
     return LaunchPlan(device, structs, BACKWARD_SLOTS, launches)

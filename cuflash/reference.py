@@ -8,6 +8,10 @@ log2-domain softmax and recomputation from the LSE, same masking and block
 skipping), so the tiled algorithms themselves are checked on the CPU. All take
 (batch, seqlen, heads, dim) arrays; the naive ones work on NumPy or CuPy
 arrays alike.
+
+Masks and score transforms are the policies of ``cuflash._masks``: every
+function takes ``causal`` (the public flag) or a ``mask`` policy, and a
+``score`` transform (identity by default).
 """
 
 from __future__ import annotations
@@ -16,14 +20,9 @@ import math
 
 import numpy as np
 
-from ._tiling import (
-    Tiling,
-    backward_tiling,
-    default_forward_tiling,
-    first_visible_query_block,
-    forward_tiling,
-    visible_key_blocks,
-)
+from ._kernel_families import select
+from ._masks import MASKS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform, mask_for
+from ._tiling import Tiling, backward_tiling, forward_tiling
 
 _LOG2E = math.log2(math.e)
 #: FragmentOnlineSoftmax::kRescaleSlack (kernels_cu/online_softmax.cuh), log2 units.
@@ -46,9 +45,22 @@ def _scale(softmax_scale, head_dim: int) -> float:
 def causal_mask(seqlen_q: int, seqlen_k: int, xp=np):
     """Boolean (seqlen_q, seqlen_k) mask, True where query i may see key j
     (j <= i + seqlen_k - seqlen_q, bottom-right aligned)."""
-    rows = xp.arange(seqlen_q)[:, None]
-    cols = xp.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+    return MASKS["causal"].matrix(seqlen_q, seqlen_k, xp)
+
+
+def _policies(causal: bool, mask: MaskPolicy | None, score: ScoreTransform | None):
+    """The mask (``mask`` if given, else the one of ``causal``) and score transform of a call."""
+    return (mask_for(causal) if mask is None else mask), (SCORE_TRANSFORMS["identity"] if score is None else score)
+
+
+def _transformed_scores(q, k_all, score: ScoreTransform, xp):
+    """Scores q.k (b, h, q, k) after the score transform, raw-score units."""
+    raw = xp.einsum("bqhd,bkhd->bhqk", q, k_all)
+    if score.is_identity:
+        return raw
+    rows = xp.arange(q.shape[1])[:, None]
+    keys = xp.arange(k_all.shape[1])[None, :]
+    return score.transform(raw, rows, keys)
 
 
 def _expand_kv_heads(x, nheads: int, xp):
@@ -56,14 +68,13 @@ def _expand_kv_heads(x, nheads: int, xp):
     return xp.repeat(x, nheads // x.shape[2], axis=2)
 
 
-def _softmax_probabilities(q, k_all, *, causal, scale, xp):
+def _softmax_probabilities(q, k_all, *, mask: MaskPolicy, score: ScoreTransform, scale, xp):
     """Normalised probabilities (b, h, q, k) of the naive formula, and the
     row max and sum behind them. Rows that see no key have max -inf and
     sum 0: their probabilities are all zero, not NaN."""
     seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
-    scores = xp.einsum("bqhd,bkhd->bhqk", q, k_all) * scale
-    if causal:
-        scores = xp.where(causal_mask(seqlen_q, seqlen_k, xp), scores, -xp.inf)
+    scores = _transformed_scores(q, k_all, score, xp) * scale
+    scores = xp.where(mask.matrix(seqlen_q, seqlen_k, xp), scores, -xp.inf)
     if seqlen_k:
         row_max = scores.max(axis=-1, keepdims=True)
     else:
@@ -75,15 +86,17 @@ def _softmax_probabilities(q, k_all, *, causal, scale, xp):
     return probs / xp.where(row_sum > 0, row_sum, 1.0), safe_max, row_sum
 
 
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None, mask: MaskPolicy | None = None,
+                        score: ScoreTransform | None = None):
     """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
     nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
     key gets output 0 and lse -inf."""
     xp = _array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     nheads, head_dim = q.shape[2], q.shape[3]
+    mask, score = _policies(causal, mask, score)
     probs, safe_max, row_sum = _softmax_probabilities(
-        q, _expand_kv_heads(k, nheads, xp), causal=causal, scale=_scale(softmax_scale, head_dim), xp=xp)
+        q, _expand_kv_heads(k, nheads, xp), mask=mask, score=score, scale=_scale(softmax_scale, head_dim), xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, _expand_kv_heads(v, nheads, xp))
     nonempty = row_sum > 0
     lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
@@ -91,7 +104,7 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None):
 
 
 def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling | None = None,
-                    dtype_name: str = "float16"):
+                    dtype_name: str = "float16", mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
     """NumPy float64 emulation of cuflash's forward kernel.
 
     Walks the same query blocks and key blocks as the kernel (tiles of
@@ -109,7 +122,8 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     if tiling is None:
-        tiling = default_forward_tiling(dtype_name, head_dim)
+        tiling = select("forward", dtype_name, head_dim)
+    mask, score = _policies(causal, mask, score)
     scale_log2 = _scale(softmax_scale, head_dim) * _LOG2E
     k = _expand_kv_heads(k, nheads, np).transpose(0, 2, 1, 3)  # (b, h, sk, d)
     v = _expand_kv_heads(v, nheads, np).transpose(0, 2, 1, 3)
@@ -118,22 +132,22 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     lse = np.empty((batch, nheads, seqlen_q))
     visited = 0
     block_m, block_n = tiling.block_m, tiling.block_n
-    slack = RESCALE_SLACK if tiling.tensor_cores else 0.0
+    slack = RESCALE_SLACK if tiling.keys_last_to_first else 0.0
     for m_start in range(0, seqlen_q, block_m):
         rows = np.arange(m_start, min(m_start + block_m, seqlen_q))
         q_block = q[:, :, rows]
         row_max = np.full((batch, nheads, len(rows)), -np.inf)
         row_sum = np.zeros_like(row_max)
         acc = np.zeros((batch, nheads, len(rows), head_dim))
-        n_blocks = visible_key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k, causal)
-        visited += n_blocks
-        order = range(n_blocks - 1, -1, -1) if tiling.tensor_cores else range(n_blocks)
-        for n_block in order:
+        key_blocks = mask.key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k)
+        visited += len(key_blocks)
+        for n_block in reversed(key_blocks) if tiling.keys_last_to_first else key_blocks:
             keys = np.arange(n_block * block_n, min((n_block + 1) * block_n, seqlen_k))
-            scores = np.einsum("bhqd,bhkd->bhqk", q_block, k[:, :, keys]) * scale_log2
-            if causal:
-                visible = keys[None, :] <= rows[:, None] + (seqlen_k - seqlen_q)
-                scores = np.where(visible, scores, -np.inf)
+            scores = np.einsum("bhqd,bhkd->bhqk", q_block, k[:, :, keys])
+            if not score.is_identity:
+                scores = score.transform(scores, rows[:, None], keys[None, :])
+            visible = mask.rule(rows[:, None], keys[None, :], seqlen_q, seqlen_k)
+            scores = np.where(visible, scores * scale_log2, -np.inf)
             # The reference (kept in row_max) moves only when the block's max
             # exceeds it by more than the slack: 0 for the SIMT kernel (a
             # plain running max), RESCALE_SLACK for the tensor-core one.
@@ -154,7 +168,8 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     return out.transpose(0, 2, 1, 3), lse, visited
 
 
-def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None):
+def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, mask: MaskPolicy | None = None,
+                                 score: ScoreTransform | None = None):
     """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
     With grouped-query attention dk and dv are summed over the query heads
     sharing each key/value head."""
@@ -165,11 +180,16 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     scale = _scale(softmax_scale, head_dim)
     k_all = _expand_kv_heads(k, nheads, xp)
     v_all = _expand_kv_heads(v, nheads, xp)
-    probs, _, _ = _softmax_probabilities(q, k_all, causal=causal, scale=scale, xp=xp)
+    mask, score = _policies(causal, mask, score)
+    probs, _, _ = _softmax_probabilities(q, k_all, mask=mask, score=score, scale=scale, xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, v_all)
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (b, h, q, 1)
     dprobs = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)
     dscores = probs * (dprobs - delta)
+    if not score.is_identity:  # chain rule through the transform
+        rows = xp.arange(seqlen_q)[:, None]
+        keys = xp.arange(seqlen_k)[None, :]
+        dscores = dscores * score.gradient(_transformed_scores(q, k_all, score, xp), rows, keys)
     dq = scale * xp.einsum("bhqk,bkhd->bqhd", dscores, k_all)
     group = nheads // nheads_k if nheads_k else 1
     dk = scale * xp.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
@@ -178,7 +198,8 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
 
 
 def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None, dtype_name: str = "float16",
-                             deterministic: bool = False):
+                             deterministic: bool = False, mask: MaskPolicy | None = None,
+                             score: ScoreTransform | None = None):
     """NumPy float64 emulation of cuflash's backward kernels.
 
     Runs ``attention_tiled`` for the output and LSE, then: delta =
@@ -198,7 +219,9 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale = _scale(softmax_scale, head_dim)
     scale_log2 = scale * _LOG2E
-    out, lse, _ = attention_tiled(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype_name=dtype_name)
+    mask, score = _policies(causal, mask, score)
+    out, lse, _ = attention_tiled(q, k, v, softmax_scale=softmax_scale, dtype_name=dtype_name, mask=mask,
+                                  score=score)
     lse_log2 = lse * _LOG2E  # (b, h, q); -inf for rows that see no key
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)  # (b, h, q)
     # (b, h, s, d) views
@@ -207,29 +230,31 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
     dk = np.zeros_like(kt)
     dv = np.zeros_like(vt)
     group = nheads // nheads_k if nheads_k else 1
-    offset = seqlen_k - seqlen_q
 
     def probabilities_and_dscores(head, rows, keys):
         """Recomputed P and dS of a (rows x keys) tile, every batch entry at once."""
-        qk = np.einsum("bqd,bkd->bqk", qt[:, head, rows], kt[:, head // group, keys])
-        visible = np.ones((len(rows), len(keys)), dtype=bool)
-        if causal:
-            visible = keys[None, :] <= rows[:, None] + offset
+        scores = np.einsum("bqd,bkd->bqk", qt[:, head, rows], kt[:, head // group, keys])
+        if not score.is_identity:
+            scores = score.transform(scores, rows[:, None], keys[None, :])
+        visible = mask.rule(rows[:, None], keys[None, :], seqlen_q, seqlen_k)
         # masked entries are 0 explicitly: for a row that sees no key the
         # exponent would be -inf - -inf
-        exponent = np.where(visible, qk * scale_log2 - lse_log2[:, head, rows][..., None], -np.inf)
+        exponent = np.where(visible, scores * scale_log2 - lse_log2[:, head, rows][..., None], -np.inf)
         probs = np.exp2(exponent)
         dprobs = np.einsum("bqd,bkd->bqk", dot[:, head, rows], vt[:, head // group, keys])
-        return probs, probs * (dprobs - delta[:, head, rows][..., None])
+        dscores = probs * (dprobs - delta[:, head, rows][..., None])
+        if not score.is_identity:
+            dscores = dscores * score.gradient(scores, rows[:, None], keys[None, :])
+        return probs, dscores
 
     tiling = backward_tiling(dtype_name, head_dim)
     visited = 0
     for kv_head in range(nheads_k):
         for n_start in range(0, seqlen_k, tiling.block_n):
             keys = np.arange(n_start, min(n_start + tiling.block_n, seqlen_k))
-            m_begin = first_visible_query_block(n_start, tiling.block_m, seqlen_q, seqlen_k, causal)
+            query_blocks = mask.query_blocks(n_start, tiling.block_n, tiling.block_m, seqlen_q, seqlen_k)
             for head in range(kv_head * group, (kv_head + 1) * group):
-                for m_start in range(m_begin * tiling.block_m, seqlen_q, tiling.block_m):
+                for m_start in (m_block * tiling.block_m for m_block in query_blocks):
                     visited += head == kv_head * group
                     rows = np.arange(m_start, min(m_start + tiling.block_m, seqlen_q))
                     probs, dscores = probabilities_and_dscores(head, rows, keys)
@@ -242,9 +267,7 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
         for head in range(nheads):
             for m_start in range(0, seqlen_q, dq_tiling.block_m):
                 rows = np.arange(m_start, min(m_start + dq_tiling.block_m, seqlen_q))
-                n_blocks = visible_key_blocks(m_start, dq_tiling.block_m, dq_tiling.block_n, seqlen_q, seqlen_k,
-                                              causal)
-                for n_block in range(n_blocks):
+                for n_block in mask.key_blocks(m_start, dq_tiling.block_m, dq_tiling.block_n, seqlen_q, seqlen_k):
                     keys = np.arange(n_block * dq_tiling.block_n, min((n_block + 1) * dq_tiling.block_n, seqlen_k))
                     _, dscores = probabilities_and_dscores(head, rows, keys)
                     dq[:, head, rows] += scale * np.einsum("bqk,bkd->bqd", dscores, kt[:, head // group, keys])

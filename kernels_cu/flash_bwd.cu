@@ -1,7 +1,8 @@
 // FlashAttention-2 backward pass, by recomputation from the saved log-sum-exp.
 //
 // Given dO, the forward's O and its LSE:
-//   preprocess:  delta_i = rowsum(dO_i * O_i)           (and zero the dQ accumulator)
+//   preprocess:  delta_i = rowsum(dO_i * O_i)           (and zero the dQ accumulator;
+//                flash_bwd_elementwise.cu)
 //   dK/dV:       one thread block per key block j, K_j and V_j on chip, walking
 //                every query block i of every query head sharing this K/V head:
 //                  P_ij  = exp(scale * Q_i K_j^T - LSE_i)   (recomputed, never stored)
@@ -12,110 +13,20 @@
 //                  dQ_i += scale * dS_ij K_j     (float32 atomics, default mode)
 //   dQ (deterministic mode): one thread block per query block, the same
 //                recomputation over key blocks, dQ_i summed in a fixed order.
-//   convert:     float32 dQ accumulator -> dq in the input dtype.
+//   convert:     float32 dQ accumulator -> dq in the input dtype (flash_bwd_elementwise.cu).
+// With a score transform, dS is further multiplied by its derivative (score_gradient).
 // Nothing of size seqlen_q x seqlen_k exists: one tile of P and one of dS per block.
 #include "numeric.cuh"
 #include "params.cuh"
-#include "grid.cuh"
-#include "kernel_traits.cuh"
+#include "block_info.cuh"
+#include "simt_traits.cuh"
 #include "tile_copy.cuh"
-#include "masking.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
 #include "probability.cuh"
 #include "tile_math.cuh"
-#include "warp_reduce.cuh"
 
 namespace cuflash {
-
-// Rows of (batch, seqlen_q, nheads) are enumerated with the head fastest,
-// which is also the layout of the float32 dQ accumulator (batch, seqlen_q,
-// nheads, head_dim): row r's accumulator starts at dq_accum + r * head_dim.
-struct QueryRow {
-    index_t batch, row, head;
-};
-
-__device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size) {
-    QueryRow q;
-    q.head = r % size.nheads;
-    const index_t rest = r / size.nheads;
-    q.row = rest % size.seqlen_q;
-    q.batch = rest / size.seqlen_q;
-    return q;
-}
-
-// delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
-// accumulator when there is one, which saves a separate memset pass.
-template <typename Element, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_backward_preprocess_kernel(const BackwardParams params) {
-    const ProblemSize& size = params.size;
-    const index_t rows = size.batch * size.seqlen_q * size.nheads;
-    const int head_dim = size.head_dim_int();
-    const int lane = threadIdx.x % 32;
-    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
-    for (index_t r = first; r < rows; r += step) {  // uniform per warp: the shuffles below see all lanes
-        const QueryRow q = query_row(r, size);
-        const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
-        const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
-        float sum = 0.0f;
-        // Two elements per lane and access where the rows allow it (even
-        // head_dim, pair-aligned rows): half the load instructions.
-        if (head_dim % 2 == 0 && pair_aligned<Element>(o) && pair_aligned<Element>(dout)) {
-            for (int c = 2 * lane; c < head_dim; c += 64) {
-                const float2 a = load_pair(o + c), b = load_pair(dout + c);
-                sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
-            }
-        } else {
-            for (int c = lane; c < head_dim; c += 32) {
-                sum = fmaf(to_float(o[c]), to_float(dout[c]), sum);
-            }
-        }
-        sum = group_allreduce_sum<32>(sum);
-        if (lane == 0) {
-            params.delta[(q.batch * size.nheads + q.head) * size.seqlen_q + q.row] = sum;
-        }
-        if (params.dq_accum != nullptr) {
-            float* acc = params.dq_accum + r * head_dim;
-            if (head_dim % 2 == 0) {  // the accumulator is contiguous: rows of even length are 8-byte aligned
-                for (int c = 2 * lane; c < head_dim; c += 64) {
-                    *reinterpret_cast<float2*>(acc + c) = make_float2(0.0f, 0.0f);
-                }
-            } else {
-                for (int c = lane; c < head_dim; c += 32) {
-                    acc[c] = 0.0f;
-                }
-            }
-        }
-    }
-}
-
-// dq (input dtype, any strides) = the float32 accumulator, already scaled.
-// One warp per query row, as in the preprocessing: the row's coordinates
-// take 64-bit divisions, which per element would cost more than the copy.
-template <typename Element, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_backward_convert_dq_kernel(const BackwardParams params) {
-    const ProblemSize& size = params.size;
-    const index_t rows = size.batch * size.seqlen_q * size.nheads;
-    const int head_dim = size.head_dim_int();
-    const int lane = threadIdx.x % 32;
-    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
-    for (index_t r = first; r < rows; r += step) {
-        const QueryRow q = query_row(r, size);
-        Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
-        const float* acc = params.dq_accum + r * head_dim;
-        if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {
-            for (int c = 2 * lane; c < head_dim; c += 64) {
-                store_pair(dq + c, *reinterpret_cast<const float2*>(acc + c));
-            }
-        } else {
-            for (int c = lane; c < head_dim; c += 32) {
-                dq[c] = from_float<Element>(acc[c]);
-            }
-        }
-    }
-}
 
 // Loads LSE (converted to the log2 domain) and delta of the query rows
 // [m_start, m_start + kRows) into shared memory; rows past seqlen_q get 0 and
@@ -124,20 +35,21 @@ template <int kRows, int kThreads>
 __device__ __forceinline__ void load_row_stats(float* lse_log2, float* delta, const BackwardParams& params,
                                                index_t batch, index_t head, int m_start, int thread) {
     const index_t seqlen_q = params.size.seqlen_q;
+    const float* lse_row = params.lse_row(batch, head);
+    const float* delta_row = params.delta_row(batch, head);
     for (int i = thread; i < kRows; i += kThreads) {
         const index_t row = m_start + i;
         const bool valid = row < seqlen_q;
-        lse_log2[i] = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e
-                            : 0.0f;
-        delta[i] = valid ? params.delta[(batch * params.size.nheads + head) * seqlen_q + row] : 0.0f;
+        lse_log2[i] = valid ? lse_row[row] * kLog2e : 0.0f;
+        delta[i] = valid ? delta_row[row] : 0.0f;
     }
 }
 
-template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal,
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
           bool kAccumulateDq>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dkdv_kernel(const BackwardParams params) {
-    using Traits = KernelTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
+    using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = BackwardDkDvSmem<Traits>;
     constexpr int kLanesPerKey = Traits::kLanesPerKey;
     constexpr int kStride = Traits::QTile::kStride;
@@ -155,12 +67,13 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     float* delta_tile = shared_tile<float>(Smem::kDelta);
 
     const ProblemSize& size = params.size;
-    const BlockCoordinates block = block_coordinates(params.num_n_blocks, size.nheads_k);
-    const index_t kv_head = block.head;
+    const KeyBlock block = key_block(size, params.num_n_blocks, kBlockN);
+    const index_t kv_head = block.kv_head;
     const index_t batch = block.batch;
-    const index_t group = size.nheads / size.nheads_k;
-    const int seqlen_q = size.seqlen_q_int();
-    const int seqlen_k = size.seqlen_k_int();
+    const Mask mask(sequence_bounds(size, batch));
+    const Score score(params);
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
     const float scale = static_cast<float>(params.softmax_scale);
@@ -168,15 +81,15 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     const int thread = threadIdx.x;
     const int key_in_block = thread / kLanesPerKey;
     const int lane = thread % kLanesPerKey;
-    const int n_start = block.tile * kBlockN;
+    const int n_start = block.n_start;
     const int key = n_start + key_in_block;
 
     load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        k_tile, params.k.row_ptr<const Element>(batch, kv_head, n_start), params.k.row_stride, seqlen_k - n_start,
-        head_dim, thread);
+        k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride,
+        seqlen_k - n_start, head_dim, thread);
     load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        v_tile, params.v.row_ptr<const Element>(batch, kv_head, n_start), params.v.row_stride, seqlen_k - n_start,
-        head_dim, thread);
+        v_tile, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
+        seqlen_k - n_start, head_dim, thread);
 
     float dk[Smem::kColsPerLane];
     float dv[Smem::kColsPerLane];
@@ -186,17 +99,15 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
         dv[i] = 0.0f;
     }
 
-    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
-    const int m_block_begin = first_visible_query_block<kIsCausal>(n_start, kBlockM, seqlen_q, seqlen_k);
-    const int m_blocks = static_cast<int>(params.num_m_blocks);
+    const BlockRange query_range = mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
     const Element* k_row = k_tile + key_in_block * kStride;
     const Element* v_row = v_tile + key_in_block * kStride;
     float* pt_row = pt_tile + key_in_block * kScoreStride;
     float* dst_row = dst_tile + key_in_block * kScoreStride;
 
     // dK and dV of a shared K/V head are sums over the query heads of its group.
-    for (index_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
-        for (int m_block = m_block_begin; m_block < m_blocks; ++m_block) {
+    for (index_t head = block.first_head; head < block.first_head + block.group; ++head) {
+        for (int m_block = query_range.begin; m_block < query_range.end; ++m_block) {
             const int m_start = m_block * kBlockM;
             // The previous Q/dO/statistics tiles are fully consumed (and K/V are
             // loaded, on the first pass, once the barrier below passes).
@@ -220,10 +131,11 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
             for (int j = 0; j < Smem::kRowsPerLane; ++j) {
                 const int r = lane + j * kLanesPerKey;
                 const int row = m_start + r;
-                const bool visible = row < seqlen_q && is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset);
-                const float p = recompute_probability(visible, qk[j], scale_log2, lse_tile[r]);
+                const bool visible = row < seqlen_q && key_visible(mask, row, key);
+                const float s = transformed_score(score, qk[j], row, key);
+                const float p = recompute_probability(visible, s, scale_log2, lse_tile[r]);
                 pt_row[r] = p;
-                dst_row[r] = p * (dp[j] - delta_tile[r]);
+                dst_row[r] = score_gradient(score, p, dp[j], delta_tile[r], s, row, key);
             }
             // A key's P^T and dS^T rows are written and read by that key's
             // lanes only, which share a warp.
@@ -247,7 +159,7 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
                 accumulate_weighted_rows<Smem::kDqColsPerLane, kLanesPerRow, kBlockN, kStride>(
                     dq, dst_tile + row_in_block, kScoreStride, k_tile, row_lane);
                 if (row < seqlen_q) {
-                    float* acc = params.dq_accum + ((batch * size.seqlen_q + row) * size.nheads + head) * head_dim;
+                    float* acc = params.dq_accum_row(batch, head, row, head_dim);
 #pragma unroll
                     for (int i = 0; i < Smem::kDqColsPerLane; ++i) {
                         const int col = row_lane + i * kLanesPerRow;
@@ -276,10 +188,10 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
 
 // Deterministic dQ: one block per query block sums dS K over the key blocks
 // in a fixed order, with no atomics.
-template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dq_kernel(const BackwardParams params) {
-    using Traits = KernelTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
+    using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = BackwardDqSmem<Traits>;
     constexpr int kLanesPerRow = Traits::kLanesPerRow;
     constexpr int kStride = Traits::QTile::kStride;
@@ -293,19 +205,21 @@ flash_backward_dq_kernel(const BackwardParams params) {
     float* ds_tile = shared_tile<float>(Smem::kDS);
 
     const ProblemSize& size = params.size;
-    const BlockCoordinates block = block_coordinates(params.num_m_blocks, size.nheads);
+    const QueryBlock block = query_block<false>(size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
     const index_t batch = block.batch;
-    const index_t kv_head = size.kv_head_of(head);
-    const int seqlen_q = size.seqlen_q_int();
-    const int seqlen_k = size.seqlen_k_int();
+    const index_t kv_head = block.kv_head;
+    const Mask mask(sequence_bounds(size, batch));
+    const Score score(params);
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
     const int lane = thread % kLanesPerRow;
-    const int m_start = block.tile * kBlockM;
+    const int m_start = block.m_start;
     const int row = m_start + row_in_block;
 
     load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
@@ -315,29 +229,27 @@ flash_backward_dq_kernel(const BackwardParams params) {
         do_tile, params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride,
         seqlen_q - m_start, head_dim, thread);
     const bool row_valid = row < seqlen_q;
-    const float lse_log2 =
-        row_valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] * kLog2e : 0.0f;
-    const float delta = row_valid ? params.delta[(batch * size.nheads + head) * size.seqlen_q + row] : 0.0f;
+    const float lse_log2 = row_valid ? params.lse_row(batch, head)[row] * kLog2e : 0.0f;
+    const float delta = row_valid ? params.delta_row(batch, head)[row] : 0.0f;
 
     float dq[Smem::kColsPerLane];
 #pragma unroll
     for (int i = 0; i < Smem::kColsPerLane; ++i) {
         dq[i] = 0.0f;
     }
-    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
-    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
+    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
     const Element* q_row = q_tile + row_in_block * kStride;
     const Element* do_row = do_tile + row_in_block * kStride;
     float* ds_row = ds_tile + row_in_block * Traits::ScoreTile::kStride;
 
-    for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    for (int n_block = key_range.begin; n_block < key_range.end; ++n_block) {
         const int n_start = n_block * kBlockN;
         __syncthreads();  // previous K/V consumed; Q/dO complete on the first pass after the next barrier
         load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            k_tile, params.k.row_ptr<const Element>(batch, kv_head, n_start), params.k.row_stride,
+            k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride,
             seqlen_k - n_start, head_dim, thread);
         load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            v_tile, params.v.row_ptr<const Element>(batch, kv_head, n_start), params.v.row_stride,
+            v_tile, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
             seqlen_k - n_start, head_dim, thread);
         __syncthreads();
 
@@ -348,10 +260,11 @@ flash_backward_dq_kernel(const BackwardParams params) {
 #pragma unroll
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
             const int key_in_block = lane + j * kLanesPerRow;
-            const bool visible =
-                row_valid && is_key_visible<kIsCausal>(row, n_start + key_in_block, seqlen_k, diagonal_offset);
-            const float p = recompute_probability(visible, qk[j], scale_log2, lse_log2);
-            ds_row[key_in_block] = p * (dp[j] - delta);
+            const int key = n_start + key_in_block;
+            const bool visible = row_valid && key_visible(mask, row, key);
+            const float s = transformed_score(score, qk[j], row, key);
+            const float p = recompute_probability(visible, s, scale_log2, lse_log2);
+            ds_row[key_in_block] = score_gradient(score, p, dp[j], delta, s, row, key);
         }
         __syncwarp();  // a row's dS is written and read by that row's lanes only
         accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerRow, kBlockN, kStride>(dq, ds_row, 1, k_tile, lane);

@@ -3,12 +3,14 @@
 // one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
 // accumulators while it walks every query block i of every query head
 // sharing this K/V head; the preprocessing (delta) and dQ conversion kernels
-// of flash_bwd.cu run before and after it.
+// of flash_bwd_elementwise.cu run before and after it.
 //
 // Each warpgroup owns 64 keys; per query block, in the transposed form that
 // keeps the key-side products in registers:
 //   S^T  = K Q^T, dP^T = V dO^T        both operands from swizzled shared memory
 //   P^T  = exp2(S^T * scale log2(e) - LSE log2(e)),  dS^T = P^T (dP^T - delta)
+//                                      (S^T after the score transform, dS^T
+//                                      times its derivative)
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
 //                                      accumulators packed), B read MN-major
 //   dQ_i += scale * dS K               dS^T staged in shared memory, both
@@ -18,12 +20,14 @@
 // end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
 #include "numeric.cuh"
 #include "params.cuh"
-#include "grid.cuh"
-#include "kernel_traits.cuh"
+#include "block_info.cuh"
+#include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
-#include "masking.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
+#include "probability.cuh"
 
 namespace cuflash {
 
@@ -33,7 +37,7 @@ __device__ __forceinline__ void atomic_add_pair(float* address, float a, float b
     asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
 }
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
 __global__ void __launch_bounds__(kWarps * 32, 1)
 flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -56,12 +60,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
     const ProblemSize& size = params.size;
-    const BlockCoordinates block = block_coordinates(params.num_n_blocks, size.nheads_k);
-    const index_t kv_head = block.head;
+    const KeyBlock block = key_block(size, params.num_n_blocks, kBlockN);
+    const index_t kv_head = block.kv_head;
     const index_t batch = block.batch;
-    const index_t group = size.nheads / size.nheads_k;
-    const int seqlen_q = size.seqlen_q_int();
-    const int seqlen_k = size.seqlen_k_int();
+    const Mask mask(sequence_bounds(size, batch));
+    const Score score(params);
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
     const float scale = static_cast<float>(params.softmax_scale);
@@ -70,19 +75,19 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const int warp = thread / 32;
     const int lane = thread % 32;
     const int warpgroup = warp / 4;
-    const int n_start = block.tile * kBlockN;
+    const int n_start = block.n_start;
     const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
-    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
 
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(k_smem, params.k.row_ptr<const Element>(batch, kv_head, n_start),
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(k_smem, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start),
                                                        params.k.row_stride, seqlen_k - n_start, head_dim, thread);
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(v_smem, params.v.row_ptr<const Element>(batch, kv_head, n_start),
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(v_smem, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start),
                                                        params.v.row_stride, seqlen_k - n_start, head_dim, thread);
 
     // Steps: every visible query block of every query head of this K/V head.
-    const int m_block_begin = first_visible_query_block<kIsCausal>(n_start, kBlockM, seqlen_q, seqlen_k);
-    const int blocks_per_head = max(0, static_cast<int>(params.num_m_blocks) - m_block_begin);
-    const int steps = static_cast<int>(group) * blocks_per_head;
+    const BlockRange query_range = mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
+    const int m_block_begin = query_range.begin;
+    const int blocks_per_head = max(0, query_range.end - m_block_begin);
+    const int steps = static_cast<int>(block.group) * blocks_per_head;
 
     // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
     // rows past seqlen_q get 0 and are masked) of query block m_block of
@@ -96,19 +101,20 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(batch, head, m_start),
             params.dout.row_stride, seqlen_q - m_start, head_dim, thread);
         float* lse_log2 = stats + buffer * 2 * kBlockM;
+        const float* lse_row = params.lse_row(batch, head);
+        const float* delta_row = params.delta_row(batch, head);
         for (int i = thread; i < kBlockM; i += Traits::kThreads) {
             const int row = m_start + i;
             const bool valid = row < seqlen_q;
-            const float lse = valid ? params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row]
-                                    : 0.0f;
+            const float lse = valid ? lse_row[row] : 0.0f;
             // A row that sees no key (LSE -inf) has every score masked to -inf;
             // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
             lse_log2[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
-            lse_log2[kBlockM + i] = valid ? params.delta[(batch * size.nheads + head) * size.seqlen_q + row] : 0.0f;
+            lse_log2[kBlockM + i] = valid ? delta_row[row] : 0.0f;
         }
     };
     // The step's query head and block, advanced step by step (no divisions).
-    index_t head = kv_head * group;
+    index_t head = block.first_head;
     int m_block = m_block_begin;
     if (steps > 0) {
         load_query_block(head, m_block, 0);
@@ -187,10 +193,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // -inf, so P^T = 0 there).
         const float* lse_log2 = stats + buffer * 2 * kBlockM;
         const float* delta = lse_log2 + kBlockM;
-        if (m_start + kBlockM > seqlen_q || n_start + kBlockN > seqlen_k ||
-            (kIsCausal && n_start + kBlockN - 1 > m_start + diagonal_offset)) {
-            apply_mask_to_transposed_fragments<kIsCausal>(s, n_start + warp_key0, m_start, lane, seqlen_q, seqlen_k,
-                                                          diagonal_offset);
+        apply_score_transform_transposed(score, s, n_start + warp_key0, m_start, lane);
+        if (m_start + kBlockM > seqlen_q || key_block_needs_mask(mask, m_start, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_transposed_fragments(mask, s, n_start + warp_key0, m_start, lane);
         }
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
@@ -199,9 +204,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = exp2_fast(fmaf(s[0][j][e], scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
+                // Masked scores are -inf: P^T = 0 there (recompute_probability's
+                // explicit zero is not needed on this path).
+                const float transformed = s[0][j][e];
+                const float p = exp2_fast(fmaf(transformed, scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
                 s[0][j][e] = p;
-                dp[0][j][e] = p * (dp[0][j][e] - (e % 2 ? delta_pair.y : delta_pair.x));
+                dp[0][j][e] = score_gradient(score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
+                                             m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
             }
         }
         // P^T and dS^T rounded to the element type as the A operands of dV
@@ -249,7 +258,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         pin_registers(dv_flat);
         pin_registers(dk_flat);
 
-        float* dq_rows = params.dq_accum + ((batch * size.seqlen_q + m_start) * size.nheads + head) * head_dim;
+        float* dq_rows = params.dq_accum_row(batch, head, m_start, head_dim);
         const index_t dq_row_stride = size.nheads * head_dim;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

@@ -9,22 +9,24 @@
 // in shared memory is all.
 //
 // Template parameters are the compile-time choices of cuflash/_kernels.py:
-// element type, padded head dim, tile sizes, warps and the mask mode.
+// element type, padded head dim, tile sizes, warps, the mask and the score
+// transform.
 #include "numeric.cuh"
 #include "params.cuh"
-#include "grid.cuh"
-#include "kernel_traits.cuh"
+#include "block_info.cuh"
+#include "simt_traits.cuh"
 #include "tile_copy.cuh"
-#include "masking.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
 #include "online_softmax.cuh"
 #include "tile_math.cuh"
 
 namespace cuflash {
 
-template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, bool kIsCausal>
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_kernel(const ForwardParams params) {
-    using Traits = KernelTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
+    using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = ForwardSmem<Traits>;
     constexpr int kLanesPerRow = Traits::kLanesPerRow;
     constexpr int kStride = Traits::QTile::kStride;
@@ -36,26 +38,26 @@ flash_forward_kernel(const ForwardParams params) {
     Element* v_tile = shared_tile<Element>(Smem::kV);
     float* p_tile = shared_tile<float>(Smem::kP);
 
-    const BlockCoordinates block = block_coordinates(params.num_m_blocks, params.size.nheads);
-    const int m_block = block.tile;
+    const QueryBlock block = query_block<false>(params.size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
     const index_t batch = block.batch;
-    const index_t kv_head = params.size.kv_head_of(head);
+    const Mask mask(sequence_bounds(params.size, batch));
+    const Score score(params);
 
-    const int seqlen_q = params.size.seqlen_q_int();
-    const int seqlen_k = params.size.seqlen_k_int();
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = params.size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
     const int lane_in_row = thread % kLanesPerRow;
-    const int m_start = m_block * kBlockM;
+    const int m_start = block.m_start;
     const int row = m_start + row_in_block;
 
     const Element* q = params.q.row_ptr<const Element>(batch, head, m_start);
-    const Element* k = params.k.row_ptr<const Element>(batch, kv_head, 0);
-    const Element* v = params.v.row_ptr<const Element>(batch, kv_head, 0);
+    const Element* k = DenseKvSource::rows<Element>(params.k, batch, block.kv_head, 0);
+    const Element* v = DenseKvSource::rows<Element>(params.v, batch, block.kv_head, 0);
 
     load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
         q_tile, q, params.q.row_stride, seqlen_q - m_start, head_dim, thread);
@@ -68,12 +70,11 @@ flash_forward_kernel(const ForwardParams params) {
     OnlineSoftmax<kLanesPerRow> softmax;
     softmax.init();
 
-    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
-    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
+    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
     const Element* q_row = q_tile + row_in_block * kStride;
     float* p_row = p_tile + row_in_block * Traits::ScoreTile::kStride;
 
-    for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    for (int n_block = key_range.begin; n_block < key_range.end; ++n_block) {
         const int n_start = n_block * kBlockN;
         // Every warp has finished reading the previous K/V tile (and, on the
         // first pass, the Q tile is complete once the barrier below passes).
@@ -92,9 +93,8 @@ flash_forward_kernel(const ForwardParams params) {
 #pragma unroll
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
             const int key = n_start + lane_in_row + j * kLanesPerRow;
-            scores[j] = is_key_visible<kIsCausal>(row, key, seqlen_k, diagonal_offset)
-                            ? scores[j] * scale_log2
-                            : negative_infinity();
+            scores[j] = key_visible(mask, row, key) ? transformed_score(score, scores[j], row, key) * scale_log2
+                                                    : negative_infinity();
         }
 
         const float rescale = softmax.update(scores);
@@ -120,8 +120,7 @@ flash_forward_kernel(const ForwardParams params) {
     // rather than 0 / 0.
     const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     if (lane_in_row == 0 && row < seqlen_q) {
-        params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row] =
-            softmax.log_sum_exp(row_sum);
+        params.lse_row(batch, head)[row] = softmax.log_sum_exp(row_sum);
     }
     // Stage the normalised output in the Q tile, free once every warp is
     // past its last read of it, and store it coalesced.

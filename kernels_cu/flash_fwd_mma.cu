@@ -16,16 +16,19 @@
 // diagonal) come first and the rest run mask-free.
 #include "numeric.cuh"
 #include "params.cuh"
-#include "grid.cuh"
-#include "kernel_traits.cuh"
+#include "block_info.cuh"
+#include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
-#include "masking.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
 #include "online_softmax.cuh"
+#include "forward_epilogue.cuh"
 
 namespace cuflash {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal, int kKvStages>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          int kKvStages>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_mma_kernel(const ForwardParams params) {
     using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages>;
@@ -44,30 +47,27 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // is volatile), so that batch, head and m_start do not hold registers
     // through the main loop, where the accumulators need every one.
     const auto tile_origin = [&]() {
-        return query_tile_origin<kIsCausal>(params.num_m_blocks, params.size.nheads, kBlockM);  // .tile: first row
+        return query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     };
-    const BlockCoordinates origin = tile_origin();
-    const index_t head = origin.head;
-    const index_t batch = origin.batch;
-    const index_t kv_head = params.size.kv_head_of(head);
+    const QueryBlock origin = tile_origin();
+    const Mask mask(sequence_bounds(params.size, origin.batch));
+    const Score score(params);
 
-    const int seqlen_q = params.size.seqlen_q_int();
-    const int seqlen_k = params.size.seqlen_k_int();
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = params.size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;
     const int warp = thread / 32;
     const int lane = thread % 32;
-    const int m_start = origin.tile;
+    const int m_start = origin.m_start;
     const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
 
-    const Element* q = params.q.row_ptr<const Element>(batch, head, m_start);
-    const Element* k = params.k.row_ptr<const Element>(batch, kv_head, 0);
-    const Element* v = params.v.row_ptr<const Element>(batch, kv_head, 0);
-    const int diagonal_offset = causal_diagonal_offset(seqlen_q, seqlen_k);
-    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
-    const int first_row_diagonal = m_start + diagonal_offset;  // last key the block's first row sees
+    const Element* q = params.q.row_ptr<const Element>(origin.batch, origin.head, m_start);
+    const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
+    const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
+    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
 
     // Copies key block n_block of K or V (`rows`, from the head's first key)
     // into buffer `stage` of `tile`.
@@ -83,12 +83,12 @@ flash_forward_mma_kernel(const ForwardParams params) {
     };
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing and writes zeros and -inf.
-    if (n_blocks > 0) {
+    if (key_range.end > key_range.begin) {
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride,
                                                                      seqlen_q - m_start, head_dim, thread);
-        load_keys(n_blocks - 1, 0);
+        load_keys(key_range.end - 1, 0);
         if constexpr (kKvStages == 2) {
-            load_values(n_blocks - 1, 0);
+            load_values(key_range.end - 1, 0);
         }
     }
     cp_async_commit();
@@ -125,7 +125,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // Key blocks from the last to the first; `stage` is the buffer holding
     // block n_block. One counter, not two: the loop is short of registers.
     int stage = 0;
-    for (int n_block = n_blocks - 1; n_block >= 0; --n_block) {
+    for (int n_block = key_range.end - 1; n_block >= key_range.begin; --n_block) {
         const int n_start = n_block * kBlockN;
         // This block's K (and V with two stages, Q first time round) has
         // landed for every thread, and every warp is done with the previous
@@ -133,7 +133,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         cp_async_wait<0>();
         __syncthreads();
         if constexpr (kKvStages == 2) {
-            if (n_block > 0) {
+            if (n_block > key_range.begin) {
                 load_keys(n_block - 1, stage ^ 1);
                 load_values(n_block - 1, stage ^ 1);
             }
@@ -172,8 +172,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
             }
         }
 
-        if (key_block_needs_mask<kIsCausal>(first_row_diagonal, n_start, kBlockN, seqlen_k)) {
-            apply_mask_to_fragments<kIsCausal>(s, first_row_diagonal + warp_row0, n_start, lane, seqlen_k);
+        apply_score_transform(score, s, m_start + warp_row0, n_start, lane);
+        if (key_block_needs_mask(mask, m_start, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_fragments(mask, s, m_start + warp_row0, n_start, lane);
         }
         float rescale[2 * kMTiles];
         softmax.update(s, scale_log2, rescale);
@@ -208,7 +209,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
             // K_j, whose buffer now takes K_{j-1} while P V runs.
             cp_async_wait<0>();
             __syncthreads();
-            if (n_block > 0) {
+            if (n_block > key_range.begin) {
                 load_keys(n_block - 1, 0);
             }
             cp_async_commit();
@@ -236,26 +237,13 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // copy into shared memory is still in flight).
     cp_async_wait<0>();
     __syncwarp();
-    const int group = lane / 4, quad = lane % 4;
-    const BlockCoordinates block = tile_origin();
-    const int first_row = block.tile;
-    float* lse_row = params.lse + block.batch * params.lse_batch_stride + block.head * params.lse_head_stride;
-#pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) {
-        const int mt = r / 2, half = r % 2;
-        const float sum = softmax.row_sum(r);
-        // A row that saw no key has sum 0: its output is 0, not 0 / 0.
-        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row_in_block = warp_row0 + mt * 16 + half * 8 + group;
-        if (quad == 0 && first_row + row_in_block < seqlen_q) {
-            lse_row[first_row + row_in_block] = softmax.log_sum_exp(r, sum);
-        }
-        u32* staged = reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * quad);
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-            staged[dt * 4] = pack_pair<Element>(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum);
-        }
-    }
+    const QueryBlock block = tile_origin();
+    const int first_row = block.m_start;
+    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, seqlen_q,
+                                 lane, [&](int row_in_block, int dt, u32 packed) {
+                                     reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * (lane % 4))[dt * 4] =
+                                         packed;
+                                 });
     __syncwarp();
     // 16-byte coalesced stores of the warp's rows; rows past seqlen_q and
     // padded head-dim columns are not written.

@@ -21,17 +21,20 @@
 // exactly the layout of one m16 row of mma fragments (see wgmma.cuh).
 #include "numeric.cuh"
 #include "params.cuh"
-#include "grid.cuh"
-#include "kernel_traits.cuh"
+#include "block_info.cuh"
+#include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
-#include "masking.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
 #include "online_softmax.cuh"
+#include "forward_epilogue.cuh"
 
 namespace cuflash {
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, bool kIsCausal, int kBlocksPerSm>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          int kBlocksPerSm>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const ForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -51,13 +54,14 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     // This block's query tile, computed again for the epilogue (see
     // block_index) so that it holds no registers through the main loop.
     const auto tile_origin = [&]() {
-        return query_tile_origin<kIsCausal>(params.num_m_blocks, params.size.nheads, kBlockM);  // .tile: first row
+        return query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     };
-    const BlockCoordinates origin = tile_origin();
-    const index_t kv_head = params.size.kv_head_of(origin.head);
+    const QueryBlock origin = tile_origin();
+    const Mask mask(sequence_bounds(params.size, origin.batch));
+    const Score score(params);
 
-    const int seqlen_q = params.size.seqlen_q_int();
-    const int seqlen_k = params.size.seqlen_k_int();
+    const int seqlen_q = mask.seqlen_q;
+    const int seqlen_k = mask.seqlen_k;
     const int head_dim = params.size.head_dim_int();
     const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
@@ -65,15 +69,17 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     const int warp = thread / 32;
     const int lane = thread % 32;
     const int warpgroup = warp / 4;
-    const int m_start = origin.tile;
+    const int m_start = origin.m_start;
     const int warp_row0 = warp * 16;  // a warp's 16 accumulator rows: warpgroup * 64 + (warp % 4) * 16
+    const int warp_row = m_start + warp_row0;
 
     const Element* q = params.q.row_ptr<const Element>(origin.batch, origin.head, m_start);
-    const Element* k = params.k.row_ptr<const Element>(origin.batch, kv_head, 0);
-    const Element* v = params.v.row_ptr<const Element>(origin.batch, kv_head, 0);
-    const int n_blocks = visible_key_blocks<kIsCausal>(m_start, kBlockM, kBlockN, seqlen_q, seqlen_k);
-    // Last key the warp's first row sees.
-    const int warp_row_diagonal = m_start + warp_row0 + causal_diagonal_offset(seqlen_q, seqlen_k);
+    const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
+    const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
+    // Key blocks [first_block, first_block + n_blocks), visited last to first.
+    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
+    const int first_block = key_range.begin;
+    const int n_blocks = key_range.end - first_block;
 
     // Copies key block n_block of K or V (`rows`, from the head's first key) into the buffer at `buffer`.
     const auto load_key_block = [&](u32 buffer, const Element* rows, index_t row_stride, int n_block) {
@@ -86,7 +92,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     if (n_blocks > 0) {
         load_swizzled_tile_async<QTile, Traits::kThreads>(q_smem, q, params.q.row_stride, seqlen_q - m_start,
                                                           head_dim, thread);
-        load_key_block(k_smem, k, params.k.row_stride, n_blocks - 1);
+        load_key_block(k_smem, k, params.k.row_stride, key_range.end - 1);
     }
     cp_async_commit();
 
@@ -105,7 +111,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     softmax.init();
 
     for (int i = 0; i < n_blocks; ++i) {
-        const int n_block = n_blocks - 1 - i;
+        const int n_block = key_range.end - 1 - i;
         const int n_start = n_block * kBlockN;
         const int stage = i & 1;  // buffer of K_i and V_i; K_{i+1} and V_{i-1} are in the other
         // K_i and V_{i-1} have landed for every thread, published to the
@@ -114,7 +120,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         cp_async_wait<0>();
         fence_async_shared();
         __syncthreads();
-        if (n_block > 0) {
+        if (n_block > first_block) {
             load_key_block(k_smem + (stage ^ 1) * KvTile::kBytes, k, params.k.row_stride, n_block - 1);
         }
         load_key_block(v_smem + stage * KvTile::kBytes, v, params.v.row_stride, n_block);
@@ -143,8 +149,9 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         }
         pin_registers(s_flat);
 
-        if (key_block_needs_mask<kIsCausal>(warp_row_diagonal, n_start, kBlockN, seqlen_k)) {
-            apply_mask_to_fragments<kIsCausal>(s, warp_row_diagonal, n_start, lane, seqlen_k);
+        apply_score_transform(score, s, warp_row, n_start, lane);
+        if (key_block_needs_mask(mask, warp_row, 16, n_start, kBlockN)) {
+            apply_mask_to_fragments(mask, s, warp_row, n_start, lane);
         }
         float rescale[2];
         softmax.update(s, scale_log2, rescale);
@@ -183,26 +190,14 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     // Epilogue. Every wgmma reading Q finished before the barrier above, so
     // each warp stages its normalised output rows in its own rows of the Q
     // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
-    const int group = lane / 4, quad = lane % 4;
-    const BlockCoordinates block = tile_origin();
-    const int first_row = block.tile;
-    float* lse_row = params.lse + block.batch * params.lse_batch_stride + block.head * params.lse_head_stride;
+    const QueryBlock block = tile_origin();
+    const int first_row = block.m_start;
     unsigned char* const q_tile = smem + Traits::kQ;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const float sum = softmax.row_sum(half);
-        // A row that saw no key has sum 0: its output is 0, not 0 / 0.
-        const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row_in_block = warp_row0 + half * 8 + group;
-        if (quad == 0 && first_row + row_in_block < seqlen_q) {
-            lse_row[first_row + row_in_block] = softmax.log_sum_exp(half, sum);
-        }
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-            *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) + 4 * quad) =
-                pack_pair<Element>(o[0][dt][2 * half] * inv_sum, o[0][dt][2 * half + 1] * inv_sum);
-        }
-    }
+    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, seqlen_q,
+                                 lane, [&](int row_in_block, int dt, u32 packed) {
+                                     *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) +
+                                                             4 * (lane % 4)) = packed;
+                                 });
     __syncwarp();
     store_warp_rows<QTile>(params.out.row_ptr<Element>(block.batch, block.head, first_row), params.out.row_stride,
                            q_tile, warp_row0, seqlen_q - first_row, head_dim, lane);

@@ -41,15 +41,4 @@ __device__ __forceinline__ int longest_first(int tile, index_t num_tiles) {
     return static_cast<int>(num_tiles) - 1 - tile;
 }
 
-// The tensor-core forwards' block: its tile index turned into the first query
-// row (.tile), causal blocks taken longest first. Like block_coordinates it is
-// recomputed wherever it is called, so a kernel can call it again in its
-// epilogue instead of keeping batch, head and first row in registers.
-template <bool kIsCausal>
-__device__ __forceinline__ BlockCoordinates query_tile_origin(index_t num_m_blocks, index_t nheads, int block_m) {
-    BlockCoordinates block = block_coordinates(num_m_blocks, nheads);
-    block.tile = (kIsCausal ? longest_first(block.tile, num_m_blocks) : block.tile) * block_m;
-    return block;
-}
-
 }  // namespace cuflash

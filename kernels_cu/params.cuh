@@ -47,6 +47,11 @@ struct ForwardParams {
     ProblemSize size;
     index_t num_m_blocks;       // ceil(seqlen_q / kBlockM): the grid is flattened over it
     double softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
+
+    // Log-sum-exp of (batch, head), indexed by query row.
+    __device__ __forceinline__ float* lse_row(index_t batch, index_t head) const {
+        return lse + batch * lse_batch_stride + head * lse_head_stride;
+    }
 };
 
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
@@ -64,6 +69,21 @@ struct BackwardParams {
     index_t num_m_blocks, num_n_blocks;
     double softmax_scale_log2;  // softmax_scale * log2(e)
     double softmax_scale;
+
+    // The forward's log-sum-exp and delta of (batch, head), indexed by query row.
+    __device__ __forceinline__ const float* lse_row(index_t batch, index_t head) const {
+        return lse + batch * lse_batch_stride + head * lse_head_stride;
+    }
+    __device__ __forceinline__ float* delta_row(index_t batch, index_t head) const {
+        return delta + (batch * size.nheads + head) * size.seqlen_q;
+    }
+    // The float32 dQ accumulator of query row `row` of (batch, head): rows
+    // of head_dim floats, heads fastest. The caller passes head_dim (the
+    // value it already holds): re-reading it from the parameters here moved
+    // the register-tight Hopper backward into spilling.
+    __device__ __forceinline__ float* dq_accum_row(index_t batch, index_t head, index_t row, int head_dim) const {
+        return dq_accum + ((batch * size.seqlen_q + row) * size.nheads + head) * head_dim;
+    }
 };
 
 static_assert(sizeof(BackwardParams) == 8 * 32 + 5 * 8 + 6 * 8 + 4 * 8, "BackwardParams layout must match cuflash/_params.py");

@@ -1,18 +1,34 @@
-// Probabilities recomputed in the backward pass from the forward's
-// log-sum-exp, instead of being stored (which would be seqlen_q x seqlen_k).
+// Probabilities and score gradients of the backward pass, recomputed from
+// the forward's log-sum-exp instead of being stored (which would be
+// seqlen_q x seqlen_k). Every backward kernel computes dS with these.
 #pragma once
 
 #include "numeric.cuh"
 
 namespace cuflash {
 
-// P recomputed from the forward's log-sum-exp: exp(scale * q.k - lse) =
-// exp2(q.k * scale * log2(e) - lse * log2(e)). Masked entries are 0
-// explicitly: a row that sees no key has lse = -inf, and the exponent of its
-// (masked) entries would be NaN. One MUFU.EX2 (exp2_fast): the probabilities
-// are at most 1, and those below 2^-126 may flush to zero.
-__device__ __forceinline__ float recompute_probability(bool visible, float qk, float scale_log2, float lse_log2) {
-    return visible ? exp2_fast(fmaf(qk, scale_log2, -lse_log2)) : 0.0f;
+// P recomputed from the forward's log-sum-exp: exp(scale * s - lse) =
+// exp2(s * scale * log2(e) - lse * log2(e)), s the (transformed) score.
+// Masked entries are 0 explicitly: a row that sees no key has lse = -inf,
+// and the exponent of its (masked) entries would be NaN. One MUFU.EX2
+// (exp2_fast): the probabilities are at most 1, and those below 2^-126 may
+// flush to zero.
+__device__ __forceinline__ float recompute_probability(bool visible, float score, float scale_log2, float lse_log2) {
+    return visible ? exp2_fast(fmaf(score, scale_log2, -lse_log2)) : 0.0f;
+}
+
+// dL/d(raw score) = dS = P (dP - delta) times the score transform's
+// derivative at the (transformed) score: softmax's gradient, then the chain
+// rule through the transform. The identity costs nothing.
+template <typename Score>
+__device__ __forceinline__ float score_gradient(const Score& score, float p, float dp, float delta, float transformed,
+                                                int row, int key) {
+    const float ds = p * (dp - delta);
+    if constexpr (Score::kIsIdentity) {
+        return ds;
+    } else {
+        return ds * score.gradient(transformed, row, key);
+    }
 }
 
 }  // namespace cuflash

@@ -48,7 +48,7 @@ def _chosen(q, k, v, out=None, *, softmax_scale=None):
 def test_aligned_half_precision_takes_tensor_cores(dtype, head_dim, layout):
     q, k, v = random_qkv(_cupy(), 2, 33, 40, 4, 2, head_dim, _cupy().dtype(dtype), layout=layout)
     tiling = _chosen(q, k, v)
-    assert tiling.tensor_cores
+    assert tiling.kernel != "simt"
     assert tiling.head_dim_padded >= head_dim
 
 
@@ -56,14 +56,14 @@ def test_what_falls_back_to_simt():
     cupy = _cupy()
     bf16 = cupy.dtype("bfloat16")
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, 64, bf16)
-    assert not _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.float32)).tensor_cores  # float32
-    assert not _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 20, bf16)).tensor_cores  # head_dim % 8
-    assert not _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 64, bf16, layout="sliced")).tensor_cores  # 8-byte offset
-    assert not _chosen(q, k, v, softmax_scale=-0.5).tensor_cores  # max of raw scores != max of scaled ones
-    assert not _chosen(q, k, v, softmax_scale=0.0).tensor_cores
+    assert _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.float32)).kernel == "simt"  # float32
+    assert _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 20, bf16)).kernel == "simt"  # head_dim % 8
+    assert _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 64, bf16, layout="sliced")).kernel == "simt"  # 8-byte offset
+    assert _chosen(q, k, v, softmax_scale=-0.5).kernel == "simt"  # max of raw scores != max of scaled ones
+    assert _chosen(q, k, v, softmax_scale=0.0).kernel == "simt"
     misaligned_out = cupy.empty(q.size + 4, dtype=bf16)[4:].reshape(q.shape)
-    assert not _chosen(q, k, v, misaligned_out).tensor_cores
-    assert _chosen(q, k, v).tensor_cores
+    assert _chosen(q, k, v, misaligned_out).kernel == "simt"
+    assert _chosen(q, k, v).kernel != "simt"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -77,7 +77,7 @@ def test_rising_scores_move_the_stale_reference(dtype, causal, generation):
     q, k, v = random_qkv(cupy, 1, 300, 700, 2, 2, 64, cupy.dtype(dtype), seed=3)
     ramp = cupy.linspace(6.0, 0.2, k.shape[1], dtype=cupy.float32)[None, :, None, None]
     k = (k.astype(cupy.float32) * ramp).astype(k.dtype)
-    assert _chosen(q, k, v).tensor_cores
+    assert _chosen(q, k, v).kernel != "simt"
     run_and_check(q, k, v, causal=causal)
 
 
@@ -100,7 +100,7 @@ def test_causal_rows_that_see_no_key_in_their_first_blocks(seqlen_q, seqlen_k, g
     (output 0, LSE -inf) and whole query blocks visit no key block."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 4, 128, cupy.dtype("bfloat16"))
-    assert _chosen(q, k, v).tensor_cores
+    assert _chosen(q, k, v).kernel != "simt"
     out, lse = run_and_check(q, k, v, causal=True)
     hidden = seqlen_q - seqlen_k
     if hidden > 0:

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 
-from cuflash._kernels import forward_variant
+from cuflash._kernel_families import FAMILY
 from cuflash._loader import KernelLoader, compile_options, kernel_source_dir, source_hash
+from cuflash._masks import MASKS
 from cuflash._tiling import forward_tiling
 
 
@@ -17,7 +18,7 @@ def test_sources_are_found():
     assert (source_dir / "online_softmax.cuh").is_file()
 
 
-@pytest.mark.parametrize("changed", ["online_softmax.cuh", "masking.cuh", "flash_fwd.cu", "params.cuh"])
+@pytest.mark.parametrize("changed", ["online_softmax.cuh", "masks.cuh", "flash_fwd.cu", "params.cuh"])
 def test_cache_key_changes_when_any_source_file_changes(tmp_path, changed):
     copy = tmp_path / "kernels_cu"
     shutil.copytree(kernel_source_dir(), copy)
@@ -52,11 +53,12 @@ def test_hopper_gets_sm90a_only_with_a_recent_nvrtc():
 
 
 def test_variant_name_expression_and_key_are_readable():
-    variant = forward_variant("bfloat16", forward_tiling("bfloat16", 100), causal=True)
-    assert variant.name_expression == "cuflash::flash_forward_kernel<__nv_bfloat16, 128, 32, 64, 4, true>"
+    variant = FAMILY["forward"].variant("bfloat16", forward_tiling("bfloat16", 100), MASKS["causal"])
+    assert variant.name_expression == ("cuflash::flash_forward_kernel<__nv_bfloat16, 128, 32, 64, 4, "
+                                       "cuflash::CausalMask, cuflash::IdentityScore>")
     assert variant.key == "forward/bfloat16/hdim128/m32n64w4/causal"
-    other = forward_variant("bfloat16", forward_tiling("bfloat16", 100), causal=False)
-    assert other.key != variant.key
+    other = FAMILY["forward"].variant("bfloat16", forward_tiling("bfloat16", 100), MASKS["none"])
+    assert other.key == "forward/bfloat16/hdim128/m32n64w4/none"
 
 
 @pytest.mark.gpu
@@ -64,7 +66,7 @@ def test_loader_builds_once_per_variant_and_device_across_threads():
     import cupy
 
     loader = KernelLoader()
-    variant = forward_variant("float16", forward_tiling("float16", 64), causal=False)
+    variant = FAMILY["forward"].variant("float16", forward_tiling("float16", 64), MASKS["none"])
     results = []
     threads = [threading.Thread(target=lambda: results.append(loader.get(variant, 0))) for _ in range(8)]
     for thread in threads:
@@ -78,7 +80,7 @@ def test_loader_builds_once_per_variant_and_device_across_threads():
 
 @pytest.mark.gpu
 def test_loader_raises_the_shared_memory_limit_for_large_tiles():
-    variant = forward_variant("float32", forward_tiling("float32", 256), causal=True)
+    variant = FAMILY["forward"].variant("float32", forward_tiling("float32", 256), MASKS["causal"])
     assert variant.smem_bytes > 48 * 1024
     kernel = KernelLoader().get(variant, 0)
     assert kernel.max_dynamic_shared_size_bytes >= variant.smem_bytes

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from cuflash._tiling import forward_tiling, tensor_core_forward_tiling, visible_key_blocks
+from cuflash._masks import MASKS
+from cuflash._tiling import forward_tiling, mma_forward_tiling
 from cuflash.reference import attention_reference, attention_tiled, causal_mask
 
 
@@ -94,7 +95,7 @@ def test_tensor_core_schedule_with_stale_reference_matches_reference(causal, ram
     q = _random((1, 300, 2, 64), rng)
     k, v = (_random((1, 700, 2, 64), rng) for _ in range(2))
     k = k * np.linspace(*ramp, 700)[None, :, None, None]
-    tiling = tensor_core_forward_tiling("bfloat16", 64)
+    tiling = mma_forward_tiling("bfloat16", 64)
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=0.5)
     out, lse, _ = attention_tiled(q, k, v, causal=causal, softmax_scale=0.5, tiling=tiling)
     np.testing.assert_allclose(out, ref_out, rtol=1e-10, atol=1e-12)
@@ -120,5 +121,5 @@ def test_visible_key_blocks_matches_brute_force(seqlen_q, seqlen_k):
         rows = mask[m_start : m_start + block_m]
         visible_cols = np.nonzero(rows.any(axis=0))[0]
         expected = 0 if len(visible_cols) == 0 else math.ceil((visible_cols.max() + 1) / block_n)
-        assert visible_key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k, True) == expected
-        assert visible_key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k, False) == math.ceil(seqlen_k / block_n)
+        assert len(MASKS["causal"].key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k)) == expected
+        assert MASKS["none"].key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k) == range(math.ceil(seqlen_k / block_n))

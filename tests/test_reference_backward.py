@@ -1,10 +1,13 @@
 """The float64 backward reference against finite differences, and the NumPy
 emulation of the tiled backward against the reference (CPU)."""
 
+import math
+
 import numpy as np
 import pytest
 
-from cuflash._tiling import backward_tiling, first_visible_query_block
+from cuflash._masks import MASKS
+from cuflash._tiling import backward_tiling
 from cuflash.reference import (
     attention_backward_reference,
     attention_backward_tiled,
@@ -93,9 +96,9 @@ def test_first_visible_query_block_matches_brute_force(seqlen_q, seqlen_k):
         cols = mask[:, n_start : n_start + block_n]
         rows = np.nonzero(cols.any(axis=1))[0]
         expected = rows.min() // block_m if len(rows) else None
-        got = first_visible_query_block(n_start, block_m, seqlen_q, seqlen_k, True)
+        got = MASKS["causal"].query_blocks(n_start, block_n, block_m, seqlen_q, seqlen_k)
         if expected is None:
-            assert got * block_m >= seqlen_q  # nothing to visit
+            assert not got  # nothing to visit
         else:
-            assert got == expected
-        assert first_visible_query_block(n_start, block_m, seqlen_q, seqlen_k, False) == 0
+            assert got.start == expected and got.stop == math.ceil(seqlen_q / block_m)
+        assert MASKS["none"].query_blocks(n_start, block_n, block_m, seqlen_q, seqlen_k) == range(math.ceil(seqlen_q / block_m))

@@ -4,7 +4,8 @@ FlashAttention paper's Figure 2, and agreement with cuflash's own tiling."""
 import numpy as np
 import pytest
 
-from cuflash._tiling import backward_tiling, default_forward_tiling
+from cuflash._kernel_families import select
+from cuflash._tiling import backward_tiling
 from cuflash.reference import attention_backward_tiled, attention_tiled
 from cuflash.simulate import ALGORITHMS, MACHINES, Problem, key_sweep, query_sweep, run, summarize
 
@@ -132,7 +133,7 @@ def test_cuflash_matches_the_kernels_tiling(seqlen_q, seqlen_k, causal, head_dim
     """cuflash's simulated K/V reads walk the same tiles as the NumPy emulation
     of the kernels, read from the same tables."""
     problem = Problem(batch=1, nheads=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, causal=causal)
-    fwd = default_forward_tiling("float16", head_dim)
+    fwd = select("forward", "float16", head_dim)
     sweep = query_sweep(problem, fwd.block_m, fwd.block_n)
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, seqlen_q, 1, head_dim))

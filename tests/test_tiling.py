@@ -1,5 +1,6 @@
-"""The tile table, and its agreement with the C++ side (KernelTraits and the
-parameter struct), checked by compiling a host program with nvcc: no GPU."""
+"""The tile tables and the kernel-family registry, and their agreement with
+the C++ side (each family's traits and the parameter structs), checked by
+compiling a host program with nvcc: no GPU."""
 
 import shutil
 import subprocess
@@ -7,25 +8,25 @@ import subprocess
 import numpy as np
 import pytest
 
-from cuflash._kernels import CXX_ELEMENT_TYPE
+from cuflash._kernel_families import CXX_ELEMENT_TYPE, FAMILIES, FAMILY, family_of, select
 from cuflash._loader import kernel_source_dir
+from cuflash._masks import MASKS
 from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, flat_fields
 from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
     MAX_SMEM_BYTES,
-    TENSOR_CORE_DTYPES,
-    TENSOR_CORE_HEAD_DIM_BUCKETS,
+    MMA_DTYPES,
+    MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
     WGMMA_HEAD_DIMS,
     Tiling,
     backward_tiling,
-    default_forward_tiling,
     forward_tiling,
+    mma_applies,
+    mma_forward_tiling,
     pad_head_dim,
-    tensor_core_forward_tiling,
-    tensor_cores_apply,
     wgmma_applies,
     wgmma_forward_tiling,
 )
@@ -85,7 +86,7 @@ def _run_host_program(tmp_path, body: str) -> list[str]:
     source = tmp_path / "probe.cu"
     source.write_text(
         "#include <cstdio>\n#include <cstddef>\n"
-        '#include "kernel_traits.cuh"\n#include "params.cuh"\n'
+        '#include "simt_traits.cuh"\n#include "tensor_core_traits.cuh"\n#include "params.cuh"\n'
         f"int main() {{\n{body}\nreturn 0;\n}}\n"
     )
     binary = tmp_path / "probe"
@@ -96,63 +97,104 @@ def _run_host_program(tmp_path, body: str) -> list[str]:
     return subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()
 
 
+#: The C++ layout whose kBytes each family's smem_bytes mirrors, from its tiling.
+_TRAITS = {
+    "forward": "cuflash::ForwardSmem<cuflash::SimtTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>>",
+    "backward-dq": "cuflash::BackwardDqSmem<cuflash::SimtTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
+                   "{t.warps}>>",
+    "backward-dkdv": "cuflash::BackwardDkDvSmem<cuflash::SimtTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
+                     "{t.warps}>>",
+    "forward-mma": "cuflash::MmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
+                   "{t.kv_stages}>",
+    "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
+    "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
+                           "{t.warps}>",
+}
+
+
 def _layouts():
-    """(C++ layout expression, Python byte count) for every kernel variant."""
+    """(C++ layout expression, Python byte count) for every compiled tiling of every family."""
     rows = []
-    for dtype, padded in VARIANTS:
-        element = CXX_ELEMENT_TYPE[dtype]
-        for tiling, layouts in (
-            (forward_tiling(dtype, padded), (("ForwardSmem", "forward_smem_bytes"),
-                                             ("BackwardDqSmem", "backward_dq_smem_bytes"))),
-            (backward_tiling(dtype, padded), (("BackwardDkDvSmem", "backward_dkdv_smem_bytes"),)),
-        ):
-            traits = (f"cuflash::KernelTraits<{element}, {padded}, {tiling.block_m}, {tiling.block_n}, "
-                      f"{tiling.warps}>")
-            for cxx, python in layouts:
-                rows.append((f"cuflash::{cxx}<{traits}>::kBytes", getattr(tiling, python)(dtype)))
-    for dtype in TENSOR_CORE_DTYPES:
-        for padded in TENSOR_CORE_HEAD_DIM_BUCKETS:
-            tiling = tensor_core_forward_tiling(dtype, padded)
-            rows.append((f"cuflash::MmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
-                         f"{tiling.block_n}, {tiling.warps}, {tiling.kv_stages}>::kBytes",
-                         tiling.forward_smem_bytes(dtype)))
-        for padded in WGMMA_FORWARD_TILES:
-            tiling = wgmma_forward_tiling(dtype, padded)
-            rows.append((f"cuflash::WgmmaForwardTraits<{CXX_ELEMENT_TYPE[dtype]}, {padded}, {tiling.block_m}, "
-                         f"{tiling.block_n}, {tiling.warps}>::kBytes", tiling.forward_smem_bytes(dtype)))
+    for family in FAMILIES:
+        if family.tiles is None:
+            continue
+        for dtype, tiling in family.compiled_tilings():
+            expression = _TRAITS[family.name].format(e=CXX_ELEMENT_TYPE[dtype], t=tiling)
+            rows.append((f"{expression}::kBytes", family.smem_bytes(tiling, dtype)))
     return rows
 
 
+def test_every_tiled_family_has_its_traits_checked():
+    assert {f.name for f in FAMILIES if f.tiles is not None} == set(_TRAITS)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_family_entries_are_consistent(family):
+    assert FAMILY[family.name] is family
+    assert (kernel_source_dir() / family.source).is_file()
+    for dtype, tiling in family.compiled_tilings() if family.tiles else []:
+        variant = family.variant(dtype, tiling, MASKS["causal"], accumulate_dq="atomic" in family.dq_modes)
+        assert variant.key.startswith(family.name + "/") and variant.smem_bytes <= MAX_SMEM_BYTES
+        assert family.applies(dtype, tiling.head_dim_padded, 90) or family.arch != "any"
+    if family.tiles:
+        assert family_of(family.role, family.kernel) is family
+
+
+@pytest.mark.parametrize("dtype,head_dim,generation,conditions,forward,backward", [
+    ("bfloat16", 128, 90, {}, "wgmma", "wgmma"),
+    ("float16", 64, 90, dict(deterministic=True), "wgmma", "simt"),
+    ("bfloat16", 96, 90, {}, "mma", "simt"),
+    ("bfloat16", 128, 80, {}, "mma", "simt"),
+    ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
+    ("float32", 64, 90, {}, "simt", "simt"),
+    ("bfloat16", 20, 90, {}, "simt", "simt"),
+    ("bfloat16", 64, 75, {}, "simt", "simt"),
+])
+def test_selection_takes_the_first_family_that_applies(dtype, head_dim, generation, conditions, forward, backward):
+    assert select("forward", dtype, head_dim, generation, **conditions).kernel == forward
+    assert select("backward-dkdv", dtype, head_dim, generation, **conditions).kernel == backward
+
+
+def test_selection_needs_a_positive_scale_for_tensor_cores():
+    assert select("forward", "bfloat16", 64, 90, positive_scale=False).kernel == "simt"
+
+
+def test_a_variant_refuses_a_dq_mode_its_family_lacks():
+    tiling = FAMILY["backward-dkdv-wgmma"].tiles("bfloat16", 64)
+    with pytest.raises(ValueError, match="no deterministic dQ mode"):
+        FAMILY["backward-dkdv-wgmma"].variant("bfloat16", tiling, MASKS["none"], accumulate_dq=False)
+
+
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])
-@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
-def test_tensor_core_table(dtype, head_dim):
-    tiling = tensor_core_forward_tiling(dtype, head_dim)
-    assert tiling.tensor_cores and tiling.head_dim_padded >= head_dim
-    assert tiling.head_dim_padded == min(b for b in TENSOR_CORE_HEAD_DIM_BUCKETS if b >= head_dim)
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_mma_table(dtype, head_dim):
+    tiling = mma_forward_tiling(dtype, head_dim)
+    assert tiling.keys_last_to_first and tiling.head_dim_padded >= head_dim
+    assert tiling.head_dim_padded == min(b for b in MMA_FORWARD_TILES if b >= head_dim)
     # MmaForwardTraits: whole m16 tiles per warp, k16 steps over keys.
     assert tiling.block_m % (16 * tiling.warps) == 0 and tiling.block_n % 16 == 0
     assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
-    assert tensor_cores_apply(dtype, head_dim)
+    assert mma_applies(dtype, head_dim)
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("float32", 64), ("float16", 20), ("bfloat16", 257), ("float16", 0)])
-def test_tensor_core_table_rejects_what_it_does_not_serve(dtype, head_dim):
-    assert not tensor_cores_apply(dtype, head_dim)
+def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
+    assert not mma_applies(dtype, head_dim)
     with pytest.raises(ValueError, match="tensor-core forward"):
-        tensor_core_forward_tiling(dtype, head_dim)
+        mma_forward_tiling(dtype, head_dim)
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (104, 128), (128, 128)])
-@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_table(dtype, head_dim, bucket):
     tiling = wgmma_forward_tiling(dtype, head_dim)
-    assert tiling.kernel == "wgmma" and tiling.tensor_cores and tiling.head_dim_padded == bucket
+    assert tiling.kernel == "wgmma" and tiling.keys_last_to_first and tiling.head_dim_padded == bucket
     # WgmmaForwardTraits: one warpgroup per 64 rows, whole 64-column panels.
     assert tiling.block_m == 16 * tiling.warps and tiling.block_n % 64 == 0
     assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
     assert wgmma_applies(dtype, head_dim)
-    assert default_forward_tiling(dtype, head_dim, 90) == tiling
-    assert default_forward_tiling(dtype, head_dim, 80).kernel == "mma"
+    assert select("forward", dtype, head_dim, 90) == tiling
+    assert select("forward", dtype, head_dim, 80).kernel == "mma"
 
 
 @pytest.mark.parametrize("dtype,head_dim,kernel", [("float16", 72, "mma"), ("bfloat16", 96, "mma"),
@@ -160,7 +202,7 @@ def test_wgmma_table(dtype, head_dim, bucket):
                                                    ("float32", 64, "simt"), ("bfloat16", 20, "simt")])
 def test_wgmma_table_leaves_other_head_dims_to_mma_or_simt(dtype, head_dim, kernel):
     assert not wgmma_applies(dtype, head_dim)
-    assert default_forward_tiling(dtype, head_dim, 90).kernel == kernel
+    assert select("forward", dtype, head_dim, 90).kernel == kernel
     if kernel == "mma":
         with pytest.raises(ValueError, match="Hopper forward takes head dims"):
             wgmma_forward_tiling(dtype, head_dim)
@@ -168,10 +210,6 @@ def test_wgmma_table_leaves_other_head_dims_to_mma_or_simt(dtype, head_dim, kern
 
 def test_hopper_tables_cover_the_same_head_dims():
     assert set(WGMMA_FORWARD_TILES) == set(WGMMA_BACKWARD_TILES) == set(WGMMA_HEAD_DIMS)
-
-
-def test_pre_ampere_devices_get_simt():
-    assert default_forward_tiling("bfloat16", 64, 75).kernel == "simt"
 
 
 def test_tiling_rejects_an_unknown_kernel():

@@ -2,8 +2,8 @@
 """Compile every kernel variant without a GPU and report its resources.
 
 Writes one translation unit that explicitly instantiates every variant the
-launcher can ask for (the same tables: ``cuflash/_tiling.py`` and
-``cuflash/_kernels.py``), compiles it with ``nvcc -cubin -Xptxas -v`` for each
+launcher can ask for (every family of ``cuflash/_kernel_families.py``, each
+compiled head dim, every mask policy), compiles it with ``nvcc -cubin -Xptxas -v`` for each
 architecture, and prints registers, stack frame, spill stores/loads and the
 dynamic shared memory per variant. ``--fail-on-spill`` exits 1 if any variant
 selected by ``--only`` spills to local memory.
@@ -27,74 +27,43 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cuflash import _kernels  # noqa: E402
+from cuflash._kernel_families import FAMILIES, KernelVariant  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._tiling import (  # noqa: E402
-    ELEMENT_SIZE,
-    HEAD_DIM_BUCKETS,
-    TENSOR_CORE_DTYPES,
-    TENSOR_CORE_HEAD_DIM_BUCKETS,
-    backward_tiling,
-    forward_tiling,
-    WGMMA_BACKWARD_TILES,
-    WGMMA_FORWARD_TILES,
-    tensor_core_forward_tiling,
-    wgmma_backward_tiling,
-    wgmma_forward_tiling,
-)
+from cuflash._masks import MASKS  # noqa: E402
 
-_PARAMS = {"flash_forward_kernel": "cuflash::ForwardParams", "flash_forward_mma_kernel": "cuflash::ForwardParams",
-           "flash_forward_wgmma_kernel": "cuflash::ForwardParams"}
-#: Key prefixes of the fast-path variants, which must not spill at all.
-FAST_PATH = ("forward-mma/", "forward-wgmma/", "backward-dkdv-wgmma/")
+#: Key prefixes of the fast-path (tensor-core) variants, which must not spill at all.
+FAST_PATH = tuple(f"{f.name}/" for f in FAMILIES if f.kernel in ("mma", "wgmma"))
 #: Key prefixes of the variants built for sm_90a only (wgmma); other
 #: architectures do not compile them.
-HOPPER_ONLY = ("forward-wgmma/", "backward-dkdv-wgmma/")
+HOPPER_ONLY = tuple(f"{f.name}/" for f in FAMILIES if f.arch == "sm_90a")
 _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gencode=arch=compute_90,code=sm_90",
                "sm_80": "-gencode=arch=compute_80,code=sm_80"}
 
 
-def all_variants() -> list[_kernels.KernelVariant]:
-    """Every instantiation the launcher can request."""
+def all_variants() -> list[KernelVariant]:
+    """Every instantiation the launcher can request: each family's compiled
+    tiles with every mask (and both dQ modes of a dK/dV family that has them)."""
     variants = []
-    for dtype in ELEMENT_SIZE:
-        for head_dim in HEAD_DIM_BUCKETS:
-            fwd, bwd = forward_tiling(dtype, head_dim), backward_tiling(dtype, head_dim)
-            for causal in (False, True):
-                variants.append(_kernels.forward_variant(dtype, fwd, causal))
-                variants.append(_kernels.backward_dq_variant(dtype, fwd, causal))
-                for accumulate in (False, True):
-                    variants.append(_kernels.backward_dkdv_variant(dtype, bwd, causal, accumulate))
-        for kind in ("preprocess", "convert_dq"):
-            variants.append(_kernels.backward_elementwise_variant(kind, dtype))
-    for dtype in TENSOR_CORE_DTYPES:
-        for head_dim in TENSOR_CORE_HEAD_DIM_BUCKETS:
-            for causal in (False, True):
-                variants.append(_kernels.forward_variant(dtype, tensor_core_forward_tiling(dtype, head_dim), causal))
-        for head_dim in WGMMA_FORWARD_TILES:
-            for causal in (False, True):
-                variants.append(_kernels.forward_variant(dtype, wgmma_forward_tiling(dtype, head_dim), causal))
-        for head_dim in WGMMA_BACKWARD_TILES:
-            for causal in (False, True):
-                variants.append(_kernels.backward_dkdv_variant(dtype, wgmma_backward_tiling(dtype, head_dim), causal,
-                                                               accumulate_dq=True))
+    for family in FAMILIES:
+        if family.tiles is None:
+            variants += [family.variant(dtype) for dtype in family.dtypes]
+            continue
+        for dtype, tiling in family.compiled_tilings():
+            for mask in MASKS.values():
+                for mode in family.dq_modes or ("atomic",):
+                    variants.append(family.variant(dtype, tiling, mask, accumulate_dq=mode == "atomic"))
     return variants
 
 
-def variants_for(variants, arch: str) -> list[_kernels.KernelVariant]:
+def variants_for(variants, arch: str) -> list[KernelVariant]:
     """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone."""
     return [v for v in variants if arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY)]
-
-
-def _params_type(variant: _kernels.KernelVariant) -> str:
-    short = variant.function.split("::")[-1]
-    return _PARAMS.get(short, "cuflash::BackwardParams")
 
 
 def _translation_unit(variants) -> str:
     sources = sorted({v.source for v in variants})
     lines = [f'#include "{source}"' for source in sources]
-    lines += [f"template __global__ void {v.name_expression}(const {_params_type(v)});" for v in variants]
+    lines += [f"template __global__ void {v.name_expression}(const {v.params});" for v in variants]
     return "\n".join(lines) + "\n"
 
 

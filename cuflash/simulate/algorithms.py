@@ -29,14 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._tiling import (
-    backward_tiling,
-    first_visible_query_block,
-    default_backward_tiling,
-    default_forward_tiling,
-    forward_tiling,
-    visible_key_blocks,
-)
+from .._kernel_families import FAMILY, select
+from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
 
@@ -75,8 +69,9 @@ def query_sweep(p: Problem, block_m: int, block_n: int) -> list[QueryBlock]:
     """Query-outer loop: each query block with the keys it visits."""
     blocks = []
     for m_start in range(0, p.seqlen_q, block_m):
-        n_blocks = visible_key_blocks(m_start, block_m, block_n, p.seqlen_q, p.seqlen_k, p.causal)
-        blocks.append(QueryBlock(min(block_m, p.seqlen_q - m_start), min(n_blocks * block_n, p.seqlen_k)))
+        key_blocks = mask_for(p.causal).key_blocks(m_start, block_m, block_n, p.seqlen_q, p.seqlen_k)
+        keys = min(key_blocks.stop * block_n, p.seqlen_k) - key_blocks.start * block_n if key_blocks else 0
+        blocks.append(QueryBlock(min(block_m, p.seqlen_q - m_start), keys))
     return blocks
 
 
@@ -84,8 +79,9 @@ def key_sweep(p: Problem, block_m: int, block_n: int) -> list[KeyBlock]:
     """Key-outer loop: each key block with the query rows it visits."""
     blocks = []
     for n_start in range(0, p.seqlen_k, block_n):
-        first = first_visible_query_block(n_start, block_m, p.seqlen_q, p.seqlen_k, p.causal)
-        blocks.append(KeyBlock(min(block_n, p.seqlen_k - n_start), max(0, p.seqlen_q - first * block_m)))
+        query_blocks = mask_for(p.causal).query_blocks(n_start, block_n, block_m, p.seqlen_q, p.seqlen_k)
+        rows = min(query_blocks.stop * block_m, p.seqlen_q) - query_blocks.start * block_m if query_blocks else 0
+        blocks.append(KeyBlock(min(block_n, p.seqlen_k - n_start), rows))
     return blocks
 
 
@@ -429,9 +425,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # a tensor-core forward (wgmma on Hopper where it applies, mma.sync
     # otherwise) for 16-bit types and head_dim % 8 == 0, the SIMT kernel
     # otherwise; the deterministic dQ pass always has the SIMT forward's tiles.
-    dq = forward_tiling(dtype, p.head_dim)
-    fwd = default_forward_tiling(dtype, p.head_dim, machine.compute_capability)
-    bwd = default_backward_tiling(dtype, p.head_dim, machine.compute_capability, p.deterministic)
+    dq = FAMILY["backward-dq"].tiles(dtype, p.head_dim)
+    fwd = select("forward", dtype, p.head_dim, machine.compute_capability)
+    bwd = select("backward-dkdv", dtype, p.head_dim, machine.compute_capability, deterministic=p.deterministic)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
@@ -448,10 +444,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
 
 def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
     """This library's kernels, tile for tile: the forward tiles of
-    ``default_forward_tiling`` for the machine's generation (tensor-core tiles
-    for 16-bit types), the dQ
-    tiles of ``forward_tiling`` and the dK/dV tiles of ``backward_tiling`` (the
-    tables the launcher reads). dK/dV per K/V head, walking the query heads of its
+    ``cuflash._kernel_families.select`` for the machine's generation
+    (tensor-core tiles for 16-bit types), the dQ tiles of the deterministic
+    dQ family and the dK/dV tiles ``select`` gives (what the launcher picks). dK/dV per K/V head, walking the query heads of its
     group; ``deterministic`` swaps the atomics for the dQ pass."""
     t = Traffic("cuflash")
     plan = cuflash_plan(p, machine, block_m, block_n)

@@ -1,130 +1,16 @@
-// Tile sizes of the kernels and the shared-memory budget derived from them.
-//
-// The tile sizes themselves are chosen per (dtype, head dim) by the tables in
-// cuflash/_tiling.py and arrive here as template arguments; KernelTraits
-// derives the thread mappings, and one shared-memory layout per kernel
-// (ForwardSmem, BackwardDkDvSmem, BackwardDqSmem) places its tiles and rejects
-// impossible combinations at compile time. cuflash/_tiling.py computes the
-// same byte counts for the launch (checked by tests/test_tiling.py), and each
-// kernel checks at run time that it was given at least kBytes.
+// Tiles, fragment counts and shared-memory layouts of the tensor-core
+// kernels: the mma.sync forward (flash_fwd_mma.cu, sm_80+) and the Hopper
+// wgmma forward and backward (flash_fwd_wgmma.cu, flash_bwd_wgmma.cu,
+// sm_90a). Tile sizes arrive as template arguments from
+// cuflash/_kernel_families.py; each traits struct places its tiles and
+// static_asserts the register and shared-memory budgets.
 #pragma once
 
 #include "numeric.cuh"
+#include "shared_memory.cuh"
 #include "swizzled_tile.cuh"
 
 namespace cuflash {
-
-// Hopper and Ampere (sm_80+) allow 227 KiB of shared memory per block.
-constexpr int kMaxSmemBytes = 227 * 1024;
-
-// A kRows x kCols tile of T in shared memory. Rows are padded by one 4-byte
-// word: the lanes of a warp read one column of several rows at once, and the
-// odd word stride puts those rows in different banks. Every tile starts on a
-// 16-byte boundary.
-template <typename T, int kRows, int kCols>
-struct SmemTile {
-    static constexpr int kPad = sizeof(T) >= 4 ? 1 : 4 / int(sizeof(T));
-    static constexpr int kStride = kCols + kPad;  // elements between rows
-    static constexpr int kBytes = ceil_div(kRows * kStride * int(sizeof(T)), 16) * 16;
-};
-
-template <int kLanes>
-__host__ __device__ constexpr bool is_lane_group() {
-    return kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0;
-}
-
-template <typename Element_, int kHeadDimPadded_, int kBlockM_, int kBlockN_, int kWarps_>
-struct KernelTraits {
-    using Element = Element_;
-    static constexpr int kHeadDimPadded = kHeadDimPadded_;  // head_dim rounded up; padded columns are zero
-    static constexpr int kBlockM = kBlockM_;                // query rows per tile
-    static constexpr int kBlockN = kBlockN_;                // keys per tile
-    static constexpr int kWarps = kWarps_;
-    static constexpr int kThreads = kWarps * 32;
-
-    // Query-major mapping: each query row is owned by kLanesPerRow consecutive
-    // lanes of one warp; a lane holds keys lane, lane + kLanesPerRow, ... of
-    // its row and the same strided subset of the head-dim columns.
-    static constexpr int kLanesPerRow = kThreads / kBlockM;
-    // Key-major mapping (backward dK/dV): the same with keys and query rows swapped.
-    static constexpr int kLanesPerKey = kThreads / kBlockN;
-
-    using QTile = SmemTile<Element, kBlockM, kHeadDimPadded>;  // Q or dO rows
-    using KTile = SmemTile<Element, kBlockN, kHeadDimPadded>;  // K or V rows
-    using ScoreTile = SmemTile<float, kBlockM, kBlockN>;       // P or dS, one row per query
-    using ScoreTileT = SmemTile<float, kBlockN, kBlockM>;      // P^T or dS^T, one row per key
-    using RowStats = SmemTile<float, 1, kBlockM>;              // one float per query row
-
-    static_assert(kHeadDimPadded % 32 == 0 && kHeadDimPadded >= 32 && kHeadDimPadded <= 256,
-                  "head dim is padded to a multiple of 32, at most 256");
-};
-
-// Query-major thread mapping (forward, deterministic dQ): kLanesPerRow lanes
-// own a query row; each holds kKeysPerLane scores and kColsPerLane head-dim
-// columns of it.
-template <typename Traits>
-struct QueryMajorMapping {
-    static constexpr int kKeysPerLane = Traits::kBlockN / Traits::kLanesPerRow;
-    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
-    static_assert(Traits::kThreads % Traits::kBlockM == 0, "every query row needs the same number of lanes");
-    static_assert(is_lane_group<Traits::kLanesPerRow>(), "a row's lanes are a power-of-two group in one warp");
-    static_assert(Traits::kBlockN % Traits::kLanesPerRow == 0 && Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
-                  "keys and columns split evenly over a row's lanes");
-    static_assert(2 * kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
-};
-
-// Forward: Q stays, K/V stream, P is the probability tile.
-template <typename Traits>
-struct ForwardSmem : QueryMajorMapping<Traits> {
-    static constexpr int kQ = 0;
-    static constexpr int kK = kQ + Traits::QTile::kBytes;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kP = kV + Traits::KTile::kBytes;
-    static constexpr int kBytes = kP + Traits::ScoreTile::kBytes;
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
-};
-
-// Backward, one block per key block: K/V and the dK/dV accumulators stay;
-// Q, dO and their row statistics stream; P^T and dS^T are key-major.
-template <typename Traits>
-struct BackwardDkDvSmem {
-    static constexpr int kK = 0;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kQ = kV + Traits::KTile::kBytes;
-    static constexpr int kDo = kQ + Traits::QTile::kBytes;
-    static constexpr int kPt = kDo + Traits::QTile::kBytes;
-    static constexpr int kDSt = kPt + Traits::ScoreTileT::kBytes;
-    static constexpr int kLse = kDSt + Traits::ScoreTileT::kBytes;
-    static constexpr int kDelta = kLse + Traits::RowStats::kBytes;
-    static constexpr int kBytes = kDelta + Traits::RowStats::kBytes;
-
-    static constexpr int kRowsPerLane = Traits::kBlockM / Traits::kLanesPerKey;
-    static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerKey;
-    static constexpr int kDqColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerRow;
-    static_assert(Traits::kThreads % Traits::kBlockN == 0 && Traits::kThreads % Traits::kBlockM == 0,
-                  "every key and every query row needs the same number of lanes");
-    static_assert(is_lane_group<Traits::kLanesPerKey>() && is_lane_group<Traits::kLanesPerRow>(),
-                  "lanes of a key or row are a power-of-two group in one warp");
-    static_assert(Traits::kBlockM % Traits::kLanesPerKey == 0 && Traits::kHeadDimPadded % Traits::kLanesPerKey == 0 &&
-                      Traits::kHeadDimPadded % Traits::kLanesPerRow == 0,
-                  "rows and columns split evenly over the lanes");
-    static_assert(2 * kColsPerLane <= 64 && kRowsPerLane <= 32 && kDqColsPerLane <= 32,
-                  "per-lane register arrays this large would spill");
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
-};
-
-// Backward dQ without atomics (deterministic): one block per query block,
-// Q/dO stay, K/V stream, dS is query-major.
-template <typename Traits>
-struct BackwardDqSmem : QueryMajorMapping<Traits> {
-    static constexpr int kQ = 0;
-    static constexpr int kDo = kQ + Traits::QTile::kBytes;
-    static constexpr int kK = kDo + Traits::QTile::kBytes;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kDS = kV + Traits::KTile::kBytes;
-    static constexpr int kBytes = kDS + Traits::ScoreTile::kBytes;
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
-};
 
 // What the two tensor-core forwards share: tile sizes, threads, and the
 // fragment counts of a warp's S = Q K^T and O accumulators (n8 column tiles
@@ -264,41 +150,5 @@ struct WgmmaBackwardTraits {
     static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
-
-// Dynamic shared memory this launch was given, read from the PTX special register.
-__device__ __forceinline__ unsigned dynamic_shared_memory_bytes() {
-    unsigned bytes;
-    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    return bytes;
-}
-
-// The launcher sizes shared memory from cuflash/_tiling.py, a second copy of
-// the layouts above. If the two ever disagreed the kernel would write past its
-// shared memory; stop the launch instead of corrupting memory silently.
-template <typename Layout>
-__device__ __forceinline__ void require_shared_memory() {
-    if (dynamic_shared_memory_bytes() < static_cast<unsigned>(Layout::kBytes)) {
-        __trap();
-    }
-}
-
-// Typed pointer to the tile at byte `offset` of the launch's dynamic shared
-// memory (offsets come from a layout above; call require_shared_memory first).
-template <typename T>
-__device__ __forceinline__ T* shared_tile(int offset) {
-    extern __shared__ __align__(16) unsigned char shared_memory[];
-    return reinterpret_cast<T*>(shared_memory + offset);
-}
-
-// Shared address (and generic pointer) of the launch's dynamic shared memory
-// rounded up to kAlignment; the launch asked for kAlignment bytes more.
-template <int kAlignment>
-__device__ __forceinline__ u32 aligned_shared_base(unsigned char*& generic) {
-    unsigned char* const unaligned = shared_tile<unsigned char>(0);
-    const u32 address = static_cast<u32>(__cvta_generic_to_shared(unaligned));
-    const u32 aligned = (address + kAlignment - 1) & ~static_cast<u32>(kAlignment - 1);
-    generic = unaligned + (aligned - address);
-    return aligned;
-}
 
 }  // namespace cuflash

@@ -1,0 +1,220 @@
+"""The one registry of kernel families: which kernels exist, what each is
+compiled from, where it runs, its tiles and shared memory, and when the
+launcher picks it.
+
+A family is one ``__global__`` template in ``kernels_cu/``; a variant is one
+instantiation of it (element type, tiles, mask and score-transform
+policies, and family-specific arguments), compiled on first use by
+``cuflash._loader``. The launcher (``cuflash.api``), the IO simulator, the
+NumPy emulation of the tiled algorithm and ``tools/kernel_report.py`` read
+these entries; nothing else lists kernels. Adding a family is one entry in
+``FAMILIES`` (and its kernel file).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ._masks import SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
+from ._tiling import (
+    ELEMENT_SIZE,
+    HEAD_DIM_BUCKETS,
+    MMA_DTYPES,
+    MMA_FORWARD_TILES,
+    WGMMA_BACKWARD_TILES,
+    WGMMA_FORWARD_TILES,
+    Tiling,
+    backward_tiling,
+    forward_tiling,
+    mma_applies,
+    mma_forward_tiling,
+    wgmma_applies,
+    wgmma_backward_tiling,
+    wgmma_forward_tiling,
+)
+
+#: C++ storage type of each supported dtype.
+CXX_ELEMENT_TYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+#: Threads per block of the element-wise backward kernels (preprocess, dQ conversion).
+ELEMENTWISE_WARPS = 8
+
+_IDENTITY = SCORE_TRANSFORMS["identity"]
+
+#: Compute capabilities a family's ``arch`` needs ("sm_90a": Hopper's own
+#: instructions, built only where NVRTC can, see cuflash.api._kernel_generation).
+_ARCH_CAPABILITY = {"sm_80": 80, "sm_90a": 90}
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One template instantiation of one kernel."""
+
+    source: str  #: file under kernels_cu/ that defines the kernel
+    function: str  #: qualified C++ name of the kernel template
+    params: str  #: C++ parameter struct the kernel takes by value
+    template_args: tuple[str, ...]
+    key: str  #: readable cache key, unique per instantiation
+    threads: int
+    smem_bytes: int
+
+    @property
+    def name_expression(self) -> str:
+        return f"{self.function}<{', '.join(self.template_args)}>"
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """A kernel template and the facts the Python side needs of it."""
+
+    name: str  #: prefix of its variants' keys
+    role: str  #: "forward", "backward-dkdv", "backward-dq" or "backward-elementwise"
+    source: str
+    function: str
+    params: str
+    #: the build target it needs: "any" (SIMT, every CUDA GPU cuflash
+    #: supports), "sm_80" (mma.sync), "sm_90a" (wgmma; Hopper only)
+    arch: str
+    #: the ``Tiling.kernel`` its tilings carry ("simt", "mma", "wgmma");
+    #: None for the element-wise kernels, which have no tiles
+    kernel: str | None
+    dtypes: tuple[str, ...]
+    #: head-dim buckets it is compiled for
+    head_dims: tuple[int, ...]
+    #: (dtype, head_dim) -> its tiles
+    tiles: Callable[[str, int], Tiling] | None
+    #: (tiling, dtype) -> dynamic shared memory of a launch
+    smem_bytes: Callable[[Tiling, str], int] | None
+    #: whether (dtype, head_dim) is one it serves (beyond dtypes and head_dims)
+    serves: Callable[[str, int], bool]
+    #: needs 16-byte aligned rows and pointers (cp.async / 16-byte stores)
+    needs_aligned_rows: bool = False
+    #: needs softmax_scale > 0 (the online softmax takes the max of unscaled scores)
+    needs_positive_scale: bool = False
+    #: dQ modes of a dK/dV family: atomic float32 accumulation ("atomic"),
+    #: none, with the deterministic dQ pass after it ("deterministic")
+    dq_modes: tuple[str, ...] = ()
+
+    def runs_on(self, generation: int) -> bool:
+        """Whether a device of this kernel generation (``cuflash.api._kernel_generation``) runs it."""
+        if self.arch == "any":
+            return True
+        if self.arch == "sm_90a":
+            return generation == 90
+        return generation >= _ARCH_CAPABILITY[self.arch]
+
+    def applies(self, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
+                positive_scale: bool = True, deterministic: bool = False) -> bool:
+        """Whether the launcher may pick this family for such a call."""
+        if dtype_name not in self.dtypes or not self.serves(dtype_name, head_dim) or not self.runs_on(generation):
+            return False
+        if self.needs_aligned_rows and not aligned_rows:
+            return False
+        if self.needs_positive_scale and not positive_scale:
+            return False
+        return not self.dq_modes or ("deterministic" if deterministic else "atomic") in self.dq_modes
+
+    def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
+                score: ScoreTransform = _IDENTITY, accumulate_dq: bool = True) -> KernelVariant:
+        """The instantiation for these compile-time choices."""
+        if self.tiles is None:  # element-wise: no tiles, no policies
+            return KernelVariant(
+                source=self.source, function=self.function, params=self.params,
+                template_args=(CXX_ELEMENT_TYPE[dtype_name], str(ELEMENTWISE_WARPS)),
+                key=f"{self.name}/{dtype_name}/w{ELEMENTWISE_WARPS}", threads=32 * ELEMENTWISE_WARPS, smem_bytes=0)
+        if tiling.kernel != self.kernel:
+            raise ValueError(f"{self.name} takes {self.kernel} tilings, got {tiling}")
+        extra_args, extra_key = (), ""
+        if self.kernel == "mma":
+            extra_args, extra_key = (str(tiling.kv_stages),), f"/kv{tiling.kv_stages}"
+        elif self.kernel == "wgmma" and self.role == "forward":
+            extra_args, extra_key = (str(tiling.blocks_per_sm),), f"/b{tiling.blocks_per_sm}"
+        if self.dq_modes:
+            mode = "atomic" if accumulate_dq else "deterministic"
+            if mode not in self.dq_modes:
+                raise ValueError(f"{self.name} has no {mode} dQ mode (it has {list(self.dq_modes)})")
+            if len(self.dq_modes) > 1:
+                extra_args += ("true" if accumulate_dq else "false",)
+            extra_key += "/atomic-dq" if accumulate_dq else ""
+        return KernelVariant(
+            source=self.source,
+            function=self.function,
+            params=self.params,
+            template_args=(
+                CXX_ELEMENT_TYPE[dtype_name], str(tiling.head_dim_padded), str(tiling.block_m), str(tiling.block_n),
+                str(tiling.warps), mask.cxx, score.cxx, *extra_args,
+            ),
+            key=(f"{self.name}/{dtype_name}/hdim{tiling.head_dim_padded}"
+                 f"/m{tiling.block_m}n{tiling.block_n}w{tiling.warps}/{mask.name}"
+                 f"{'' if score.is_identity else '/' + score.name}{extra_key}"),
+            threads=tiling.threads,
+            smem_bytes=self.smem_bytes(tiling, dtype_name),
+        )
+
+    def compiled_tilings(self) -> list[tuple[str, Tiling]]:
+        """(dtype, tiling) of every head-dim bucket it is compiled for."""
+        return [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in self.head_dims]
+
+
+def _any_head_dim(dtype_name: str, head_dim: int) -> bool:
+    return 0 < head_dim <= HEAD_DIM_BUCKETS[-1]
+
+
+_ALL_DTYPES = tuple(ELEMENT_SIZE)
+_FORWARD = "cuflash::ForwardParams"
+_BACKWARD = "cuflash::BackwardParams"
+
+#: Every kernel, preferred first within a role.
+FAMILIES: tuple[KernelFamily, ...] = (
+    KernelFamily("forward-wgmma", "forward", "flash_fwd_wgmma.cu", "cuflash::flash_forward_wgmma_kernel", _FORWARD,
+                 arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
+                 tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_applies,
+                 needs_aligned_rows=True, needs_positive_scale=True),
+    KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
+                 arch="sm_80", kernel="mma", dtypes=MMA_DTYPES, head_dims=tuple(MMA_FORWARD_TILES),
+                 tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=mma_applies,
+                 needs_aligned_rows=True, needs_positive_scale=True),
+    KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
+                 arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
+                 tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),
+    KernelFamily("backward-dkdv-wgmma", "backward-dkdv", "flash_bwd_wgmma.cu",
+                 "cuflash::flash_backward_dkdv_wgmma_kernel", _BACKWARD, arch="sm_90a", kernel="wgmma",
+                 dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
+                 smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_applies, needs_aligned_rows=True,
+                 dq_modes=("atomic",)),
+    KernelFamily("backward-dkdv", "backward-dkdv", "flash_bwd.cu", "cuflash::flash_backward_dkdv_kernel", _BACKWARD,
+                 arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=backward_tiling,
+                 smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=_any_head_dim,
+                 dq_modes=("atomic", "deterministic")),
+    # The deterministic dQ pass: the forward's SIMT tiles, one block per query block.
+    KernelFamily("backward-dq", "backward-dq", "flash_bwd.cu", "cuflash::flash_backward_dq_kernel", _BACKWARD,
+                 arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=forward_tiling,
+                 smem_bytes=Tiling.backward_dq_smem_bytes, serves=_any_head_dim),
+    KernelFamily("backward-preprocess", "backward-elementwise", "flash_bwd_elementwise.cu",
+                 "cuflash::flash_backward_preprocess_kernel", _BACKWARD, arch="any", kernel=None,
+                 dtypes=_ALL_DTYPES, head_dims=(), tiles=None, smem_bytes=None, serves=_any_head_dim),
+    KernelFamily("backward-convert-dq", "backward-elementwise", "flash_bwd_elementwise.cu",
+                 "cuflash::flash_backward_convert_dq_kernel", _BACKWARD, arch="any", kernel=None,
+                 dtypes=_ALL_DTYPES, head_dims=(), tiles=None, smem_bytes=None, serves=_any_head_dim),
+)
+
+FAMILY = {family.name: family for family in FAMILIES}
+
+
+def family_of(role: str, kernel: str) -> KernelFamily:
+    """The family of ``role`` whose tilings carry ``kernel`` (a Tiling's ``.kernel``)."""
+    for family in FAMILIES:
+        if family.role == role and family.kernel == kernel:
+            return family
+    raise ValueError(f"no {role} kernel family for {kernel!r} tilings")
+
+
+def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **conditions) -> Tiling:
+    """The tiles of the first ``role`` family that ``applies`` (keyword
+    ``conditions``: aligned_rows, positive_scale, deterministic) on a device
+    of kernel ``generation``."""
+    for family in FAMILIES:
+        if family.role == role and family.applies(dtype_name, head_dim, generation, **conditions):
+            return family.tiles(dtype_name, head_dim)
+    raise ValueError(f"no {role} kernel serves dtype {dtype_name!r} with head_dim {head_dim}")

@@ -1,0 +1,75 @@
+// A thread block's place in the batch: its batch entry, query head and K/V
+// head, where its query or key tile starts, the lengths of its sequences
+// and where their K/V rows are.
+//
+// Dense batches now: every entry holds seqlen_q queries and seqlen_k keys
+// from row 0, and K/V rows are addressed through their tensors' strides
+// (DenseKvSource). Variable-length batches will give per-entry lengths and
+// row offsets in sequence_bounds and the row pointers, and a paged KV cache
+// a K/V source that reads a page table: kernels ask only these.
+#pragma once
+
+#include "numeric.cuh"
+#include "params.cuh"
+#include "grid.cuh"
+#include "masks.cuh"
+
+namespace cuflash {
+
+// Lengths of batch entry `batch`'s query and key sequences.
+__device__ __forceinline__ SequenceBounds sequence_bounds(const ProblemSize& size, index_t) {
+    return {size.seqlen_q_int(), size.seqlen_k_int()};
+}
+
+// K or V rows of a dense (batch, seqlen_k, nheads_k, head_dim) tensor.
+struct DenseKvSource {
+    // Row `key` of K/V head kv_head in batch entry `batch`; the rows after it
+    // follow at t.row_stride.
+    template <typename Element>
+    __device__ __forceinline__ static const Element* rows(const TensorRef& t, index_t batch, index_t kv_head, int key) {
+        return t.row_ptr<const Element>(batch, kv_head, key);
+    }
+};
+
+// The block of a query-major kernel (the forwards, the deterministic dQ
+// pass): query rows [m_start, m_start + block_m) of one head.
+struct QueryBlock {
+    index_t batch, head, kv_head;
+    int m_start;
+};
+
+// This block's query tile; with kLongestFirst (a mask whose later rows see
+// more keys) the last tiles are handed out first. Like block_coordinates it
+// is recomputed wherever it is called, so a kernel can call it again in its
+// epilogue instead of keeping batch, head and first row in registers.
+template <bool kLongestFirst>
+__device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m) {
+    const BlockCoordinates c = block_coordinates(num_m_blocks, size.nheads);
+    QueryBlock block;
+    block.batch = c.batch;
+    block.head = c.head;
+    block.kv_head = size.kv_head_of(c.head);
+    block.m_start = (kLongestFirst ? longest_first(c.tile, num_m_blocks) : c.tile) * block_m;
+    return block;
+}
+
+// The block of a key-major kernel (the backward's dK/dV): keys
+// [n_start, n_start + block_n) of one K/V head, summed over the query heads
+// [first_head, first_head + group) that share it.
+struct KeyBlock {
+    index_t batch, kv_head, first_head, group;
+    int n_start;
+};
+
+__device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t num_n_blocks, int block_n) {
+    const BlockCoordinates c = block_coordinates(num_n_blocks, size.nheads_k);
+    KeyBlock block;
+    block.batch = c.batch;
+    block.kv_head = c.head;
+    block.group = size.nheads / size.nheads_k;
+    block.first_head = c.head * block.group;
+    block.n_start = c.tile * block_n;
+    return block;
+}
+
+}  // namespace cuflash

@@ -1,0 +1,102 @@
+// The backward pass's element-wise kernels, shared by every dK/dV kernel
+// (flash_bwd.cu, flash_bwd_wgmma.cu):
+//   preprocess:  delta_i = rowsum(dO_i * O_i), and zero the float32 dQ accumulator
+//   convert:     float32 dQ accumulator -> dq in the input dtype and strides
+#include "numeric.cuh"
+#include "params.cuh"
+#include "warp_reduce.cuh"
+
+namespace cuflash {
+
+// Rows of (batch, seqlen_q, nheads) are enumerated with the head fastest,
+// which is also the layout of the float32 dQ accumulator (batch, seqlen_q,
+// nheads, head_dim): row r's accumulator starts at dq_accum + r * head_dim.
+struct QueryRow {
+    index_t batch, row, head;
+};
+
+__device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size) {
+    QueryRow q;
+    q.head = r % size.nheads;
+    const index_t rest = r / size.nheads;
+    q.row = rest % size.seqlen_q;
+    q.batch = rest / size.seqlen_q;
+    return q;
+}
+
+// delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
+// accumulator when there is one, which saves a separate memset pass.
+template <typename Element, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_preprocess_kernel(const BackwardParams params) {
+    const ProblemSize& size = params.size;
+    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const int head_dim = size.head_dim_int();
+    const int lane = threadIdx.x % 32;
+    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
+    for (index_t r = first; r < rows; r += step) {  // uniform per warp: the shuffles below see all lanes
+        const QueryRow q = query_row(r, size);
+        const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
+        const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
+        float sum = 0.0f;
+        // Two elements per lane and access where the rows allow it (even
+        // head_dim, pair-aligned rows): half the load instructions.
+        if (head_dim % 2 == 0 && pair_aligned<Element>(o) && pair_aligned<Element>(dout)) {
+            for (int c = 2 * lane; c < head_dim; c += 64) {
+                const float2 a = load_pair(o + c), b = load_pair(dout + c);
+                sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
+            }
+        } else {
+            for (int c = lane; c < head_dim; c += 32) {
+                sum = fmaf(to_float(o[c]), to_float(dout[c]), sum);
+            }
+        }
+        sum = group_allreduce_sum<32>(sum);
+        if (lane == 0) {
+            params.delta_row(q.batch, q.head)[q.row] = sum;
+        }
+        if (params.dq_accum != nullptr) {
+            float* acc = params.dq_accum + r * head_dim;
+            if (head_dim % 2 == 0) {  // the accumulator is contiguous: rows of even length are 8-byte aligned
+                for (int c = 2 * lane; c < head_dim; c += 64) {
+                    *reinterpret_cast<float2*>(acc + c) = make_float2(0.0f, 0.0f);
+                }
+            } else {
+                for (int c = lane; c < head_dim; c += 32) {
+                    acc[c] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+// dq (input dtype, any strides) = the float32 accumulator, already scaled.
+// One warp per query row, as in the preprocessing: the row's coordinates
+// take 64-bit divisions, which per element would cost more than the copy.
+template <typename Element, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_convert_dq_kernel(const BackwardParams params) {
+    const ProblemSize& size = params.size;
+    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const int head_dim = size.head_dim_int();
+    const int lane = threadIdx.x % 32;
+    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
+    for (index_t r = first; r < rows; r += step) {
+        const QueryRow q = query_row(r, size);
+        Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
+        const float* acc = params.dq_accum + r * head_dim;
+        if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {
+            for (int c = 2 * lane; c < head_dim; c += 64) {
+                store_pair(dq + c, *reinterpret_cast<const float2*>(acc + c));
+            }
+        } else {
+            for (int c = lane; c < head_dim; c += 32) {
+                dq[c] = from_float<Element>(acc[c]);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

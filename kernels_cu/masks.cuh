@@ -1,0 +1,158 @@
+// Mask policies: which keys a query row may attend to, and which blocks of
+// the score matrix can be skipped or need no element masking.
+//
+// A mask is a small struct built per thread block from the two sequence
+// lengths (SequenceBounds, see block_info.cuh). Every kernel asks it the same questions:
+//   rule(row, key)               the mask's own rule, for a row and key inside
+//                                their sequences (bounds are checked apart)
+//   key_blocks(m_start, block_m, block_n)
+//                                the key blocks some row of the query block
+//                                [m_start, m_start + block_m) sees
+//   query_blocks(n_start, block_n, block_m, num_m_blocks)
+//                                the query blocks with a row that sees some key
+//                                of the key block [n_start, n_start + block_n)
+//                                (the backward's dK/dV walk)
+//   rule_hides_keys(first_row, rows, n_start, block_n)
+//                                whether the rule may hide some key of the key
+//                                block from some row of the group of `rows`
+//                                consecutive rows starting at first_row (only
+//                                such blocks, and blocks past a sequence's end,
+//                                pay for element masking)
+//   kLaterRowsSeeMore            whether the last query blocks have the most
+//                                keys (the grid then hands them out first)
+// cuflash/_masks.py holds the same policies for the launcher, the NumPy
+// references and the IO simulator; adding a mask means one struct here and
+// one entry there (docs/kernel-policies.md).
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// Blocks [begin, end); empty when end <= begin.
+struct BlockRange {
+    int begin, end;
+};
+
+// The sequence lengths every mask knows: scores past either end are masked
+// whatever the rule says.
+struct SequenceBounds {
+    int seqlen_q, seqlen_k;
+};
+
+// Full attention: every key of the sequence.
+struct NoMask : SequenceBounds {
+    static constexpr bool kLaterRowsSeeMore = false;
+
+    __device__ __forceinline__ explicit NoMask(SequenceBounds bounds) : SequenceBounds(bounds) {}
+    __device__ __forceinline__ bool rule(int, int) const { return true; }
+    __device__ __forceinline__ BlockRange key_blocks(int, int, int block_n) const {
+        return {0, ceil_div(seqlen_k, block_n)};
+    }
+    __device__ __forceinline__ BlockRange query_blocks(int, int, int, int num_m_blocks) const {
+        return {0, num_m_blocks};
+    }
+    __device__ __forceinline__ bool rule_hides_keys(int, int, int, int) const { return false; }
+};
+
+// Causal attention aligned to the bottom-right corner of the score matrix, as
+// in FlashAttention-2: query row i sees key j iff j <= i + (seqlen_k - seqlen_q).
+// With seqlen_q > seqlen_k the first seqlen_q - seqlen_k rows see no key at
+// all; their output is 0 and their log-sum-exp -inf (see OnlineSoftmax).
+struct CausalMask : SequenceBounds {
+    static constexpr bool kLaterRowsSeeMore = true;
+    int diagonal_offset;  // row i sees keys up to i + diagonal_offset
+
+    __device__ __forceinline__ explicit CausalMask(SequenceBounds bounds)
+        : SequenceBounds(bounds), diagonal_offset(bounds.seqlen_k - bounds.seqlen_q) {}
+
+    // Written key-side (key - offset <= row): the kernels' key positions are
+    // one per-block base plus constants, so the shifted base is one value per
+    // block; the row-side form kept one more value live through the mma.sync
+    // forward's loop, which then spilled.
+    __device__ __forceinline__ bool rule(int row, int key) const { return key - diagonal_offset <= row; }
+
+    // Up to the block holding the last key its last row sees; nothing when
+    // even that row sees no key.
+    __device__ __forceinline__ BlockRange key_blocks(int m_start, int block_m, int block_n) const {
+        const int last_row = min(m_start + block_m, seqlen_q) - 1;
+        const int last_visible_key = last_row + diagonal_offset;
+        return {0, last_visible_key < 0 ? 0 : ceil_div(min(last_visible_key + 1, seqlen_k), block_n)};
+    }
+
+    // From the block of the first row that sees key n_start: a row that sees
+    // it sees every later key of the block up to its diagonal.
+    __device__ __forceinline__ BlockRange query_blocks(int n_start, int, int block_m, int num_m_blocks) const {
+        return {max(0, n_start - diagonal_offset) / block_m, num_m_blocks};
+    }
+
+    // The group's first row sees the fewest keys: the block's last key lies
+    // beyond its diagonal.
+    __device__ __forceinline__ bool rule_hides_keys(int first_row, int, int n_start, int block_n) const {
+        return n_start + block_n - 1 - diagonal_offset > first_row;
+    }
+};
+
+// Whether `key` exists and the mask lets `row` see it (the forward computes
+// rows past seqlen_q but never writes them).
+template <typename Mask>
+__device__ __forceinline__ bool key_visible(const Mask& mask, int row, int key) {
+    return key < mask.seqlen_k && mask.rule(row, key);
+}
+
+// Whether any score of the key block [n_start, n_start + block_n) is masked
+// for some row of the group of `rows` consecutive rows starting at
+// first_row: the block runs past the last key, or the rule hides some of
+// its keys.
+template <typename Mask>
+__device__ __forceinline__ bool key_block_needs_mask(const Mask& mask, int first_row, int rows, int n_start,
+                                                     int block_n) {
+    return n_start + block_n > mask.seqlen_k || mask.rule_hides_keys(first_row, rows, n_start, block_n);
+}
+
+// Calls f(value, row, col) for every element of mma accumulator fragments
+// s[kMTiles][kNTiles][4] (layout in mma.cuh) of a warp whose fragment rows
+// start at row0 and columns at col0. The same walk serves transposed scores
+// S^T, whose rows are keys and columns query rows.
+template <int kMTiles, int kNTiles, typename F>
+__device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kNTiles][4], int row0, int col0,
+                                                          int lane, F&& f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                f(s[mt][nt][i], row, col0 + nt * 8 + 2 * (lane % 4) + i % 2);
+            }
+        }
+    }
+}
+
+// Sets the masked scores of a warp's S fragments (rows from row0, keys from
+// key0) to -inf.
+template <typename Mask, int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask_to_fragments(const Mask& mask, float (&s)[kMTiles][kNTiles][4], int row0,
+                                                        int key0, int lane) {
+    for_each_fragment_element(s, row0, key0, lane, [&](float& score, int row, int key) {
+        if (!key_visible(mask, row, key)) {
+            score = negative_infinity();
+        }
+    });
+}
+
+// The same for transposed scores S^T (rows are keys from key0, columns query
+// rows from row0), as the backward's key-major accumulators hold them. Rows
+// past seqlen_q are masked too: the backward must not count them.
+template <typename Mask, int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_mask_to_transposed_fragments(const Mask& mask, float (&s)[kMTiles][kNTiles][4],
+                                                                   int key0, int row0, int lane) {
+    for_each_fragment_element(s, key0, row0, lane, [&](float& score, int key, int row) {
+        if (row >= mask.seqlen_q || !key_visible(mask, row, key)) {
+            score = negative_infinity();
+        }
+    });
+}
+
+}  // namespace cuflash
