@@ -27,7 +27,9 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
     if constexpr (Score::kIsIdentity) {
         return ds;
     } else {
-        return ds * score.gradient(transformed, row, key);
+        // Where P is 0 (masked: the fragment kernels hold -inf there, at which
+        // a transform's derivative need not be finite) dS is 0, not 0 * inf.
+        return p > 0.0f ? ds * score.gradient(transformed, row, key) : 0.0f;
     }
 }
 

@@ -163,7 +163,9 @@ def _run(q, k, v, dout, *, mask, score, deterministic, forward_tiling=None):
 
 
 def _relative_error(got, want) -> float:
-    got = np.asarray(got, dtype=np.float64)
+    from tests.helpers import to_numpy64
+
+    got = to_numpy64(got)
     assert np.isfinite(got).all(), "NaN or inf in the kernel's result"
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
@@ -185,9 +187,9 @@ def test_every_kernel_family_runs_the_new_policies(kernels_with_policies, seqlen
     from tests.helpers import random_qkv, to_numpy64
 
     mask, score = kernels_with_policies
-    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, getattr(cupy, dtype), seed=1)
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=1)
     q, k = q * 2, k * 2  # raw scores of order 10, where the soft cap bends them
-    dout = random_qkv(cupy, 2, seqlen_q, seqlen_q, 4, 4, head_dim, getattr(cupy, dtype), seed=2)[0]
+    dout = random_qkv(cupy, 2, seqlen_q, seqlen_q, 4, 4, head_dim, cupy.dtype(dtype), seed=2)[0]
     tiling = mma_forward_tiling(dtype, head_dim) if force_mma else None
     out, lse, dq, dk, dv = _run(q, k, v, dout, mask=mask, score=score, deterministic=deterministic,
                                 forward_tiling=tiling)
