@@ -13,6 +13,7 @@
 #include "params.cuh"
 #include "grid.cuh"
 #include "masks.cuh"
+#include "score_transforms.cuh"
 
 namespace cuflash {
 
@@ -71,5 +72,25 @@ __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t n
     block.n_start = c.tile * block_n;
     return block;
 }
+
+// What every attention kernel derives first from its parameters and its
+// batch entry: the mask and score transform of the block's sequences, their
+// lengths, the head dim and the softmax scale in the log2 domain.
+template <typename Mask, typename Score>
+struct BlockContext {
+    Mask mask;
+    Score score;
+    int seqlen_q, seqlen_k, head_dim;
+    float scale_log2;  // softmax_scale * log2(e)
+
+    template <typename Params>
+    __device__ __forceinline__ BlockContext(const Params& params, index_t batch)
+        : mask(sequence_bounds(params.size, batch)),
+          score(params),
+          seqlen_q(mask.seqlen_q),
+          seqlen_k(mask.seqlen_k),
+          head_dim(params.size.head_dim_int()),
+          scale_log2(static_cast<float>(params.softmax_scale_log2)) {}
+};
 
 }  // namespace cuflash

@@ -52,30 +52,14 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = BackwardDkDvSmem<Traits>;
     constexpr int kLanesPerKey = Traits::kLanesPerKey;
-    constexpr int kStride = Traits::QTile::kStride;
+    constexpr int kStride = Traits::kStride;
     constexpr int kScoreStride = Traits::ScoreTileT::kStride;
-    static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
 
     require_shared_memory<Smem>();
-    Element* k_tile = shared_tile<Element>(Smem::kK);
-    Element* v_tile = shared_tile<Element>(Smem::kV);
-    Element* q_tile = shared_tile<Element>(Smem::kQ);
-    Element* do_tile = shared_tile<Element>(Smem::kDo);
-    float* pt_tile = shared_tile<float>(Smem::kPt);
-    float* dst_tile = shared_tile<float>(Smem::kDSt);
-    float* lse_tile = shared_tile<float>(Smem::kLse);
-    float* delta_tile = shared_tile<float>(Smem::kDelta);
+    const auto [k_tile, v_tile, q_tile, do_tile, pt_tile, dst_tile, lse_tile, delta_tile] = Smem::tiles();
 
-    const ProblemSize& size = params.size;
-    const KeyBlock block = key_block(size, params.num_n_blocks, kBlockN);
-    const index_t kv_head = block.kv_head;
-    const index_t batch = block.batch;
-    const Mask mask(sequence_bounds(size, batch));
-    const Score score(params);
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 
     const int thread = threadIdx.x;
@@ -84,12 +68,10 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     const int n_start = block.n_start;
     const int key = n_start + key_in_block;
 
-    load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride,
-        seqlen_k - n_start, head_dim, thread);
-    load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        v_tile, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
-        seqlen_k - n_start, head_dim, thread);
+    load_tile_pair_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+        k_tile, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
+        v_tile, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
     float dk[Smem::kColsPerLane];
     float dv[Smem::kColsPerLane];
@@ -99,7 +81,8 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
         dv[i] = 0.0f;
     }
 
-    const BlockRange query_range = mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
+    const BlockRange query_range =
+        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
     const Element* k_row = k_tile + key_in_block * kStride;
     const Element* v_row = v_tile + key_in_block * kStride;
     float* pt_row = pt_tile + key_in_block * kScoreStride;
@@ -112,13 +95,11 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
             // The previous Q/dO/statistics tiles are fully consumed (and K/V are
             // loaded, on the first pass, once the barrier below passes).
             __syncthreads();
-            load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-                q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride,
-                seqlen_q - m_start, head_dim, thread);
-            load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-                do_tile, params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride,
-                seqlen_q - m_start, head_dim, thread);
-            load_row_stats<kBlockM, Traits::kThreads>(lse_tile, delta_tile, params, batch, head, m_start, thread);
+            load_tile_pair_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+                q_tile, params.q.row_ptr<const Element>(block.batch, head, m_start), params.q.row_stride, do_tile,
+                params.dout.row_ptr<const Element>(block.batch, head, m_start), params.dout.row_stride,
+                ctx.seqlen_q - m_start, ctx.head_dim, thread);
+            load_row_stats<kBlockM, Traits::kThreads>(lse_tile, delta_tile, params, block.batch, head, m_start, thread);
             __syncthreads();
 
             // This lane's query rows lane + j * kLanesPerKey against its key:
@@ -131,11 +112,10 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
             for (int j = 0; j < Smem::kRowsPerLane; ++j) {
                 const int r = lane + j * kLanesPerKey;
                 const int row = m_start + r;
-                const bool visible = row < seqlen_q && key_visible(mask, row, key);
-                const float s = transformed_score(score, qk[j], row, key);
-                const float p = recompute_probability(visible, s, scale_log2, lse_tile[r]);
-                pt_row[r] = p;
-                dst_row[r] = score_gradient(score, p, dp[j], delta_tile[r], s, row, key);
+                const ScoreGradient g = recompute_score_gradient(ctx, qk[j], dp[j], row, key, row < ctx.seqlen_q,
+                                                                 lse_tile[r], delta_tile[r]);
+                pt_row[r] = g.p;
+                dst_row[r] = g.ds;
             }
             // A key's P^T and dS^T rows are written and read by that key's
             // lanes only, which share a warp.
@@ -158,12 +138,12 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
                 }
                 accumulate_weighted_rows<Smem::kDqColsPerLane, kLanesPerRow, kBlockN, kStride>(
                     dq, dst_tile + row_in_block, kScoreStride, k_tile, row_lane);
-                if (row < seqlen_q) {
-                    float* acc = params.dq_accum_row(batch, head, row, head_dim);
+                if (row < ctx.seqlen_q) {
+                    float* acc = params.dq_accum_row(block.batch, head, row, ctx.head_dim);
 #pragma unroll
                     for (int i = 0; i < Smem::kDqColsPerLane; ++i) {
                         const int col = row_lane + i * kLanesPerRow;
-                        if (col < head_dim) {
+                        if (col < ctx.head_dim) {
                             atomicAdd(acc + col, dq[i] * scale);
                         }
                     }
@@ -178,12 +158,12 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     stage_row<Smem::kColsPerLane, kLanesPerKey>(k_tile + key_in_block * kStride, dk, scale, lane);
     stage_row<Smem::kColsPerLane, kLanesPerKey>(v_tile + key_in_block * kStride, dv, 1.0f, lane);
     __syncthreads();
-    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(params.dk.row_ptr<Element>(batch, kv_head, n_start),
-                                                                   params.dk.row_stride, k_tile, seqlen_k - n_start,
-                                                                   head_dim, thread);
-    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(params.dv.row_ptr<Element>(batch, kv_head, n_start),
-                                                                   params.dv.row_stride, v_tile, seqlen_k - n_start,
-                                                                   head_dim, thread);
+    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+        params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dk.row_stride, k_tile,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
+    store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+        params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dv.row_stride, v_tile,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
 }
 
 // Deterministic dQ: one block per query block sums dS K over the key blocks
@@ -194,27 +174,17 @@ flash_backward_dq_kernel(const BackwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = BackwardDqSmem<Traits>;
     constexpr int kLanesPerRow = Traits::kLanesPerRow;
-    constexpr int kStride = Traits::QTile::kStride;
-    static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
+    constexpr int kStride = Traits::kStride;
 
     require_shared_memory<Smem>();
-    Element* q_tile = shared_tile<Element>(Smem::kQ);
-    Element* do_tile = shared_tile<Element>(Smem::kDo);
-    Element* k_tile = shared_tile<Element>(Smem::kK);
-    Element* v_tile = shared_tile<Element>(Smem::kV);
-    float* ds_tile = shared_tile<float>(Smem::kDS);
+    const auto [q_tile, do_tile, k_tile, v_tile, ds_tile] = Smem::tiles();
 
     const ProblemSize& size = params.size;
     const QueryBlock block = query_block<false>(size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
     const index_t batch = block.batch;
+    const BlockContext<Mask, Score> ctx(params, batch);
     const index_t kv_head = block.kv_head;
-    const Mask mask(sequence_bounds(size, batch));
-    const Score score(params);
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
@@ -222,13 +192,11 @@ flash_backward_dq_kernel(const BackwardParams params) {
     const int m_start = block.m_start;
     const int row = m_start + row_in_block;
 
-    load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-        q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride, seqlen_q - m_start,
-        head_dim, thread);
-    load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-        do_tile, params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride,
-        seqlen_q - m_start, head_dim, thread);
-    const bool row_valid = row < seqlen_q;
+    load_tile_pair_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
+        q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride, do_tile,
+        params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride, ctx.seqlen_q - m_start,
+        ctx.head_dim, thread);
+    const bool row_valid = row < ctx.seqlen_q;
     const float lse_log2 = row_valid ? params.lse_row(batch, head)[row] * kLog2e : 0.0f;
     const float delta = row_valid ? params.delta_row(batch, head)[row] : 0.0f;
 
@@ -237,7 +205,7 @@ flash_backward_dq_kernel(const BackwardParams params) {
     for (int i = 0; i < Smem::kColsPerLane; ++i) {
         dq[i] = 0.0f;
     }
-    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
     const Element* q_row = q_tile + row_in_block * kStride;
     const Element* do_row = do_tile + row_in_block * kStride;
     float* ds_row = ds_tile + row_in_block * Traits::ScoreTile::kStride;
@@ -245,12 +213,10 @@ flash_backward_dq_kernel(const BackwardParams params) {
     for (int n_block = key_range.begin; n_block < key_range.end; ++n_block) {
         const int n_start = n_block * kBlockN;
         __syncthreads();  // previous K/V consumed; Q/dO complete on the first pass after the next barrier
-        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride,
-            seqlen_k - n_start, head_dim, thread);
-        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            v_tile, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
-            seqlen_k - n_start, head_dim, thread);
+        load_tile_pair_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+            k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride, v_tile,
+            DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
+            ctx.seqlen_k - n_start, ctx.head_dim, thread);
         __syncthreads();
 
         float qk[Smem::kKeysPerLane];
@@ -260,11 +226,9 @@ flash_backward_dq_kernel(const BackwardParams params) {
 #pragma unroll
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
             const int key_in_block = lane + j * kLanesPerRow;
-            const int key = n_start + key_in_block;
-            const bool visible = row_valid && key_visible(mask, row, key);
-            const float s = transformed_score(score, qk[j], row, key);
-            const float p = recompute_probability(visible, s, scale_log2, lse_log2);
-            ds_row[key_in_block] = score_gradient(score, p, dp[j], delta, s, row, key);
+            const ScoreGradient g =
+                recompute_score_gradient(ctx, qk[j], dp[j], row, n_start + key_in_block, row_valid, lse_log2, delta);
+            ds_row[key_in_block] = g.ds;
         }
         __syncwarp();  // a row's dS is written and read by that row's lanes only
         accumulate_weighted_rows<Smem::kColsPerLane, kLanesPerRow, kBlockN, kStride>(dq, ds_row, 1, k_tile, lane);
@@ -276,8 +240,8 @@ flash_backward_dq_kernel(const BackwardParams params) {
                                                 static_cast<float>(params.softmax_scale), lane);
     __syncthreads();
     store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.dq.row_ptr<Element>(batch, head, m_start),
-                                                                   params.dq.row_stride, q_tile, seqlen_q - m_start,
-                                                                   head_dim, thread);
+                                                                   params.dq.row_stride, q_tile, ctx.seqlen_q - m_start,
+                                                                   ctx.head_dim, thread);
 }
 
 }  // namespace cuflash

@@ -24,19 +24,27 @@ __device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size
     return q;
 }
 
+// Calls f(r, row, lane) for every query row r of the problem with one warp
+// per row, grid-stride (r is uniform per warp: shuffles inside f see all
+// lanes).
+template <int kWarps, typename F>
+__device__ __forceinline__ void for_each_query_row_by_warp(const ProblemSize& size, F&& f) {
+    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const int lane = threadIdx.x % 32;
+    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
+    for (index_t r = first; r < rows; r += step) {
+        f(r, query_row(r, size), lane);
+    }
+}
+
 // delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
 // accumulator when there is one, which saves a separate memset pass.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {
-    const ProblemSize& size = params.size;
-    const index_t rows = size.batch * size.seqlen_q * size.nheads;
-    const int head_dim = size.head_dim_int();
-    const int lane = threadIdx.x % 32;
-    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
-    for (index_t r = first; r < rows; r += step) {  // uniform per warp: the shuffles below see all lanes
-        const QueryRow q = query_row(r, size);
+    const int head_dim = params.size.head_dim_int();
+    for_each_query_row_by_warp<kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane) {
         const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
         const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
         float sum = 0.0f;
@@ -68,7 +76,7 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
                 }
             }
         }
-    }
+    });
 }
 
 // dq (input dtype, any strides) = the float32 accumulator, already scaled.
@@ -77,14 +85,8 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_convert_dq_kernel(const BackwardParams params) {
-    const ProblemSize& size = params.size;
-    const index_t rows = size.batch * size.seqlen_q * size.nheads;
-    const int head_dim = size.head_dim_int();
-    const int lane = threadIdx.x % 32;
-    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
-    for (index_t r = first; r < rows; r += step) {
-        const QueryRow q = query_row(r, size);
+    const int head_dim = params.size.head_dim_int();
+    for_each_query_row_by_warp<kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane) {
         Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
         const float* acc = params.dq_accum + r * head_dim;
         if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {
@@ -96,7 +98,7 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
                 dq[c] = from_float<Element>(acc[c]);
             }
         }
-    }
+    });
 }
 
 }  // namespace cuflash

@@ -59,16 +59,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const u32 ds_smem = base + Traits::kDs;
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
-    const ProblemSize& size = params.size;
-    const KeyBlock block = key_block(size, params.num_n_blocks, kBlockN);
-    const index_t kv_head = block.kv_head;
-    const index_t batch = block.batch;
-    const Mask mask(sequence_bounds(size, batch));
-    const Score score(params);
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 
     const int thread = threadIdx.x;
@@ -78,13 +70,16 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const int n_start = block.n_start;
     const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
 
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(k_smem, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start),
-                                                       params.k.row_stride, seqlen_k - n_start, head_dim, thread);
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(v_smem, DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start),
-                                                       params.v.row_stride, seqlen_k - n_start, head_dim, thread);
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(
+        k_smem, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
+    load_swizzled_tile_async<KvTile, Traits::kThreads>(
+        v_smem, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
     // Steps: every visible query block of every query head of this K/V head.
-    const BlockRange query_range = mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
+    const BlockRange query_range =
+        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
     const int m_block_begin = query_range.begin;
     const int blocks_per_head = max(0, query_range.end - m_block_begin);
     const int steps = static_cast<int>(block.group) * blocks_per_head;
@@ -95,17 +90,17 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const auto load_query_block = [&](index_t head, int m_block, int buffer) {
         const int m_start = m_block * kBlockM;
         load_swizzled_tile_async<QTile, Traits::kThreads>(
-            q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(batch, head, m_start),
-            params.q.row_stride, seqlen_q - m_start, head_dim, thread);
+            q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(block.batch, head, m_start),
+            params.q.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
         load_swizzled_tile_async<QTile, Traits::kThreads>(
-            do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(batch, head, m_start),
-            params.dout.row_stride, seqlen_q - m_start, head_dim, thread);
+            do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(block.batch, head, m_start),
+            params.dout.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
         float* lse_log2 = stats + buffer * 2 * kBlockM;
-        const float* lse_row = params.lse_row(batch, head);
-        const float* delta_row = params.delta_row(batch, head);
+        const float* lse_row = params.lse_row(block.batch, head);
+        const float* delta_row = params.delta_row(block.batch, head);
         for (int i = thread; i < kBlockM; i += Traits::kThreads) {
             const int row = m_start + i;
-            const bool valid = row < seqlen_q;
+            const bool valid = row < ctx.seqlen_q;
             const float lse = valid ? lse_row[row] : 0.0f;
             // A row that sees no key (LSE -inf) has every score masked to -inf;
             // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
@@ -193,9 +188,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // -inf, so P^T = 0 there).
         const float* lse_log2 = stats + buffer * 2 * kBlockM;
         const float* delta = lse_log2 + kBlockM;
-        apply_score_transform_transposed(score, s, n_start + warp_key0, m_start, lane);
-        if (m_start + kBlockM > seqlen_q || key_block_needs_mask(mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_transposed_fragments(mask, s, n_start + warp_key0, m_start, lane);
+        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start, lane);
+        if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start, lane);
         }
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
@@ -207,10 +202,11 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                 // Masked scores are -inf: P^T = 0 there (recompute_probability's
                 // explicit zero is not needed on this path).
                 const float transformed = s[0][j][e];
-                const float p = exp2_fast(fmaf(transformed, scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
+                const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
                 s[0][j][e] = p;
-                dp[0][j][e] = score_gradient(score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
-                                             m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
+                dp[0][j][e] =
+                    score_gradient(ctx.score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
+                                   m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
             }
         }
         // P^T and dS^T rounded to the element type as the A operands of dV
@@ -258,16 +254,16 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         pin_registers(dv_flat);
         pin_registers(dk_flat);
 
-        float* dq_rows = params.dq_accum_row(batch, head, m_start, head_dim);
-        const index_t dq_row_stride = size.nheads * head_dim;
+        float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
+        const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = dq_m_tile * 64 + (warp % 4) * 16 + lane / 4 + half * 8;
-            if (m_start + row < seqlen_q) {
+            if (m_start + row < ctx.seqlen_q) {
 #pragma unroll
                 for (int j = 0; j < kDqCols / 8; ++j) {
                     const int col = dq_col0 + 8 * j + 2 * (lane % 4);
-                    if (col < head_dim) {
+                    if (col < ctx.head_dim) {
                         atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[4 * j + 2 * half] * scale,
                                         dq[4 * j + 2 * half + 1] * scale);
                     }
@@ -297,10 +293,10 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         }
     }
     __syncwarp();
-    store_warp_rows<KvTile>(params.dk.row_ptr<Element>(batch, kv_head, n_start), params.dk.row_stride, tiles[0],
-                            warp_key0, seqlen_k - n_start, head_dim, lane);
-    store_warp_rows<KvTile>(params.dv.row_ptr<Element>(batch, kv_head, n_start), params.dv.row_stride, tiles[1],
-                            warp_key0, seqlen_k - n_start, head_dim, lane);
+    store_warp_rows<KvTile>(params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dk.row_stride,
+                            tiles[0], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim, lane);
+    store_warp_rows<KvTile>(params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dv.row_stride,
+                            tiles[1], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim, lane);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

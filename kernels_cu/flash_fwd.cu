@@ -8,7 +8,7 @@
 // seqlen_q x seqlen_k exists anywhere: one kBlockM x kBlockN probability tile
 // in shared memory is all.
 //
-// Template parameters are the compile-time choices of cuflash/_kernels.py:
+// Template parameters are the compile-time choices of cuflash/_kernel_families.py:
 // element type, padded head dim, tile sizes, warps, the mask and the score
 // transform.
 #include "numeric.cuh"
@@ -29,25 +29,15 @@ flash_forward_kernel(const ForwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
     using Smem = ForwardSmem<Traits>;
     constexpr int kLanesPerRow = Traits::kLanesPerRow;
-    constexpr int kStride = Traits::QTile::kStride;
-    static_assert(Traits::KTile::kStride == kStride, "Q and K/V rows share one stride");
+    constexpr int kStride = Traits::kStride;
 
     require_shared_memory<Smem>();
-    Element* q_tile = shared_tile<Element>(Smem::kQ);
-    Element* k_tile = shared_tile<Element>(Smem::kK);
-    Element* v_tile = shared_tile<Element>(Smem::kV);
-    float* p_tile = shared_tile<float>(Smem::kP);
+    const auto [q_tile, k_tile, v_tile, p_tile] = Smem::tiles();
 
     const QueryBlock block = query_block<false>(params.size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
     const index_t batch = block.batch;
-    const Mask mask(sequence_bounds(params.size, batch));
-    const Score score(params);
-
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = params.size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const BlockContext<Mask, Score> ctx(params, batch);
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
@@ -60,7 +50,7 @@ flash_forward_kernel(const ForwardParams params) {
     const Element* v = DenseKvSource::rows<Element>(params.v, batch, block.kv_head, 0);
 
     load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-        q_tile, q, params.q.row_stride, seqlen_q - m_start, head_dim, thread);
+        q_tile, q, params.q.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
 
     float acc[Smem::kColsPerLane];
 #pragma unroll
@@ -70,7 +60,7 @@ flash_forward_kernel(const ForwardParams params) {
     OnlineSoftmax<kLanesPerRow> softmax;
     softmax.init();
 
-    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
     const Element* q_row = q_tile + row_in_block * kStride;
     float* p_row = p_tile + row_in_block * Traits::ScoreTile::kStride;
 
@@ -80,10 +70,9 @@ flash_forward_kernel(const ForwardParams params) {
         // first pass, the Q tile is complete once the barrier below passes).
         __syncthreads();
         const index_t key_offset = static_cast<index_t>(n_start);
-        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            k_tile, k + key_offset * params.k.row_stride, params.k.row_stride, seqlen_k - n_start, head_dim, thread);
-        load_tile_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            v_tile, v + key_offset * params.v.row_stride, params.v.row_stride, seqlen_k - n_start, head_dim, thread);
+        load_tile_pair_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
+            k_tile, k + key_offset * params.k.row_stride, params.k.row_stride, v_tile,
+            v + key_offset * params.v.row_stride, params.v.row_stride, ctx.seqlen_k - n_start, ctx.head_dim, thread);
         __syncthreads();
 
         // S = Q K^T for this lane's keys lane_in_row + j * kLanesPerRow, in the log2 domain.
@@ -93,8 +82,9 @@ flash_forward_kernel(const ForwardParams params) {
 #pragma unroll
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
             const int key = n_start + lane_in_row + j * kLanesPerRow;
-            scores[j] = key_visible(mask, row, key) ? transformed_score(score, scores[j], row, key) * scale_log2
-                                                    : negative_infinity();
+            scores[j] = key_visible(ctx.mask, row, key)
+                            ? transformed_score(ctx.score, scores[j], row, key) * ctx.scale_log2
+                            : negative_infinity();
         }
 
         const float rescale = softmax.update(scores);
@@ -119,7 +109,7 @@ flash_forward_kernel(const ForwardParams params) {
     // A row that saw no key has row_sum == 0; its output is defined as 0
     // rather than 0 / 0.
     const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
-    if (lane_in_row == 0 && row < seqlen_q) {
+    if (lane_in_row == 0 && row < ctx.seqlen_q) {
         params.lse_row(batch, head)[row] = softmax.log_sum_exp(row_sum);
     }
     // Stage the normalised output in the Q tile, free once every warp is
@@ -128,8 +118,8 @@ flash_forward_kernel(const ForwardParams params) {
     stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, acc, inv_sum, lane_in_row);
     __syncthreads();
     store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.out.row_ptr<Element>(batch, head, m_start),
-                                                                   params.out.row_stride, q_tile, seqlen_q - m_start,
-                                                                   head_dim, thread);
+                                                                   params.out.row_stride, q_tile,
+                                                                   ctx.seqlen_q - m_start, ctx.head_dim, thread);
 }
 
 }  // namespace cuflash

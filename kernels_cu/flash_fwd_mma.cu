@@ -46,17 +46,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // This block's query tile. Computed again for the epilogue (block_index
     // is volatile), so that batch, head and m_start do not hold registers
     // through the main loop, where the accumulators need every one.
-    const auto tile_origin = [&]() {
-        return query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-    };
-    const QueryBlock origin = tile_origin();
-    const Mask mask(sequence_bounds(params.size, origin.batch));
-    const Score score(params);
-
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = params.size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const QueryBlock origin = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+    const BlockContext<Mask, Score> ctx(params, origin.batch);
 
     const int thread = threadIdx.x;
     const int warp = thread / 32;
@@ -67,7 +58,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const Element* q = params.q.row_ptr<const Element>(origin.batch, origin.head, m_start);
     const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
     const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
-    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
 
     // Copies key block n_block of K or V (`rows`, from the head's first key)
     // into buffer `stage` of `tile`.
@@ -75,7 +66,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         const int n_start = n_block * kBlockN;
         load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
             tile + stage * (Traits::kKvTileBytes / kElementBytes), rows + static_cast<index_t>(n_start) * row_stride,
-            row_stride, seqlen_k - n_start, head_dim, thread);
+            row_stride, ctx.seqlen_k - n_start, ctx.head_dim, thread);
     };
     const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, k, params.k.row_stride, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) {
@@ -85,7 +76,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // nothing and writes zeros and -inf.
     if (key_range.end > key_range.begin) {
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride,
-                                                                     seqlen_q - m_start, head_dim, thread);
+                                                                      ctx.seqlen_q - m_start, ctx.head_dim, thread);
         load_keys(key_range.end - 1, 0);
         if constexpr (kKvStages == 2) {
             load_values(key_range.end - 1, 0);
@@ -164,33 +155,20 @@ flash_forward_mma_kernel(const ForwardParams params) {
             for (int np = 0; np < kNTiles / 2; ++np) {
                 u32 b[4];
                 ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * 16) * kElementBytes);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_m16n8k16<Element>(s[mt][2 * np], a[mt], b[0], b[1]);
-                    mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
+                mma_two_n8_tiles<Element>(s, [&](int mt) -> const u32(&)[4] { return a[mt]; }, b, np);
             }
         }
 
-        apply_score_transform(score, s, m_start + warp_row0, n_start, lane);
-        if (key_block_needs_mask(mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_fragments(mask, s, m_start + warp_row0, n_start, lane);
+        apply_score_transform(ctx.score, s, m_start + warp_row0, n_start, lane);
+        if (key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_fragments(ctx.mask, s, m_start + warp_row0, n_start, lane);
         }
         float rescale[2 * kMTiles];
-        softmax.update(s, scale_log2, rescale);
+        softmax.update(s, ctx.scale_log2, rescale);
         // Unconditional: the factors are mostly 1 (see FragmentOnlineSoftmax),
         // but skipping the multiplies behind a warp vote measured 1-4% slower
         // on the H100 (the branch splits the schedule around it).
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    o[mt][dt][i] *= rescale[2 * mt + i / 2];
-                }
-            }
-        }
+        scale_fragment_rows(o, rescale);
 
         // P rounded to the element type for P V (as FlashAttention does; its
         // float32 row sums were taken before rounding), packed now so that
@@ -222,11 +200,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, v_address + stage_offset + (ps * 16 * kStride + dp * 16) * kElementBytes);
-#pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) {
-                    mma_m16n8k16<Element>(o[mt][2 * dp], p[mt][ps], b[0], b[1]);
-                    mma_m16n8k16<Element>(o[mt][2 * dp + 1], p[mt][ps], b[2], b[3]);
-                }
+                mma_two_n8_tiles<Element>(o, [&](int mt) -> const u32(&)[4] { return p[mt][ps]; }, b, dp);
             }
         }
         stage ^= kKvStages - 1;
@@ -237,10 +211,10 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // copy into shared memory is still in flight).
     cp_async_wait<0>();
     __syncwarp();
-    const QueryBlock block = tile_origin();
+    const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     const int first_row = block.m_start;
-    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, seqlen_q,
-                                 lane, [&](int row_in_block, int dt, u32 packed) {
+    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0,
+                                 ctx.seqlen_q, lane, [&](int row_in_block, int dt, u32 packed) {
                                      reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * (lane % 4))[dt * 4] =
                                          packed;
                                  });
@@ -255,7 +229,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
         const int chunk = lane + i * 32;
         const int row_in_block = warp_row0 + chunk / kChunksPerRow;
         const int col = chunk % kChunksPerRow * 8;
-        if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && first_row + row_in_block < seqlen_q && col < head_dim) {
+        if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && first_row + row_in_block < ctx.seqlen_q &&
+            col < ctx.head_dim) {
             *reinterpret_cast<uint4*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =
                 *reinterpret_cast<const uint4*>(q_tile + row_in_block * kStride + col);
         }

@@ -53,17 +53,8 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
 
     // This block's query tile, computed again for the epilogue (see
     // block_index) so that it holds no registers through the main loop.
-    const auto tile_origin = [&]() {
-        return query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-    };
-    const QueryBlock origin = tile_origin();
-    const Mask mask(sequence_bounds(params.size, origin.batch));
-    const Score score(params);
-
-    const int seqlen_q = mask.seqlen_q;
-    const int seqlen_k = mask.seqlen_k;
-    const int head_dim = params.size.head_dim_int();
-    const float scale_log2 = static_cast<float>(params.softmax_scale_log2);
+    const QueryBlock origin = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+    const BlockContext<Mask, Score> ctx(params, origin.batch);
 
     const int thread = threadIdx.x;
     const int warp = thread / 32;
@@ -77,7 +68,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
     const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
     // Key blocks [first_block, first_block + n_blocks), visited last to first.
-    const BlockRange key_range = mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
     const int first_block = key_range.begin;
     const int n_blocks = key_range.end - first_block;
 
@@ -85,13 +76,13 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     const auto load_key_block = [&](u32 buffer, const Element* rows, index_t row_stride, int n_block) {
         const int n_start = n_block * kBlockN;
         load_swizzled_tile_async<KvTile, Traits::kThreads>(buffer, rows + static_cast<index_t>(n_start) * row_stride,
-                                                           row_stride, seqlen_k - n_start, head_dim, thread);
+                                                           row_stride, ctx.seqlen_k - n_start, ctx.head_dim, thread);
     };
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing, issues no wgmma and writes zeros and -inf.
     if (n_blocks > 0) {
-        load_swizzled_tile_async<QTile, Traits::kThreads>(q_smem, q, params.q.row_stride, seqlen_q - m_start,
-                                                          head_dim, thread);
+        load_swizzled_tile_async<QTile, Traits::kThreads>(q_smem, q, params.q.row_stride, ctx.seqlen_q - m_start,
+                                                          ctx.head_dim, thread);
         load_key_block(k_smem, k, params.k.row_stride, key_range.end - 1);
     }
     cp_async_commit();
@@ -149,22 +140,16 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         }
         pin_registers(s_flat);
 
-        apply_score_transform(score, s, warp_row, n_start, lane);
-        if (key_block_needs_mask(mask, warp_row, 16, n_start, kBlockN)) {
-            apply_mask_to_fragments(mask, s, warp_row, n_start, lane);
+        apply_score_transform(ctx.score, s, warp_row, n_start, lane);
+        if (key_block_needs_mask(ctx.mask, warp_row, 16, n_start, kBlockN)) {
+            apply_mask_to_fragments(ctx.mask, s, warp_row, n_start, lane);
         }
         float rescale[2];
-        softmax.update(s, scale_log2, rescale);
+        softmax.update(s, ctx.scale_log2, rescale);
 
         wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed in O
         pin_registers(o_flat);
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                o[0][dt][e] *= rescale[e / 2];
-            }
-        }
+        scale_fragment_rows(o, rescale);
         // P rounded to the element type (its float32 row sums were taken before rounding).
 #pragma unroll
         for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
@@ -190,17 +175,17 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     // Epilogue. Every wgmma reading Q finished before the barrier above, so
     // each warp stages its normalised output rows in its own rows of the Q
     // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
-    const QueryBlock block = tile_origin();
+    const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     const int first_row = block.m_start;
     unsigned char* const q_tile = smem + Traits::kQ;
-    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, seqlen_q,
-                                 lane, [&](int row_in_block, int dt, u32 packed) {
-                                     *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) +
-                                                             4 * (lane % 4)) = packed;
-                                 });
+    finish_forward_rows<Element>(
+        softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, ctx.seqlen_q, lane,
+        [&](int row_in_block, int dt, u32 packed) {
+            *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) + 4 * (lane % 4)) = packed;
+        });
     __syncwarp();
     store_warp_rows<QTile>(params.out.row_ptr<Element>(block.batch, block.head, first_row), params.out.row_stride,
-                           q_tile, warp_row0, seqlen_q - first_row, head_dim, lane);
+                           q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

@@ -32,7 +32,8 @@ __device__ __forceinline__ void finish_forward_rows(const FragmentOnlineSoftmax<
         }
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
-            stage(row_in_block, dt, pack_pair<Element>(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum));
+            stage(row_in_block, dt,
+                  pack_pair<Element>(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum));
         }
     }
 }

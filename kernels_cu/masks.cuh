@@ -115,8 +115,8 @@ __device__ __forceinline__ bool key_block_needs_mask(const Mask& mask, int first
 // start at row0 and columns at col0. The same walk serves transposed scores
 // S^T, whose rows are keys and columns query rows.
 template <int kMTiles, int kNTiles, typename F>
-__device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kNTiles][4], int row0, int col0,
-                                                          int lane, F&& f) {
+__device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane,
+                                                          F&& f) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

@@ -77,15 +77,40 @@ __device__ __forceinline__ void pack_a_fragment(u32 (&a)[4], const float (&lo)[4
 // Sets every value of a fragment array (accumulators of kM x kN tiles).
 template <int kM, int kN>
 __device__ __forceinline__ void fill_fragments(float (&fragments)[kM][kN][4], float value) {
+    float (&flat)[kM * kN * 4] = reinterpret_cast<float (&)[kM * kN * 4]>(fragments);
+#pragma unroll
+    for (int i = 0; i < kM * kN * 4; ++i) {
+        flat[i] = value;
+    }
+}
+
+// Multiplies each row of accumulator fragments by its factor: row r of
+// row_scale is m16 tile r / 2, half r % 2 (elements 0-1 of each n8 tile are
+// the upper row of a lane, 2-3 the lower one).
+template <int kM, int kN>
+__device__ __forceinline__ void scale_fragment_rows(float (&fragments)[kM][kN][4], const float (&row_scale)[2 * kM]) {
 #pragma unroll
     for (int m = 0; m < kM; ++m) {
 #pragma unroll
         for (int n = 0; n < kN; ++n) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                fragments[m][n][i] = value;
+                fragments[m][n][i] *= row_scale[2 * m + i / 2];
             }
         }
+    }
+}
+
+// acc[mt][2 * n_pair] and acc[mt][2 * n_pair + 1] += A_mt B for every m16
+// tile mt, a(mt) giving A_mt's fragment: the four registers of one
+// ldmatrix_x4 of B (two n8 tiles) feed every m16 tile.
+template <typename Element, int kM, int kN, typename AFragment>
+__device__ __forceinline__ void mma_two_n8_tiles(float (&acc)[kM][kN][4], AFragment&& a, const u32 (&b)[4],
+                                                 int n_pair) {
+#pragma unroll
+    for (int mt = 0; mt < kM; ++mt) {
+        mma_m16n8k16<Element>(acc[mt][2 * n_pair], a(mt), b[0], b[1]);
+        mma_m16n8k16<Element>(acc[mt][2 * n_pair + 1], a(mt), b[2], b[3]);
     }
 }
 

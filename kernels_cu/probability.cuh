@@ -4,6 +4,7 @@
 #pragma once
 
 #include "numeric.cuh"
+#include "block_info.cuh"
 
 namespace cuflash {
 
@@ -31,6 +32,23 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
         // a transform's derivative need not be finite) dS is 0, not 0 * inf.
         return p > 0.0f ? ds * score.gradient(transformed, row, key) : 0.0f;
     }
+}
+
+// P and dS of one score (SIMT backward kernels): qk the raw score of (row,
+// key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
+// the row exists.
+struct ScoreGradient {
+    float p, ds;
+};
+
+template <typename Mask, typename Score>
+__device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockContext<Mask, Score>& ctx, float qk,
+                                                                  float dp, int row, int key, bool row_valid,
+                                                                  float lse_log2, float delta) {
+    const bool visible = row_valid && key_visible(ctx.mask, row, key);
+    const float s = transformed_score(ctx.score, qk, row, key);
+    const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
+    return {p, score_gradient(ctx.score, p, dp, delta, s, row, key)};
 }
 
 }  // namespace cuflash

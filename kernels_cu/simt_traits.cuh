@@ -44,9 +44,11 @@ struct SimtTraits {
 
     using QTile = SmemTile<Element, kBlockM, kHeadDimPadded>;  // Q or dO rows
     using KTile = SmemTile<Element, kBlockN, kHeadDimPadded>;  // K or V rows
-    using ScoreTile = SmemTile<float, kBlockM, kBlockN>;       // P or dS, one row per query
-    using ScoreTileT = SmemTile<float, kBlockN, kBlockM>;      // P^T or dS^T, one row per key
-    using RowStats = SmemTile<float, 1, kBlockM>;              // one float per query row
+    static constexpr int kStride = QTile::kStride;             // elements between rows of either
+    static_assert(KTile::kStride == kStride, "Q and K/V rows share one stride");
+    using ScoreTile = SmemTile<float, kBlockM, kBlockN>;   // P or dS, one row per query
+    using ScoreTileT = SmemTile<float, kBlockN, kBlockM>;  // P^T or dS^T, one row per key
+    using RowStats = SmemTile<float, 1, kBlockM>;          // one float per query row
 
     static_assert(kHeadDimPadded % 32 == 0 && kHeadDimPadded >= 32 && kHeadDimPadded <= 256,
                   "head dim is padded to a multiple of 32, at most 256");
@@ -66,30 +68,64 @@ struct QueryMajorMapping {
     static_assert(2 * kKeysPerLane <= 64 && kColsPerLane <= 64, "per-lane register arrays this large would spill");
 };
 
+// Tiles of the given byte sizes, one after another from the start of the
+// dynamic shared memory (each size a multiple of 16, so every tile is
+// 16-byte aligned): at<T, i>() points at tile i, kBytes is the total.
+template <int... kTileBytes>
+struct TileStack {
+    static constexpr int kSizes[] = {kTileBytes...};
+    __host__ __device__ static constexpr int offset(int tile) {
+        int bytes = 0;
+        for (int i = 0; i < tile; ++i) {
+            bytes += kSizes[i];
+        }
+        return bytes;
+    }
+    static constexpr int kBytes = offset(sizeof...(kTileBytes));
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+
+    template <typename T, int kIndex>
+    __device__ __forceinline__ static T* at() {
+        constexpr int kOffset = offset(kIndex);
+        return shared_tile<T>(kOffset);
+    }
+};
+
 // Forward: Q stays, K/V stream, P is the probability tile.
 template <typename Traits>
 struct ForwardSmem : QueryMajorMapping<Traits> {
-    static constexpr int kQ = 0;
-    static constexpr int kK = kQ + Traits::QTile::kBytes;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kP = kV + Traits::KTile::kBytes;
-    static constexpr int kBytes = kP + Traits::ScoreTile::kBytes;
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+    using E = typename Traits::Element;
+    using Stack =
+        TileStack<Traits::QTile::kBytes, Traits::KTile::kBytes, Traits::KTile::kBytes, Traits::ScoreTile::kBytes>;
+    static constexpr int kBytes = Stack::kBytes;
+    struct Tiles {
+        E *q, *k, *v;
+        float* p;
+    };
+    __device__ __forceinline__ static Tiles tiles() {
+        return {Stack::template at<E, 0>(), Stack::template at<E, 1>(), Stack::template at<E, 2>(),
+                Stack::template at<float, 3>()};
+    }
 };
 
 // Backward, one block per key block: K/V and the dK/dV accumulators stay;
 // Q, dO and their row statistics stream; P^T and dS^T are key-major.
 template <typename Traits>
 struct BackwardDkDvSmem {
-    static constexpr int kK = 0;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kQ = kV + Traits::KTile::kBytes;
-    static constexpr int kDo = kQ + Traits::QTile::kBytes;
-    static constexpr int kPt = kDo + Traits::QTile::kBytes;
-    static constexpr int kDSt = kPt + Traits::ScoreTileT::kBytes;
-    static constexpr int kLse = kDSt + Traits::ScoreTileT::kBytes;
-    static constexpr int kDelta = kLse + Traits::RowStats::kBytes;
-    static constexpr int kBytes = kDelta + Traits::RowStats::kBytes;
+    using E = typename Traits::Element;
+    using Stack = TileStack<Traits::KTile::kBytes, Traits::KTile::kBytes, Traits::QTile::kBytes, Traits::QTile::kBytes,
+                            Traits::ScoreTileT::kBytes, Traits::ScoreTileT::kBytes, Traits::RowStats::kBytes,
+                            Traits::RowStats::kBytes>;
+    static constexpr int kBytes = Stack::kBytes;
+    struct Tiles {
+        E *k, *v, *q, *dout;
+        float *pt, *dst, *lse, *delta;
+    };
+    __device__ __forceinline__ static Tiles tiles() {
+        return {Stack::template at<E, 0>(),     Stack::template at<E, 1>(),     Stack::template at<E, 2>(),
+                Stack::template at<E, 3>(),     Stack::template at<float, 4>(), Stack::template at<float, 5>(),
+                Stack::template at<float, 6>(), Stack::template at<float, 7>()};
+    }
 
     static constexpr int kRowsPerLane = Traits::kBlockM / Traits::kLanesPerKey;
     static constexpr int kColsPerLane = Traits::kHeadDimPadded / Traits::kLanesPerKey;
@@ -103,20 +139,24 @@ struct BackwardDkDvSmem {
                   "rows and columns split evenly over the lanes");
     static_assert(2 * kColsPerLane <= 64 && kRowsPerLane <= 32 && kDqColsPerLane <= 32,
                   "per-lane register arrays this large would spill");
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
 // Backward dQ without atomics (deterministic): one block per query block,
 // Q/dO stay, K/V stream, dS is query-major.
 template <typename Traits>
 struct BackwardDqSmem : QueryMajorMapping<Traits> {
-    static constexpr int kQ = 0;
-    static constexpr int kDo = kQ + Traits::QTile::kBytes;
-    static constexpr int kK = kDo + Traits::QTile::kBytes;
-    static constexpr int kV = kK + Traits::KTile::kBytes;
-    static constexpr int kDS = kV + Traits::KTile::kBytes;
-    static constexpr int kBytes = kDS + Traits::ScoreTile::kBytes;
-    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+    using E = typename Traits::Element;
+    using Stack = TileStack<Traits::QTile::kBytes, Traits::QTile::kBytes, Traits::KTile::kBytes, Traits::KTile::kBytes,
+                            Traits::ScoreTile::kBytes>;
+    static constexpr int kBytes = Stack::kBytes;
+    struct Tiles {
+        E *q, *dout, *k, *v;
+        float* ds;
+    };
+    __device__ __forceinline__ static Tiles tiles() {
+        return {Stack::template at<E, 0>(), Stack::template at<E, 1>(), Stack::template at<E, 2>(),
+                Stack::template at<E, 3>(), Stack::template at<float, 4>()};
+    }
 };
 
 }  // namespace cuflash

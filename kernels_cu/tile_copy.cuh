@@ -30,6 +30,18 @@ __device__ __forceinline__ void load_tile_zero_padded(Element* __restrict__ smem
     }
 }
 
+// The same rows of two tensors (K and V, or Q and dO: one sequence
+// position range, so one valid_rows) into two tiles.
+template <int kRows, int kCols, int kSmemStride, int kThreads, typename Element>
+__device__ __forceinline__ void load_tile_pair_zero_padded(Element* smem_a, const Element* gmem_a, index_t stride_a,
+                                                           Element* smem_b, const Element* gmem_b, index_t stride_b,
+                                                           int valid_rows, int valid_cols, int thread) {
+    load_tile_zero_padded<kRows, kCols, kSmemStride, kThreads>(smem_a, gmem_a, stride_a, valid_rows, valid_cols,
+                                                               thread);
+    load_tile_zero_padded<kRows, kCols, kSmemStride, kThreads>(smem_b, gmem_b, stride_b, valid_rows, valid_cols,
+                                                               thread);
+}
+
 }  // namespace cuflash
 
 namespace cuflash {

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflash._masks import MASKS
+
 #: Absolute floor added to the low-precision bound (2x the baseline's error).
 ABS_FLOOR = 1e-5
 #: Relative L2 bound for float32.
@@ -52,9 +54,7 @@ def _same_precision_probabilities(q, k_all, *, causal, softmax_scale):
     scores = scores.astype(dtype).astype(cupy.float32) * softmax_scale
     seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
     if causal:
-        rows = cupy.arange(seqlen_q)[:, None]
-        cols = cupy.arange(seqlen_k)[None, :]
-        scores = cupy.where(cols <= rows + (seqlen_k - seqlen_q), scores, -cupy.inf)
+        scores = cupy.where(MASKS["causal"].matrix(seqlen_q, seqlen_k, cupy), scores, -cupy.inf)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
     probs = cupy.exp(scores - row_max)

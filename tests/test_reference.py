@@ -114,7 +114,7 @@ def test_tiled_emulation_skips_fully_masked_key_blocks():
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 1000), (1000, 17), (130, 70), (64, 64), (0, 5)])
-def test_visible_key_blocks_matches_brute_force(seqlen_q, seqlen_k):
+def test_causal_key_blocks_match_brute_force(seqlen_q, seqlen_k):
     block_m, block_n = 64, 32
     mask = causal_mask(seqlen_q, seqlen_k)
     for m_start in range(0, seqlen_q, block_m):

@@ -89,7 +89,7 @@ def test_tiled_backward_skips_query_blocks_that_see_no_key_of_the_block():
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (17, 1000), (1000, 17), (130, 70), (64, 64), (5, 0)])
-def test_first_visible_query_block_matches_brute_force(seqlen_q, seqlen_k):
+def test_causal_query_blocks_match_brute_force(seqlen_q, seqlen_k):
     block_m, block_n = 32, 64
     mask = causal_mask(seqlen_q, seqlen_k)
     for n_start in range(0, seqlen_k, block_n):

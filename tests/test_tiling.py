@@ -82,11 +82,12 @@ def test_unknown_dtype_is_rejected():
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
-def _run_host_program(tmp_path, body: str) -> list[str]:
+def _run_host_program(tmp_path, body: str, extra_include: str | None = None) -> list[str]:
     source = tmp_path / "probe.cu"
+    extra = f'#include "{extra_include}"\n' if extra_include else ""
     source.write_text(
         "#include <cstdio>\n#include <cstddef>\n"
-        '#include "simt_traits.cuh"\n#include "tensor_core_traits.cuh"\n#include "params.cuh"\n'
+        '#include "simt_traits.cuh"\n#include "tensor_core_traits.cuh"\n#include "params.cuh"\n' + extra +
         f"int main() {{\n{body}\nreturn 0;\n}}\n"
     )
     binary = tmp_path / "probe"
@@ -223,6 +224,23 @@ def test_python_and_cxx_agree_on_shared_memory(tmp_path):
     body = "\n".join(f'printf("%d\\n", {expression});' for expression, _ in layouts)
     printed = [int(x) for x in _run_host_program(tmp_path, body)]
     assert printed == [expected for _, expected in layouts]
+
+
+@needs_nvcc
+def test_python_and_cxx_agree_on_layout_constants(tmp_path):
+    """Constants Python restates: the rescale slack the tiled emulation
+    follows, the swizzle alignment the shared-memory formulas add, the
+    shared-memory budget."""
+    from cuflash._tiling import WGMMA_SMEM_ALIGNMENT
+    from cuflash.reference import RESCALE_SLACK
+
+    printed = _run_host_program(tmp_path, "\n".join([
+        'printf("%g\\n", (double)cuflash::FragmentOnlineSoftmax<1>::kRescaleSlack);',
+        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 8>::kAlignment);',
+        'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 128, 128, 8>::kAlignment);',
+        'printf("%d\\n", cuflash::kMaxSmemBytes);',
+    ]), extra_include="online_softmax.cuh")
+    assert [float(x) for x in printed] == [RESCALE_SLACK, WGMMA_SMEM_ALIGNMENT, WGMMA_SMEM_ALIGNMENT, MAX_SMEM_BYTES]
 
 
 @needs_nvcc

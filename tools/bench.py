@@ -57,7 +57,8 @@ TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
-#: bf16 matrix-multiply rate measured on the H100 (../shared/notes/anchors.md), for the floor column.
+#: bf16 matrix-multiply rate of the H100 80GB HBM3, for the floor column: the ceiling measured on the
+#: device pool's H100s on 2026-11-22 (the same day's runs as BENCHMARKS.md's first anchors).
 MATMUL_TFLOPS = {"NVIDIA H100 80GB HBM3": 796.0}
 
 

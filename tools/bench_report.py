@@ -43,7 +43,7 @@ def markdown(result: dict, plot: str | None) -> str:
     ]
     if matmul:
         lines.append(f"- Floor column: FLOPs at the {matmul:.0f} TFLOP/s bf16 matrix-multiply rate measured on this "
-                     "device (../shared/notes/anchors.md).")
+                     "device (the bf16 matrix-multiply ceiling measured on the pool's H100s on 2026-11-22).")
     lines.append("")
     for pass_name in sorted({r["pass"] for r in rows}):
         lines += [f"## {pass_name}", "",
