@@ -59,6 +59,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
     const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
     const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
+    const Mask block_mask = ctx.mask.rows_from(m_start);  // rows counted from m_start, see masks.cuh
 
     // Copies key block n_block of K or V (`rows`, from the head's first key)
     // into buffer `stage` of `tile`.
@@ -160,8 +161,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
         }
 
         apply_score_transform(ctx.score, s, m_start + warp_row0, n_start, lane);
-        if (key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_fragments(ctx.mask, s, m_start + warp_row0, n_start, lane);
+        if (key_block_needs_mask(block_mask, 0, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_fragments(block_mask, s, warp_row0, n_start, lane);
         }
         float rescale[2 * kMTiles];
         softmax.update(s, ctx.scale_log2, rescale);

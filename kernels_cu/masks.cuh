@@ -20,6 +20,13 @@
 //                                pay for element masking)
 //   kLaterRowsSeeMore            whether the last query blocks have the most
 //                                keys (the grid then hands them out first)
+//   rows_from(first_row)         the same mask with rows counted from
+//                                first_row (row r means first_row + r): a
+//                                kernel that masks one block's rows folds the
+//                                block's start into the mask's constants, so
+//                                one value fewer stays live through its loop
+//                                (the register-tight mma.sync forward spilled
+//                                without it)
 // cuflash/_masks.py holds the same policies for the launcher, the NumPy
 // references and the IO simulator; adding a mask means one struct here and
 // one entry there (docs/kernel-policies.md).
@@ -46,6 +53,11 @@ struct NoMask : SequenceBounds {
 
     __device__ __forceinline__ explicit NoMask(SequenceBounds bounds) : SequenceBounds(bounds) {}
     __device__ __forceinline__ bool rule(int, int) const { return true; }
+    __device__ __forceinline__ NoMask rows_from(int first_row) const {
+        NoMask shifted = *this;
+        shifted.seqlen_q -= first_row;
+        return shifted;
+    }
     __device__ __forceinline__ BlockRange key_blocks(int, int, int block_n) const {
         return {0, ceil_div(seqlen_k, block_n)};
     }
@@ -66,11 +78,13 @@ struct CausalMask : SequenceBounds {
     __device__ __forceinline__ explicit CausalMask(SequenceBounds bounds)
         : SequenceBounds(bounds), diagonal_offset(bounds.seqlen_k - bounds.seqlen_q) {}
 
-    // Written key-side (key - offset <= row): the kernels' key positions are
-    // one per-block base plus constants, so the shifted base is one value per
-    // block; the row-side form kept one more value live through the mma.sync
-    // forward's loop, which then spilled.
-    __device__ __forceinline__ bool rule(int row, int key) const { return key - diagonal_offset <= row; }
+    __device__ __forceinline__ bool rule(int row, int key) const { return key <= row + diagonal_offset; }
+    __device__ __forceinline__ CausalMask rows_from(int first_row) const {
+        CausalMask shifted = *this;
+        shifted.seqlen_q -= first_row;
+        shifted.diagonal_offset += first_row;
+        return shifted;
+    }
 
     // Up to the block holding the last key its last row sees; nothing when
     // even that row sees no key.
@@ -89,7 +103,7 @@ struct CausalMask : SequenceBounds {
     // The group's first row sees the fewest keys: the block's last key lies
     // beyond its diagonal.
     __device__ __forceinline__ bool rule_hides_keys(int first_row, int, int n_start, int block_n) const {
-        return n_start + block_n - 1 - diagonal_offset > first_row;
+        return n_start + block_n - 1 > first_row + diagonal_offset;
     }
 };
 
