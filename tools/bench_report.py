@@ -42,8 +42,8 @@ def markdown(result: dict, plot: str | None) -> str:
         "- max dev.: largest |cuflash - flash| over the output (both in the input dtype).",
     ]
     if matmul:
-        lines.append(f"- Floor column: FLOPs at the {matmul:.0f} TFLOP/s bf16 matrix-multiply rate measured on this "
-                     "device (the bf16 matrix-multiply ceiling measured on the pool's H100s on 2026-11-22).")
+        lines.append(f"- Floor column: FLOPs at {matmul:.0f} TFLOP/s, the bf16 matrix-multiply ceiling measured on "
+                     "this device kind (the pool's H100s, 2026-11-22).")
     lines.append("")
     for pass_name in sorted({r["pass"] for r in rows}):
         lines += [f"## {pass_name}", "",
