@@ -13,7 +13,7 @@ these entries; nothing else lists kernels. Adding a family is one entry in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ._masks import SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
@@ -92,9 +92,17 @@ class KernelFamily:
     needs_aligned_rows: bool = False
     #: needs softmax_scale > 0 (the online softmax takes the max of unscaled scores)
     needs_positive_scale: bool = False
-    #: dQ modes of a dK/dV family: atomic float32 accumulation ("atomic"),
-    #: none, with the deterministic dQ pass after it ("deterministic")
-    dq_modes: tuple[str, ...] = ()
+    #: dQ modes of a dK/dV family, each with the value of its last template
+    #: argument: "atomic" (float32 atomics: fast, not bitwise repeatable),
+    #: "ordered" (the key blocks add in turn, in order: deterministic),
+    #: "separate" (no dQ here: the deterministic dQ pass follows)
+    dq_modes: dict[str, str] = field(default_factory=dict)
+
+    def dq_mode(self, deterministic: bool) -> str:
+        """The mode a call runs this family in: atomic, or its deterministic one."""
+        if not deterministic:
+            return "atomic"
+        return next(mode for mode in ("ordered", "separate") if mode in self.dq_modes)
 
     def runs_on(self, generation: int) -> bool:
         """Whether a device of this kernel generation (``cuflash.api._kernel_generation``) runs it."""
@@ -113,10 +121,11 @@ class KernelFamily:
             return False
         if self.needs_positive_scale and not positive_scale:
             return False
-        return not self.dq_modes or ("deterministic" if deterministic else "atomic") in self.dq_modes
+        return not self.dq_modes or any(mode in self.dq_modes for mode in
+                                        (("ordered", "separate") if deterministic else ("atomic",)))
 
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
-                score: ScoreTransform = _IDENTITY, accumulate_dq: bool = True) -> KernelVariant:
+                score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic") -> KernelVariant:
         """The instantiation for these compile-time choices."""
         if self.tiles is None:  # element-wise: no tiles, no policies
             return KernelVariant(
@@ -131,12 +140,10 @@ class KernelFamily:
         elif self.kernel == "wgmma" and self.role == "forward":
             extra_args, extra_key = (str(tiling.blocks_per_sm),), f"/b{tiling.blocks_per_sm}"
         if self.dq_modes:
-            mode = "atomic" if accumulate_dq else "deterministic"
-            if mode not in self.dq_modes:
-                raise ValueError(f"{self.name} has no {mode} dQ mode (it has {list(self.dq_modes)})")
-            if len(self.dq_modes) > 1:
-                extra_args += ("true" if accumulate_dq else "false",)
-            extra_key += "/atomic-dq" if accumulate_dq else ""
+            if dq_mode not in self.dq_modes:
+                raise ValueError(f"{self.name} has no {dq_mode} dQ mode (it has {list(self.dq_modes)})")
+            extra_args += (self.dq_modes[dq_mode],)
+            extra_key += "" if dq_mode == "separate" else f"/{dq_mode}-dq"
         return KernelVariant(
             source=self.source,
             function=self.function,
@@ -182,11 +189,11 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  "cuflash::flash_backward_dkdv_wgmma_kernel", _BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_applies, needs_aligned_rows=True,
-                 dq_modes=("atomic",)),
+                 dq_modes={"atomic": "false", "ordered": "true"}),
     KernelFamily("backward-dkdv", "backward-dkdv", "flash_bwd.cu", "cuflash::flash_backward_dkdv_kernel", _BACKWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=_any_head_dim,
-                 dq_modes=("atomic", "deterministic")),
+                 dq_modes={"atomic": "true", "separate": "false"}),
     # The deterministic dQ pass: the forward's SIMT tiles, one block per query block.
     KernelFamily("backward-dq", "backward-dq", "flash_bwd.cu", "cuflash::flash_backward_dq_kernel", _BACKWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=forward_tiling,

@@ -45,6 +45,7 @@ BACKWARD_PARAMS = np.dtype(
         ("lse_head_stride", _INDEX),
         ("delta", _POINTER),
         ("dq_accum", _POINTER),
+        ("dq_semaphore", _POINTER),
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("num_n_blocks", _INDEX),
@@ -56,7 +57,7 @@ BACKWARD_PARAMS = np.dtype(
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 5 * 8 + 6 * 8 + 4 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 4 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
 

@@ -24,7 +24,7 @@ from ._kernel_families import FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
-from ._tiling import ELEMENT_SIZE, Tiling
+from ._tiling import ELEMENT_SIZE, WGMMA_BACKWARD_TILES, Tiling
 from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
 _LOG2E = math.log2(math.e)
@@ -35,11 +35,12 @@ _ELEMENTWISE_BLOCKS = 4096
 #: Arrays of a forward call, in the order of the plan's pointer slots.
 FORWARD_ARRAYS = ("q", "k", "v", "out", "lse")
 FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse")
-#: Arrays of a backward call (the work buffers delta and dq_accum last), in
-#: the order of the plan's pointer slots.
-BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum")
+#: Arrays of a backward call (the work buffers delta, dq_accum and
+#: dq_semaphore last, see ``backward_work_buffers``), in the order of the
+#: plan's pointer slots.
+BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
-                  "dq_accum")
+                  "dq_accum", "dq_semaphore")
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
 #: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS: the 16-byte alignment of
 #: their pointers decides the kernel, so it is part of a call's signature.
@@ -190,7 +191,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic)
     key, pointers = _signature("backward", arrays, flags)
@@ -296,26 +297,23 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         )
         natives = inputs | given
         allocated = {}
-        # Work buffers: delta (batch, nheads, seqlen_q) and, unless
-        # deterministic, the float32 dQ accumulator (batch, seqlen_q, nheads,
-        # head_dim). They come from the caller's framework (PyTorch's caching
-        # allocator for PyTorch callers), on the call's stream.
-        work = {"delta": ((problem.batch, problem.nheads, problem.seqlen_q), "float32")}
-        if not deterministic:
-            work["dq_accum"] = ((problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim), "float32")
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
             if name not in given:
                 shape, dtype = tuple(views[like].shape), views[like].dtype
                 native, views[name] = bridge.empty(shape, dtype, metas[like].strides)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
-        for name, (shape, dtype) in work.items():
+        layouts = {name: Layout.of(views[name]) for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")}
+        aligned = pointers_aligned("backward", _view_pointers(BACKWARD_ARRAYS, views))
+        tiling = backward_tiling_for(problem, layouts, layouts, bool(deterministic), aligned)
+        # Work buffers come from the caller's framework (PyTorch's caching
+        # allocator for PyTorch callers), on the call's stream.
+        for name, (shape, dtype) in backward_work_buffers(problem, tiling, bool(deterministic)).items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
-        layouts = {name: Layout.of(views[name]) for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")}
         pointers = _view_pointers(BACKWARD_ARRAYS, views)
-        plan = backward_plan(problem, layouts, Layout.of(views["lse"]), bool(deterministic),
-                             aligned=pointers_aligned("backward", pointers))
+        plan = backward_plan(problem, layouts, Layout.of(views["lse"]), bool(deterministic), aligned=aligned,
+                             tiling=tiling)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated)
 
 
@@ -423,15 +421,41 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
                   deterministic=deterministic)
 
 
+def backward_work_buffers(problem: AttentionProblem, tiling: Tiling | None, deterministic: bool) -> dict:
+    """The work buffers a backward on the dK/dV kernel of ``tiling`` needs,
+    name -> (shape, dtype), all contiguous: delta (batch, nheads, seqlen_q)
+    always; the float32 dQ accumulator (batch, seqlen_q, nheads, head_dim)
+    unless the deterministic dQ pass computes dQ; the int32 turn counters
+    (batch, nheads, query blocks) of the ordered (deterministic Hopper) mode.
+    ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides its
+    buffers before the kernel is known), the counters for the smallest
+    query block of the Hopper tables."""
+    b, h, sq, d = problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim
+    buffers = {"delta": ((b, h, sq), "float32")}
+    if tiling is None:
+        block_m = min(tiles[0] for tiles in WGMMA_BACKWARD_TILES.values())
+        return buffers | {"dq_accum": ((b, sq, h, d), "float32"), "dq_semaphore": ((b, h, -(-sq // block_m)), "int32")}
+    mode = family_of("backward-dkdv", tiling.kernel).dq_mode(deterministic)
+    if mode != "separate":
+        buffers["dq_accum"] = ((b, sq, h, d), "float32")
+    if mode == "ordered":
+        buffers["dq_semaphore"] = ((b, h, -(-sq // tiling.block_m)), "int32")
+    return buffers
+
+
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
-                  aligned: bool) -> LaunchPlan:
+                  aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, zeroed dQ
-    accumulator), dK/dV (with atomic dQ, or without and then the
-    deterministic dQ pass), then dQ conversion. ``layouts`` of dout, q, k,
-    v, out, dq, dk, dv; ``lse``'s layout; ``aligned`` whether the pointers of
-    dout, q, k, v, dk and dv will be 16-byte aligned. Pointer slots:
-    ``BACKWARD_SLOTS`` (dq_accum 0 when deterministic)."""
-    dkdv_tiling = backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
+    accumulator and turn counters), dK/dV (dQ added with atomics, added in
+    key-block order, or left to the deterministic dQ pass), then dQ
+    conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
+    layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
+    be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``
+    decides where not given). Pointer slots: ``BACKWARD_SLOTS``, the work
+    buffers of ``backward_work_buffers`` (0 for the others)."""
+    dkdv_tiling = tiling or backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
+    dkdv_family = family_of("backward-dkdv", dkdv_tiling.kernel)
+    dq_mode = dkdv_family.dq_mode(deterministic)
     dq_family = FAMILY["backward-dq"]
     dq_tiling = dq_family.tiles(problem.dtype, problem.head_dim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
@@ -443,6 +467,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         lse_head_stride=lse.strides[1] // lse.itemsize,
         delta=0,
         dq_accum=0,
+        dq_semaphore=0,
         size=_size_fields(problem),
         num_m_blocks=-(-problem.seqlen_q // dkdv_tiling.block_m),
         num_n_blocks=num_n_blocks,
@@ -462,10 +487,9 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        variant = family_of("backward-dkdv", dkdv_tiling.kernel).variant(problem.dtype, dkdv_tiling, problem.mask,
-                                                                         problem.score, not deterministic)
+        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
-    if rows and deterministic:
+    if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query
         # blocks, so it takes a second struct with that block count.
         fields["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)

@@ -117,13 +117,12 @@ def _forward_call(q, k, v, causal, softmax_scale):
 
 
 def _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    # delta and the float32 dQ accumulator are work buffers: XLA allocates
-    # them as extra outputs, which nothing reads afterwards.
+    # The work buffers (api.backward_work_buffers) are extra outputs that
+    # XLA allocates and nothing reads afterwards. Which dK/dV kernel runs is
+    # known only at launch (it depends on the buffers' alignment), so every
+    # buffer any of them could need is made.
     results = [_shape_dtype(x.shape, x.dtype) for x in (q, k, v)]
-    results.append(_shape_dtype((batch, nheads, seqlen_q), np.float32))
-    if not deterministic:
-        results.append(_shape_dtype((batch, seqlen_q, nheads, head_dim), np.float32))
+    results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in _work_buffers(q.shape).values()]
     callback = _backward_callback(causal, softmax_scale, deterministic)
     return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(dout, q, k, v, out, lse)
 
@@ -143,8 +142,6 @@ def _forward_callback(causal: bool, softmax_scale: float):
 def _backward_callback(causal: bool, softmax_scale: float, deterministic: bool):
     def callback(ctx, outputs, dout, q, k, v, out, lse):
         buffers = [dout, q, k, v, out, lse, *outputs]
-        if deterministic:
-            buffers.append(None)  # no dQ accumulator
         _launch(("backward", causal, softmax_scale, deterministic), ctx.stream, buffers, api.BACKWARD_ARRAYS)
     return callback
 
@@ -181,6 +178,16 @@ def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) ->
             plan.launch(pointers, stream)
 
 
+def _work_buffers(q_shape: tuple[int, ...]) -> dict:
+    """Every backward work buffer for q of this shape (leading vmapped axes
+    kept in front of each buffer's shape)."""
+    *lead, seqlen_q, nheads, head_dim = q_shape
+    problem = AttentionProblem(math.prod(lead), seqlen_q, seqlen_q, nheads, nheads, head_dim, "float32", 0, 1.0,
+                               False)
+    buffers = api.backward_work_buffers(problem, None, True)
+    return {name: ((*lead, *shape[1:]), dtype) for name, (shape, dtype) in buffers.items()}
+
+
 def _device_of_pointer(pointer: int) -> int:
     from cupy.cuda import runtime
 
@@ -195,17 +202,20 @@ def _folded(shape: tuple[int, ...], trailing: int) -> tuple[int, ...]:
     return (math.prod(shape[:-trailing]),) + tuple(shape[-trailing:])
 
 
+_WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq_semaphore": "int32"}
+
+
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):
     """The launch plan of one buffer signature (validated again, now with
     the folded shapes and the device)."""
-    trailing = {"lse": 2, "delta": 2}
+    trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2}
     metas = {}
     for name, shape in zip(names, shapes):
         if shape is not None:
             folded = _folded(shape, trailing.get(name, 3))
-            metas[name] = TensorMeta(name, folded, contiguous_strides(folded),
-                                     "float32" if name in ("lse", "delta", "dq_accum") else dtype, device)
-    layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()}
+            metas[name] = TensorMeta(name, folded, contiguous_strides(folded), _WORK_DTYPES.get(name, dtype), device)
+    layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()
+               if name != "dq_semaphore"}
     if flags[0] == "forward":
         _, causal, scale = flags
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,

@@ -39,11 +39,19 @@ __device__ __forceinline__ void for_each_query_row_by_warp(const ProblemSize& si
 }
 
 // delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
-// accumulator when there is one, which saves a separate memset pass.
+// accumulator when there is one, and the dQ turn counters of the ordered
+// mode, which saves separate memset passes.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {
     const int head_dim = params.size.head_dim_int();
+    if (params.dq_semaphore != nullptr) {
+        const index_t counters = params.size.batch * params.size.nheads * params.num_m_blocks;
+        for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < counters;
+             i += static_cast<index_t>(gridDim.x) * blockDim.x) {
+            params.dq_semaphore[i] = 0;
+        }
+    }
     for_each_query_row_by_warp<kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane) {
         const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
         const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);

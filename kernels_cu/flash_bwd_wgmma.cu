@@ -1,4 +1,4 @@
-// FlashAttention backward dK/dV (with atomic dQ) on Hopper's warpgroup tensor
+// FlashAttention backward dK/dV (with atomic or ordered dQ) on Hopper's warpgroup tensor
 // cores (wgmma, sm_90a; float16, bfloat16). The algorithm is flash_bwd.cu's:
 // one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
 // accumulators while it walks every query block i of every query head
@@ -28,6 +28,7 @@
 #include "masks.cuh"
 #include "score_transforms.cuh"
 #include "probability.cuh"
+#include "ordered_accumulation.cuh"
 
 namespace cuflash {
 
@@ -37,7 +38,8 @@ __device__ __forceinline__ void atomic_add_pair(float* address, float a, float b
     asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
 }
 
-template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32, 1)
 flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -241,7 +243,21 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         }
         wgmma_commit();
 
-        __syncthreads();  // every warpgroup's dS^T is in shared memory
+        // Deterministic mode: the key blocks add into this dQ block one after
+        // another, in key-block order (ordered_accumulation.cuh). The turn is
+        // awaited here, before dQ's registers are live, at the barrier the
+        // step has anyway: the d64 tiles have no register to spare.
+        const auto dq_turn = [&]() {
+            return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
+        };
+        const auto turn = [&]() {
+            return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
+        };
+        if constexpr (kOrderedDq) {
+            wait_for_turn(dq_turn(), turn());  // includes the barrier below
+        } else {
+            __syncthreads();  // every warpgroup's dS^T is in shared memory
+        }
         float dq[kDqCols / 2];
 #pragma unroll
         for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
@@ -269,6 +285,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                     }
                 }
             }
+        }
+        if constexpr (kOrderedDq) {
+            pass_turn(dq_turn(), turn());
         }
         head = next_head;
         m_block = next_m_block;

@@ -58,13 +58,17 @@ static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_
 static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8, "ForwardParams layout must match cuflash/_params.py");
 
 // Backward. delta (batch, nheads, seqlen_q) and dq_accum (batch, seqlen_q,
-// nheads, head_dim) are float32 work buffers made by the launcher, contiguous.
+// nheads, head_dim) are float32 work buffers made by the launcher, contiguous;
+// dq_semaphore (batch, nheads, num_m_blocks) int32, zeroed by the
+// preprocessing kernel, orders the dQ additions of the deterministic Hopper
+// backward.
 struct BackwardParams {
     TensorRef q, k, v, out, dout, dq, dk, dv;
     const float* lse;  // (batch, nheads, seqlen_q), from the forward pass
     index_t lse_batch_stride, lse_head_stride;
     float* delta;     // rowsum(dO * O), written by the preprocessing kernel
-    float* dq_accum;  // float32 dQ accumulated with atomics (unused in deterministic mode)
+    float* dq_accum;  // float32 dQ accumulated with atomics, or in key-block order (ordered mode)
+    int* dq_semaphore;  // ordered mode: per (batch, head, query block) the key blocks that added their dQ
     ProblemSize size;
     index_t num_m_blocks, num_n_blocks;
     double softmax_scale_log2;  // softmax_scale * log2(e)
@@ -86,6 +90,6 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 5 * 8 + 6 * 8 + 4 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 6 * 8 + 4 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -1,11 +1,13 @@
 """The Hopper backward dK/dV kernel (wgmma, sm_90a): which calls take it, and
 its sizes. The backward grid of test_backward_gpu.py runs through it for
-float16/bfloat16 at head dims up to 64 and 97-128 on Hopper; the SIMT
-backward keeps the other cases, the deterministic mode, and (tested here
-with the generation pinned to sm_80) what an Ampere GPU runs."""
+float16/bfloat16 at head dims up to 64 and 97-128 on Hopper, deterministic
+or not (dQ added in key-block order); the SIMT backward keeps the other
+cases and (tested here with the generation pinned to sm_80) what an Ampere
+GPU runs."""
 
 import pytest
 
+import cuflash
 from cuflash import api
 from cuflash._validation import check_backward, meta_of
 
@@ -40,7 +42,8 @@ def test_hopper_backward_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
     assert _chosen(q, k, v).kernel == kernel
-    assert _chosen(q, k, v, deterministic=True).kernel == "simt"  # fixed-order dQ: the SIMT passes
+    # Deterministic: the same kernel with dQ added in key-block order.
+    assert _chosen(q, k, v, deterministic=True).kernel == kernel
 
 
 @needs_hopper
@@ -66,6 +69,50 @@ def test_wgmma_backward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal, heads
                          seed=seqlen_q + 3 * seqlen_k + head_dim)
     assert _chosen(q, k, v).kernel == "wgmma"
     run_backward_and_check(q, k, v, causal=causal, seed=seqlen_q)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (129, 127), (1000, 2049), (2049, 1000), (17, 1000)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_wgmma_deterministic_backward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal, heads):
+    """The ordered dQ mode (deterministic=True on Hopper): the key blocks
+    take turns on each dQ block, from the first that sees it; rows that see
+    no key, partial blocks and query heads sharing a K/V head."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype(dtype), seed=seqlen_k + head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=causal, deterministic=True, seed=seqlen_q)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
+    """Ten runs, bitwise the same dq, dk, dv, on another stream too; the
+    atomic mode on the same inputs is not required to be (and dq of the two
+    modes agree to rounding)."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 4, 2048, 2048, 16, 4, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "wgmma"
+    dout, out, lse = forward_for_backward(q, k, v, causal=causal)
+
+    def bits(grads):
+        return [g.view(cupy.uint16).copy() for g in grads]
+
+    first = bits(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for run in range(9):
+        with stream if run % 2 else cupy.cuda.Stream.null:
+            again = bits(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+        stream.synchronize()
+        for a, b in zip(first, again):
+            assert bool((a == b).all())
+    atomic = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    difference = cupy.abs(atomic[0].astype(cupy.float32) - first[0].view(cupy.dtype("bfloat16")).astype(cupy.float32))
+    assert float(difference.max()) <= 0.02 * float(cupy.abs(atomic[0].astype(cupy.float32)).max())
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

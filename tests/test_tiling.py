@@ -134,7 +134,7 @@ def test_family_entries_are_consistent(family):
     assert FAMILY[family.name] is family
     assert (kernel_source_dir() / family.source).is_file()
     for dtype, tiling in family.compiled_tilings() if family.tiles else []:
-        variant = family.variant(dtype, tiling, MASKS["causal"], accumulate_dq="atomic" in family.dq_modes)
+        variant = family.variant(dtype, tiling, MASKS["causal"])
         assert variant.key.startswith(family.name + "/") and variant.smem_bytes <= MAX_SMEM_BYTES
         assert family.applies(dtype, tiling.head_dim_padded, 90) or family.arch != "any"
     if family.tiles:
@@ -143,7 +143,8 @@ def test_family_entries_are_consistent(family):
 
 @pytest.mark.parametrize("dtype,head_dim,generation,conditions,forward,backward", [
     ("bfloat16", 128, 90, {}, "wgmma", "wgmma"),
-    ("float16", 64, 90, dict(deterministic=True), "wgmma", "simt"),
+    ("float16", 64, 90, dict(deterministic=True), "wgmma", "wgmma"),
+    ("float16", 64, 80, dict(deterministic=True), "mma", "simt"),
     ("bfloat16", 96, 90, {}, "mma", "simt"),
     ("bfloat16", 128, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
@@ -161,9 +162,20 @@ def test_selection_needs_a_positive_scale_for_tensor_cores():
 
 
 def test_a_variant_refuses_a_dq_mode_its_family_lacks():
-    tiling = FAMILY["backward-dkdv-wgmma"].tiles("bfloat16", 64)
-    with pytest.raises(ValueError, match="no deterministic dQ mode"):
-        FAMILY["backward-dkdv-wgmma"].variant("bfloat16", tiling, MASKS["none"], accumulate_dq=False)
+    tiling = FAMILY["backward-dkdv"].tiles("bfloat16", 64)
+    with pytest.raises(ValueError, match="no ordered dQ mode"):
+        FAMILY["backward-dkdv"].variant("bfloat16", tiling, MASKS["none"], dq_mode="ordered")
+
+
+@pytest.mark.parametrize("name,deterministic,mode,key", [
+    ("backward-dkdv-wgmma", False, "atomic", "/atomic-dq"), ("backward-dkdv-wgmma", True, "ordered", "/ordered-dq"),
+    ("backward-dkdv", False, "atomic", "/atomic-dq"), ("backward-dkdv", True, "separate", "/none"),
+])
+def test_dq_modes_of_the_dkdv_families(name, deterministic, mode, key):
+    family = FAMILY[name]
+    assert family.dq_mode(deterministic) == mode
+    variant = family.variant("bfloat16", family.tiles("bfloat16", 64), MASKS["none"], dq_mode=mode)
+    assert variant.key.endswith(key) and variant.template_args[-1] == family.dq_modes[mode]
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])

@@ -226,10 +226,10 @@ def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     timings = {"cuflash": time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
                                    calls=calls, repeats=repeats)}
-    if deterministic:  # the fixed-order dQ pass (SIMT kernels): slow, so timed with few calls
+    if deterministic:  # dQ added in key-block order (Hopper), or the SIMT passes elsewhere
         timings["cuflash-deterministic"] = time_gpu(
             lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True),
-            calls=1, repeats=3, warmup=1)
+            calls=calls, repeats=repeats)
     leaves = tuple(x.detach().requires_grad_() for x in sdpa_inputs)
     dout_t = dout.transpose(1, 2).contiguous()
     for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):

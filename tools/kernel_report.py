@@ -51,7 +51,7 @@ def all_variants() -> list[KernelVariant]:
         for dtype, tiling in family.compiled_tilings():
             for mask in MASKS.values():
                 for mode in family.dq_modes or ("atomic",):
-                    variants.append(family.variant(dtype, tiling, mask, accumulate_dq=mode == "atomic"))
+                    variants.append(family.variant(dtype, tiling, mask, dq_mode=mode))
     return variants
 
 
