@@ -165,6 +165,7 @@ _TORCH_DTYPES = {
     "float16": lambda torch: torch.float16,
     "bfloat16": lambda torch: torch.bfloat16,
     "float32": lambda torch: torch.float32,
+    "int32": lambda torch: torch.int32,  # the ordered backward's turn counters
 }
 
 

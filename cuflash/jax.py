@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _interop, api
 from ._validation import (
+    AttentionProblem,
     TensorMeta,
     check_backward,
     check_causal,

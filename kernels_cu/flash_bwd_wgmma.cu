@@ -111,8 +111,16 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         }
     };
     // The step's query head and block, advanced step by step (no divisions).
+    // Ordered dQ under a mask whose later rows see more keys (causal): query
+    // blocks last to first. Every key block then starts on the same (last)
+    // query block and runs one step behind the previous key block; first to
+    // last, key block j would start on the block where key block j - 1 takes
+    // its second step, waiting two steps per key block down the chain.
+    constexpr bool kLastToFirst = kOrderedDq && Mask::kLaterRowsSeeMore;
+    const int m_block_first = kLastToFirst ? m_block_begin + blocks_per_head - 1 : m_block_begin;
+    const int m_block_last = kLastToFirst ? m_block_begin : m_block_begin + blocks_per_head - 1;
     index_t head = block.first_head;
-    int m_block = m_block_begin;
+    int m_block = m_block_first;
     if (steps > 0) {
         load_query_block(head, m_block, 0);
     }
@@ -152,9 +160,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         fence_async_shared();
         __syncthreads();
         index_t next_head = head;
-        int next_m_block = m_block + 1;
-        if (next_m_block == m_block_begin + blocks_per_head) {
-            next_m_block = m_block_begin;
+        int next_m_block = kLastToFirst ? m_block - 1 : m_block + 1;
+        if (m_block == m_block_last) {
+            next_m_block = m_block_first;
             ++next_head;
         }
         if (step + 1 < steps) {
