@@ -146,8 +146,6 @@ def _run(q, k, v, dout, *, mask, score, deterministic, forward_tiling=None):
     plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr], stream)
 
     grads = [cupy.full_like(x, cupy.nan) for x in (q, k, v)]
-    delta = cupy.empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=cupy.float32)
-    accum = None if deterministic else cupy.empty(q.shape, dtype=cupy.float32)
     metas = {name: meta_of(name, x) for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
                                                       ("lse", lse))}
     backward = check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
@@ -155,9 +153,12 @@ def _run(q, k, v, dout, *, mask, score, deterministic, forward_tiling=None):
     backward = dataclasses.replace(backward, mask_name=mask.name, score_name=score.name)
     layouts = {name: api.Layout.of(x) for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
                                                         ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2]))}
-    plan = api.backward_plan(backward, layouts, api.Layout.of(lse), deterministic, aligned=True)
-    plan.launch([dout.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
-                 *(g.data.ptr for g in grads), delta.data.ptr, 0 if accum is None else accum.data.ptr], stream)
+    tiling = api.backward_tiling_for(backward, layouts, layouts, deterministic, aligned=True)
+    work = {name: cupy.empty(shape, dtype=dtype)
+            for name, (shape, dtype) in api.backward_work_buffers(backward, tiling, deterministic).items()}
+    plan = api.backward_plan(backward, layouts, api.Layout.of(lse), deterministic, aligned=True, tiling=tiling)
+    arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2], **work)
+    plan.launch([arrays[name].data.ptr if name in arrays else 0 for name in api.BACKWARD_ARRAYS], stream)
     cupy.cuda.get_current_stream().synchronize()
     return out, lse, *grads
 
@@ -175,7 +176,8 @@ def _relative_error(got, want) -> float:
 @pytest.mark.parametrize("dtype,head_dim,deterministic,force_mma", [
     ("bfloat16", 64, False, False),  # Hopper: wgmma forward and backward
     ("float16", 128, False, False),  # Hopper: wgmma forward and backward, other tiles
-    ("bfloat16", 64, True, True),  # mma.sync forward; SIMT dK/dV and the deterministic dQ pass
+    ("bfloat16", 64, True, True),  # mma.sync forward; Hopper dK/dV with dQ added in key-block order
+    ("float16", 96, True, False),  # mma.sync forward; SIMT dK/dV and the deterministic dQ pass
     ("bfloat16", 96, False, False),  # mma.sync forward, SIMT backward with atomic dQ
     ("float32", 48, False, False),  # SIMT forward and backward, padded head dim
 ])
