@@ -252,16 +252,20 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         wgmma_commit();
 
         // Deterministic mode: the key blocks add into this dQ block one after
-        // another, in key-block order (ordered_accumulation.cuh). The turn is
-        // awaited here, before dQ's registers are live, at the barrier the
-        // step has anyway: the d64 tiles have no register to spare.
+        // another, in key-block order (ordered_accumulation.cuh). A key block
+        // that waits trails the previous one by what it waits through, so
+        // the turn is awaited as late as the registers allow: after dQ's
+        // product (only the additions are serialised) where they fit, before
+        // it, at the barrier the step has anyway, for the d64 tiles, which
+        // spilled waiting with dQ's registers live.
+        constexpr bool kTurnBeforeDqProduct = kOrderedDq && kHeadDim == 64;
         const auto dq_turn = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
         const auto turn = [&]() {
             return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
         };
-        if constexpr (kOrderedDq) {
+        if constexpr (kTurnBeforeDqProduct) {
             wait_for_turn(dq_turn(), turn());  // includes the barrier below
         } else {
             __syncthreads();  // every warpgroup's dS^T is in shared memory
@@ -277,6 +281,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         pin_registers(dq);
         pin_registers(dv_flat);
         pin_registers(dk_flat);
+        if constexpr (kOrderedDq && !kTurnBeforeDqProduct) {
+            wait_for_turn(dq_turn(), turn());
+        }
 
         float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
