@@ -10,6 +10,7 @@ import sys
 import click
 
 from .simulate import ALGORITHMS, MACHINES, PASSES, Problem, explain, format_csv, format_table, run, summarize
+from .simulate.report import format_bytes
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -72,8 +73,9 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--block-n", type=SIZE, default=None, help="override the key block size (Bc)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--csv", "as_csv", is_flag=True, help="print CSV (one row per algorithm and sweep value)")
-@click.option("--sweep", type=click.Choice(["seqlen", "head-dim", "sram"]), default=None,
-              help="vary one quantity over --values")
+@click.option("--sweep", type=click.Choice(["seqlen", "kv-len", "head-dim", "sram"]), default=None,
+              help="vary one quantity over --values (seqlen: both lengths; kv-len: the key length, with "
+                   "--seqlen-q or --seqlen as the query length, e.g. decoding with --seqlen-q 1)")
 @click.option("--values", default=None, help="comma-separated sweep values, e.g. 1k,2k,4k,8k,16k")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
@@ -99,19 +101,40 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         raise click.UsageError("--plot needs --sweep")
     if sweep and not values:
         raise click.UsageError("--sweep needs --values")
+    if values is not None and not sweep:
+        raise click.UsageError("--values needs --sweep")
+    if show_explain and sweep:
+        raise click.UsageError("--explain explains one problem; leave out --sweep")
+    if sweep == "seqlen" and (seqlen_q is not None or seqlen_k is not None):
+        raise click.UsageError("--sweep seqlen sets both lengths; to vary the key length with a fixed query "
+                               "length use --sweep kv-len with --seqlen-q")
+    if sweep == "kv-len" and seqlen_k is not None:
+        raise click.UsageError("--sweep kv-len sets the key length; leave out --seqlen-k")
+    sweep_values = _size_list(values, ctx) if sweep else []
+    if sweep and not sweep_values:
+        raise click.UsageError(f"--values gave no values: {values!r}")
+    if plot:
+        _check_plot_target(plot)
     algorithms = list(algorithms) or list(ALGORITHMS)
 
-    def problem_for(n=None, d=None):
+    def given(value, default):
+        # 0 is a value (and an error where it is not meaningful), not "not given".
+        return default if value is None else value
+
+    def problem_for(q_len=None, k_len=None, d=None):
         try:
-            return Problem(batch=batch, nheads=heads, nheads_k=kv_heads or heads,
-                           seqlen_q=n or seqlen_q or seqlen, seqlen_k=n or seqlen_k or seqlen,
-                           head_dim=d or head_dim, element_size=element_bytes or _DTYPE_BYTES[dtype],
+            return Problem(batch=batch, nheads=heads, nheads_k=given(kv_heads, heads),
+                           seqlen_q=given(q_len, given(seqlen_q, seqlen)),
+                           seqlen_k=given(k_len, given(seqlen_k, seqlen)),
+                           head_dim=given(d, head_dim), element_size=given(element_bytes, _DTYPE_BYTES[dtype]),
                            causal=causal, dropout=dropout, key_padding_mask=key_padding_mask,
                            deterministic=deterministic)
         except ValueError as error:
             raise click.BadParameter(str(error)) from None
 
     base_machine = MACHINES[machine] if sram is None else MACHINES[machine].with_sram(sram)
+    if "flash1" in algorithms and not sweep:
+        _warn_outside_theorem2(problem_for(), base_machine)
 
     def summaries_for(problem, target):
         out = []
@@ -138,12 +161,13 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                 click.echo("\n" + explain(traffic))
         return
 
-    sweep_values = _size_list(values, ctx)
     records = []
     with click.progressbar(sweep_values, label=f"sweeping {sweep}", file=sys.stderr) as bar:
         for value in bar:
             if sweep == "seqlen":
-                problem, target = problem_for(n=value), base_machine
+                problem, target = problem_for(q_len=value, k_len=value), base_machine
+            elif sweep == "kv-len":
+                problem, target = problem_for(k_len=value), base_machine
             elif sweep == "head-dim":
                 problem, target = problem_for(d=value), base_machine
             else:
@@ -160,6 +184,17 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         _plot(plot, sweep, records)
 
 
+def _warn_outside_theorem2(problem: Problem, machine) -> None:
+    """FlashAttention's Theorem 2 (HBM accesses Theta(N^2 d^2 / M)) holds for
+    d <= M <= N d, M the SRAM size in elements."""
+    elements = machine.sram_per_sm // problem.element_size
+    length = max(problem.seqlen_q, problem.seqlen_k)
+    if not problem.head_dim <= elements <= length * problem.head_dim:
+        click.echo(f"warning: SRAM of {elements} elements is outside Theorem 2's range d <= M <= N d "
+                   f"({problem.head_dim} .. {length * problem.head_dim}); flash1's counts are still exact, "
+                   "its Theta(N^2 d^2 / M) scaling does not apply", err=True)
+
+
 def _header(problem: Problem, machine, passes: str) -> str:
     return (f"batch {problem.batch}, heads {problem.nheads} (kv {problem.nheads_k}), "
             f"seqlen {problem.seqlen_q}x{problem.seqlen_k}, head_dim {problem.head_dim}, "
@@ -170,15 +205,15 @@ def _header(problem: Problem, machine, passes: str) -> str:
 
 
 def _sweep_table(sweep: str, records) -> str:
-    lines = [f"{sweep:>10}  {'algorithm':10}  {'requested GB':>12}  {'DRAM GB':>10}  {'GFLOPs':>10}  {'est. ms':>10}"]
+    lines = [f"{sweep:>10}  {'algorithm':10}  {'requested':>12}  {'DRAM (est.)':>12}  {'GFLOPs':>10}  {'est. ms':>10}"]
     for value, s in records:
-        lines.append(f"{value:>10}  {s['algorithm']:10}  {s['requested_bytes'] / 1e9:12.3f}  "
-                     f"{s['dram_bytes'] / 1e9:10.3f}  {s['flops'] / 1e9:10.1f}  "
-                     f"{s['roofline']['estimate_s'] * 1e3:10.3f}")
+        lines.append(f"{value:>10}  {s['algorithm']:10}  {format_bytes(s['requested_bytes']):>12}  "
+                     f"{format_bytes(s['dram_bytes']):>12}  {s['flops'] / 1e9:10.1f}  "
+                     f"{s['roofline']['estimate_s'] * 1e3:10.4g}")
     return "\n".join(lines)
 
 
-def _plot(path: str, sweep: str, records) -> None:
+def _matplotlib():
     try:
         import matplotlib
 
@@ -186,6 +221,27 @@ def _plot(path: str, sweep: str, records) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'") from None
+    return plt
+
+
+def _check_plot_target(path: str) -> None:
+    """Fails in one line, before any work, where the plot could not be written."""
+    import os
+
+    plt = _matplotlib()
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise click.BadParameter(f"directory {directory} does not exist", param_hint="--plot")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if suffix not in formats:
+        raise click.BadParameter(f"expected a file name ending in one of {', '.join(sorted(formats))}, got {path!r}",
+                                 param_hint="--plot")
+
+
+def _plot(path: str, sweep: str, records) -> None:
+    plt = _matplotlib()
     figure, (traffic_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(s["algorithm"] for _, s in records):
         xs = [v for v, s in records if s["algorithm"] == name]

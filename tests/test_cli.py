@@ -25,13 +25,15 @@ def test_simulate_table_shows_every_algorithm():
     assert result.exit_code == 0, result.output
     for name in ("standard", "pytorch", "flash1", "flash2", "cuflash"):
         assert name in result.output
-    assert "requested GB" in result.output and "DRAM GB" in result.output and "traffic by tensor" in result.output
+    assert "requested" in result.output and "DRAM (est.)" in result.output and "traffic by tensor" in result.output
+    assert " GB " in result.output or " MB " in result.output
 
 
 def test_simulate_json_reproduces_figure2():
     result = invoke(*FIGURE2, "-a", "pytorch", "-a", "flash1", "--json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    # flash1 is outside Theorem 2's range here (M > N d): a warning on stderr, which the runner may mix in first
+    data = json.loads(result.output[result.output.index("{"):])
     by_name = {r["algorithm"]: r for r in data["results"]}
     assert set(by_name) == {"pytorch", "flash1"}
     assert by_name["pytorch"]["dram_bytes"] / 1e9 == pytest.approx(35.3, rel=0.15)
@@ -110,3 +112,71 @@ def test_python_dash_m_runs():
     result = subprocess.run([sys.executable, "-m", "cuflash", "simulate", "-a", "flash2", "--pass", "fwd"],
                             capture_output=True, text=True, check=True)
     assert "flash2" in result.stdout
+
+
+# --- bad or ignored input gets a one-line error (issue 18) ---------------------------------------------
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv-heads", "0"], "nheads_k must be at least 1, got 0"),
+    (["--element-bytes", "0"], "element_size must be at least 1, got 0"),
+    (["--sweep", "seqlen", "--values", "0,1k"], "seqlen_q must be at least 1, got 0"),
+    (["--sweep", "head-dim", "--values", "0"], "head_dim must be at least 1, got 0"),
+    (["--sram", "1", "-a", "flash1"], "flash1 needs at least 512 bytes of SRAM per SM"),
+    (["--sram", "0", "-a", "flash2"], "flash2 needs at least 6144 bytes of SRAM per SM"),
+    (["--sram", "10", "-a", "cuflash"], "cuflash needs at least"),
+    (["--element-bytes", "3", "-a", "cuflash"], "cuflash's kernels take 2-byte (fp16/bf16) or 4-byte (fp32)"),
+    (["--element-bytes", "1", "-a", "cuflash"], "got 1-byte ones"),
+    (["--values", "1k,2k"], "--values needs --sweep"),
+    (["--sweep", "seqlen", "--values", "1k", "--explain"], "--explain explains one problem"),
+    (["--sweep", "seqlen", "--values", ","], "--values gave no values"),
+    (["--sweep", "seqlen", "--values", "1k", "--seqlen-q", "1"], "use --sweep kv-len"),
+    (["--sweep", "kv-len", "--values", "1k", "--seqlen-k", "1"], "leave out --seqlen-k"),
+])
+def test_bad_or_ignored_input_is_a_clear_error(args, message):
+    result = CliRunner().invoke(main, ["simulate", *args])
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
+
+
+@pytest.mark.parametrize("path,message", [("/nonexistent/x.png", "does not exist"), ("{tmp}/x.xyz", "ending in one of")])
+def test_bad_plot_targets_fail_before_the_sweep(tmp_path, path, message):
+    pytest.importorskip("matplotlib")
+    result = CliRunner().invoke(main, ["simulate", "--sweep", "seqlen", "--values", "1k", "--plot",
+                                       path.format(tmp=tmp_path)])
+    assert result.exit_code != 0 and message in result.output
+    assert "sweeping" not in result.output  # failed before any work
+
+
+def test_kv_len_sweep_keeps_the_query_length():
+    """Decoding: one query row against growing caches."""
+    result = CliRunner().invoke(main, ["simulate", "--sweep", "kv-len", "--seqlen-q", "1", "--values", "1k,4k",
+                                       "-a", "flash2", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output[result.output.index("{"):])["results"]
+    assert [r["value"] for r in rows] == [1024, 4096]
+    assert rows[1]["requested_bytes"] > 3 * rows[0]["requested_bytes"]  # K/V reads grow with the cache
+
+
+def test_small_problems_print_in_small_units():
+    """Units scale: one 16-token head is kilobytes, not 0.000 GB."""
+    result = CliRunner().invoke(main, ["simulate", "--batch", "1", "--heads", "1", "--seqlen", "16", "-a", "standard"])
+    assert result.exit_code == 0, result.output
+    assert " KB" in result.output and "0.000" not in result.output
+
+
+def test_format_bytes_scales():
+    from cuflash.simulate.report import format_bytes
+
+    assert [format_bytes(x) for x in (0, 999, 1000, 12_345_678, 4.4e9)] == ["0 B", "999 B", "1 KB", "12.35 MB",
+                                                                           "4.4 GB"]
+
+
+def test_flash1_warns_outside_theorem_2():
+    result = CliRunner().invoke(main, ["simulate", "-a", "flash1", "--seqlen", "128", "--head-dim", "64"])
+    assert result.exit_code == 0, result.output
+    assert "outside Theorem 2's range" in result.output  # 98304 elements of SRAM > N d = 8192
+    inside = CliRunner().invoke(main, ["simulate", "-a", "flash1", "--seqlen", "16k", "--head-dim", "64"])
+    assert "Theorem 2" not in inside.output
+

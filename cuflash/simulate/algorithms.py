@@ -420,7 +420,7 @@ def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
 
 def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _TiledPlan:
     """cuflash's own tiles for this problem, from the tables its launcher uses."""
-    dtype = p.dtype_name
+    dtype = cuflash_dtype(p)
     # The launcher's choice for aligned inputs on this machine's generation:
     # a tensor-core forward (wgmma on Hopper where it applies, mma.sync
     # otherwise) for 16-bit types and head_dim % 8 == 0, the SIMT kernel
@@ -468,6 +468,33 @@ ALGORITHMS = {
 }
 
 
+def sram_needed(algorithm: str, p: Problem, machine: Machine) -> int:
+    """The fewest bytes of SRAM per SM an algorithm's tiles can run in: flash1
+    one key row per block (Bc = ⌈M / 4d⌉ >= 1 and the four d-wide tiles),
+    flash2 its smallest tiles (16 rows of Q, K and V), cuflash the shared
+    memory of the kernels it launches; the unfused algorithms need none."""
+    if algorithm == "flash1":
+        return 4 * p.head_dim * p.element_size
+    if algorithm == "flash2":
+        return 3 * 16 * p.head_dim * p.element_size
+    if algorithm == "cuflash":
+        dtype = cuflash_dtype(p)
+        fwd = select("forward", dtype, p.head_dim, machine.compute_capability)
+        bwd = select("backward-dkdv", dtype, p.head_dim, machine.compute_capability, deterministic=p.deterministic)
+        return max(fwd.forward_smem_bytes(dtype), bwd.backward_dkdv_smem_bytes(dtype))
+    return 0
+
+
+def cuflash_dtype(p: Problem) -> str:
+    """The cuflash dtype of the problem's element size: its kernels take
+    2-byte (fp16/bf16) and 4-byte (fp32) elements only."""
+    dtype = {2: "float16", 4: "float32"}.get(p.element_size)
+    if dtype is None:
+        raise ValueError(f"cuflash's kernels take 2-byte (fp16/bf16) or 4-byte (fp32) elements, "
+                         f"got {p.element_size}-byte ones")
+    return dtype
+
+
 def run(algorithm: str, problem: Problem, machine: Machine, passes: str = "fwd+bwd",
         block_m: int | None = None, block_n: int | None = None) -> Traffic:
     if algorithm not in ALGORITHMS:
@@ -477,6 +504,10 @@ def run(algorithm: str, problem: Problem, machine: Machine, passes: str = "fwd+b
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
+    needed = sram_needed(algorithm, problem, machine)
+    if machine.sram_per_sm < needed:
+        raise ValueError(f"{algorithm} needs at least {needed} bytes of SRAM per SM for head_dim {problem.head_dim} "
+                         f"and {problem.element_size}-byte elements, the machine has {machine.sram_per_sm}")
     return ALGORITHMS[algorithm](problem, machine, passes, block_m, block_n)
 
 

@@ -36,28 +36,35 @@ def summarize(t: Traffic, machine: Machine) -> dict:
     }
 
 
-def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.3f}"
+def format_bytes(nbytes: float) -> str:
+    """Bytes in the largest decimal unit (B, KB, MB, GB, TB) that keeps the
+    value at least 1, four significant digits: small problems do not print 0.000."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.4g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def format_table(summaries: list[dict], header: str) -> str:
     """A readable report: totals per algorithm, then traffic by tensor."""
     lines = [header, ""]
-    columns = ("algorithm", "requested GB", "DRAM GB (est.)", "GFLOPs", "FLOP/B (DRAM)", "est. ms", "bound")
+    columns = ("algorithm", "requested", "DRAM (est.)", "GFLOPs", "FLOP/B (DRAM)", "est. ms", "bound")
     rows = []
     for s in summaries:
         roof = s["roofline"]
         bound = "memory" if roof["memory_s"] >= roof["compute_s"] else "compute"
-        rows.append((s["algorithm"], _gb(s["requested_bytes"]), _gb(s["dram_bytes"]), f"{s['flops'] / 1e9:.1f}",
-                     f"{s['intensity_dram']:.1f}", f"{roof['estimate_s'] * 1e3:.3f}", bound))
+        rows.append((s["algorithm"], format_bytes(s["requested_bytes"]), format_bytes(s["dram_bytes"]),
+                     f"{s['flops'] / 1e9:.1f}",
+                     f"{s['intensity_dram']:.1f}", f"{roof['estimate_s'] * 1e3:.4g}", bound))
     lines += _align([columns] + rows)
     for s in summaries:
-        lines += ["", f"{s['algorithm']}: traffic by tensor (GB)"
+        lines += ["", f"{s['algorithm']}: traffic by tensor"
                   + (f"   blocks: {', '.join(f'{k}={v}' for k, v in s['blocks'].items())}" if s["blocks"] else "")]
         tensor_rows = [("tensor", "read", "write", "DRAM read", "DRAM write", "elements")]
         for name, row in s["tensors"].items():
-            tensor_rows.append((name, _gb(row["read"]), _gb(row["write"]), _gb(row["dram_read"]),
-                                _gb(row["dram_write"]), f"{row['elements']:,}"))
+            tensor_rows.append((name, format_bytes(row["read"]), format_bytes(row["write"]),
+                                format_bytes(row["dram_read"]), format_bytes(row["dram_write"]),
+                                f"{row['elements']:,}"))
         lines += _align(tensor_rows)
         lines += [f"  note: {note}" for note in s["notes"]]
     return "\n".join(lines)
@@ -101,6 +108,7 @@ def explain(t: Traffic) -> str:
         entry[1] += term.dram
     lines = [f"{t.algorithm}:"]
     for (tensor, kind, formula), (requested, dram) in merged.items():
-        lines.append(f"  {tensor:>12} {kind:5} {_gb(requested):>10} GB requested, {_gb(dram):>10} GB DRAM  <- {formula}")
+        lines.append(f"  {tensor:>12} {kind:5} {format_bytes(requested):>10} requested, {format_bytes(dram):>10} DRAM"
+                     f"  <- {formula}")
     lines += [f"  FLOPs: {formula}" for formula in t.flop_formulas]
     return "\n".join(lines)

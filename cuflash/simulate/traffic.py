@@ -61,11 +61,6 @@ class Problem:
     def group(self) -> int:
         return self.nheads // self.nheads_k
 
-    @property
-    def dtype_name(self) -> str:
-        """The cuflash dtype whose tile table applies to this element size."""
-        return {2: "float16", 4: "float32"}.get(self.element_size, "float16")
-
 
 @dataclass
 class Term:
