@@ -349,6 +349,11 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     # dK/dV pass: one block per key block of a K/V head (cuflash) or of a query head (flash2)
     sweep = key_sweep(p, plan.bwd_m, plan.bwd_n)
     rows_visited = sum(b.rows for b in sweep)
+    # The rows any key block visits: each visits a suffix of the query rows
+    # (from its first visible query block on), so the longest is the union.
+    # DRAM is charged for those, not for rows no key block reads (causal with
+    # seqlen_q > seqlen_k leaves the first ones unvisited).
+    distinct_rows = max((b.rows for b in sweep), default=0)
     pairs = sum(b.rows * b.keys for b in sweep)
     owners = p.kv_heads if plan.native_gqa else heads
     per_owner_heads = p.group if plan.native_gqa else 1
@@ -358,12 +363,12 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     t.read("K", owners * nk * d * e, element_size=e, formula="K_j once per key block")
     t.read("V", owners * nk * d * e, element_size=e, formula="V_j once per key block")
     for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
-        t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * nq * size * factor,
+        t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * distinct_rows * size * factor,
                formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j (Tc = {len(sweep)} key blocks)")
     if not deterministic:
-        t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * nq * d * f * factor,
+        t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * distinct_rows * d * f * factor,
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
-        t.read("dQ_accum", 0, element_size=f, dram=heads * nq * d * f * factor,
+        t.read("dQ_accum", 0, element_size=f, dram=heads * distinct_rows * d * f * factor,
                formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
     dkdv_name = ("dK", "dV") if plan.native_gqa or p.group == 1 else ("dK_expanded", "dV_expanded")
     for tensor in dkdv_name:
