@@ -195,3 +195,18 @@ def test_tiled_backward_charges_dram_for_visited_rows_only(algorithm):
     q = s["tensors"]["Q"]
     assert q["dram_read"] <= q["read"]
     assert s["dram_bytes"] <= 1.01 * s["requested_bytes"]
+
+
+@pytest.mark.parametrize("algorithm", ["standard", "pytorch", "flash1", "flash2"])
+def test_gqa_gradients_are_summed_per_kv_head(algorithm):
+    """Algorithms that broadcast K/V to every query head write dK/dV per
+    query head and sum them per K/V head (as flash2 always modelled); with
+    one K/V head per query head nothing is summed."""
+    e, nk, d = 2, 512, 64
+    grouped = run(algorithm, Problem(batch=1, nheads=4, nheads_k=1, seqlen_q=512, head_dim=d), MACHINES["a100"],
+                  "bwd")
+    by_tensor = {(term.tensor, term.kind): term.requested for term in grouped.terms}
+    assert by_tensor[("dK", "write")] == by_tensor[("dV", "write")] == 1 * nk * d * e
+    assert by_tensor[("dK_expanded", "read")] == by_tensor[("dV_expanded", "read")] == 4 * nk * d * e
+    plain = run(algorithm, Problem(batch=1, nheads=4, seqlen_q=512, head_dim=d), MACHINES["a100"], "bwd")
+    assert not any(term.tensor.endswith("_expanded") for term in plain.terms)

@@ -130,10 +130,27 @@ def _run_ops(t: Traffic, ops: list[Op], machine: Machine) -> None:
 def _sizes(p: Problem):
     e = p.element_size
     q = p.heads * p.seqlen_q * p.head_dim * e  # Q, O, dO, dQ
-    kv_per_q_head = p.heads * p.seqlen_k * p.head_dim * e  # K, V broadcast to every query head
-    kv = p.kv_heads * p.seqlen_k * p.head_dim * e  # K, V, dK, dV as stored
+    kv_per_q_head = p.heads * p.seqlen_k * p.head_dim * e  # K, V broadcast to every query head (and dK, dV per one)
     scores = p.heads * p.seqlen_q * p.seqlen_k * e  # S, P, dP, dS
-    return e, q, kv_per_q_head, kv, scores
+    return e, q, kv_per_q_head, scores
+
+
+def _gradient_names(p: Problem) -> tuple[str, str]:
+    """Where an algorithm without native grouped-query attention writes dK
+    and dV: per query head ("dK_expanded", "dV_expanded") when query heads
+    share K/V heads, then summed by ``_sum_expanded_gradients``."""
+    return ("dK", "dV") if p.group == 1 else ("dK_expanded", "dV_expanded")
+
+
+def _sum_expanded_gradients(t: Traffic, p: Problem) -> None:
+    """The sum over each K/V head's query heads of per-query-head dK and dV
+    (algorithms that broadcast K/V to every query head)."""
+    if p.group == 1:
+        return
+    e, nk, d = p.element_size, p.seqlen_k, p.head_dim
+    for expanded, final in (("dK_expanded", "dK"), ("dV_expanded", "dV")):
+        t.read(expanded, p.heads * nk * d * e, element_size=e, formula="sum over the query heads of a group")
+        t.write(final, p.kv_heads * nk * d * e, element_size=e, formula="summed gradient per K/V head")
 
 
 def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
@@ -141,7 +158,7 @@ def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=No
     back from HBM; its backward (Algorithm 3) likewise with dP and dS. Each
     matrix product reads its operands once."""
     t = Traffic("standard")
-    e, q, kvq, kv, nn = _sizes(p)
+    e, q, kvq, nn = _sizes(p)
     scores = p.heads * p.seqlen_q * p.seqlen_k
     if "fwd" in passes:
         _run_ops(t, [
@@ -152,13 +169,15 @@ def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=No
         t.flops(4 * scores * p.head_dim, (NONMATMUL["standard_fwd"] + p.causal) * scores,
                 f"forward: matmul 4·B·H·Nq·Nk·d; other {NONMATMUL['standard_fwd'] + p.causal}·B·H·Nq·Nk")
     if "bwd" in passes:
+        dk, dv = _gradient_names(p)
         _run_ops(t, [
-            Op("dV = Pᵀ dO", (("P", nn, e), ("dO", q, e)), (("dV", kv, e),)),
+            Op("dV = Pᵀ dO", (("P", nn, e), ("dO", q, e)), ((dv, kvq, e),)),
             Op("dP = dO Vᵀ", (("dO", q, e), ("V", kvq, e)), (("dP", nn, e),)),
             Op("dS = P ∘ (dP − rowsum(dP ∘ P))", (("P", nn, e), ("dP", nn, e)), (("dS", nn, e),)),
             Op("dQ = scale·dS K", (("dS", nn, e), ("K", kvq, e)), (("dQ", q, e),)),
-            Op("dK = scale·dSᵀ Q", (("dS", nn, e), ("Q", q, e)), (("dK", kv, e),)),
+            Op("dK = scale·dSᵀ Q", (("dS", nn, e), ("Q", q, e)), ((dk, kvq, e),)),
         ], machine)
+        _sum_expanded_gradients(t, p)
         t.flops(8 * scores * p.head_dim, NONMATMUL["standard_bwd"] * scores,
                 f"backward: matmul 8·B·H·Nq·Nk·d; other {NONMATMUL['standard_bwd']}·B·H·Nq·Nk")
     return t
@@ -171,7 +190,7 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
     one-byte mask), and a batched GEMM with V; the backward runs each op's
     backward, reading and writing full-size operands."""
     t = Traffic("pytorch")
-    e, q, kvq, kv, nn = _sizes(p)
+    e, q, kvq, nn = _sizes(p)
     scores = p.heads * p.seqlen_q * p.seqlen_k
     masked = p.causal or p.key_padding_mask
     mask_bytes = p.batch * p.seqlen_k  # a (batch, seqlen_k) bool key-padding mask; causal masks are built on the fly
@@ -192,9 +211,10 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
                 f"forward: matmul 4·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (scale, mask, softmax 5, dropout 2)")
     if "bwd" in passes:
         grad_probs = "dP_dropped" if p.dropout else "dP"
+        dk, dv = _gradient_names(p)
         ops = [
             Op("dP = dO Vᵀ (bmm backward)", (("dO", q, e), ("V", kvq, e)), ((grad_probs, nn, e),)),
-            Op("dV = Pᵀ dO (bmm backward)", ((probs_used, nn, e), ("dO", q, e)), (("dV", kv, e),)),
+            Op("dV = Pᵀ dO (bmm backward)", ((probs_used, nn, e), ("dO", q, e)), ((dv, kvq, e),)),
         ]
         if p.dropout:
             ops.append(Op("dropout backward", (("dP_dropped", nn, e), ("dropout_mask", drop_mask, 1)), (("dP", nn, e),)))
@@ -203,9 +223,10 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
             ops.append(Op("masked_fill backward", (("dS", nn, e),), (("dS", nn, e),)))
         ops += [
             Op("dQ = scale·dS K (baddbmm backward)", (("dS", nn, e), ("K", kvq, e)), (("dQ", q, e),)),
-            Op("dK = scale·dSᵀ Q (baddbmm backward)", (("dS", nn, e), ("Q", q, e)), (("dK", kv, e),)),
+            Op("dK = scale·dSᵀ Q (baddbmm backward)", (("dS", nn, e), ("Q", q, e)), ((dk, kvq, e),)),
         ]
         _run_ops(t, ops, machine)
+        _sum_expanded_gradients(t, p)
         other = 4 + masked + p.dropout
         t.flops(8 * scores * p.head_dim, other * scores,
                 f"backward: matmul 8·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (softmax backward 4, mask, dropout)")
@@ -269,7 +290,8 @@ def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
                 "(rescaling O)")
     if "bwd" in passes:
         hit = resident("backward", 4 * nq * d * e + 2 * nq * f + 2 * bc * d * e)
-        for tensor, length in (("dQ", nq), ("dK", nk), ("dV", nk)):
+        dk, dv = _gradient_names(p)
+        for tensor, length in (("dQ", nq), (dk, nk), (dv, nk)):
             t.write(tensor, heads * length * d * e, element_size=e, formula=f"initialise {tensor} = 0 in HBM")
         t.read("K", heads * nk * d * e, element_size=e, formula="K_j once per outer step")
         t.read("V", heads * nk * d * e, element_size=e, formula="V_j once per outer step")
@@ -277,8 +299,9 @@ def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
                                       ("l", f, f), ("m", f, f)):
             revisited("read", tensor, size, element, hit, f"{tensor}_i for every visited (i, j)")
         revisited("write", "dQ", d * e, e, hit, "dQ_i written back for every visited (i, j)")
-        t.write("dK", heads * nk * d * e, element_size=e, formula="dK_j at the end of outer step j")
-        t.write("dV", heads * nk * d * e, element_size=e, formula="dV_j at the end of outer step j")
+        t.write(dk, heads * nk * d * e, element_size=e, formula=f"{dk}_j at the end of outer step j")
+        t.write(dv, heads * nk * d * e, element_size=e, formula=f"{dv}_j at the end of outer step j")
+        _sum_expanded_gradients(t, p)
         t.flops(10 * heads * pairs * d, heads * (NONMATMUL["flash_bwd"] + 2) * pairs + heads * 2 * visited_rows * d,
                 "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dQ, dK); other 6 per score "
                 "+ 2·d per row per tile (D_i = rowsum(dO_i ∘ O_i))")
@@ -370,13 +393,10 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
         t.read("dQ_accum", 0, element_size=f, dram=heads * distinct_rows * d * f * factor,
                formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
-    dkdv_name = ("dK", "dV") if plan.native_gqa or p.group == 1 else ("dK_expanded", "dV_expanded")
-    for tensor in dkdv_name:
+    for tensor in ("dK", "dV") if plan.native_gqa else _gradient_names(p):
         t.write(tensor, owners * nk * d * e, element_size=e, formula=f"{tensor}_j once per key block")
-    if not plan.native_gqa and p.group > 1:
-        for expanded, final in (("dK_expanded", "dK"), ("dV_expanded", "dV")):
-            t.read(expanded, heads * nk * d * e, element_size=e, formula="sum over the query heads of a group")
-            t.write(final, p.kv_heads * nk * d * e, element_size=e, formula="summed gradient per K/V head")
+    if not plan.native_gqa:
+        _sum_expanded_gradients(t, p)
     t.flops(10 * heads * pairs * d, heads * NONMATMUL["flash_bwd"] * pairs,
             "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dK, dQ); other 4 per score")
     if deterministic:
