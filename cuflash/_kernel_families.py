@@ -217,6 +217,27 @@ def family_of(role: str, kernel: str) -> KernelFamily:
     raise ValueError(f"no {role} kernel family for {kernel!r} tilings")
 
 
+def why_not(family: KernelFamily, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
+            positive_scale: bool = True, deterministic: bool = False) -> str | None:
+    """Why ``family`` does not apply to such a call (None: it applies)."""
+    if dtype_name not in family.dtypes:
+        return f"takes {'/'.join(family.dtypes)}"
+    if not family.serves(dtype_name, head_dim):
+        if family.tiles is not None and family.head_dims != HEAD_DIM_BUCKETS:
+            return f"built for head dims {'/'.join(map(str, family.head_dims))} (multiples of 8 up to them)"
+        return f"does not serve head_dim {head_dim}"
+    if not family.runs_on(generation):
+        return {"sm_90a": "needs Hopper (sm_90a) and NVRTC 12.9+", "sm_80": "needs sm_80 or newer"}[family.arch]
+    if family.needs_aligned_rows and not aligned_rows:
+        return "needs 16-byte aligned rows"
+    if family.needs_positive_scale and not positive_scale:
+        return "needs softmax_scale > 0"
+    if not family.applies(dtype_name, head_dim, generation, aligned_rows=aligned_rows, positive_scale=positive_scale,
+                          deterministic=deterministic):
+        return "has no deterministic dQ mode" if deterministic else "has no atomic dQ mode"
+    return None
+
+
 def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **conditions) -> Tiling:
     """The tiles of the first ``role`` family that ``applies`` (keyword
     ``conditions``: aligned_rows, positive_scale, deterministic) on a device

@@ -260,3 +260,136 @@ def _plot(path: str, sweep: str, records) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     click.echo(f"wrote {path}", err=True)
+
+
+#: The configurations ``cuflash info`` evaluates: dtypes and head dims of common models.
+_INFO_DTYPES = ("bfloat16", "float16", "float32")
+_INFO_HEAD_DIMS = (64, 80, 96, 128, 256)
+
+
+@main.command()
+@click.option("--capability", type=int, default=None,
+              help="evaluate the kernel choices for this compute capability (e.g. 90, 80) instead of GPU 0's")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def info(capability, as_json):
+    """What cuflash finds on this machine: versions, GPUs, which kernel each
+    common configuration runs and why, and the kernel cache."""
+    report = {"versions": _versions(), "gpus": _gpus()}
+    generation = capability
+    if generation is None and report["gpus"]:
+        from . import api
+
+        generation = api._kernel_generation(0)
+    report["generation"] = generation
+    report["kernels"] = _kernel_choices(generation) if generation is not None else []
+    report["kernel_cache"] = _kernel_cache()
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo("versions: " + ", ".join(f"{name} {version}" for name, version in report["versions"].items()))
+    if report["gpus"]:
+        for gpu in report["gpus"]:
+            click.echo(f"GPU {gpu['index']}: {gpu['name']}, compute capability {gpu['capability']}, "
+                       f"{gpu['memory_gib']:.0f} GiB")
+    else:
+        click.echo("GPU: no CUDA GPU found" + ("" if capability else " (pass --capability 90 or 80 to see what one "
+                                                                   "would run)"))
+    if report["kernels"]:
+        click.echo(f"\nkernels on compute capability {generation} (16-byte aligned rows, softmax_scale > 0; "
+                   "other inputs run on the SIMT kernels):")
+        for row in report["kernels"]:
+            click.echo(f"  {row['dtype']:9} d{row['head_dim']:<4} forward {row['forward']:14} "
+                       f"backward {row['backward']:20} deterministic {row['deterministic']}")
+            for note in row["why"]:
+                click.echo(f"      {note}")
+    cache = report["kernel_cache"]
+    click.echo(f"\nkernel cache: {cache['path']} ({cache['files']} files, {format_bytes(cache['bytes'])})")
+
+
+def _versions() -> dict:
+    import importlib.metadata
+    import platform
+
+    versions = {"python": platform.python_version()}
+    for name in ("cuflash", "numpy", "cupy"):
+        try:
+            versions[name] = importlib.metadata.version(name if name != "cupy" else _cupy_distribution())
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    try:
+        import cupy
+
+        versions["cupy"] = cupy.__version__
+        versions["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+        versions["cuda driver"] = str(cupy.cuda.runtime.driverGetVersion())
+    except Exception as error:  # no CuPy, no driver: say so, do not fail
+        versions.setdefault("cuda", f"unavailable ({type(error).__name__})")
+    return versions
+
+
+def _cupy_distribution() -> str:
+    import importlib.metadata
+
+    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "cupy"
+
+
+def _gpus() -> list[dict]:
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver, no device
+        return []
+    gpus = []
+    for index in range(count):
+        properties = cupy.cuda.runtime.getDeviceProperties(index)
+        gpus.append({"index": index, "name": properties["name"].decode(),
+                     "capability": int(cupy.cuda.Device(index).compute_capability),
+                     "memory_gib": properties["totalGlobalMem"] / 2**30})
+    return gpus
+
+
+def _kernel_choices(generation: int) -> list[dict]:
+    """Per common (dtype, head dim): the forward, backward and deterministic
+    backward kernel families the launcher picks, and why the preferred ones
+    do not apply."""
+    from ._kernel_families import FAMILIES, select, why_not
+
+    rows = []
+    for dtype in _INFO_DTYPES:
+        for head_dim in _INFO_HEAD_DIMS:
+            choice, skipped = {}, {}  # skipped: reason -> the preferred families it rules out
+            for label, role, deterministic in (("forward", "forward", False), ("backward", "backward-dkdv", False),
+                                               ("deterministic", "backward-dkdv", True)):
+                tiling = select(role, dtype, head_dim, generation, deterministic=deterministic)
+                chosen = next(f for f in FAMILIES if f.role == role and f.kernel == tiling.kernel)
+                choice[label] = chosen.name + (f" ({chosen.dq_mode(True)} dQ)" if deterministic else "")
+                for family in FAMILIES[:FAMILIES.index(chosen)]:
+                    reason = family.role == role and why_not(family, dtype, head_dim, generation,
+                                                             deterministic=deterministic)
+                    if reason and family.name not in skipped.setdefault(reason, []):
+                        skipped[reason].append(family.name)
+            why = [f"not {', '.join(names)}: {reason}" for reason, names in skipped.items()]
+            rows.append({"dtype": dtype, "head_dim": head_dim, **choice, "why": why})
+    return rows
+
+
+def _kernel_cache() -> dict:
+    """CuPy's on-disk kernel cache, where cuflash's compiled kernels live."""
+    import os
+
+    path = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    files = total = 0
+    if os.path.isdir(path):
+        for root, _, names in os.walk(path):
+            for name in names:
+                files += 1
+                total += os.path.getsize(os.path.join(root, name))
+    return {"path": path, "files": files, "bytes": total}
+

@@ -180,3 +180,56 @@ def test_flash1_warns_outside_theorem_2():
     inside = CliRunner().invoke(main, ["simulate", "-a", "flash1", "--seqlen", "16k", "--head-dim", "64"])
     assert "Theorem 2" not in inside.output
 
+
+
+# --- cuflash info -------------------------------------------------------------------------------------
+
+
+def _info(*args, env=None):
+    result = CliRunner().invoke(main, ["info", "--json", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def _row(report, dtype, head_dim):
+    return next(r for r in report["kernels"] if r["dtype"] == dtype and r["head_dim"] == head_dim)
+
+
+def test_info_says_which_kernel_runs_and_why_on_hopper():
+    report = _info("--capability", "90")
+    assert report["generation"] == 90
+    d64 = _row(report, "bfloat16", 64)
+    assert (d64["forward"], d64["backward"]) == ("forward-wgmma", "backward-dkdv-wgmma") and not d64["why"]
+    assert d64["deterministic"] == "backward-dkdv-wgmma (ordered dQ)"
+    d96 = _row(report, "bfloat16", 96)
+    assert (d96["forward"], d96["backward"]) == ("forward-mma", "backward-dkdv")
+    assert any("forward-wgmma" in why and "head dims 64/128" in why for why in d96["why"])
+    fp32 = _row(report, "float32", 128)
+    assert fp32["forward"] == "forward" and any("takes float16/bfloat16" in why for why in fp32["why"])
+
+
+def test_info_on_ampere_names_the_hopper_requirement():
+    d128 = _row(_info("--capability", "80"), "float16", 128)
+    assert (d128["forward"], d128["backward"]) == ("forward-mma", "backward-dkdv")
+    assert d128["deterministic"] == "backward-dkdv (separate dQ)"
+    assert any("needs Hopper" in why for why in d128["why"])
+
+
+def test_info_reports_the_kernel_cache(tmp_path):
+    (tmp_path / "kernel.cubin").write_bytes(b"x" * 100)
+    report = _info("--capability", "90", env={"CUPY_CACHE_DIR": str(tmp_path)})
+    assert report["kernel_cache"] == {"path": str(tmp_path), "files": 1, "bytes": 100}
+    assert report["versions"]["cuflash"] and report["versions"]["python"]
+
+
+def test_info_lists_the_gpus_or_says_there_are_none():
+    from cuflash.cli import _gpus
+
+    result = CliRunner().invoke(main, ["info"])
+    assert result.exit_code == 0, result.output
+    gpus = _gpus()
+    if gpus:  # the kernel table follows GPU 0's generation
+        assert f"GPU 0: {gpus[0]['name']}" in result.output and "kernels on compute capability" in result.output
+    else:
+        assert "no CUDA GPU found" in result.output and "kernels on" not in result.output
+    assert "kernel cache:" in result.output
