@@ -97,6 +97,9 @@ class KernelFamily:
     #: "ordered" (the key blocks add in turn, in order: deterministic),
     #: "separate" (no dQ here: the deterministic dQ pass follows)
     dq_modes: dict[str, str] = field(default_factory=dict)
+    #: tiling -> (template arguments after Mask and Score, key suffix) of the
+    #: tile choices beyond the common ones (K/V buffers, blocks per SM)
+    tile_args: Callable[[Tiling], tuple[tuple[str, ...], str]] = lambda tiling: ((), "")
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -112,17 +115,30 @@ class KernelFamily:
             return generation == 90
         return generation >= _ARCH_CAPABILITY[self.arch]
 
-    def applies(self, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
-                positive_scale: bool = True, deterministic: bool = False) -> bool:
-        """Whether the launcher may pick this family for such a call."""
-        if dtype_name not in self.dtypes or not self.serves(dtype_name, head_dim) or not self.runs_on(generation):
-            return False
+    def why_not(self, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
+                positive_scale: bool = True, deterministic: bool = False) -> str | None:
+        """Why the launcher may not pick this family for such a call (None: it may)."""
+        if dtype_name not in self.dtypes:
+            return f"takes {'/'.join(self.dtypes)}"
+        if not self.serves(dtype_name, head_dim):
+            if self.tiles is not None and self.head_dims != HEAD_DIM_BUCKETS:
+                return f"built for head dims {'/'.join(map(str, self.head_dims))} (multiples of 8 up to them)"
+            return f"does not serve head_dim {head_dim}"
+        if not self.runs_on(generation):
+            return {"sm_90a": "needs Hopper (sm_90a) and NVRTC 12.9+", "sm_80": "needs sm_80 or newer"}[self.arch]
         if self.needs_aligned_rows and not aligned_rows:
-            return False
+            return "needs 16-byte aligned rows"
         if self.needs_positive_scale and not positive_scale:
-            return False
-        return not self.dq_modes or any(mode in self.dq_modes for mode in
-                                        (("ordered", "separate") if deterministic else ("atomic",)))
+            return "needs softmax_scale > 0"
+        wanted = ("ordered", "separate") if deterministic else ("atomic",)
+        if self.dq_modes and not any(mode in self.dq_modes for mode in wanted):
+            return f"has no {'deterministic' if deterministic else 'atomic'} dQ mode"
+        return None
+
+    def applies(self, dtype_name: str, head_dim: int, generation: int, **conditions) -> bool:
+        """Whether the launcher may pick this family for such a call (conditions: aligned_rows,
+        positive_scale, deterministic)."""
+        return self.why_not(dtype_name, head_dim, generation, **conditions) is None
 
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
                 score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic") -> KernelVariant:
@@ -134,11 +150,7 @@ class KernelFamily:
                 key=f"{self.name}/{dtype_name}/w{ELEMENTWISE_WARPS}", threads=32 * ELEMENTWISE_WARPS, smem_bytes=0)
         if tiling.kernel != self.kernel:
             raise ValueError(f"{self.name} takes {self.kernel} tilings, got {tiling}")
-        extra_args, extra_key = (), ""
-        if self.kernel == "mma":
-            extra_args, extra_key = (str(tiling.kv_stages),), f"/kv{tiling.kv_stages}"
-        elif self.kernel == "wgmma" and self.role == "forward":
-            extra_args, extra_key = (str(tiling.blocks_per_sm),), f"/b{tiling.blocks_per_sm}"
+        extra_args, extra_key = self.tile_args(tiling)
         if self.dq_modes:
             if dq_mode not in self.dq_modes:
                 raise ValueError(f"{self.name} has no {dq_mode} dQ mode (it has {list(self.dq_modes)})")
@@ -177,11 +189,13 @@ FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("forward-wgmma", "forward", "flash_fwd_wgmma.cu", "cuflash::flash_forward_wgmma_kernel", _FORWARD,
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_applies,
-                 needs_aligned_rows=True, needs_positive_scale=True),
+                 needs_aligned_rows=True, needs_positive_scale=True,
+                 tile_args=lambda t: ((str(t.blocks_per_sm),), f"/b{t.blocks_per_sm}")),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
                  arch="sm_80", kernel="mma", dtypes=MMA_DTYPES, head_dims=tuple(MMA_FORWARD_TILES),
                  tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=mma_applies,
-                 needs_aligned_rows=True, needs_positive_scale=True),
+                 needs_aligned_rows=True, needs_positive_scale=True,
+                 tile_args=lambda t: ((str(t.kv_stages),), f"/kv{t.kv_stages}")),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
                  tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),
@@ -215,27 +229,6 @@ def family_of(role: str, kernel: str) -> KernelFamily:
         if family.role == role and family.kernel == kernel:
             return family
     raise ValueError(f"no {role} kernel family for {kernel!r} tilings")
-
-
-def why_not(family: KernelFamily, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
-            positive_scale: bool = True, deterministic: bool = False) -> str | None:
-    """Why ``family`` does not apply to such a call (None: it applies)."""
-    if dtype_name not in family.dtypes:
-        return f"takes {'/'.join(family.dtypes)}"
-    if not family.serves(dtype_name, head_dim):
-        if family.tiles is not None and family.head_dims != HEAD_DIM_BUCKETS:
-            return f"built for head dims {'/'.join(map(str, family.head_dims))} (multiples of 8 up to them)"
-        return f"does not serve head_dim {head_dim}"
-    if not family.runs_on(generation):
-        return {"sm_90a": "needs Hopper (sm_90a) and NVRTC 12.9+", "sm_80": "needs sm_80 or newer"}[family.arch]
-    if family.needs_aligned_rows and not aligned_rows:
-        return "needs 16-byte aligned rows"
-    if family.needs_positive_scale and not positive_scale:
-        return "needs softmax_scale > 0"
-    if not family.applies(dtype_name, head_dim, generation, aligned_rows=aligned_rows, positive_scale=positive_scale,
-                          deterministic=deterministic):
-        return "has no deterministic dQ mode" if deterministic else "has no atomic dQ mode"
-    return None
 
 
 def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **conditions) -> Tiling:

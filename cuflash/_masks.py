@@ -106,18 +106,19 @@ SCORE_TRANSFORMS: dict[str, ScoreTransform] = {
 }
 
 
-def mask_named(name: str) -> MaskPolicy:
+def _named(table: dict, what: str, name: str):
     try:
-        return MASKS[name]
+        return table[name]
     except KeyError:
-        raise ValueError(f"mask must be one of {sorted(MASKS)}, got {name!r}") from None
+        raise ValueError(f"{what} must be one of {sorted(table)}, got {name!r}") from None
+
+
+def mask_named(name: str) -> MaskPolicy:
+    return _named(MASKS, "mask", name)
 
 
 def score_transform_named(name: str) -> ScoreTransform:
-    try:
-        return SCORE_TRANSFORMS[name]
-    except KeyError:
-        raise ValueError(f"score transform must be one of {sorted(SCORE_TRANSFORMS)}, got {name!r}") from None
+    return _named(SCORE_TRANSFORMS, "score transform", name)
 
 
 def mask_for(causal: bool) -> MaskPolicy:

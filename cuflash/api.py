@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import _interop
-from ._kernel_families import FAMILY, family_of, select
+from ._kernel_families import FAMILIES, FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
-from ._tiling import ELEMENT_SIZE, WGMMA_BACKWARD_TILES, Tiling
+from ._tiling import ELEMENT_SIZE, Tiling
 from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
 _LOG2E = math.log2(math.e)
@@ -309,7 +309,8 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         tiling = backward_tiling_for(problem, layouts, layouts, bool(deterministic), aligned)
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
-        for name, (shape, dtype) in backward_work_buffers(problem, tiling, bool(deterministic)).items():
+        sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
+        for name, (shape, dtype) in backward_work_buffers(*sizes, tiling, bool(deterministic)).items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
         pointers = _view_pointers(BACKWARD_ARRAYS, views)
@@ -422,19 +423,19 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
                   deterministic=deterministic)
 
 
-def backward_work_buffers(problem: AttentionProblem, tiling: Tiling | None, deterministic: bool) -> dict:
-    """The work buffers a backward on the dK/dV kernel of ``tiling`` needs,
-    name -> (shape, dtype), all contiguous: delta (batch, nheads, seqlen_q)
-    always; the float32 dQ accumulator (batch, seqlen_q, nheads, head_dim)
-    unless the deterministic dQ pass computes dQ; the int32 turn counters
-    (batch, nheads, query blocks) of the ordered (deterministic Hopper) mode.
+def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool) -> dict:
+    """The work buffers a backward (batch b, h query heads, seqlen_q sq,
+    head_dim d) on the dK/dV kernel of ``tiling`` needs, name -> (shape,
+    dtype), all contiguous: delta (b, h, sq) always; the float32 dQ
+    accumulator (b, sq, h, d) unless the deterministic dQ pass computes dQ;
+    the int32 turn counters (b, h, query blocks) of the ordered mode.
     ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides its
     buffers before the kernel is known), the counters for the smallest
-    query block of the Hopper tables."""
-    b, h, sq, d = problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim
+    query block of any ordered kernel."""
     buffers = {"delta": ((b, h, sq), "float32")}
     if tiling is None:
-        block_m = min(tiles[0] for tiles in WGMMA_BACKWARD_TILES.values())
+        block_m = min(t.block_m for family in FAMILIES if "ordered" in family.dq_modes
+                      for _, t in family.compiled_tilings())
         return buffers | {"dq_accum": ((b, sq, h, d), "float32"), "dq_semaphore": ((b, h, -(-sq // block_m)), "int32")}
     mode = family_of("backward-dkdv", tiling.kernel).dq_mode(deterministic)
     if mode != "separate":

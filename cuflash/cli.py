@@ -310,12 +310,13 @@ def _versions() -> dict:
     import importlib.metadata
     import platform
 
-    versions = {"python": platform.python_version()}
-    for name in ("cuflash", "numpy", "cupy"):
-        try:
-            versions[name] = importlib.metadata.version(name if name != "cupy" else _cupy_distribution())
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
+    import numpy
+
+    versions = {"python": platform.python_version(), "numpy": numpy.__version__}
+    try:
+        versions["cuflash"] = importlib.metadata.version("cuflash")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing
+        versions["cuflash"] = "not installed"
     try:
         import cupy
 
@@ -323,20 +324,9 @@ def _versions() -> dict:
         versions["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
         versions["cuda driver"] = str(cupy.cuda.runtime.driverGetVersion())
     except Exception as error:  # no CuPy, no driver: say so, do not fail
-        versions.setdefault("cuda", f"unavailable ({type(error).__name__})")
+        versions.setdefault("cupy", "not installed")
+        versions["cuda"] = f"unavailable ({type(error).__name__})"
     return versions
-
-
-def _cupy_distribution() -> str:
-    import importlib.metadata
-
-    for name in ("cupy-cuda13x", "cupy-cuda12x", "cupy"):
-        try:
-            importlib.metadata.version(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "cupy"
 
 
 def _gpus() -> list[dict]:
@@ -359,7 +349,7 @@ def _kernel_choices(generation: int) -> list[dict]:
     """Per common (dtype, head dim): the forward, backward and deterministic
     backward kernel families the launcher picks, and why the preferred ones
     do not apply."""
-    from ._kernel_families import FAMILIES, select, why_not
+    from ._kernel_families import FAMILIES, select
 
     rows = []
     for dtype in _INFO_DTYPES:
@@ -371,8 +361,8 @@ def _kernel_choices(generation: int) -> list[dict]:
                 chosen = next(f for f in FAMILIES if f.role == role and f.kernel == tiling.kernel)
                 choice[label] = chosen.name + (f" ({chosen.dq_mode(True)} dQ)" if deterministic else "")
                 for family in FAMILIES[:FAMILIES.index(chosen)]:
-                    reason = family.role == role and why_not(family, dtype, head_dim, generation,
-                                                             deterministic=deterministic)
+                    reason = family.role == role and family.why_not(dtype, head_dim, generation,
+                                                                    deterministic=deterministic)
                     if reason and family.name not in skipped.setdefault(reason, []):
                         skipped[reason].append(family.name)
             why = [f"not {', '.join(names)}: {reason}" for reason, names in skipped.items()]

@@ -27,7 +27,6 @@ import numpy as np
 
 from . import _interop, api
 from ._validation import (
-    AttentionProblem,
     TensorMeta,
     check_backward,
     check_causal,
@@ -183,9 +182,7 @@ def _work_buffers(q_shape: tuple[int, ...]) -> dict:
     """Every backward work buffer for q of this shape (leading vmapped axes
     kept in front of each buffer's shape)."""
     *lead, seqlen_q, nheads, head_dim = q_shape
-    problem = AttentionProblem(math.prod(lead), seqlen_q, seqlen_q, nheads, nheads, head_dim, "float32", 0, 1.0,
-                               False)
-    buffers = api.backward_work_buffers(problem, None, True)
+    buffers = api.backward_work_buffers(math.prod(lead), nheads, seqlen_q, head_dim, None, True)
     return {name: ((*lead, *shape[1:]), dtype) for name, (shape, dtype) in buffers.items()}
 
 

@@ -155,7 +155,8 @@ def _run(q, k, v, dout, *, mask, score, deterministic, forward_tiling=None):
                                                         ("dq", grads[0]), ("dk", grads[1]), ("dv", grads[2]))}
     tiling = api.backward_tiling_for(backward, layouts, layouts, deterministic, aligned=True)
     work = {name: cupy.empty(shape, dtype=dtype)
-            for name, (shape, dtype) in api.backward_work_buffers(backward, tiling, deterministic).items()}
+            for name, (shape, dtype) in api.backward_work_buffers(backward.batch, backward.nheads, backward.seqlen_q,
+                                                                  backward.head_dim, tiling, deterministic).items()}
     plan = api.backward_plan(backward, layouts, api.Layout.of(lse), deterministic, aligned=True, tiling=tiling)
     arrays = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=grads[0], dk=grads[1], dv=grads[2], **work)
     plan.launch([arrays[name].data.ptr if name in arrays else 0 for name in api.BACKWARD_ARRAYS], stream)
