@@ -29,7 +29,8 @@ from ._tiling import (
     forward_tiling,
     mma_applies,
     mma_forward_tiling,
-    wgmma_applies,
+    wgmma_backward_applies,
+    wgmma_forward_applies,
     wgmma_backward_tiling,
     wgmma_forward_tiling,
 )
@@ -188,7 +189,7 @@ _BACKWARD = "cuflash::BackwardParams"
 FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("forward-wgmma", "forward", "flash_fwd_wgmma.cu", "cuflash::flash_forward_wgmma_kernel", _FORWARD,
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
-                 tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_applies,
+                 tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
                  needs_aligned_rows=True, needs_positive_scale=True,
                  tile_args=lambda t: ((str(t.blocks_per_sm),), f"/b{t.blocks_per_sm}")),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
@@ -202,7 +203,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("backward-dkdv-wgmma", "backward-dkdv", "flash_bwd_wgmma.cu",
                  "cuflash::flash_backward_dkdv_wgmma_kernel", _BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
-                 smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_applies, needs_aligned_rows=True,
+                 smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
                  dq_modes={"atomic": "false", "ordered": "true"}),
     KernelFamily("backward-dkdv", "backward-dkdv", "flash_bwd.cu", "cuflash::flash_backward_dkdv_kernel", _BACKWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=backward_tiling,

@@ -40,25 +40,29 @@ MMA_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
-#: Head-dim buckets the Hopper kernels (forward and backward) are compiled
-#: for; both tables below have exactly these keys (tests/test_tiling.py).
-WGMMA_HEAD_DIMS = (64, 128)
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
-#: dim: (block_m, block_n, warps, blocks per SM). One warpgroup (4 warps) per
-#: 64 query rows; the register budget is set (launch bounds) for that many
-#: resident blocks per SM. Head dims whose tensor-core bucket is missing here
-#: run on the mma.sync kernel (the swizzled layout needs whole 64-column
-#: panels, and the wgmma wrappers are compiled for N = 64 and 128).
+#: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One
+#: warpgroup (4 warps) per 64 query rows; the register budget is set (launch
+#: bounds) for that many resident blocks per SM. Per thread S takes
+#: block_n / 2 registers, O head_dim / 2 and the previous P block_n / 4
+#: (<= 192 together); K and V are double-buffered, so the larger head dims
+#: take fewer keys per block. Head dims whose bucket is missing here run on
+#: the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
     64: (128, 64, 8, 2),
+    96: (128, 128, 8, 1),
     128: (128, 128, 8, 1),
+    192: (128, 64, 8, 1),
+    256: (128, 48, 8, 1),
 }
-#: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu, atomic dQ
-#: only) per compiled head dim: (block_m query rows per step, block_n keys per
-#: block, warps). One warpgroup per 64 keys; S^T and dP^T take block_m / 2
-#: registers each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192.
+#: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
+#: compiled head dim: (block_m query rows per step, block_n keys per block,
+#: warps). One warpgroup per 64 keys; S^T and dP^T take block_m / 2
+#: registers each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192
+#: (head dims above 128 do not fit and run on the SIMT backward).
 WGMMA_BACKWARD_TILES = {
     64: (128, 128, 8),
+    96: (64, 128, 8),
     128: (64, 128, 8),
 }
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
@@ -223,22 +227,27 @@ def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return tiling
 
 
-def wgmma_applies(dtype_name: str, head_dim: int) -> bool:
-    """Whether the Hopper kernels serve (dtype, head_dim) (on sm_90a)."""
-    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_HEAD_DIMS
+def wgmma_forward_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether the Hopper forward serves (dtype, head_dim) (on sm_90a)."""
+    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_FORWARD_TILES
 
 
-def _wgmma_bucket(dtype_name: str, head_dim: int, what: str) -> int:
+def wgmma_backward_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether the Hopper backward serves (dtype, head_dim) (on sm_90a)."""
+    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_BACKWARD_TILES
+
+
+def _wgmma_bucket(dtype_name: str, head_dim: int, what: str, tiles: dict) -> int:
     padded = _mma_bucket(dtype_name, head_dim)
-    if padded not in WGMMA_HEAD_DIMS:
-        raise ValueError(f"the Hopper {what} takes head dims in buckets {list(WGMMA_HEAD_DIMS)}, "
+    if padded not in tiles:
+        raise ValueError(f"the Hopper {what} takes head dims in buckets {list(tiles)}, "
                          f"got {head_dim} (bucket {padded})")
     return padded
 
 
 def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_applies``."""
-    padded = _wgmma_bucket(dtype_name, head_dim, "forward")
+    """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_forward_applies``."""
+    padded = _wgmma_bucket(dtype_name, head_dim, "forward", WGMMA_FORWARD_TILES)
     block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
                     blocks_per_sm=blocks_per_sm)
@@ -247,8 +256,8 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_applies``."""
-    padded = _wgmma_bucket(dtype_name, head_dim, "backward")
+    """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``."""
+    padded = _wgmma_bucket(dtype_name, head_dim, "backward", WGMMA_BACKWARD_TILES)
     block_m, block_n, warps = WGMMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")

@@ -58,7 +58,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const u32 v_smem = base + Traits::kV;
     const u32 q_smem = base + Traits::kQ;
     const u32 do_smem = base + Traits::kDo;
-    const u32 ds_smem = base + Traits::kDs;
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
     const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
@@ -130,19 +129,19 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // warpgroup's 64 keys), Q and dO as their B. MN-major: dO and Q as B of
     // dV / dK, dS^T (this warpgroup's m64 tile of queries) and K (its column
     // block of dQ) for dQ.
-    const u64 base_descriptor = swizzled_descriptor(base, 16, 1024);
-    constexpr u64 kMnLeading = static_cast<u64>((QTile::kPanelBytes >> 4) - 1) << 16;  // leading 16 -> panel bytes
-    const u64 k_descriptor = base_descriptor + ((Traits::kK + warpgroup * 64 * 128) >> 4);
-    const u64 v_descriptor = k_descriptor + ((Traits::kV - Traits::kK) >> 4);
-    const u64 q_descriptor = base_descriptor + (Traits::kQ >> 4);
-    const u64 do_descriptor = base_descriptor + (Traits::kDo >> 4);
-    const u64 q_mn_descriptor = q_descriptor + kMnLeading;
-    const u64 do_mn_descriptor = do_descriptor + kMnLeading;
+    const u32 key_rows = warpgroup * 64 * KvTile::kSwizzleBytes;  // this warpgroup's 64 keys in a panel
+    const u64 k_descriptor = kmajor_descriptor<KvTile>(base, Traits::kK + key_rows);
+    const u64 v_descriptor = kmajor_descriptor<KvTile>(base, Traits::kV + key_rows);
+    const u64 q_descriptor = kmajor_descriptor<QTile>(base, Traits::kQ);
+    const u64 do_descriptor = kmajor_descriptor<QTile>(base, Traits::kDo);
+    const u64 q_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kQ);
+    const u64 do_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kDo);
     constexpr u64 kQBufferStep = QTile::kBytes >> 4;
     const int dq_m_tile = warpgroup % Traits::kDqMTiles;
     const int dq_col0 = warpgroup / Traits::kDqMTiles * kDqCols;
-    const u64 ds_mn_descriptor = swizzled_descriptor(ds_smem + dq_m_tile * DsTile::kPanelBytes, DsTile::kPanelBytes, 1024);
-    const u64 k_mn_descriptor = swizzled_descriptor(k_smem + dq_col0 / 64 * KvTile::kPanelBytes, KvTile::kPanelBytes, 1024);
+    const u64 ds_mn_descriptor = mn_major_descriptor<DsTile>(base, Traits::kDs + dq_m_tile * DsTile::kPanelBytes);
+    const u64 k_mn_descriptor =
+        mn_major_descriptor<KvTile>(base, Traits::kK + dq_col0 / KvTile::kPanelCols * KvTile::kPanelBytes);
 
     float dk[1][kDTiles][4];
     float dv[1][kDTiles][4];
@@ -243,11 +242,11 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + ps * kMnMajorKStep, 1);
+            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps), 1);
         }
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + ps * kMnMajorKStep, 1);
+            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps), 1);
         }
         wgmma_commit();
 
@@ -273,7 +272,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         float dq[kDqCols / 2];
 #pragma unroll
         for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + ks * kMnMajorKStep, k_mn_descriptor + ks * kMnMajorKStep,
+            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + mn_major_k_step<DsTile>(ks), k_mn_descriptor + mn_major_k_step<KvTile>(ks),
                                                  ks > 0);
         }
         wgmma_commit();

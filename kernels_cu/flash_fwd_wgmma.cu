@@ -3,7 +3,7 @@
 //
 // One thread block per (query block, head, batch); each warpgroup (128
 // threads) owns 64 query rows. S = Q K^T reads Q and K straight from
-// 128-byte swizzled shared memory (wgmma.mma_async, both operands from
+// swizzled shared memory (wgmma.mma_async, both operands from
 // shared memory); O += P V takes P from registers, where the softmax left
 // it, and V from shared memory, transposed by the instruction. The tensor
 // cores run asynchronously to the issuing threads, which the schedule uses:
@@ -87,11 +87,11 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
     }
     cp_async_commit();
 
-    // Descriptors (wgmma.cuh): K-major Q and K, MN-major V; k16 steps by
-    // kmajor_k_step and kMnMajorKStep.
-    const u64 q_descriptor = swizzled_descriptor(q_smem + warpgroup * 64 * 128, 16, 1024);
-    const u64 k_descriptor = swizzled_descriptor(k_smem, 16, 1024);
-    const u64 v_descriptor = swizzled_descriptor(v_smem, KvTile::kPanelBytes, 1024);
+    // Descriptors (wgmma.cuh): K-major Q (this warpgroup's 64 rows) and K,
+    // MN-major V; k16 steps by kmajor_k_step and mn_major_k_step.
+    const u64 q_descriptor = kmajor_descriptor<QTile>(base, Traits::kQ + warpgroup * 64 * QTile::kSwizzleBytes);
+    const u64 k_descriptor = kmajor_descriptor<KvTile>(base, Traits::kK);
+    const u64 v_descriptor = mn_major_descriptor<KvTile>(base, Traits::kV);
     constexpr u64 kBufferStep = KvTile::kBytes >> 4;  // the second K or V buffer, in descriptor units
 
     float o[1][kDTiles][4];
@@ -130,7 +130,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         if (i > 0) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + (stage ^ 1) * kBufferStep + ps * kMnMajorKStep,
+                Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + (stage ^ 1) * kBufferStep + mn_major_k_step<KvTile>(ps),
                                              1);
             }
             wgmma_commit();
@@ -165,7 +165,7 @@ flash_forward_wgmma_kernel(const ForwardParams params) {
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + stage * kBufferStep + ps * kMnMajorKStep, 1);
+            Wgmma<Element, kHeadDim>::rs(o_flat, p[ps], v_descriptor + stage * kBufferStep + mn_major_k_step<KvTile>(ps), 1);
         }
         wgmma_commit();
         wgmma_wait<0>();

@@ -1,31 +1,48 @@
-// The 128-byte swizzled shared-memory layout the Hopper tensor cores read
-// (wgmma operands, see wgmma.cuh), written by load_swizzled_tile_async.
+// The swizzled shared-memory layouts the Hopper tensor cores read (wgmma
+// operands, see wgmma.cuh), written by load_swizzled_tile_async.
 #pragma once
 
 #include "numeric.cuh"
 
 namespace cuflash {
 
-// A kRows x kCols tile of 16-bit elements in the 128-byte swizzled layout:
-// kCols / 64 column panels, each kRows rows of 128 bytes (64 elements); the
-// 16-byte chunk c of row r is stored at chunk c ^ (r % 8) of that row. Eight
-// rows (1024 bytes) are one swizzle atom, and panels start 1024-byte aligned,
-// because the tensor cores apply the XOR to address bits 4-6 from bits 7-9.
-// The swizzle spreads the 8 rows a core matrix reads over all 32 banks, and
-// the same layout serves K-major operands (Q, K: rows are M or N, the 64
-// columns are K) and MN-major ones (V: rows are K, columns are N).
-template <int kRows_, int kCols_>
+// The widest swizzle (128, 64 or 32 bytes per row of a panel) whose panels
+// tile `cols` 16-bit columns exactly.
+__host__ __device__ constexpr int widest_swizzle_bytes(int cols) {
+    return cols % 64 == 0 ? 128 : cols % 32 == 0 ? 64 : 32;
+}
+
+// A kRows x kCols tile of 16-bit elements in a kSwizzleBytes swizzled layout
+// (the PTX ISA's 128-, 64- and 32-byte swizzle modes): kCols / kPanelCols
+// column panels, each kRows rows of kSwizzleBytes. Within a panel the 16-byte
+// chunk c of row r is stored at chunk c ^ ((r * kSwizzleBytes / 128) % chunks
+// per row): the tensor cores XOR address bits 4.. with bits 7.., so eight
+// rows are one swizzle atom of 8 * kSwizzleBytes bytes and panels start at
+// multiples of it. The swizzle spreads the 8 rows a core matrix reads over
+// distinct banks, and the same layout serves K-major operands (Q, K: rows
+// are M or N, the panel's columns are K) and MN-major ones (V: rows are K,
+// columns are N). The 128-byte mode is the fastest to read; a narrower one
+// is for tiles (or column blocks of them) that are not whole 64 columns.
+template <int kRows_, int kCols_, int kSwizzleBytes_ = widest_swizzle_bytes(kCols_)>
 struct SwizzledTile {
     static constexpr int kRows = kRows_;
     static constexpr int kCols = kCols_;
-    static constexpr int kPanelBytes = kRows * 128;
-    static constexpr int kBytes = kPanelBytes * (kCols / 64);
-    static_assert(kCols % 64 == 0, "whole 128-byte panels of 64 elements");
-    static_assert(kRows % 8 == 0, "whole 1024-byte swizzle atoms");
+    static constexpr int kSwizzleBytes = kSwizzleBytes_;
+    static constexpr int kPanelCols = kSwizzleBytes / 2;
+    static constexpr int kChunksPerPanelRow = kSwizzleBytes / 16;
+    static constexpr int kPanelBytes = kRows * kSwizzleBytes;
+    static constexpr int kAtomBytes = 8 * kSwizzleBytes;
+    static constexpr int kBytes = kPanelBytes * (kCols / kPanelCols);
+    // The descriptor's layout type (PTX ISA, "Matrix Descriptor Format").
+    static constexpr int kDescriptorMode = kSwizzleBytes == 128 ? 1 : kSwizzleBytes == 64 ? 2 : 3;
+    static_assert(kSwizzleBytes == 128 || kSwizzleBytes == 64 || kSwizzleBytes == 32, "a PTX swizzle mode");
+    static_assert(kCols % kPanelCols == 0, "whole panels");
+    static_assert(kRows % 8 == 0, "whole swizzle atoms");
 
     // Byte offset of the 16-byte chunk holding columns 8 * chunk .. 8 * chunk + 7 of `row`.
     static __device__ __forceinline__ int chunk_offset(int row, int chunk) {
-        return chunk / 8 * kPanelBytes + row * 128 + ((chunk % 8) ^ (row % 8)) * 16;
+        return chunk / kChunksPerPanelRow * kPanelBytes + row * kSwizzleBytes +
+               ((chunk % kChunksPerPanelRow) ^ (row * kSwizzleBytes / 128 % kChunksPerPanelRow)) * 16;
     }
 };
 
@@ -38,13 +55,14 @@ template <typename Tile, typename Element>
 __device__ __forceinline__ void store_warp_rows(Element* out, index_t row_stride, const unsigned char* tile, int row0,
                                                 int valid_rows, int head_dim, int lane) {
     constexpr int kChunksPerRow = Tile::kCols / 8;
-    static_assert(sizeof(Element) == 2 && (16 * kChunksPerRow) % 32 == 0, "16-bit rows, whole warp steps");
+    constexpr int kChunks = 16 * kChunksPerRow;
+    static_assert(sizeof(Element) == 2, "16-bit rows");
 #pragma unroll
-    for (int i = 0; i < 16 * kChunksPerRow / 32; ++i) {
+    for (int i = 0; i < ceil_div(kChunks, 32); ++i) {
         const int chunk = lane + i * 32;
         const int row = row0 + chunk / kChunksPerRow;
         const int col_chunk = chunk % kChunksPerRow;
-        if (row < valid_rows && col_chunk * 8 < head_dim) {
+        if ((kChunks % 32 == 0 || chunk < kChunks) && row < valid_rows && col_chunk * 8 < head_dim) {
             *reinterpret_cast<uint4*>(out + static_cast<index_t>(row) * row_stride + col_chunk * 8) =
                 *reinterpret_cast<const uint4*>(tile + Tile::chunk_offset(row, col_chunk));
         }

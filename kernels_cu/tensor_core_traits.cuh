@@ -99,7 +99,9 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(kWarps % 4 == 0 && kBlockM == 64 * kWarpgroups, "one warpgroup per 64 query rows");
-    static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0, "whole 128-byte swizzle panels; wgmma N of 64 or 128");
+    // Whole swizzle panels (SwizzledTile picks the widest that fits); S's N
+    // (kBlockN) and O's (kHeadDim) must be widths of the Wgmma table.
+    static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "k16 steps over the head dim and the keys");
     static_assert(kBlockN / 2 + kHeadDim / 2 + kBlockN / 4 <= 192, "accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
@@ -110,7 +112,9 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
 // accumulators (kHeadDim / 2 floats each), S^T and dP^T (kBlockM / 2 each),
 // then this warpgroup's share of dQ_i = dS_i K_j (kDqCols / 2), which is
 // added to the float32 accumulator with atomics. The warpgroups split dQ's
-// kBlockM x kHeadDim into m64 tiles first, then into column blocks.
+// kBlockM x kHeadDim into m64 tiles first, then into column blocks; K's
+// swizzle panels are narrowed (SwizzledTile) until a column block starts on
+// a panel (head dim 96: two blocks of 48 columns, 32-byte panels).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct WgmmaBackwardTraits {
     using Element = Element_;
@@ -129,8 +133,9 @@ struct WgmmaBackwardTraits {
     static constexpr int kDqMTiles = kBlockM / 64;  // m64 tiles of dQ
     static constexpr int kDqCols = kHeadDim * kDqMTiles / kWarpgroups;  // dQ columns per warpgroup
 
-    using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // K, V: rows are keys
-    using QTile = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO: rows are queries
+    // K, V: rows are keys; K's column blocks of dQ start on panels.
+    using KvTile = SwizzledTile<kBlockN, kHeadDim, widest_swizzle_bytes(kDqCols)>;
+    using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q, dO: rows are queries
     using DsTile = SwizzledTile<kBlockN, kBlockM>;   // dS^T: rows are keys, columns queries
     static constexpr int kK = 0;
     static constexpr int kV = kK + KvTile::kBytes;
@@ -144,9 +149,10 @@ struct WgmmaBackwardTraits {
 
     static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kWarpgroups, "one warpgroup per 64 keys");
-    static_assert(kBlockM % 64 == 0 && kHeadDim % 64 == 0, "whole 128-byte swizzle panels");
-    static_assert(kWarpgroups % kDqMTiles == 0 && kDqCols % 64 == 0 && kDqCols <= 128,
-                  "dQ splits into whole m64 tiles and 64-column blocks per warpgroup");
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0, "m64 tiles of dQ; k16 steps over the head dim");
+    static_assert(kWarpgroups % kDqMTiles == 0 && kDqCols * (kWarpgroups / kDqMTiles) == kHeadDim &&
+                      kDqCols % 16 == 0 && kDqCols <= 128,
+                  "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per warpgroup");
     static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };

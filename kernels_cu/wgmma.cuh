@@ -23,29 +23,49 @@ namespace cuflash {
 
 typedef unsigned long long u64;
 
-// Shared-memory matrix descriptor of a 128-byte swizzled operand (PTX ISA,
-// "Matrix Descriptor Format"): start address, leading and stride byte
-// offsets, all in 16-byte units, and swizzle mode 1 (128 bytes) in bits
-// 62-63. The base-offset field stays 0: every atom is 1024-byte aligned.
-//   K-major (Q, K): stride = 1024 (the next 8 rows); leading unused (1) because
-//     one k16 step (32 bytes) lies inside a 128-byte row; the k16 steps of a
-//     panel start 32 bytes apart, panels kPanelBytes apart.
-//   MN-major (V as B of P V, transposed): stride = 1024 (the next 8 keys),
-//     leading = kPanelBytes (the next 64 columns of N); k16 steps 2048 bytes apart.
-__device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
+// Shared-memory matrix descriptor of a swizzled operand (PTX ISA, "Matrix
+// Descriptor Format"): start address, leading and stride byte offsets, all in
+// 16-byte units, and the swizzle mode (SwizzledTile::kDescriptorMode) in bits
+// 62-63. The base-offset field stays 0: every atom is aligned to its size.
+__device__ __forceinline__ u64 swizzled_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes, int mode) {
     return static_cast<u64>((address & 0x3FFFF) >> 4) | (static_cast<u64>(leading_bytes >> 4) << 16) |
-           (static_cast<u64>(stride_bytes >> 4) << 32) | (1ull << 62);
+           (static_cast<u64>(stride_bytes >> 4) << 32) | (static_cast<u64>(mode) << 62);
 }
 
-// Descriptor offsets (16-byte units) of k16 step ks in a SwizzledTile.
-// K-major: 32 bytes further inside a 128-byte row, the next panel after 4
-// steps (the hardware applies the swizzle to the resulting addresses).
+// Descriptors of a Tile at byte `offset` from `base` (1024-byte aligned):
+// the base's descriptor plus the offset in its address field, so that all
+// of a kernel's descriptors are one register and constants.
+// K-major operand (Q, K: the panel's columns are the reduction dimension):
+// stride = one atom (the next 8 rows); leading unused (1) because a k16 step
+// (32 bytes) lies inside a panel row. `offset` is the tile's (or its first
+// used row's, a multiple of 8) in the first panel.
+template <typename Tile>
+__device__ __forceinline__ u64 kmajor_descriptor(u32 base, u32 offset) {
+    return swizzled_descriptor(base, 16, Tile::kAtomBytes, Tile::kDescriptorMode) + (offset >> 4);
+}
+
+// MN-major operand (V as B of P V: rows are the reduction dimension, the
+// columns N): stride = one atom (the next 8 rows of K), leading = the panel
+// bytes (the next kPanelCols columns of N). `offset` is that of the panel
+// holding the operand's first column.
+template <typename Tile>
+__device__ __forceinline__ u64 mn_major_descriptor(u32 base, u32 offset) {
+    return swizzled_descriptor(base, Tile::kPanelBytes, Tile::kAtomBytes, Tile::kDescriptorMode) + (offset >> 4);
+}
+
+// Descriptor offsets (16-byte units) of k16 step ks. K-major: 32 bytes
+// further inside a panel row, the next panel after a row's worth of steps
+// (the hardware applies the swizzle to the resulting addresses). MN-major:
+// 16 rows further.
 template <typename Tile>
 __device__ __forceinline__ constexpr u64 kmajor_k_step(int ks) {
-    return static_cast<u64>((ks / 4 * Tile::kPanelBytes + ks % 4 * 32) >> 4);
+    constexpr int kStepsPerPanel = Tile::kSwizzleBytes / 32;
+    return static_cast<u64>((ks / kStepsPerPanel * Tile::kPanelBytes + ks % kStepsPerPanel * 32) >> 4);
 }
-// MN-major: 16 rows (2048 bytes) further.
-constexpr u64 kMnMajorKStep = 2048 >> 4;
+template <typename Tile>
+__device__ __forceinline__ constexpr u64 mn_major_k_step(int ks) {
+    return static_cast<u64>((ks * 16 * Tile::kSwizzleBytes) >> 4);
+}
 
 // Orders this warpgroup's earlier register writes (accumulators, A
 // fragments) before the wgmma instructions that follow.
@@ -89,19 +109,45 @@ __device__ __forceinline__ void pin_registers(float (&r)[kN]) {
 template <typename Element, int kN>
 struct Wgmma;
 
+// Accumulator operands of the asm statements, eight registers at a time:
+// CUFLASH_ACC8(d, i) binds d[i..i+7], CUFLASH_REGS_c names %8c..%8c+7.
 #define CUFLASH_ACC8(d, i)                                                                                 \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
         "+f"(d[i + 7])
-#define CUFLASH_ACC_OPERANDS_32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
-#define CUFLASH_ACC_OPERANDS_64(d) \
-    CUFLASH_ACC_OPERANDS_32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
-#define CUFLASH_ACC_LIST_32                                                                                        \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-    "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define CUFLASH_ACC_LIST_64                                                                                        \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-    "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "  \
-    "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define CUFLASH_REGS_0 "%0, %1, %2, %3, %4, %5, %6, %7"
+#define CUFLASH_REGS_1 "%8, %9, %10, %11, %12, %13, %14, %15"
+#define CUFLASH_REGS_2 "%16, %17, %18, %19, %20, %21, %22, %23"
+#define CUFLASH_REGS_3 "%24, %25, %26, %27, %28, %29, %30, %31"
+#define CUFLASH_REGS_4 "%32, %33, %34, %35, %36, %37, %38, %39"
+#define CUFLASH_REGS_5 "%40, %41, %42, %43, %44, %45, %46, %47"
+#define CUFLASH_REGS_6 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define CUFLASH_REGS_7 "%56, %57, %58, %59, %60, %61, %62, %63"
+#define CUFLASH_REGS_8 "%64, %65, %66, %67, %68, %69, %70, %71"
+#define CUFLASH_REGS_9 "%72, %73, %74, %75, %76, %77, %78, %79"
+#define CUFLASH_REGS_10 "%80, %81, %82, %83, %84, %85, %86, %87"
+#define CUFLASH_REGS_11 "%88, %89, %90, %91, %92, %93, %94, %95"
+#define CUFLASH_REGS_12 "%96, %97, %98, %99, %100, %101, %102, %103"
+#define CUFLASH_REGS_13 "%104, %105, %106, %107, %108, %109, %110, %111"
+#define CUFLASH_REGS_14 "%112, %113, %114, %115, %116, %117, %118, %119"
+#define CUFLASH_REGS_15 "%120, %121, %122, %123, %124, %125, %126, %127"
+#define CUFLASH_ACC_OPERANDS_24(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16)
+#define CUFLASH_REGS_TO_24 CUFLASH_REGS_0 ", " CUFLASH_REGS_1 ", " CUFLASH_REGS_2
+#define CUFLASH_ACC_LIST_24 "{" CUFLASH_REGS_TO_24 "}"
+#define CUFLASH_ACC_OPERANDS_32(d) CUFLASH_ACC_OPERANDS_24(d), CUFLASH_ACC8(d, 24)
+#define CUFLASH_REGS_TO_32 CUFLASH_REGS_TO_24 ", " CUFLASH_REGS_3
+#define CUFLASH_ACC_LIST_32 "{" CUFLASH_REGS_TO_32 "}"
+#define CUFLASH_ACC_OPERANDS_48(d) CUFLASH_ACC_OPERANDS_32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40)
+#define CUFLASH_REGS_TO_48 CUFLASH_REGS_TO_32 ", " CUFLASH_REGS_4 ", " CUFLASH_REGS_5
+#define CUFLASH_ACC_LIST_48 "{" CUFLASH_REGS_TO_48 "}"
+#define CUFLASH_ACC_OPERANDS_64(d) CUFLASH_ACC_OPERANDS_48(d), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
+#define CUFLASH_REGS_TO_64 CUFLASH_REGS_TO_48 ", " CUFLASH_REGS_6 ", " CUFLASH_REGS_7
+#define CUFLASH_ACC_LIST_64 "{" CUFLASH_REGS_TO_64 "}"
+#define CUFLASH_ACC_OPERANDS_96(d) CUFLASH_ACC_OPERANDS_64(d), CUFLASH_ACC8(d, 64), CUFLASH_ACC8(d, 72), CUFLASH_ACC8(d, 80), CUFLASH_ACC8(d, 88)
+#define CUFLASH_REGS_TO_96 CUFLASH_REGS_TO_64 ", " CUFLASH_REGS_8 ", " CUFLASH_REGS_9 ", " CUFLASH_REGS_10 ", " CUFLASH_REGS_11
+#define CUFLASH_ACC_LIST_96 "{" CUFLASH_REGS_TO_96 "}"
+#define CUFLASH_ACC_OPERANDS_128(d) CUFLASH_ACC_OPERANDS_96(d), CUFLASH_ACC8(d, 96), CUFLASH_ACC8(d, 104), CUFLASH_ACC8(d, 112), CUFLASH_ACC8(d, 120)
+#define CUFLASH_REGS_TO_128 CUFLASH_REGS_TO_96 ", " CUFLASH_REGS_12 ", " CUFLASH_REGS_13 ", " CUFLASH_REGS_14 ", " CUFLASH_REGS_15
+#define CUFLASH_ACC_LIST_128 "{" CUFLASH_REGS_TO_128 "}"
 
 // Operand numbers after the R accumulators: ss takes (desc A, desc B,
 // accumulate) as %R..%R+2; rs takes (a0..a3, desc B, accumulate) as %R..%R+5.
@@ -130,9 +176,15 @@ struct Wgmma;
         }                                                                                                         \
     };
 
-#define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                          \
+// The N table: the widths the kernels use (S and dQ blocks, head dims), with
+// the operand numbers that follow their N / 2 accumulators.
+#define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                                \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 48, 24, "%24, %25", "%26", "{%24, %25, %26, %27}, %28", "%29") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 64, 32, "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37") \
-    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 128, 64, "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69")
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 96, 48, "%48, %49", "%50", "{%48, %49, %50, %51}, %52", "%53") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 128, 64, "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 192, 96, "%96, %97", "%98", "{%96, %97, %98, %99}, %100", "%101") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 256, 128, "%128, %129", "%130", "{%128, %129, %130, %131}, %132", "%133")
 
 // The element-type table: one line per 16-bit input type.
 CUFLASH_DEFINE_WGMMA_N(__half, "f16")
@@ -141,10 +193,40 @@ CUFLASH_DEFINE_WGMMA_N(__nv_bfloat16, "bf16")
 #undef CUFLASH_DEFINE_WGMMA_N
 #undef CUFLASH_DEFINE_WGMMA
 #undef CUFLASH_WGMMA_SS
-#undef CUFLASH_ACC_LIST_64
+#undef CUFLASH_ACC_LIST_24
+#undef CUFLASH_REGS_TO_24
+#undef CUFLASH_ACC_OPERANDS_24
 #undef CUFLASH_ACC_LIST_32
-#undef CUFLASH_ACC_OPERANDS_64
+#undef CUFLASH_REGS_TO_32
 #undef CUFLASH_ACC_OPERANDS_32
+#undef CUFLASH_ACC_LIST_48
+#undef CUFLASH_REGS_TO_48
+#undef CUFLASH_ACC_OPERANDS_48
+#undef CUFLASH_ACC_LIST_64
+#undef CUFLASH_REGS_TO_64
+#undef CUFLASH_ACC_OPERANDS_64
+#undef CUFLASH_ACC_LIST_96
+#undef CUFLASH_REGS_TO_96
+#undef CUFLASH_ACC_OPERANDS_96
+#undef CUFLASH_ACC_LIST_128
+#undef CUFLASH_REGS_TO_128
+#undef CUFLASH_ACC_OPERANDS_128
+#undef CUFLASH_REGS_0
+#undef CUFLASH_REGS_1
+#undef CUFLASH_REGS_2
+#undef CUFLASH_REGS_3
+#undef CUFLASH_REGS_4
+#undef CUFLASH_REGS_5
+#undef CUFLASH_REGS_6
+#undef CUFLASH_REGS_7
+#undef CUFLASH_REGS_8
+#undef CUFLASH_REGS_9
+#undef CUFLASH_REGS_10
+#undef CUFLASH_REGS_11
+#undef CUFLASH_REGS_12
+#undef CUFLASH_REGS_13
+#undef CUFLASH_REGS_14
+#undef CUFLASH_REGS_15
 #undef CUFLASH_ACC8
 
 }  // namespace cuflash

@@ -6,7 +6,7 @@ flash_fwd_wgmma.cu composes (swizzled cp.async tiles, both descriptor kinds,
 ss and rs wgmma, the accumulator layout) and compares with NumPy, so a layout
 mistake shows up here as a wrong matrix product rather than only as a wrong
 attention output. The forward grid of test_forward_gpu.py runs through the
-kernel itself (float16/bfloat16, head dims up to 64 and 97-128) on Hopper."""
+kernel itself (float16/bfloat16, every head dim a multiple of 8 up to 256) on Hopper."""
 
 import numpy as np
 import pytest
@@ -47,10 +47,10 @@ using namespace cuflash;
 // One warpgroup: S = A B^T (A: 64 x kD, B: kN x kD, both K-major from
 // shared memory), then O = round(S) V (S from registers, V: kN x kD read
 // MN-major). Outputs are row-major float32.
-template <typename Element, int kN, int kD>
+template <typename Element, int kN, int kD, int kSwizzleBytes>
 __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v, float* s_out, float* o_out) {
-    using ATile = SwizzledTile<64, kD>;
-    using BTile = SwizzledTile<kN, kD>;
+    using ATile = SwizzledTile<64, kD, kSwizzleBytes>;
+    using BTile = SwizzledTile<kN, kD, kSwizzleBytes>;
     extern __shared__ __align__(16) unsigned char raw[];
     const u32 base = (shared_address(raw) + 1023) & ~1023u;
     const u32 a_smem = base, b_smem = base + ATile::kBytes, v_smem = b_smem + BTile::kBytes;
@@ -67,9 +67,8 @@ __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
-        const u64 step = (ks % 4 * 32) >> 4;  // k16 step inside its 128-byte panel
-        Wgmma<Element, kN>::ss(s, swizzled_descriptor(a_smem + ks / 4 * ATile::kPanelBytes, 16, 1024) + step,
-                               swizzled_descriptor(b_smem + ks / 4 * BTile::kPanelBytes, 16, 1024) + step, ks > 0);
+        Wgmma<Element, kN>::ss(s, kmajor_descriptor<ATile>(base, a_smem - base) + kmajor_k_step<ATile>(ks),
+                               kmajor_descriptor<BTile>(base, b_smem - base) + kmajor_k_step<BTile>(ks), ks > 0);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -97,7 +96,7 @@ __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v
     wgmma_fence();
 #pragma unroll
     for (int ps = 0; ps < kN / 16; ++ps) {
-        Wgmma<Element, kD>::rs(o, p[ps], swizzled_descriptor(v_smem + ps * 2048, BTile::kPanelBytes, 1024), 1);
+        Wgmma<Element, kD>::rs(o, p[ps], mn_major_descriptor<BTile>(base, v_smem - base) + mn_major_k_step<BTile>(ps), 1);
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -115,11 +114,15 @@ __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("n,d", [(64, 64), (128, 64), (64, 128), (128, 128)])
-def test_wgmma_probe_matches_numpy(dtype, n, d):
+@pytest.mark.parametrize("n,d,swizzle", [(64, 64, 128), (128, 64, 128), (64, 128, 128), (128, 128, 128),
+                                         (64, 96, 64), (128, 96, 32), (48, 96, 64), (64, 192, 128),
+                                         (48, 256, 128), (64, 48, 32), (128, 128, 64)])
+def test_wgmma_probe_matches_numpy(dtype, n, d, swizzle):
+    """Every swizzle mode (128, 64, 32 bytes), every N of the Wgmma table,
+    K-major and MN-major operands spanning several panels."""
     cupy = _cupy()
     element = {"float16": "__half", "bfloat16": "__nv_bfloat16"}[dtype]
-    name = f"wgmma_probe<{element}, {n}, {d}>"
+    name = f"wgmma_probe<{element}, {n}, {d}, {swizzle}>"
     options = compile_options(kernel_source_dir(), "90", _nvrtc_version())
     module = cupy.RawModule(code=_PROBE, options=options, name_expressions=[name])
     kernel = module.get_function(name)
@@ -151,8 +154,8 @@ def _chosen(q, k, v):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim,kernel", [(8, "wgmma"), (64, "wgmma"), (72, "mma"), (96, "mma"), (104, "wgmma"),
-                                             (128, "wgmma"), (192, "mma"), (256, "mma")])
+@pytest.mark.parametrize("head_dim,kernel", [(8, "wgmma"), (64, "wgmma"), (72, "wgmma"), (96, "wgmma"),
+                                             (104, "wgmma"), (128, "wgmma"), (160, "wgmma"), (256, "wgmma")])
 def test_hopper_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
@@ -163,7 +166,7 @@ def test_hopper_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
                                                (4096, 4096)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -180,10 +183,10 @@ def test_wgmma_forward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [8, 40, 56, 104, 120])
+@pytest.mark.parametrize("head_dim", [8, 40, 56, 72, 80, 104, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_forward_padded_head_dims(dtype, head_dim, causal):
-    """Head dims below their bucket (64 or 128): the padded columns are
+    """Head dims below their bucket (64, 96, 128, 192, 256): the padded columns are
     zero-filled on the way in and never written out."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)

@@ -20,14 +20,15 @@ from cuflash._tiling import (
     MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
-    WGMMA_HEAD_DIMS,
     Tiling,
     backward_tiling,
     forward_tiling,
     mma_applies,
     mma_forward_tiling,
     pad_head_dim,
-    wgmma_applies,
+    wgmma_backward_applies,
+    wgmma_backward_tiling,
+    wgmma_forward_applies,
     wgmma_forward_tiling,
 )
 
@@ -145,7 +146,10 @@ def test_family_entries_are_consistent(family):
     ("bfloat16", 128, 90, {}, "wgmma", "wgmma"),
     ("float16", 64, 90, dict(deterministic=True), "wgmma", "wgmma"),
     ("float16", 64, 80, dict(deterministic=True), "mma", "simt"),
-    ("bfloat16", 96, 90, {}, "mma", "simt"),
+    ("bfloat16", 96, 90, {}, "wgmma", "wgmma"),
+    ("float16", 80, 90, dict(deterministic=True), "wgmma", "wgmma"),
+    ("bfloat16", 256, 90, {}, "wgmma", "simt"),
+    ("bfloat16", 96, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
     ("float32", 64, 90, {}, "simt", "simt"),
@@ -197,32 +201,62 @@ def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
         mma_forward_tiling(dtype, head_dim)
 
 
-@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (104, 128), (128, 128)])
+@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (72, 96), (80, 96), (96, 96), (104, 128),
+                                             (128, 128), (136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
-def test_wgmma_table(dtype, head_dim, bucket):
+def test_wgmma_forward_table(dtype, head_dim, bucket):
     tiling = wgmma_forward_tiling(dtype, head_dim)
     assert tiling.kernel == "wgmma" and tiling.keys_last_to_first and tiling.head_dim_padded == bucket
-    # WgmmaForwardTraits: one warpgroup per 64 rows, whole 64-column panels.
-    assert tiling.block_m == 16 * tiling.warps and tiling.block_n % 64 == 0
+    # WgmmaForwardTraits: one warpgroup per 64 rows, k16 steps over keys, and
+    # S (block_n / 2), O (head_dim / 2) and P (block_n / 4) within 192 registers.
+    assert tiling.block_m == 16 * tiling.warps and tiling.block_n % 16 == 0
+    assert tiling.block_n // 2 + bucket // 2 + tiling.block_n // 4 <= 192
     assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
-    assert wgmma_applies(dtype, head_dim)
+    assert wgmma_forward_applies(dtype, head_dim)
     assert select("forward", dtype, head_dim, 90) == tiling
     assert select("forward", dtype, head_dim, 80).kernel == "mma"
 
 
-@pytest.mark.parametrize("dtype,head_dim,kernel", [("float16", 72, "mma"), ("bfloat16", 96, "mma"),
-                                                   ("bfloat16", 192, "mma"), ("float16", 256, "mma"),
-                                                   ("float32", 64, "simt"), ("bfloat16", 20, "simt")])
-def test_wgmma_table_leaves_other_head_dims_to_mma_or_simt(dtype, head_dim, kernel):
-    assert not wgmma_applies(dtype, head_dim)
-    assert select("forward", dtype, head_dim, 90).kernel == kernel
-    if kernel == "mma":
-        with pytest.raises(ValueError, match="Hopper forward takes head dims"):
-            wgmma_forward_tiling(dtype, head_dim)
+@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (72, 96), (80, 96), (96, 96), (120, 128),
+                                             (128, 128)])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_wgmma_backward_table(dtype, head_dim, bucket):
+    tiling = wgmma_backward_tiling(dtype, head_dim)
+    assert tiling.kernel == "wgmma" and tiling.head_dim_padded == bucket
+    # WgmmaBackwardTraits: one warpgroup per 64 keys; dK, dV, S^T and dP^T
+    # within 192 registers; dQ split into column blocks of whole k16 steps.
+    warpgroups = tiling.warps // 4
+    assert tiling.block_n == 64 * warpgroups and tiling.block_m % 64 == 0
+    assert tiling.block_m + bucket <= 192
+    dq_cols = bucket * (tiling.block_m // 64) // warpgroups
+    assert dq_cols % 16 == 0 and dq_cols <= 128
+    assert tiling.backward_dkdv_smem_bytes(dtype) <= MAX_SMEM_BYTES
+    assert wgmma_backward_applies(dtype, head_dim)
+    assert select("backward-dkdv", dtype, head_dim, 90) == tiling
+    assert select("backward-dkdv", dtype, head_dim, 80).kernel == "simt"
 
 
-def test_hopper_tables_cover_the_same_head_dims():
-    assert set(WGMMA_FORWARD_TILES) == set(WGMMA_BACKWARD_TILES) == set(WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("dtype,head_dim,kernel", [("float32", 64, "simt"), ("bfloat16", 20, "simt"),
+                                                   ("float16", 260, None)])
+def test_wgmma_forward_table_leaves_other_inputs_to_simt(dtype, head_dim, kernel):
+    assert not wgmma_forward_applies(dtype, head_dim)
+    if kernel is None:
+        with pytest.raises(ValueError):
+            select("forward", dtype, head_dim, 90)
+    else:
+        assert select("forward", dtype, head_dim, 90).kernel == kernel
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 136), ("float16", 192), ("bfloat16", 256)])
+def test_wgmma_backward_table_leaves_large_head_dims_to_simt(dtype, head_dim):
+    assert wgmma_forward_applies(dtype, head_dim) and not wgmma_backward_applies(dtype, head_dim)
+    assert select("backward-dkdv", dtype, head_dim, 90).kernel == "simt"
+    with pytest.raises(ValueError, match="Hopper backward takes head dims"):
+        wgmma_backward_tiling(dtype, head_dim)
+
+
+def test_hopper_backward_buckets_have_a_hopper_forward():
+    assert set(WGMMA_BACKWARD_TILES) <= set(WGMMA_FORWARD_TILES)
 
 
 def test_tiling_rejects_an_unknown_kernel():
