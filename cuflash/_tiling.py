@@ -57,19 +57,30 @@ WGMMA_FORWARD_TILES = {
 }
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
-#: warps). One warpgroup per 64 keys; S^T and dP^T take block_m / 2
-#: registers each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192
-#: (head dims above 128 do not fit and run on the SIMT backward).
+#: warps). Up to head dim 128 each warpgroup owns 64 keys: S^T and dP^T take
+#: block_m / 2 registers each, dK and dV head_dim / 2 each, so
+#: block_m + head_dim <= 192. Above 128 the warpgroups share 64 keys and split
+#: the head dim (``wgmma_backward_splits_head_dim``): head_dim / warpgroups
+#: columns of dK and dV, block_m / warpgroups queries of S^T and dP^T each.
 WGMMA_BACKWARD_TILES = {
     64: (128, 128, 8),
     96: (64, 128, 8),
     128: (64, 128, 8),
+    192: (64, 64, 8),
+    256: (64, 64, 8),
 }
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
 #: Kernels a ``Tiling`` can describe.
 KERNELS = ("simt", "mma", "wgmma")
+
+
+def wgmma_backward_splits_head_dim(head_dim_padded: int) -> bool:
+    """Whether the Hopper backward's warpgroups share their keys and split
+    the head dim (``WgmmaBackwardTraits::kSplitHeadDim``): above 128, dK and
+    dV of 64 keys do not fit one warpgroup's registers."""
+    return head_dim_padded > 128
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -153,12 +164,14 @@ class Tiling:
     def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
         """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
         for the wgmma backward ``WgmmaBackwardTraits::kBytes``: K, V, two
-        buffers of Q and dO, dS^T (16-bit, swizzled), two buffers of LSE and
-        delta, plus the alignment slack."""
+        buffers of Q and dO, dS^T (and P^T where the head dim is split;
+        16-bit, swizzled), two buffers of LSE and delta, plus the alignment
+        slack."""
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             d, m, n = self.head_dim_padded, self.block_m, self.block_n
-            return (2 * n * d + 4 * m * d + n * m) * e + 2 * 2 * m * 4 + WGMMA_SMEM_ALIGNMENT
+            score_tiles = 2 if wgmma_backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
+            return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 

@@ -50,6 +50,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
+    constexpr int kAccCols = Traits::kAccCols;
+    constexpr int kScoreCols = Traits::kScoreCols;
+    constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
 
     require_shared_memory<Traits>();
     unsigned char* smem;
@@ -69,7 +72,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const int lane = thread % 32;
     const int warpgroup = warp / 4;
     const int n_start = block.n_start;
-    const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
+    // The warpgroup's keys, its queries of S^T and dP^T inside the query
+    // block, and its columns of dK and dV (see WgmmaBackwardTraits).
+    const int key_group = kSplitHeadDim ? 0 : warpgroup;
+    const int dim_group = kSplitHeadDim ? warpgroup : 0;
+    const int warp_key0 = (kSplitHeadDim ? warp % 4 : warp) * 16;  // the warp's 16 accumulator rows (keys)
+    const int score_col0 = dim_group * kScoreCols;
+    const int acc_col0 = dim_group * kAccCols;
 
     load_swizzled_tile_async<KvTile, Traits::kThreads>(
         k_smem, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
@@ -126,16 +135,21 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     cp_async_commit();
 
     // Descriptors (wgmma.cuh). K-major: K and V as A of S^T / dP^T (this
-    // warpgroup's 64 keys), Q and dO as their B. MN-major: dO and Q as B of
-    // dV / dK, dS^T (this warpgroup's m64 tile of queries) and K (its column
-    // block of dQ) for dQ.
-    const u32 key_rows = warpgroup * 64 * KvTile::kSwizzleBytes;  // this warpgroup's 64 keys in a panel
+    // warpgroup's 64 keys), Q and dO as their B (its queries), and, where the
+    // head dim is split, P^T and dS^T as A of dV / dK. MN-major: dO and Q as
+    // B of dV / dK (its columns), dS^T (this warpgroup's m64 tile of queries)
+    // and K (its column block of dQ) for dQ.
+    const u32 key_rows = key_group * 64 * KvTile::kSwizzleBytes;
+    const u32 query_rows = score_col0 * QTile::kSwizzleBytes;
+    const u32 acc_panel = acc_col0 / QTile::kPanelCols * QTile::kPanelBytes;
     const u64 k_descriptor = kmajor_descriptor<KvTile>(base, Traits::kK + key_rows);
     const u64 v_descriptor = kmajor_descriptor<KvTile>(base, Traits::kV + key_rows);
-    const u64 q_descriptor = kmajor_descriptor<QTile>(base, Traits::kQ);
-    const u64 do_descriptor = kmajor_descriptor<QTile>(base, Traits::kDo);
-    const u64 q_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kQ);
-    const u64 do_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kDo);
+    const u64 q_descriptor = kmajor_descriptor<QTile>(base, Traits::kQ + query_rows);
+    const u64 do_descriptor = kmajor_descriptor<QTile>(base, Traits::kDo + query_rows);
+    const u64 q_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kQ + acc_panel);
+    const u64 do_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kDo + acc_panel);
+    const u64 pt_descriptor = kmajor_descriptor<DsTile>(base, Traits::kPt);
+    const u64 ds_descriptor = kmajor_descriptor<DsTile>(base, Traits::kDs);
     constexpr u64 kQBufferStep = QTile::kBytes >> 4;
     const int dq_m_tile = warpgroup % Traits::kDqMTiles;
     const int dq_col0 = warpgroup / Traits::kDqMTiles * kDqCols;
@@ -147,9 +161,10 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     float dv[1][kDTiles][4];
     fill_fragments(dk, 0.0f);
     fill_fragments(dv, 0.0f);
-    float(&dk_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(dk);
-    float(&dv_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(dv);
+    float(&dk_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dk);
+    float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
     unsigned char* const ds_tile = smem + Traits::kDs;
+    unsigned char* const pt_tile = smem + Traits::kPt;
 
     for (int step = 0; step < steps; ++step) {
         const int buffer = step & 1;
@@ -172,18 +187,18 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
 
         float s[1][kQTiles][4];
         float dp[1][kQTiles][4];
-        float(&s_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(s);
-        float(&dp_flat)[kBlockM / 2] = reinterpret_cast<float(&)[kBlockM / 2]>(dp);
+        float(&s_flat)[kScoreCols / 2] = reinterpret_cast<float(&)[kScoreCols / 2]>(s);
+        float(&dp_flat)[kScoreCols / 2] = reinterpret_cast<float(&)[kScoreCols / 2]>(dp);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-            Wgmma<Element, kBlockM>::ss(s_flat, k_descriptor + kmajor_k_step<KvTile>(ks),
+            Wgmma<Element, kScoreCols>::ss(s_flat, k_descriptor + kmajor_k_step<KvTile>(ks),
                                         q_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
                                         ks > 0);
         }
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-            Wgmma<Element, kBlockM>::ss(dp_flat, v_descriptor + kmajor_k_step<KvTile>(ks),
+            Wgmma<Element, kScoreCols>::ss(dp_flat, v_descriptor + kmajor_k_step<KvTile>(ks),
                                         do_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
                                         ks > 0);
         }
@@ -197,13 +212,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // -inf, so P^T = 0 there).
         const float* lse_log2 = stats + buffer * 2 * kBlockM;
         const float* delta = lse_log2 + kBlockM;
-        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start, lane);
+        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start + score_col0, lane);
         if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start, lane);
+            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start + score_col0, lane);
         }
 #pragma unroll
         for (int j = 0; j < kQTiles; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
+            const int col = score_col0 + 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
             const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + col);
             const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
 #pragma unroll
@@ -218,35 +233,55 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                                    m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
             }
         }
-        // P^T and dS^T rounded to the element type as the A operands of dV
-        // and dK; dS^T also to shared memory for dQ (same swizzle as the tiles).
-        u32 p_frag[Traits::kRowSteps][4];
-        u32 ds_frag[Traits::kRowSteps][4];
+        // P^T and dS^T rounded to the element type: dS^T to shared memory for
+        // dQ (same swizzle as the tiles), and both as the A operands of dV
+        // and dK, from registers, or where the warpgroups split the head dim
+        // (each holding its queries' share), from shared memory too.
+        u32 p_frag[kScoreCols / 16][4];
+        u32 ds_frag[kScoreCols / 16][4];
 #pragma unroll
-        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+        for (int ps = 0; ps < kScoreCols / 16; ++ps) {
             pack_a_fragment<Element>(p_frag[ps], s[0][2 * ps], s[0][2 * ps + 1]);
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
+        const auto stage_transposed = [&](unsigned char* tile, const u32 (&frags)[kScoreCols / 16][4]) {
 #pragma unroll
-        for (int j = 0; j < kQTiles; ++j) {
-            const u32 (&frag)[4] = ds_frag[j / 2];
+            for (int j = 0; j < kQTiles; ++j) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int key_row = warp_key0 + lane / 4 + half * 8;
-                *reinterpret_cast<u32*>(ds_tile + DsTile::chunk_offset(key_row, j) + 4 * (lane % 4)) =
-                    frag[(j % 2) * 2 + half];
+                for (int half = 0; half < 2; ++half) {
+                    const int key_row = warp_key0 + lane / 4 + half * 8;
+                    *reinterpret_cast<u32*>(tile + DsTile::chunk_offset(key_row, score_col0 / 8 + j) + 4 * (lane % 4)) =
+                        frags[j / 2][(j % 2) * 2 + half];
+                }
             }
+        };
+        stage_transposed(ds_tile, ds_frag);
+        if constexpr (kSplitHeadDim) {
+            stage_transposed(pt_tile, p_frag);
         }
-        fence_async_shared();  // dS^T, written by ordinary stores, is read by the tensor cores
+        fence_async_shared();  // dS^T (P^T), written by ordinary stores, is read by the tensor cores
+        if constexpr (kSplitHeadDim) {
+            __syncthreads();  // both warpgroups' queries of P^T and dS^T are in shared memory
+        }
 
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dv_flat, p_frag[ps], do_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps), 1);
+            const u64 do_step = do_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
+            if constexpr (kSplitHeadDim) {
+                Wgmma<Element, kAccCols>::ss_mn_major_b(dv_flat, pt_descriptor + kmajor_k_step<DsTile>(ps), do_step, 1);
+            } else {
+                Wgmma<Element, kAccCols>::rs(dv_flat, p_frag[ps], do_step, 1);
+            }
         }
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            Wgmma<Element, kHeadDim>::rs(dk_flat, ds_frag[ps], q_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps), 1);
+            const u64 q_step = q_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
+            if constexpr (kSplitHeadDim) {
+                Wgmma<Element, kAccCols>::ss_mn_major_b(dk_flat, ds_descriptor + kmajor_k_step<DsTile>(ps), q_step, 1);
+            } else {
+                Wgmma<Element, kAccCols>::rs(dk_flat, ds_frag[ps], q_step, 1);
+            }
         }
         wgmma_commit();
 
@@ -266,36 +301,47 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         };
         if constexpr (kTurnBeforeDqProduct) {
             wait_for_turn(dq_turn(), turn());  // includes the barrier below
-        } else {
+        } else if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warpgroup's dS^T is in shared memory
         }
-        float dq[kDqCols / 2];
-#pragma unroll
-        for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-            Wgmma<Element, kDqCols>::ss_mn_major(dq, ds_mn_descriptor + mn_major_k_step<DsTile>(ks), k_mn_descriptor + mn_major_k_step<KvTile>(ks),
-                                                 ks > 0);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(dq);
-        pin_registers(dv_flat);
-        pin_registers(dk_flat);
-        if constexpr (kOrderedDq && !kTurnBeforeDqProduct) {
-            wait_for_turn(dq_turn(), turn());
-        }
-
+        // dQ's product in chunks of kDqChunk columns: one for the whole column
+        // block, or 64 at a time where dK, dV and dQ together pass 192
+        // registers per thread (d256), which spilled waiting for the turn.
+        constexpr int kDqChunk = kOrderedDq && kAccCols + kDqCols > 192 ? 64 : kDqCols;
+        static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "chunks of whole K panels");
         float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = dq_m_tile * 64 + (warp % 4) * 16 + lane / 4 + half * 8;
-            if (m_start + row < ctx.seqlen_q) {
+        for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
+            const int chunk_col0 = dq_col0 + chunk * kDqChunk;
+            const u64 k_chunk_descriptor = k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
+            float dq[kDqChunk / 2];
 #pragma unroll
-                for (int j = 0; j < kDqCols / 8; ++j) {
-                    const int col = dq_col0 + 8 * j + 2 * (lane % 4);
-                    if (col < ctx.head_dim) {
-                        atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[4 * j + 2 * half] * scale,
-                                        dq[4 * j + 2 * half + 1] * scale);
+            for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
+                Wgmma<Element, kDqChunk>::ss_mn_major(dq, ds_mn_descriptor + mn_major_k_step<DsTile>(ks),
+                                                      k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(dq);
+            pin_registers(dv_flat);
+            pin_registers(dk_flat);
+            if constexpr (kOrderedDq && !kTurnBeforeDqProduct) {
+                if (chunk == 0) {
+                    wait_for_turn(dq_turn(), turn());
+                }
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = dq_m_tile * 64 + (warp % 4) * 16 + lane / 4 + half * 8;
+                if (m_start + row < ctx.seqlen_q) {
+#pragma unroll
+                    for (int j = 0; j < kDqChunk / 8; ++j) {
+                        const int col = chunk_col0 + 8 * j + 2 * (lane % 4);
+                        if (col < ctx.head_dim) {
+                            atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[4 * j + 2 * half] * scale,
+                                            dq[4 * j + 2 * half + 1] * scale);
+                        }
                     }
                 }
             }
@@ -319,17 +365,19 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         const int key_row = warp_key0 + lane / 4 + half * 8;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
-            const int offset = KvTile::chunk_offset(key_row, dt) + 4 * (lane % 4);
+            const int offset = KvTile::chunk_offset(key_row, acc_col0 / 8 + dt) + 4 * (lane % 4);
             *reinterpret_cast<u32*>(tiles[0] + offset) =
                 pack_pair<Element>(dk[0][dt][2 * half] * scale, dk[0][dt][2 * half + 1] * scale);
             *reinterpret_cast<u32*>(tiles[1] + offset) = pack_pair<Element>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
         }
     }
     __syncwarp();
-    store_warp_rows<KvTile>(params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dk.row_stride,
-                            tiles[0], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim, lane);
-    store_warp_rows<KvTile>(params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dv.row_stride,
-                            tiles[1], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim, lane);
+    store_warp_rows<KvTile, kAccCols>(params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start),
+                                      params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
+                                      lane, acc_col0);
+    store_warp_rows<KvTile, kAccCols>(params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start),
+                                      params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
+                                      lane, acc_col0);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

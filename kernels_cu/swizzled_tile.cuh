@@ -46,22 +46,22 @@ struct SwizzledTile {
     }
 };
 
-// Stores the 16 rows row0 .. row0 + 15 of a swizzled tile (a warp's
-// accumulator rows, staged there) to `out`, the tile's row 0 in global memory
-// (rows row_stride elements apart), 16 bytes per lane: consecutive lanes
-// write consecutive chunks of a row. Rows at or past valid_rows and columns at
-// or past head_dim are not written.
-template <typename Tile, typename Element>
+// Stores the 16 rows row0 .. row0 + 15, columns col0 .. col0 + kCols - 1 of a
+// swizzled tile (a warp's accumulator rows, staged there) to `out`, the
+// tile's row 0 in global memory (rows row_stride elements apart), 16 bytes
+// per lane: consecutive lanes write consecutive chunks of a row. Rows at or
+// past valid_rows and columns at or past head_dim are not written.
+template <typename Tile, int kCols = Tile::kCols, typename Element>
 __device__ __forceinline__ void store_warp_rows(Element* out, index_t row_stride, const unsigned char* tile, int row0,
-                                                int valid_rows, int head_dim, int lane) {
-    constexpr int kChunksPerRow = Tile::kCols / 8;
+                                                int valid_rows, int head_dim, int lane, int col0 = 0) {
+    constexpr int kChunksPerRow = kCols / 8;
     constexpr int kChunks = 16 * kChunksPerRow;
-    static_assert(sizeof(Element) == 2, "16-bit rows");
+    static_assert(sizeof(Element) == 2 && kCols % 8 == 0, "16-bit rows of whole chunks");
 #pragma unroll
     for (int i = 0; i < ceil_div(kChunks, 32); ++i) {
         const int chunk = lane + i * 32;
         const int row = row0 + chunk / kChunksPerRow;
-        const int col_chunk = chunk % kChunksPerRow;
+        const int col_chunk = col0 / 8 + chunk % kChunksPerRow;
         if ((kChunks % 32 == 0 || chunk < kChunks) && row < valid_rows && col_chunk * 8 < head_dim) {
             *reinterpret_cast<uint4*>(out + static_cast<index_t>(row) * row_stride + col_chunk * 8) =
                 *reinterpret_cast<const uint4*>(tile + Tile::chunk_offset(row, col_chunk));

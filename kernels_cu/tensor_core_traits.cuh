@@ -106,15 +106,20 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
-// Hopper backward dK/dV (flash_bwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups,
-// each owning 64 of the block's kBlockN keys (one wgmma m64 tile of S^T, dP^T,
-// dK and dV), walking query blocks of kBlockM rows. Per thread: dK and dV
-// accumulators (kHeadDim / 2 floats each), S^T and dP^T (kBlockM / 2 each),
-// then this warpgroup's share of dQ_i = dS_i K_j (kDqCols / 2), which is
-// added to the float32 accumulator with atomics. The warpgroups split dQ's
-// kBlockM x kHeadDim into m64 tiles first, then into column blocks; K's
-// swizzle panels are narrowed (SwizzledTile) until a column block starts on
-// a panel (head dim 96: two blocks of 48 columns, 32-byte panels).
+// Hopper backward dK/dV (flash_bwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups
+// sharing one block of kBlockN keys, walking query blocks of kBlockM rows.
+// Up to head dim 128 each warpgroup owns 64 keys (one wgmma m64 tile of S^T,
+// dP^T, dK and dV) with every column of their dK and dV; per thread dK and
+// dV take kHeadDim / 2 floats each, S^T and dP^T kBlockM / 2 each. Above 128,
+// dK and dV of 64 keys would not fit in one warpgroup's registers, so the
+// warpgroups share the same 64 keys and split the head dim of dK and dV (and
+// the block's queries for S^T and dP^T, whose P^T and dS^T then reach both
+// warpgroups through shared memory). Then each warpgroup's share of
+// dQ_i = dS_i K_j (kDqCols / 2 floats) is added to the float32 accumulator:
+// the warpgroups split dQ's kBlockM x kHeadDim into m64 tiles first, then
+// into column blocks; K's and Q's swizzle panels are narrowed (SwizzledTile)
+// until the column blocks start on panels (head dim 96: two dQ blocks of 48
+// columns, 32-byte panels).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct WgmmaBackwardTraits {
     using Element = Element_;
@@ -125,8 +130,14 @@ struct WgmmaBackwardTraits {
     static constexpr int kThreads = kWarps * 32;
     static constexpr int kWarpgroups = kWarps / 4;
 
-    static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of a warp's S^T and dP^T
-    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's dK and dV
+    static constexpr bool kSplitHeadDim = kHeadDim > 128;
+    static constexpr int kKeyGroups = kSplitHeadDim ? 1 : kWarpgroups;  // warpgroups with their own 64 keys
+    static constexpr int kDimGroups = kWarpgroups / kKeyGroups;         // warpgroups sharing 64 keys
+    static constexpr int kAccCols = kHeadDim / kDimGroups;              // dK, dV columns per warpgroup
+    static constexpr int kScoreCols = kBlockM / kDimGroups;             // S^T, dP^T queries per warpgroup
+
+    static constexpr int kQTiles = kScoreCols / 8;  // n8 tiles of a warp's S^T and dP^T
+    static constexpr int kDTiles = kAccCols / 8;    // n8 tiles of a warp's dK and dV
     static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
     static constexpr int kRowSteps = kBlockM / 16;  // k16 steps of dV += P^T dO and dK += dS^T Q
     static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ = dS K
@@ -135,25 +146,28 @@ struct WgmmaBackwardTraits {
 
     // K, V: rows are keys; K's column blocks of dQ start on panels.
     using KvTile = SwizzledTile<kBlockN, kHeadDim, widest_swizzle_bytes(kDqCols)>;
-    using QTile = SwizzledTile<kBlockM, kHeadDim>;  // Q, dO: rows are queries
-    using DsTile = SwizzledTile<kBlockN, kBlockM>;   // dS^T: rows are keys, columns queries
+    // Q, dO: rows are queries; a warpgroup's columns of dK and dV start on a panel.
+    using QTile = SwizzledTile<kBlockM, kHeadDim, widest_swizzle_bytes(kAccCols)>;
+    using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T (and P^T): rows are keys, columns queries
     static constexpr int kK = 0;
     static constexpr int kV = kK + KvTile::kBytes;
     static constexpr int kQ = kV + KvTile::kBytes;     // two buffers
     static constexpr int kDo = kQ + 2 * QTile::kBytes;  // two buffers
     static constexpr int kDs = kDo + 2 * QTile::kBytes;
-    static constexpr int kStats = kDs + DsTile::kBytes;  // two buffers of (LSE in log2, delta), kBlockM floats each
+    static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
+    static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
     static constexpr int kLayoutBytes = kStats + 2 * 2 * kBlockM * 4;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
-    static_assert(kWarps % 4 == 0 && kBlockN == 64 * kWarpgroups, "one warpgroup per 64 keys");
-    static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0, "m64 tiles of dQ; k16 steps over the head dim");
+    static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kScoreCols % 16 == 0,
+                  "m64 tiles of dQ; k16 steps over the head dim and the queries");
     static_assert(kWarpgroups % kDqMTiles == 0 && kDqCols * (kWarpgroups / kDqMTiles) == kHeadDim &&
                       kDqCols % 16 == 0 && kDqCols <= 128,
                   "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per warpgroup");
-    static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -104,7 +104,7 @@ __device__ __forceinline__ void pin_registers(float (&r)[kN]) {
 
 // One m64nNk16 instruction with float32 accumulators. ss: A and B from
 // shared memory, both K-major. ss_mn_major: the same with both MN-major
-// (each transposed by the instruction). rs: A from registers (4 per thread),
+// (each transposed by the instruction); ss_mn_major_b: A K-major, B MN-major. rs: A from registers (4 per thread),
 // B from shared memory MN-major. accumulate = 0 ignores d's old values.
 template <typename Element, int kN>
 struct Wgmma;
@@ -130,8 +130,11 @@ struct Wgmma;
 #define CUFLASH_REGS_13 "%104, %105, %106, %107, %108, %109, %110, %111"
 #define CUFLASH_REGS_14 "%112, %113, %114, %115, %116, %117, %118, %119"
 #define CUFLASH_REGS_15 "%120, %121, %122, %123, %124, %125, %126, %127"
-#define CUFLASH_ACC_OPERANDS_24(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16)
-#define CUFLASH_REGS_TO_24 CUFLASH_REGS_0 ", " CUFLASH_REGS_1 ", " CUFLASH_REGS_2
+#define CUFLASH_ACC_OPERANDS_16(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8)
+#define CUFLASH_REGS_TO_16 CUFLASH_REGS_0 ", " CUFLASH_REGS_1
+#define CUFLASH_ACC_LIST_16 "{" CUFLASH_REGS_TO_16 "}"
+#define CUFLASH_ACC_OPERANDS_24(d) CUFLASH_ACC_OPERANDS_16(d), CUFLASH_ACC8(d, 16)
+#define CUFLASH_REGS_TO_24 CUFLASH_REGS_TO_16 ", " CUFLASH_REGS_2
 #define CUFLASH_ACC_LIST_24 "{" CUFLASH_REGS_TO_24 "}"
 #define CUFLASH_ACC_OPERANDS_32(d) CUFLASH_ACC_OPERANDS_24(d), CUFLASH_ACC8(d, 24)
 #define CUFLASH_REGS_TO_32 CUFLASH_REGS_TO_24 ", " CUFLASH_REGS_3
@@ -151,8 +154,8 @@ struct Wgmma;
 
 // Operand numbers after the R accumulators: ss takes (desc A, desc B,
 // accumulate) as %R..%R+2; rs takes (a0..a3, desc B, accumulate) as %R..%R+5.
-// One shared-memory-operand function NAME; TRANSPOSE is "0, 0" (both
-// K-major) or "1, 1" (both MN-major).
+// One shared-memory-operand function NAME; TRANSPOSE gives A's and B's
+// major-ness ("0": K-major, "1": MN-major).
 #define CUFLASH_WGMMA_SS(NAME, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, TRANSPOSE)                                   \
     static __device__ __forceinline__ void NAME(float (&d)[R], u64 a, u64 b, int accumulate) {                    \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_FLAG ", 0;\n"                                           \
@@ -167,6 +170,7 @@ struct Wgmma;
     struct Wgmma<ELEMENT, N> {                                                                                    \
         CUFLASH_WGMMA_SS(ss, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, "0, 0")                                         \
         CUFLASH_WGMMA_SS(ss_mn_major, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, "1, 1")                                \
+        CUFLASH_WGMMA_SS(ss_mn_major_b, PTX_TYPE, N, R, SS_OPERANDS, SS_FLAG, "0, 1")                              \
         static __device__ __forceinline__ void rs(float (&d)[R], const u32 (&a)[4], u64 b, int accumulate) {      \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_FLAG ", 0;\n"                                       \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_TYPE "." PTX_TYPE " "                \
@@ -179,6 +183,7 @@ struct Wgmma;
 // The N table: the widths the kernels use (S and dQ blocks, head dims), with
 // the operand numbers that follow their N / 2 accumulators.
 #define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                                \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 32, 16, "%16, %17", "%18", "{%16, %17, %18, %19}, %20", "%21") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 48, 24, "%24, %25", "%26", "{%24, %25, %26, %27}, %28", "%29") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 64, 32, "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 96, 48, "%48, %49", "%50", "{%48, %49, %50, %51}, %52", "%53") \
@@ -193,6 +198,9 @@ CUFLASH_DEFINE_WGMMA_N(__nv_bfloat16, "bf16")
 #undef CUFLASH_DEFINE_WGMMA_N
 #undef CUFLASH_DEFINE_WGMMA
 #undef CUFLASH_WGMMA_SS
+#undef CUFLASH_ACC_LIST_16
+#undef CUFLASH_REGS_TO_16
+#undef CUFLASH_ACC_OPERANDS_16
 #undef CUFLASH_ACC_LIST_24
 #undef CUFLASH_REGS_TO_24
 #undef CUFLASH_ACC_OPERANDS_24

@@ -1,6 +1,6 @@
 """The Hopper backward dK/dV kernel (wgmma, sm_90a): which calls take it, and
 its sizes. The backward grid of test_backward_gpu.py runs through it for
-float16/bfloat16 at head dims up to 128 on Hopper, deterministic
+float16/bfloat16 at every head dim a multiple of 8 up to 256 on Hopper, deterministic
 or not (dQ added in key-block order); the SIMT backward keeps the other
 cases and (tested here with the generation pinned to sm_80) what an Ampere
 GPU runs."""
@@ -37,7 +37,7 @@ def _chosen(q, k, v, *, deterministic=False):
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim,kernel", [(8, "wgmma"), (64, "wgmma"), (80, "wgmma"), (96, "wgmma"),
-                                             (104, "wgmma"), (128, "wgmma"), (160, "simt"), (256, "simt")])
+                                             (104, "wgmma"), (128, "wgmma"), (160, "wgmma"), (256, "wgmma")])
 def test_hopper_backward_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
@@ -55,7 +55,7 @@ def test_unaligned_rows_fall_back_to_simt():
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
                                                (1000, 17), (17, 1000)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -73,7 +73,7 @@ def test_wgmma_backward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal, heads
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [40, 64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 80, 96, 128, 160, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (129, 127), (1000, 2049), (2049, 1000), (17, 1000)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
@@ -88,7 +88,7 @@ def test_wgmma_deterministic_backward_sizes(dtype, head_dim, seqlen_q, seqlen_k,
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     """Ten runs, bitwise the same dq, dk, dv, on another stream too; the
@@ -131,10 +131,10 @@ def test_simt_backward_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqle
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [8, 40, 56, 72, 80, 88, 104, 120])
+@pytest.mark.parametrize("head_dim", [8, 40, 56, 72, 80, 88, 104, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_backward_padded_head_dims(dtype, head_dim, causal):
-    """Head dims below their bucket (64, 96 or 128): padded columns add nothing
+    """Head dims below their bucket (64, 96, 128, 192 or 256): padded columns add nothing
     to S^T and dP^T, and dQ, dK, dV are written only up to head_dim."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)

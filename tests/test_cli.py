@@ -202,8 +202,9 @@ def test_info_says_which_kernel_runs_and_why_on_hopper():
     assert (d64["forward"], d64["backward"]) == ("forward-wgmma", "backward-dkdv-wgmma") and not d64["why"]
     assert d64["deterministic"] == "backward-dkdv-wgmma (ordered dQ)"
     d96 = _row(report, "bfloat16", 96)
-    assert (d96["forward"], d96["backward"]) == ("forward-mma", "backward-dkdv")
-    assert any("forward-wgmma" in why and "head dims 64/128" in why for why in d96["why"])
+    assert (d96["forward"], d96["backward"]) == ("forward-wgmma", "backward-dkdv-wgmma") and not d96["why"]
+    d256 = _row(report, "bfloat16", 256)
+    assert (d256["forward"], d256["backward"]) == ("forward-wgmma", "backward-dkdv-wgmma") and not d256["why"]
     fp32 = _row(report, "float32", 128)
     assert fp32["forward"] == "forward" and any("takes float16/bfloat16" in why for why in fp32["why"])
 

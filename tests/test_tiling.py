@@ -27,6 +27,7 @@ from cuflash._tiling import (
     mma_forward_tiling,
     pad_head_dim,
     wgmma_backward_applies,
+    wgmma_backward_splits_head_dim,
     wgmma_backward_tiling,
     wgmma_forward_applies,
     wgmma_forward_tiling,
@@ -148,7 +149,7 @@ def test_family_entries_are_consistent(family):
     ("float16", 64, 80, dict(deterministic=True), "mma", "simt"),
     ("bfloat16", 96, 90, {}, "wgmma", "wgmma"),
     ("float16", 80, 90, dict(deterministic=True), "wgmma", "wgmma"),
-    ("bfloat16", 256, 90, {}, "wgmma", "simt"),
+    ("bfloat16", 256, 90, {}, "wgmma", "wgmma"),
     ("bfloat16", 96, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
@@ -218,16 +219,20 @@ def test_wgmma_forward_table(dtype, head_dim, bucket):
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (72, 96), (80, 96), (96, 96), (120, 128),
-                                             (128, 128)])
+                                             (128, 128), (136, 192), (160, 192), (192, 192), (224, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_backward_table(dtype, head_dim, bucket):
     tiling = wgmma_backward_tiling(dtype, head_dim)
     assert tiling.kernel == "wgmma" and tiling.head_dim_padded == bucket
-    # WgmmaBackwardTraits: one warpgroup per 64 keys; dK, dV, S^T and dP^T
-    # within 192 registers; dQ split into column blocks of whole k16 steps.
+    # WgmmaBackwardTraits: 64 keys per warpgroup, or shared by all of them
+    # where the head dim is split; dK, dV, S^T and dP^T within 192
+    # registers; dQ split into column blocks of whole k16 steps.
     warpgroups = tiling.warps // 4
-    assert tiling.block_n == 64 * warpgroups and tiling.block_m % 64 == 0
-    assert tiling.block_m + bucket <= 192
+    split = wgmma_backward_splits_head_dim(bucket)
+    assert split == (bucket > 128)
+    assert tiling.block_n == (64 if split else 64 * warpgroups) and tiling.block_m % 64 == 0
+    dim_groups = warpgroups if split else 1
+    assert (bucket + tiling.block_m) // dim_groups <= 192
     dq_cols = bucket * (tiling.block_m // 64) // warpgroups
     assert dq_cols % 16 == 0 and dq_cols <= 128
     assert tiling.backward_dkdv_smem_bytes(dtype) <= MAX_SMEM_BYTES
@@ -245,14 +250,6 @@ def test_wgmma_forward_table_leaves_other_inputs_to_simt(dtype, head_dim, kernel
             select("forward", dtype, head_dim, 90)
     else:
         assert select("forward", dtype, head_dim, 90).kernel == kernel
-
-
-@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 136), ("float16", 192), ("bfloat16", 256)])
-def test_wgmma_backward_table_leaves_large_head_dims_to_simt(dtype, head_dim):
-    assert wgmma_forward_applies(dtype, head_dim) and not wgmma_backward_applies(dtype, head_dim)
-    assert select("backward-dkdv", dtype, head_dim, 90).kernel == "simt"
-    with pytest.raises(ValueError, match="Hopper backward takes head dims"):
-        wgmma_backward_tiling(dtype, head_dim)
 
 
 def test_hopper_backward_buckets_have_a_hopper_forward():

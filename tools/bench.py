@@ -57,6 +57,8 @@ TOKENS = 16384
 HIDDEN = 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
+#: ``--head-dims sweep``: the head dims of common models (issue 14), at seqlen 4096 unless --seqlens says otherwise.
+HEAD_DIM_SWEEP = (8, 16, 32, 40, 64, 72, 80, 96, 112, 128, 160, 192, 256)
 #: bf16 matrix-multiply rate of the H100 80GB HBM3, for the floor column: the ceiling measured on the
 #: device pool's H100s on 2026-11-22 (the same day's runs as BENCHMARKS.md's first anchors).
 MATMUL_TFLOPS = {"NVIDIA H100 80GB HBM3": 796.0}
@@ -333,8 +335,9 @@ def environment() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", action="append", choices=("bfloat16", "float16"))
-    parser.add_argument("--seqlens", default=",".join(map(str, SEQLENS)))
-    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
+    parser.add_argument("--seqlens", default=None, help=f"default {','.join(map(str, SEQLENS))}")
+    parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
+                        help="comma-separated, or 'sweep' for the head-dim sweep (seqlen 4096 by default)")
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
@@ -349,6 +352,10 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    sweep = args.head_dims == "sweep"
+    head_dims = HEAD_DIM_SWEEP if sweep else tuple(int(d) for d in args.head_dims.split(","))
+    seqlens = (4096,) if sweep and args.seqlens is None else tuple(
+        int(s) for s in (args.seqlens or ",".join(map(str, SEQLENS))).split(","))
     env = environment()
     print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     result = {"environment": env, "matmul_tflops": MATMUL_TFLOPS.get(env["device"]), "rows": []}
@@ -365,8 +372,7 @@ def main() -> int:
     rows = result["rows"]
     if not args.host_only:
         print(HEADER)
-        rows += run_grid(args.dtype or ["bfloat16", "float16"], [int(s) for s in args.seqlens.split(",")],
-                         [int(d) for d in args.head_dims.split(",")], causals, args.calls, args.repeats,
+        rows += run_grid(args.dtype or ["bfloat16", "float16"], seqlens, head_dims, causals, args.calls, args.repeats,
                          _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),
                          deterministic=args.deterministic, user=not args.no_user)
     out = Path(args.out)
@@ -383,6 +389,12 @@ def main() -> int:
         if user:
             print(f"bf16 {pass_name} as the user sees it, cuflash/flash: min {min(user):.3f}, "
                   f"median {statistics.median(user):.3f}; points >= 1.0: {sum(r >= 1.0 for r in user)}/{len(user)}")
+    deterministic = [r["ms"]["cuflash"] / r["ms"]["cuflash-deterministic"] for r in rows
+                     if r["pass"] == "bwd" and "cuflash-deterministic" in r["ms"]]
+    if deterministic:
+        print(f"deterministic backward / default backward speed: min {min(deterministic):.3f}, "
+              f"median {statistics.median(deterministic):.3f}; points >= 0.75: "
+              f"{sum(r >= 0.75 for r in deterministic)}/{len(deterministic)}")
     return 0
 
 
