@@ -34,6 +34,7 @@ MMA_DTYPES = ("float16", "bfloat16")
 #: copies would spill registers (96, 128) the tiles are single-buffered.
 #: tools/kernel_report.py checks that none spills.
 MMA_FORWARD_TILES = {
+    32: (128, 64, 4, 2),
     64: (128, 64, 4, 2),
     96: (128, 64, 4, 1),
     128: (128, 64, 4, 1),
@@ -49,6 +50,7 @@ MMA_FORWARD_TILES = {
 #: take fewer keys per block. Head dims whose bucket is missing here run on
 #: the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
+    32: (128, 64, 8, 2),
     64: (128, 64, 8, 2),
     96: (128, 128, 8, 1),
     128: (128, 128, 8, 1),
@@ -63,6 +65,7 @@ WGMMA_FORWARD_TILES = {
 #: the head dim (``wgmma_backward_splits_head_dim``): head_dim / warpgroups
 #: columns of dK and dV, block_m / warpgroups queries of S^T and dP^T each.
 WGMMA_BACKWARD_TILES = {
+    32: (128, 128, 8),
     64: (128, 128, 8),
     96: (64, 128, 8),
     128: (64, 128, 8),

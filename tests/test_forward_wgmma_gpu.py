@@ -116,7 +116,7 @@ __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n,d,swizzle", [(64, 64, 128), (128, 64, 128), (64, 128, 128), (128, 128, 128),
                                          (64, 96, 64), (128, 96, 32), (48, 96, 64), (64, 192, 128),
-                                         (48, 256, 128), (64, 48, 32), (128, 128, 64)])
+                                         (48, 256, 128), (64, 48, 32), (128, 128, 64), (64, 32, 64)])
 def test_wgmma_probe_matches_numpy(dtype, n, d, swizzle):
     """Every swizzle mode (128, 64, 32 bytes), every N of the Wgmma table,
     K-major and MN-major operands spanning several panels."""
@@ -166,7 +166,7 @@ def test_hopper_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
                                                (4096, 4096)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -186,7 +186,7 @@ def test_wgmma_forward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal):
 @pytest.mark.parametrize("head_dim", [8, 40, 56, 72, 80, 104, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_forward_padded_head_dims(dtype, head_dim, causal):
-    """Head dims below their bucket (64, 96, 128, 192, 256): the padded columns are
+    """Head dims below their bucket (32, 64, 96, 128, 192, 256): the padded columns are
     zero-filled on the way in and never written out."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)

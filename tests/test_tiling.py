@@ -202,8 +202,8 @@ def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
         mma_forward_tiling(dtype, head_dim)
 
 
-@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (72, 96), (80, 96), (96, 96), (104, 128),
-                                             (128, 128), (136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
+@pytest.mark.parametrize("head_dim,bucket", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (80, 96), (96, 96),
+                                             (104, 128), (128, 128), (136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_forward_table(dtype, head_dim, bucket):
     tiling = wgmma_forward_tiling(dtype, head_dim)
@@ -218,8 +218,8 @@ def test_wgmma_forward_table(dtype, head_dim, bucket):
     assert select("forward", dtype, head_dim, 80).kernel == "mma"
 
 
-@pytest.mark.parametrize("head_dim,bucket", [(8, 64), (64, 64), (72, 96), (80, 96), (96, 96), (120, 128),
-                                             (128, 128), (136, 192), (160, 192), (192, 192), (224, 256), (256, 256)])
+@pytest.mark.parametrize("head_dim,bucket", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (80, 96), (96, 96),
+                                             (120, 128), (128, 128), (136, 192), (160, 192), (192, 192), (224, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_backward_table(dtype, head_dim, bucket):
     tiling = wgmma_backward_tiling(dtype, head_dim)
