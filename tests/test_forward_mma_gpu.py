@@ -3,8 +3,8 @@ hazards particular to them (stale softmax reference, masked first blocks,
 padded columns). The general forward grid of test_forward_gpu.py runs
 through them for float16/bfloat16 as well; these tests pin down the path
 choice so that a silent fallback to the SIMT kernel cannot pass for the fast
-path. On Hopper the defaults take the wgmma kernel for head dims up to 64
-and 97-128; the ``generation`` parameter runs the hazard tests a second time
+path. On Hopper the defaults take the wgmma kernel at every head dim the
+tensor cores serve; the ``generation`` parameter runs the hazard tests a second time
 as an sm_80 device would (mma.sync kernel), so that kernel stays covered there."""
 
 import math
