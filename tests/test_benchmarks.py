@@ -11,7 +11,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
-BENCHMARKS = sorted((REPO / "benchmarks").glob("*.json"))
+#: The FlashAttention-2 grid per device kind, and the head-dim sweeps (``*_head_dims.json``).
+SWEEPS = sorted((REPO / "benchmarks").glob("*_head_dims.json"))
+BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS))
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
@@ -48,9 +50,29 @@ def test_rows_are_consistent(path):
         assert {"what", "call", "host_us"} <= set(row) and row["host_us"] > 0
 
 
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_head_dim_sweep_rows_are_consistent(path):
+    from bench import HEAD_DIM_SWEEP, HIDDEN, PASS_FLOPS, TOKENS, forward_flops
+
+    rows = json.loads(path.read_text())["rows"]
+    expected = {(dt, d, c, 4096) for dt in ("bfloat16", "float16") for d in HEAD_DIM_SWEEP for c in (False, True)}
+    for pass_name in ("fwd", "bwd", "fwd+bwd"):
+        keys = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in rows if r["pass"] == pass_name}
+        assert keys == expected
+    for r in rows:
+        assert r["batch"] * r["seqlen"] == TOKENS and r["heads"] == HIDDEN // r["head_dim"]
+        assert r["flops"] == PASS_FLOPS[r["pass"]] * forward_flops(r["batch"], r["heads"], r["seqlen"], r["head_dim"],
+                                                                   r["causal"])
+        for backend, ms in r["ms"].items():
+            assert r["tflops"][backend] == pytest.approx(r["flops"] / (ms * 1e9))
+        if r["pass"] == "bwd":  # the deterministic backward's cost is part of the sweep
+            assert r["ms"]["cuflash-deterministic"] > 0
+
+
 def test_benchmarks_md_renders_the_h100_json():
     rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
-                               str(REPO / "benchmarks" / "h100.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100.json"), "--head-dims",
+                               str(REPO / "benchmarks" / "h100_head_dims.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.

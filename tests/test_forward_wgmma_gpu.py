@@ -96,7 +96,8 @@ __global__ void wgmma_probe(const Element* a, const Element* b, const Element* v
     wgmma_fence();
 #pragma unroll
     for (int ps = 0; ps < kN / 16; ++ps) {
-        Wgmma<Element, kD>::rs(o, p[ps], mn_major_descriptor<BTile>(base, v_smem - base) + mn_major_k_step<BTile>(ps), 1);
+        const u64 v_step = mn_major_descriptor<BTile>(base, v_smem - base) + mn_major_k_step<BTile>(ps);
+        Wgmma<Element, kD>::rs(o, p[ps], v_step, 1);
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -203,7 +203,8 @@ def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (80, 96), (96, 96),
-                                             (104, 128), (128, 128), (136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
+                                             (104, 128), (128, 128), (136, 192), (160, 192), (192, 192),
+                                             (200, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_forward_table(dtype, head_dim, bucket):
     tiling = wgmma_forward_tiling(dtype, head_dim)
@@ -219,7 +220,8 @@ def test_wgmma_forward_table(dtype, head_dim, bucket):
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (80, 96), (96, 96),
-                                             (120, 128), (128, 128), (136, 192), (160, 192), (192, 192), (224, 256), (256, 256)])
+                                             (120, 128), (128, 128), (136, 192), (160, 192), (192, 192),
+                                             (224, 256), (256, 256)])
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_backward_table(dtype, head_dim, bucket):
     tiling = wgmma_backward_tiling(dtype, head_dim)

@@ -3,7 +3,12 @@
 markdown of BENCHMARKS.md, and optionally a PNG of TFLOP/s against seqlen per
 backend (needs matplotlib).
 
-  python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png] > BENCHMARKS.md
+  python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png]
+                                [--head-dims benchmarks/h100_head_dims.json] > BENCHMARKS.md
+
+``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
+--deterministic``): forward and backward per head dim, and the deterministic
+backward's cost.
 """
 
 from __future__ import annotations
@@ -96,6 +101,48 @@ def markdown(result: dict, plot: str | None) -> str:
     return "\n".join(lines)
 
 
+def head_dim_markdown(result: dict) -> str:
+    """The head-dim sweep as one table row per (dtype, head dim, causal)."""
+    env, rows = result["environment"], result["rows"]
+    seqlens = sorted({r["seqlen"] for r in rows})
+    lines = [
+        "## Head-dim sweep", "",
+        f"Every head dim of common models at seqlen {'/'.join(map(str, seqlens))} (batch x seqlen = 16384, "
+        f"heads = 2048 / head_dim), {env['device']}, cuflash commit `{env['commit']}`, {env['date']}; same timing "
+        "and FLOP convention as above. TFLOP/s of cuflash / SDPA flash (FlashAttention-2) / SDPA cuDNN; "
+        "\"det.\" is `deterministic=True` (dQ added in key-block order) and its speed relative to the default "
+        "backward.", "",
+        "| dtype | head_dim | causal | fwd TFLOP/s | fwd / flash | bwd TFLOP/s | bwd / flash | det. TFLOP/s | "
+        "det. / default |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    by_key = {(r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
+    for (pass_name, dtype, head_dim, causal, seqlen), forward in by_key.items():
+        if pass_name != "fwd":
+            continue
+        backward = by_key.get(("bwd", dtype, head_dim, causal, seqlen))
+        t = forward["tflops"]
+        cells = [dtype, str(head_dim), "yes" if causal else "no",
+                 f"{t['cuflash']:.0f} / {t.get('flash', float('nan')):.0f} / {t.get('cudnn', float('nan')):.0f}",
+                 f"{forward.get('cuflash_over_flash', float('nan')):.2f}"]
+        if backward:
+            b = backward["tflops"]
+            det = b.get("cuflash-deterministic")
+            cells += [f"{b['cuflash']:.0f} / {b.get('flash', float('nan')):.0f} / {b.get('cudnn', float('nan')):.0f}",
+                      f"{backward.get('cuflash_over_flash', float('nan')):.2f}",
+                      f"{det:.0f}" if det else "-", f"{det / b['cuflash']:.2f}" if det else "-"]
+        else:
+            cells += ["-"] * 4
+        lines.append("| " + " | ".join(cells) + " |")
+    for pass_name in ("fwd", "bwd"):
+        for dtype in sorted({r["dtype"] for r in rows}):
+            ratios = [r["cuflash_over_flash"] for r in rows
+                      if r["pass"] == pass_name and r["dtype"] == dtype and "cuflash_over_flash" in r]
+            if ratios:
+                lines.append(f"\n{dtype} {pass_name}: cuflash / flash from {min(ratios):.2f} to {max(ratios):.2f}, "
+                             f">= 1.00 at {sum(x >= 1.0 for x in ratios)} of {len(ratios)} points.")
+    return "\n".join(lines) + "\n"
+
+
 def draw(result: dict, path: str) -> None:
     import matplotlib
 
@@ -125,11 +172,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plot", help="write a PNG here")
+    parser.add_argument("--head-dims", help="a head-dim sweep's JSON, rendered as its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
         draw(result, args.plot)
     print(markdown(result, args.plot))
+    if args.head_dims:
+        print(head_dim_markdown(json.loads(Path(args.head_dims).read_text())))
     return 0
 
 
