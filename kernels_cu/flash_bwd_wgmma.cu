@@ -166,6 +166,10 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     unsigned char* const ds_tile = smem + Traits::kDs;
     unsigned char* const pt_tile = smem + Traits::kPt;
 
+    // Ordered dQ: the dQ block whose turn this block holds until it hands
+    // it on (one step later, once the next products are issued).
+    int* held_counter = nullptr;
+    int held_turn = 0;
     for (int step = 0; step < steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
@@ -203,6 +207,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                                         ks > 0);
         }
         wgmma_commit();
+        if constexpr (kOrderedDq) {
+            // The previous step's dQ additions are ordered before the barrier
+            // at the top of this step; its fence waits while S^T and dP^T run.
+            if (thread == 0 && held_counter != nullptr) {
+                hand_on_turn(held_counter, held_turn);
+            }
+        }
         wgmma_wait<0>();
         pin_registers(s_flat);
         pin_registers(dp_flat);
@@ -288,20 +299,15 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // Deterministic mode: the key blocks add into this dQ block one after
         // another, in key-block order (ordered_accumulation.cuh). A key block
         // that waits trails the previous one by what it waits through, so
-        // the turn is awaited as late as the registers allow: after dQ's
-        // product (only the additions are serialised) where they fit, before
-        // it, at the barrier the step has anyway, for the d64 tiles, which
-        // spilled waiting with dQ's registers live.
-        constexpr bool kTurnBeforeDqProduct = kOrderedDq && kHeadDim == 64;
+        // the turn is awaited after dQ's product (only the additions are
+        // serialised), and handed on one step later (see hand_on_turn).
         const auto dq_turn = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
         const auto turn = [&]() {
             return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
         };
-        if constexpr (kTurnBeforeDqProduct) {
-            wait_for_turn(dq_turn(), turn());  // includes the barrier below
-        } else if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
+        if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warpgroup's dS^T is in shared memory
         }
         // dQ's product in chunks of kDqChunk columns: one for the whole column
@@ -326,7 +332,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             pin_registers(dq);
             pin_registers(dv_flat);
             pin_registers(dk_flat);
-            if constexpr (kOrderedDq && !kTurnBeforeDqProduct) {
+            if constexpr (kOrderedDq) {
                 if (chunk == 0) {
                     wait_for_turn(dq_turn(), turn());
                 }
@@ -347,7 +353,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            pass_turn(dq_turn(), turn());
+            held_counter = dq_turn();
+            held_turn = turn();
         }
         head = next_head;
         m_block = next_m_block;
@@ -359,6 +366,11 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // are not written; with no visible query the results are zeros.
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (kOrderedDq) {
+        if (thread == 0 && held_counter != nullptr) {  // the last step's dQ block
+            hand_on_turn(held_counter, held_turn);
+        }
+    }
     unsigned char* const tiles[2] = {smem + Traits::kK, smem + Traits::kV};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

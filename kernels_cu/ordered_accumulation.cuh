@@ -37,13 +37,16 @@ __device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
     __syncthreads();
 }
 
-// Makes this block's additions visible, then hands the turn on.
-__device__ __forceinline__ void pass_turn(int* counter, int turn) {
+// Hands the turn on, off the caller's critical path: called by thread 0
+// alone, after a barrier that every thread reached after its additions. The
+// barrier orders them before thread 0's fence, and a release is cumulative
+// over what was ordered before it, so the next block sees them all; the
+// other threads need not wait for their additions to land. A caller that
+// calls this once its next tensor-core work is issued hides the fence's
+// wait behind it.
+__device__ __forceinline__ void hand_on_turn(int* counter, int turn) {
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        store_release(counter, turn + 1);
-    }
+    store_release(counter, turn + 1);
 }
 
 }  // namespace cuflash
