@@ -54,11 +54,11 @@ if [ "${CUFLASH_SKIP_NCU:-0}" != "1" ]; then
   tail -n 12 "$OUT/ncu_validation.log"
 fi
 
-# Forward (bf16, fp16) and backward (bf16) speed against PyTorch SDPA (flash,
+# Forward (bf16, fp16) and backward (bf16, default and deterministic) speed against PyTorch SDPA (flash,
 # cuDNN) on the FlashAttention-2 grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
 bench_rc=0
 if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
-  CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py --out "$OUT" > "$OUT/bench.log" 2>&1
+  CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py --deterministic --out "$OUT" > "$OUT/bench.log" 2>&1
   bench_rc=$?
   grep -v "^#" "$OUT/bench.log" | grep -v "| float16 |" | tail -n 80
 fi
