@@ -15,9 +15,15 @@
 //                                      accumulators packed), B read MN-major
 //   dQ_i += scale * dS K               dS^T staged in shared memory, both
 //                                      operands MN-major; float32 atomics
+// Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the warpgroups
+// share one block of 64 keys instead: each computes S^T and dP^T for its
+// share of the query block's rows and owns its share of dK's and dV's
+// columns, so P^T is staged in shared memory next to dS^T and dV, dK take
+// both A operands from there.
 // Q, dO and their row statistics are double-buffered: the next query block
 // is copied by cp.async while this one is computed. dK is scaled once at the
-// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
+// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T (and P^T) tile
+// per block.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
