@@ -41,6 +41,17 @@ MMA_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+#: mma.sync backward dK/dV tiles (sm_80+; flash_bwd_mma.cu; what Ampere and
+#: Ada GPUs run) per compiled head dim: (block_m query rows per step, block_n
+#: keys per block, warps). Each warp owns 16 keys; S^T and dP^T take
+#: block_m / 2 registers each, dK and dV head_dim / 2 each, so
+#: block_m + head_dim <= 192 (head dims above 128 run on the SIMT backward).
+MMA_BACKWARD_TILES = {
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (32, 64, 4),
+    128: (32, 64, 4),
+}
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
 #: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One
 #: warpgroup (4 warps) per 64 query rows; the register budget is set (launch
@@ -166,10 +177,16 @@ class Tiling:
 
     def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
         """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
-        for the wgmma backward ``WgmmaBackwardTraits::kBytes``: K, V, two
+        for the mma.sync backward ``MmaBackwardTraits::kBytes``: K, V, two
+        buffers of Q and dO (rows padded by 8 elements), dS^T (16-bit, rows
+        padded), two buffers of LSE and delta; for the wgmma backward
+        ``WgmmaBackwardTraits::kBytes``: K, V, two
         buffers of Q and dO, dS^T (and P^T where the head dim is split;
         16-bit, swizzled), two buffers of LSE and delta, plus the alignment
         slack."""
+        if self.kernel == "mma":
+            d, m, n = self.head_dim_padded, self.block_m, self.block_n
+            return (2 * n * (d + 8) + 4 * m * (d + 8) + n * (m + 8)) * ELEMENT_SIZE[dtype_name] + 2 * 2 * m * 4
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             d, m, n = self.head_dim_padded, self.block_m, self.block_n
@@ -240,6 +257,23 @@ def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
                     kv_stages=stages)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
+    return tiling
+
+
+def mma_backward_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether the mma.sync backward serves (dtype, head_dim) (on sm_80+)."""
+    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in MMA_BACKWARD_TILES
+
+
+def mma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
+    """Tiles of the mma.sync backward dK/dV kernel, where ``mma_backward_applies``."""
+    padded = _mma_bucket(dtype_name, head_dim)
+    if padded not in MMA_BACKWARD_TILES:
+        raise ValueError(f"the mma.sync backward takes head dims in buckets {list(MMA_BACKWARD_TILES)}, "
+                         f"got {head_dim} (bucket {padded})")
+    block_m, block_n, warps = MMA_BACKWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma")
+    _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 
 

@@ -74,6 +74,56 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
+// mma.sync backward dK/dV (flash_bwd_mma.cu, sm_80+): each of the kWarps
+// warps owns 16 of the block's kBlockN keys (one m16 tile of S^T, dP^T, dK
+// and dV) and walks query blocks of kBlockM rows. Per lane: dK and dV
+// (kHeadDim / 2 floats each), S^T and dP^T (kBlockM / 2 each), then its share
+// of dQ_i = dS_i K_j (kDqCols / 2 floats): the warps split dQ's kBlockM x
+// kHeadDim into m16 row tiles first, then into column groups. Rows of every
+// tile are padded by 16 bytes, as in the mma.sync forward (conflict-free
+// ldmatrix without a swizzle).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct MmaBackwardTraits {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
+    static constexpr int kBlockM = kBlockM_;    // query rows per step
+    static constexpr int kBlockN = kBlockN_;    // keys per thread block
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+
+    static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of a warp's S^T and dP^T
+    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's dK and dV
+    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
+    static constexpr int kRowSteps = kBlockM / 16;  // k16 steps of dV += P^T dO and dK += dS^T Q
+    static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ = dS K
+    static constexpr int kDqRowTiles = kBlockM / 16;                 // m16 tiles of dQ
+    static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
+    static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
+
+    static constexpr int kStride = kHeadDim + 8;   // Q, dO, K, V rows (elements)
+    static constexpr int kDsStride = kBlockM + 8;  // dS^T rows: keys, columns queries
+    static constexpr int kElementBytes = int(sizeof(Element));
+    static constexpr int kKvTileBytes = kBlockN * kStride * kElementBytes;
+    static constexpr int kQTileBytes = kBlockM * kStride * kElementBytes;
+    static constexpr int kK = 0;
+    static constexpr int kV = kK + kKvTileBytes;
+    static constexpr int kQ = kV + kKvTileBytes;       // two buffers
+    static constexpr int kDo = kQ + 2 * kQTileBytes;   // two buffers
+    static constexpr int kDs = kDo + 2 * kQTileBytes;
+    static constexpr int kStats = kDs + kBlockN * kDsStride * kElementBytes;  // two buffers of (LSE in log2, delta)
+    static constexpr int kBytes = kStats + 2 * 2 * kBlockM * 4;
+
+    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
+    static_assert(kBlockN == 16 * kWarps, "one m16 tile of keys per warp");
+    static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over the queries and the head dim");
+    static_assert(kWarps % kDqRowTiles == 0 && kHeadDim % (16 * kDqColGroups) == 0,
+                  "dQ splits into m16 row tiles and column groups of whole n8 pairs");
+    static_assert((kStride * kElementBytes / 16) % 2 == 1 && (kDsStride * kElementBytes / 16) % 2 == 1,
+                  "odd chunks per row: conflict-free ldmatrix");
+    static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
+};
+
 // Hopper forward (flash_fwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups, each
 // owning 64 query rows (one wgmma m64 tile) of the kBlockM; K and V tiles of
 // kBlockN keys, double-buffered, are read by every warpgroup straight from

@@ -115,13 +115,13 @@ def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     assert float(difference.max()) <= 0.02 * float(cupy.abs(atomic[0].astype(cupy.float32)).max())
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 200])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 129)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_simt_backward_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
-    """The SIMT backward (atomic dQ) at the head dims Hopper serves with
-    wgmma, as an Ampere GPU runs it."""
+def test_simt_backward_where_no_tensor_core_kernel_applies(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
+    """The SIMT backward (atomic dQ) as an Ampere GPU runs it where the
+    mma.sync backward does not apply: float32, head dims above 128."""
     monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + 1)

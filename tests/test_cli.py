@@ -210,10 +210,13 @@ def test_info_says_which_kernel_runs_and_why_on_hopper():
 
 
 def test_info_on_ampere_names_the_hopper_requirement():
-    d128 = _row(_info("--capability", "80"), "float16", 128)
-    assert (d128["forward"], d128["backward"]) == ("forward-mma", "backward-dkdv")
-    assert d128["deterministic"] == "backward-dkdv (separate dQ)"
+    report = _info("--capability", "80")
+    d128 = _row(report, "float16", 128)
+    assert (d128["forward"], d128["backward"]) == ("forward-mma", "backward-dkdv-mma")
+    assert d128["deterministic"] == "backward-dkdv-mma (ordered dQ)"
     assert any("needs Hopper" in why for why in d128["why"])
+    d256 = _row(report, "float16", 256)
+    assert (d256["backward"], d256["deterministic"]) == ("backward-dkdv", "backward-dkdv (separate dQ)")
 
 
 def test_info_reports_the_kernel_cache(tmp_path):

@@ -112,6 +112,7 @@ _TRAITS = {
     "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                            "{t.warps}>",
+    "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
 }
 
 
@@ -146,12 +147,13 @@ def test_family_entries_are_consistent(family):
 @pytest.mark.parametrize("dtype,head_dim,generation,conditions,forward,backward", [
     ("bfloat16", 128, 90, {}, "wgmma", "wgmma"),
     ("float16", 64, 90, dict(deterministic=True), "wgmma", "wgmma"),
-    ("float16", 64, 80, dict(deterministic=True), "mma", "simt"),
+    ("float16", 64, 80, dict(deterministic=True), "mma", "mma"),
     ("bfloat16", 96, 90, {}, "wgmma", "wgmma"),
     ("float16", 80, 90, dict(deterministic=True), "wgmma", "wgmma"),
     ("bfloat16", 256, 90, {}, "wgmma", "wgmma"),
-    ("bfloat16", 96, 80, {}, "mma", "simt"),
-    ("bfloat16", 128, 80, {}, "mma", "simt"),
+    ("bfloat16", 96, 80, {}, "mma", "mma"),
+    ("bfloat16", 128, 80, {}, "mma", "mma"),
+    ("bfloat16", 192, 80, {}, "mma", "simt"),
     ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
     ("float32", 64, 90, {}, "simt", "simt"),
     ("bfloat16", 20, 90, {}, "simt", "simt"),
@@ -240,7 +242,7 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     assert tiling.backward_dkdv_smem_bytes(dtype) <= MAX_SMEM_BYTES
     assert wgmma_backward_applies(dtype, head_dim)
     assert select("backward-dkdv", dtype, head_dim, 90) == tiling
-    assert select("backward-dkdv", dtype, head_dim, 80).kernel == "simt"
+    assert select("backward-dkdv", dtype, head_dim, 80).kernel == ("mma" if bucket <= 128 else "simt")
 
 
 @pytest.mark.parametrize("dtype,head_dim,kernel", [("float32", 64, "simt"), ("bfloat16", 20, "simt"),

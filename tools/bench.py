@@ -349,8 +349,15 @@ def main() -> int:
     parser.add_argument("--no-user", action="store_true", help="skip the as-the-user-sees-it timings")
     parser.add_argument("--no-host", action="store_true", help="skip the host-overhead tables")
     parser.add_argument("--host-only", action="store_true", help="only the host-overhead tables")
+    parser.add_argument("--generation", type=int, choices=(80, 90),
+                        help="pick cuflash's kernels as a GPU of this kernel generation would (80: the sm_80 "
+                             "kernels, measured on a Hopper GPU)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
+    if args.generation:
+        from cuflash import api
+
+        api._kernel_generation = lambda device_id: args.generation
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     sweep = args.head_dims == "sweep"
     head_dims = HEAD_DIM_SWEEP if sweep else tuple(int(d) for d in args.head_dims.split(","))

@@ -1,0 +1,326 @@
+// FlashAttention backward dK/dV (with atomic or ordered dQ) on the mma.sync
+// tensor cores of sm_80 and later (float16, bfloat16): what Ampere and Ada
+// GPUs run. The algorithm and the transposed form are flash_bwd_wgmma.cu's:
+// one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
+// accumulators while it walks every query block i of every query head
+// sharing this K/V head. Each warp owns 16 keys; per query block:
+//   S^T  = K Q^T, dP^T = V dO^T        A (K, V) and B (Q, dO) by ldmatrix
+//   P^T, dS^T                          as in the Hopper kernel (probability.cuh)
+//   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
+//                                      accumulators packed), B by ldmatrix.trans
+//   dQ_i += scale * dS K               dS^T staged in shared memory (A by
+//                                      ldmatrix.trans), K as B; float32 atomics,
+//                                      or added in key-block order (ordered dQ)
+// Q, dO and their row statistics are double-buffered: the next query block
+// is copied by cp.async while this one is computed. dK is scaled once at the
+// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
+#include "numeric.cuh"
+#include "params.cuh"
+#include "block_info.cuh"
+#include "tensor_core_traits.cuh"
+#include "async_copy.cuh"
+#include "mma.cuh"
+#include "masks.cuh"
+#include "score_transforms.cuh"
+#include "probability.cuh"
+#include "ordered_accumulation.cuh"
+
+namespace cuflash {
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          bool kOrderedDq>
+__global__ void __launch_bounds__(kWarps * 32)
+flash_backward_dkdv_mma_kernel(const BackwardParams params) {
+    using Traits = MmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    constexpr int kQTiles = Traits::kQTiles;
+    constexpr int kDTiles = Traits::kDTiles;
+    constexpr int kDqCols = Traits::kDqCols;
+    constexpr int kStride = Traits::kStride;
+    constexpr int kDsStride = Traits::kDsStride;
+    constexpr int kElementBytes = Traits::kElementBytes;
+
+    require_shared_memory<Traits>();
+    Element* const k_tile = shared_tile<Element>(Traits::kK);
+    Element* const v_tile = shared_tile<Element>(Traits::kV);
+    Element* const q_tiles = shared_tile<Element>(Traits::kQ);
+    Element* const do_tiles = shared_tile<Element>(Traits::kDo);
+    Element* const ds_tile = shared_tile<Element>(Traits::kDs);
+    float* const stats = shared_tile<float>(Traits::kStats);
+
+    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block.batch);
+    const float scale = static_cast<float>(params.softmax_scale);
+
+    const int thread = threadIdx.x;
+    const int warp = thread / 32;
+    const int lane = thread % 32;
+    const int n_start = block.n_start;
+    const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
+
+    load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+        k_tile, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
+    load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+        v_tile, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
+        ctx.seqlen_k - n_start, ctx.head_dim, thread);
+
+    // Steps: every visible query block of every query head of this K/V head.
+    const BlockRange query_range =
+        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
+    const int m_block_begin = query_range.begin;
+    const int blocks_per_head = max(0, query_range.end - m_block_begin);
+    const int steps = static_cast<int>(block.group) * blocks_per_head;
+
+    // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
+    // rows past seqlen_q get 0 and are masked) of query block m_block of
+    // `head` into `buffer`.
+    const auto load_query_block = [&](index_t head, int m_block, int buffer) {
+        const int m_start = m_block * kBlockM;
+        load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(
+            q_tiles + buffer * (Traits::kQTileBytes / kElementBytes),
+            params.q.row_ptr<const Element>(block.batch, head, m_start), params.q.row_stride, ctx.seqlen_q - m_start,
+            ctx.head_dim, thread);
+        load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(
+            do_tiles + buffer * (Traits::kQTileBytes / kElementBytes),
+            params.dout.row_ptr<const Element>(block.batch, head, m_start), params.dout.row_stride,
+            ctx.seqlen_q - m_start, ctx.head_dim, thread);
+        float* lse_log2 = stats + buffer * 2 * kBlockM;
+        const float* lse_row = params.lse_row(block.batch, head);
+        const float* delta_row = params.delta_row(block.batch, head);
+        for (int i = thread; i < kBlockM; i += Traits::kThreads) {
+            const int row = m_start + i;
+            const bool valid = row < ctx.seqlen_q;
+            const float lse = valid ? lse_row[row] : 0.0f;
+            // A row that sees no key (LSE -inf) has every score masked to -inf;
+            // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
+            lse_log2[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
+            lse_log2[kBlockM + i] = valid ? delta_row[row] : 0.0f;
+        }
+    };
+    // The step's query head and block, advanced step by step; under ordered
+    // dQ and a mask whose later rows see more keys, last to first (see
+    // flash_bwd_wgmma.cu).
+    constexpr bool kLastToFirst = kOrderedDq && Mask::kLaterRowsSeeMore;
+    const int m_block_first = kLastToFirst ? m_block_begin + blocks_per_head - 1 : m_block_begin;
+    const int m_block_last = kLastToFirst ? m_block_begin : m_block_begin + blocks_per_head - 1;
+    index_t head = block.first_head;
+    int m_block = m_block_first;
+    if (steps > 0) {
+        load_query_block(head, m_block, 0);
+    }
+    cp_async_commit();
+
+    // Per-lane ldmatrix addresses (bytes; mma.cuh has the fragment layouts).
+    // A of S^T / dP^T: this warp's 16 rows of K or V, k16 steps along the head dim.
+    const u32 key_a_offset = ((warp_key0 + lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    // B of S^T / dP^T: rows of Q or dO (queries), two n8 tiles per load.
+    const u32 row_b_offset = ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * 8) * kElementBytes;
+    // B of dV / dK / dQ, transposed: rows of dO, Q or K along k, two n8 tiles of the head dim per load.
+    const u32 row_bt_offset = ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    // dQ: this warp's m16 row tile and column group; A = dS from dS^T, transposed.
+    const int dq_row0 = warp % Traits::kDqRowTiles * 16;
+    const int dq_col0 = warp / Traits::kDqRowTiles * kDqCols;
+    const u32 ds_a_address = shared_address(ds_tile) +
+        ((lane % 8 + lane / 16 * 8) * kDsStride + dq_row0 + (lane / 8) % 2 * 8) * kElementBytes;
+    const u32 k_address = shared_address(k_tile);
+    const u32 v_address = shared_address(v_tile);
+    const u32 q_address = shared_address(q_tiles);
+    const u32 do_address = shared_address(do_tiles);
+
+    float dk[1][kDTiles][4];
+    float dv[1][kDTiles][4];
+    fill_fragments(dk, 0.0f);
+    fill_fragments(dv, 0.0f);
+    for (int step = 0; step < steps; ++step) {
+        const int buffer = step & 1;
+        // This step's Q, dO and statistics have landed for every thread;
+        // every warp is done with the previous step (its buffers and dS^T).
+        cp_async_wait<0>();
+        __syncthreads();
+        index_t next_head = head;
+        int next_m_block = kLastToFirst ? m_block - 1 : m_block + 1;
+        if (m_block == m_block_last) {
+            next_m_block = m_block_first;
+            ++next_head;
+        }
+        if (step + 1 < steps) {
+            load_query_block(next_head, next_m_block, buffer ^ 1);
+        }
+        cp_async_commit();
+        const int m_start = m_block * kBlockM;
+        const u32 buffer_offset = buffer * Traits::kQTileBytes;
+
+        // S^T = K Q^T and dP^T = V dO^T.
+        float s[1][kQTiles][4];
+        float dp[1][kQTiles][4];
+        fill_fragments(s, 0.0f);
+        fill_fragments(dp, 0.0f);
+#pragma unroll
+        for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
+            u32 k_a[4];
+            u32 v_a[4];
+            ldmatrix_x4(k_a, k_address + key_a_offset + ks * 16 * kElementBytes);
+            ldmatrix_x4(v_a, v_address + key_a_offset + ks * 16 * kElementBytes);
+#pragma unroll
+            for (int np = 0; np < kQTiles / 2; ++np) {
+                const u32 offset = buffer_offset + row_b_offset + (np * 16 * kStride + ks * 16) * kElementBytes;
+                u32 b[4];
+                ldmatrix_x4(b, q_address + offset);
+                mma_two_n8_tiles<Element>(s, [&](int) -> const u32(&)[4] { return k_a; }, b, np);
+                ldmatrix_x4(b, do_address + offset);
+                mma_two_n8_tiles<Element>(dp, [&](int) -> const u32(&)[4] { return v_a; }, b, np);
+            }
+        }
+
+        // P^T and dS^T in place of S^T and dP^T (see flash_bwd_wgmma.cu).
+        const float* lse_log2 = stats + buffer * 2 * kBlockM;
+        const float* delta = lse_log2 + kBlockM;
+        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start, lane);
+        if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
+            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start, lane);
+        }
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+            const int col = 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
+            const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + col);
+            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                // Masked scores are -inf: P^T = 0 there.
+                const float transformed = s[0][j][e];
+                const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
+                s[0][j][e] = p;
+                dp[0][j][e] =
+                    score_gradient(ctx.score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
+                                   m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
+            }
+        }
+        // P^T and dS^T rounded to the element type as the A operands of dV
+        // and dK; dS^T also to shared memory for dQ.
+        u32 p_frag[Traits::kRowSteps][4];
+        u32 ds_frag[Traits::kRowSteps][4];
+#pragma unroll
+        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+            pack_a_fragment<Element>(p_frag[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+            pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
+        }
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int key_row = warp_key0 + lane / 4 + half * 8;
+                *reinterpret_cast<u32*>(ds_tile + key_row * kDsStride + 8 * j + 2 * (lane % 4)) =
+                    ds_frag[j / 2][(j % 2) * 2 + half];
+            }
+        }
+
+        // dV += P^T dO, dK += dS^T Q.
+#pragma unroll
+        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+#pragma unroll
+            for (int dp_pair = 0; dp_pair < kDTiles / 2; ++dp_pair) {
+                const u32 offset = buffer_offset + row_bt_offset + (ps * 16 * kStride + dp_pair * 16) * kElementBytes;
+                u32 b[4];
+                ldmatrix_x4_trans(b, do_address + offset);
+                mma_two_n8_tiles<Element>(dv, [&](int) -> const u32(&)[4] { return p_frag[ps]; }, b, dp_pair);
+                ldmatrix_x4_trans(b, q_address + offset);
+                mma_two_n8_tiles<Element>(dk, [&](int) -> const u32(&)[4] { return ds_frag[ps]; }, b, dp_pair);
+            }
+        }
+        // Ordered dQ: the key blocks add into this dQ block in key-block
+        // order (ordered_accumulation.cuh). The turn is awaited here, at the
+        // barrier the step has anyway (waiting after dQ's product, with its
+        // registers live, spilled at d128), and handed on after the additions.
+        const auto dq_counter = [&]() {
+            return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
+        };
+        const auto dq_turn = [&]() {
+            return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
+        };
+        if constexpr (kOrderedDq) {
+            wait_for_turn(dq_counter(), dq_turn());  // includes the barrier
+        } else {
+            __syncthreads();  // every warp's dS^T is in shared memory
+        }
+
+        // dQ_i (this warp's rows and columns) = dS K.
+        float dq[1][kDqCols / 8][4];
+        fill_fragments(dq, 0.0f);
+#pragma unroll
+        for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
+            u32 ds_a[4];
+            ldmatrix_x4_trans(ds_a, ds_a_address + ks * 16 * kDsStride * kElementBytes);
+#pragma unroll
+            for (int dp_pair = 0; dp_pair < kDqCols / 16; ++dp_pair) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, k_address + row_bt_offset + (ks * 16 * kStride + dq_col0 + dp_pair * 16) * kElementBytes);
+                mma_two_n8_tiles<Element>(dq, [&](int) -> const u32(&)[4] { return ds_a; }, b, dp_pair);
+            }
+        }
+        float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
+        const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = dq_row0 + lane / 4 + half * 8;
+            if (m_start + row < ctx.seqlen_q) {
+#pragma unroll
+                for (int j = 0; j < kDqCols / 8; ++j) {
+                    const int col = dq_col0 + 8 * j + 2 * (lane % 4);
+                    if (col < ctx.head_dim) {
+                        atomicAdd(dq_rows + row * dq_row_stride + col, dq[0][j][2 * half] * scale);
+                        atomicAdd(dq_rows + row * dq_row_stride + col + 1, dq[0][j][2 * half + 1] * scale);
+                    }
+                }
+            }
+        }
+        if constexpr (kOrderedDq) {
+            __syncthreads();  // every thread's additions before thread 0's release
+            if (thread == 0) {
+                hand_on_turn(dq_counter(), dq_turn());
+            }
+        }
+        head = next_head;
+        m_block = next_m_block;
+    }
+
+    // Epilogue: every warp is past its last read of K and V; each warp
+    // stages its 16 rows of dK (scaled) and dV there and stores them 16
+    // bytes at a time. Keys past seqlen_k and padded columns are not
+    // written; with no visible query the results are zeros.
+    cp_async_wait<0>();
+    __syncthreads();
+    Element* const tiles[2] = {k_tile, v_tile};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int key_row = warp_key0 + lane / 4 + half * 8;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            const int offset = key_row * kStride + 8 * dt + 2 * (lane % 4);
+            *reinterpret_cast<u32*>(tiles[0] + offset) =
+                pack_pair<Element>(dk[0][dt][2 * half] * scale, dk[0][dt][2 * half + 1] * scale);
+            *reinterpret_cast<u32*>(tiles[1] + offset) = pack_pair<Element>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
+        }
+    }
+    __syncwarp();
+    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kWarpChunks = 16 * kChunksPerRow;
+    Element* const outputs[2] = {params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start),
+                                 params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start)};
+    const index_t row_strides[2] = {params.dk.row_stride, params.dv.row_stride};
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+#pragma unroll
+        for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
+            const int chunk = lane + i * 32;
+            const int key_row = warp_key0 + chunk / kChunksPerRow;
+            const int col = chunk % kChunksPerRow * 8;
+            if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && n_start + key_row < ctx.seqlen_k &&
+                col < ctx.head_dim) {
+                *reinterpret_cast<uint4*>(outputs[which] + static_cast<index_t>(key_row) * row_strides[which] + col) =
+                    *reinterpret_cast<const uint4*>(tiles[which] + key_row * kStride + col);
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

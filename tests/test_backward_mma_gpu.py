@@ -1,0 +1,101 @@
+"""The mma.sync backward dK/dV kernel (sm_80+, what Ampere and Ada GPUs run):
+which calls take it, and its sizes. On the H100 these tests pin the kernel
+generation to sm_80 (``api._kernel_generation``), so the launcher picks what
+an Ampere GPU would: the same kernel source, built for the GPU at hand."""
+
+import pytest
+
+import cuflash
+from cuflash import api
+
+from tests.helpers import random_qkv
+from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
+from tests.test_backward_wgmma_gpu import _chosen
+
+pytestmark = pytest.mark.gpu
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture
+def ampere(monkeypatch):
+    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim,kernel", [(8, "mma"), (32, "mma"), (64, "mma"), (80, "mma"), (128, "mma"),
+                                             (160, "simt"), (256, "simt")])
+def test_ampere_backward_takes_mma_for_its_head_dims(ampere, dtype, head_dim, kernel):
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
+    assert _chosen(q, k, v).kernel == kernel
+    assert _chosen(q, k, v, deterministic=True).kernel == kernel  # ordered dQ on the same kernel
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
+                                               (1000, 17), (17, 1000)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)], ids=["mha", "mqa"])
+def test_mma_backward_sizes(ampere, dtype, head_dim, seqlen_q, seqlen_k, causal, heads):
+    """Partial query and key blocks, both orders of the lengths (causal rows
+    that see no key), several query blocks per key block so that the Q/dO
+    buffers alternate, and query heads summed into one K/V head."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype(dtype),
+                         seed=seqlen_q + 3 * seqlen_k + head_dim)
+    assert _chosen(q, k, v).kernel == "mma"
+    run_backward_and_check(q, k, v, causal=causal, seed=seqlen_q)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 104, 120])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mma_backward_padded_head_dims(ampere, dtype, head_dim, causal):
+    """Head dims below their bucket: padded columns add nothing, and dQ, dK,
+    dV are written only up to head_dim."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
+    assert _chosen(q, k, v).kernel == "mma"
+    run_backward_and_check(q, k, v, causal=causal, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (129, 127), (1000, 2049), (2049, 1000), (17, 1000)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+def test_mma_deterministic_backward_sizes(ampere, dtype, head_dim, seqlen_q, seqlen_k, causal, heads):
+    """The ordered dQ mode on Ampere: the key blocks take turns on each dQ
+    block, from the first that sees it."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype(dtype), seed=seqlen_k + head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "mma"
+    run_backward_and_check(q, k, v, causal=causal, deterministic=True, seed=seqlen_q)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_mma_deterministic_backward_is_bitwise_repeatable(ampere, head_dim, causal):
+    """Ten runs, bitwise the same dq, dk, dv, on another stream too."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 1024, 1024, 8, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "mma"
+    dout, out, lse = forward_for_backward(q, k, v, causal=causal)
+
+    def bits(grads):
+        return [g.view(cupy.uint16).copy() for g in grads]
+
+    first = bits(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for run in range(9):
+        with stream if run % 2 else cupy.cuda.Stream.null:
+            again = bits(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+        stream.synchronize()
+        for a, b in zip(first, again):
+            assert bool((a == b).all())
