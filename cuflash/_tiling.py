@@ -47,10 +47,10 @@ MMA_FORWARD_TILES = {
 #: block_m / 2 registers each, dK and dV head_dim / 2 each, so
 #: block_m + head_dim <= 192 (head dims above 128 run on the SIMT backward).
 MMA_BACKWARD_TILES = {
-    32: (64, 64, 4),
-    64: (64, 64, 4),
-    96: (32, 64, 4),
-    128: (32, 64, 4),
+    32: (64, 128, 8),
+    64: (64, 128, 8),
+    96: (64, 128, 8),
+    128: (32, 128, 8),
 }
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
 #: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One

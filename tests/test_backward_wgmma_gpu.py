@@ -115,8 +115,7 @@ def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     assert float(difference.max()) <= 0.02 * float(cupy.abs(atomic[0].astype(cupy.float32)).max())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 200])
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 64), ("bfloat16", 200), ("float16", 136)])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(17, 17), (1000, 1000), (300, 129)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_simt_backward_where_no_tensor_core_kernel_applies(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
