@@ -276,7 +276,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         if constexpr (kOrderedDq) {
             __syncthreads();  // every thread's additions before thread 0's release
             if (thread == 0) {
-                hand_on_turn(dq_counter(), dq_turn());
+                hand_on_turn(dq_counter());
             }
         }
         head = next_head;

@@ -175,7 +175,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
     int* held_counter = nullptr;
-    int held_turn = 0;
     for (int step = 0; step < steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
@@ -217,7 +216,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             // The previous step's dQ additions are ordered before the barrier
             // at the top of this step; its fence waits while S^T and dP^T run.
             if (thread == 0 && held_counter != nullptr) {
-                hand_on_turn(held_counter, held_turn);
+                hand_on_turn(held_counter);
             }
         }
         wgmma_wait<0>();
@@ -307,7 +306,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // that waits trails the previous one by what it waits through, so
         // the turn is awaited after dQ's product (only the additions are
         // serialised), and handed on one step later (see hand_on_turn).
-        const auto dq_turn = [&]() {
+        const auto dq_counter = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
         const auto turn = [&]() {
@@ -340,7 +339,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             pin_registers(dk_flat);
             if constexpr (kOrderedDq) {
                 if (chunk == 0) {
-                    wait_for_turn(dq_turn(), turn());
+                    wait_for_turn(dq_counter(), turn());
                 }
             }
 #pragma unroll
@@ -359,8 +358,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            held_counter = dq_turn();
-            held_turn = turn();
+            held_counter = dq_counter();
         }
         head = next_head;
         m_block = next_m_block;
@@ -374,7 +372,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     __syncthreads();
     if constexpr (kOrderedDq) {
         if (thread == 0 && held_counter != nullptr) {  // the last step's dQ block
-            hand_on_turn(held_counter, held_turn);
+            hand_on_turn(held_counter);
         }
     }
     unsigned char* const tiles[2] = {smem + Traits::kK, smem + Traits::kV};

@@ -15,8 +15,8 @@ __device__ __forceinline__ int load_acquire(const int* address) {
     return value;
 }
 
-__device__ __forceinline__ void store_release(int* address, int value) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(address), "r"(value) : "memory");
+__device__ __forceinline__ void add_release(int* address, int value) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(address), "r"(value) : "memory");
 }
 
 // Waits until *counter == turn; thread 0 polls and the whole block goes on
@@ -44,9 +44,11 @@ __device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
 // other threads need not wait for their additions to land. A caller that
 // calls this once its next tensor-core work is issued hides the fence's
 // wait behind it.
-__device__ __forceinline__ void hand_on_turn(int* counter, int turn) {
+// The holder of the turn is the only one that may change the counter, so
+// handing on is adding one (no need to keep the turn's number).
+__device__ __forceinline__ void hand_on_turn(int* counter) {
     __threadfence();
-    store_release(counter, turn + 1);
+    add_release(counter, 1);
 }
 
 }  // namespace cuflash
