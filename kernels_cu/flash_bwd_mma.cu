@@ -20,9 +20,7 @@
 #include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
-#include "masks.cuh"
-#include "score_transforms.cuh"
-#include "probability.cuh"
+#include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
 
 namespace cuflash {
@@ -64,16 +62,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         v_tile, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
-    // Steps: every visible query block of every query head of this K/V head.
-    const BlockRange query_range =
-        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
-    const int m_block_begin = query_range.begin;
-    const int blocks_per_head = max(0, query_range.end - m_block_begin);
-    const int steps = static_cast<int>(block.group) * blocks_per_head;
-
-    // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
-    // rows past seqlen_q get 0 and are masked) of query block m_block of
-    // `head` into `buffer`.
+    // Copies Q, dO (cp.async) and the row statistics of query block m_block
+    // of `head` into `buffer`.
     const auto load_query_block = [&](index_t head, int m_block, int buffer) {
         const int m_start = m_block * kBlockM;
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(
@@ -84,29 +74,13 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             do_tiles + buffer * (Traits::kQTileBytes / kElementBytes),
             params.dout.row_ptr<const Element>(block.batch, head, m_start), params.dout.row_stride,
             ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        float* lse_log2 = stats + buffer * 2 * kBlockM;
-        const float* lse_row = params.lse_row(block.batch, head);
-        const float* delta_row = params.delta_row(block.batch, head);
-        for (int i = thread; i < kBlockM; i += Traits::kThreads) {
-            const int row = m_start + i;
-            const bool valid = row < ctx.seqlen_q;
-            const float lse = valid ? lse_row[row] : 0.0f;
-            // A row that sees no key (LSE -inf) has every score masked to -inf;
-            // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
-            lse_log2[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
-            lse_log2[kBlockM + i] = valid ? delta_row[row] : 0.0f;
-        }
+        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
+                                                       ctx.seqlen_q, thread);
     };
-    // The step's query head and block, advanced step by step; under ordered
-    // dQ and a mask whose later rows see more keys, last to first (see
-    // flash_bwd_wgmma.cu).
-    constexpr bool kLastToFirst = kOrderedDq && Mask::kLaterRowsSeeMore;
-    const int m_block_first = kLastToFirst ? m_block_begin + blocks_per_head - 1 : m_block_begin;
-    const int m_block_last = kLastToFirst ? m_block_begin : m_block_begin + blocks_per_head - 1;
-    index_t head = block.first_head;
-    int m_block = m_block_first;
-    if (steps > 0) {
-        load_query_block(head, m_block, 0);
+    QueryBlockWalk<kOrderedDq && Mask::kLaterRowsSeeMore> walk(ctx.mask, block, kBlockN, kBlockM,
+                                                               static_cast<int>(params.num_m_blocks));
+    if (walk.steps > 0) {
+        load_query_block(walk.head, walk.m_block, 0);
     }
     cp_async_commit();
 
@@ -131,22 +105,21 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     float dv[1][kDTiles][4];
     fill_fragments(dk, 0.0f);
     fill_fragments(dv, 0.0f);
-    for (int step = 0; step < steps; ++step) {
+    for (int step = 0; step < walk.steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
         // every warp is done with the previous step (its buffers and dS^T).
         cp_async_wait<0>();
         __syncthreads();
-        index_t next_head = head;
-        int next_m_block = kLastToFirst ? m_block - 1 : m_block + 1;
-        if (m_block == m_block_last) {
-            next_m_block = m_block_first;
-            ++next_head;
-        }
-        if (step + 1 < steps) {
+        index_t next_head;
+        int next_m_block;
+        walk.following(next_head, next_m_block);
+        if (step + 1 < walk.steps) {
             load_query_block(next_head, next_m_block, buffer ^ 1);
         }
         cp_async_commit();
+        const index_t head = walk.head;
+        const int m_block = walk.m_block;
         const int m_start = m_block * kBlockM;
         const u32 buffer_offset = buffer * Traits::kQTileBytes;
 
@@ -172,29 +145,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             }
         }
 
-        // P^T and dS^T in place of S^T and dP^T (see flash_bwd_wgmma.cu).
-        const float* lse_log2 = stats + buffer * 2 * kBlockM;
-        const float* delta = lse_log2 + kBlockM;
-        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start, lane);
-        if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start, lane);
-        }
-#pragma unroll
-        for (int j = 0; j < kQTiles; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
-            const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + col);
-            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                // Masked scores are -inf: P^T = 0 there.
-                const float transformed = s[0][j][e];
-                const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
-                s[0][j][e] = p;
-                dp[0][j][e] =
-                    score_gradient(ctx.score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
-                                   m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
-            }
-        }
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start, 0,
+                                                                 n_start, n_start + warp_key0, lane);
         // P^T and dS^T rounded to the element type as the A operands of dV
         // and dK; dS^T also to shared memory for dQ.
         u32 p_frag[Traits::kRowSteps][4];
@@ -279,8 +231,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
                 hand_on_turn(dq_counter());
             }
         }
-        head = next_head;
-        m_block = next_m_block;
+        walk.head = next_head;
+        walk.m_block = next_m_block;
     }
 
     // Epilogue: every warp is past its last read of K and V; each warp

@@ -31,9 +31,7 @@
 #include "async_copy.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
-#include "masks.cuh"
-#include "score_transforms.cuh"
-#include "probability.cuh"
+#include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
 
 namespace cuflash {
@@ -93,16 +91,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         v_smem, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
-    // Steps: every visible query block of every query head of this K/V head.
-    const BlockRange query_range =
-        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
-    const int m_block_begin = query_range.begin;
-    const int blocks_per_head = max(0, query_range.end - m_block_begin);
-    const int steps = static_cast<int>(block.group) * blocks_per_head;
-
-    // Copies Q, dO (cp.async) and LSE (log2 domain), delta (plain stores;
-    // rows past seqlen_q get 0 and are masked) of query block m_block of
-    // `head` into `buffer`.
+    // Copies Q, dO (cp.async) and the row statistics of query block m_block
+    // of `head` into `buffer`.
     const auto load_query_block = [&](index_t head, int m_block, int buffer) {
         const int m_start = m_block * kBlockM;
         load_swizzled_tile_async<QTile, Traits::kThreads>(
@@ -111,32 +101,13 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         load_swizzled_tile_async<QTile, Traits::kThreads>(
             do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(block.batch, head, m_start),
             params.dout.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        float* lse_log2 = stats + buffer * 2 * kBlockM;
-        const float* lse_row = params.lse_row(block.batch, head);
-        const float* delta_row = params.delta_row(block.batch, head);
-        for (int i = thread; i < kBlockM; i += Traits::kThreads) {
-            const int row = m_start + i;
-            const bool valid = row < ctx.seqlen_q;
-            const float lse = valid ? lse_row[row] : 0.0f;
-            // A row that sees no key (LSE -inf) has every score masked to -inf;
-            // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
-            lse_log2[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
-            lse_log2[kBlockM + i] = valid ? delta_row[row] : 0.0f;
-        }
+        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
+                                                       ctx.seqlen_q, thread);
     };
-    // The step's query head and block, advanced step by step (no divisions).
-    // Ordered dQ under a mask whose later rows see more keys (causal): query
-    // blocks last to first. Every key block then starts on the same (last)
-    // query block and runs one step behind the previous key block; first to
-    // last, key block j would start on the block where key block j - 1 takes
-    // its second step, waiting two steps per key block down the chain.
-    constexpr bool kLastToFirst = kOrderedDq && Mask::kLaterRowsSeeMore;
-    const int m_block_first = kLastToFirst ? m_block_begin + blocks_per_head - 1 : m_block_begin;
-    const int m_block_last = kLastToFirst ? m_block_begin : m_block_begin + blocks_per_head - 1;
-    index_t head = block.first_head;
-    int m_block = m_block_first;
-    if (steps > 0) {
-        load_query_block(head, m_block, 0);
+    QueryBlockWalk<kOrderedDq && Mask::kLaterRowsSeeMore> walk(ctx.mask, block, kBlockN, kBlockM,
+                                                               static_cast<int>(params.num_m_blocks));
+    if (walk.steps > 0) {
+        load_query_block(walk.head, walk.m_block, 0);
     }
     cp_async_commit();
 
@@ -175,23 +146,22 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
     int* held_counter = nullptr;
-    for (int step = 0; step < steps; ++step) {
+    for (int step = 0; step < walk.steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
         // every warpgroup is done with the previous step (its buffers and dS^T).
         cp_async_wait<0>();
         fence_async_shared();
         __syncthreads();
-        index_t next_head = head;
-        int next_m_block = kLastToFirst ? m_block - 1 : m_block + 1;
-        if (m_block == m_block_last) {
-            next_m_block = m_block_first;
-            ++next_head;
-        }
-        if (step + 1 < steps) {
+        index_t next_head;
+        int next_m_block;
+        walk.following(next_head, next_m_block);
+        if (step + 1 < walk.steps) {
             load_query_block(next_head, next_m_block, buffer ^ 1);
         }
         cp_async_commit();
+        const index_t head = walk.head;
+        const int m_block = walk.m_block;
         const int m_start = m_block * kBlockM;
 
         float s[1][kQTiles][4];
@@ -223,32 +193,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         pin_registers(s_flat);
         pin_registers(dp_flat);
 
-        // P^T and dS^T in place of S^T and dP^T. Only blocks that cross the
-        // causal diagonal or the end of either sequence are masked (scores to
-        // -inf, so P^T = 0 there).
-        const float* lse_log2 = stats + buffer * 2 * kBlockM;
-        const float* delta = lse_log2 + kBlockM;
-        apply_score_transform_transposed(ctx.score, s, n_start + warp_key0, m_start + score_col0, lane);
-        if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_transposed_fragments(ctx.mask, s, n_start + warp_key0, m_start + score_col0, lane);
-        }
-#pragma unroll
-        for (int j = 0; j < kQTiles; ++j) {
-            const int col = score_col0 + 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
-            const float2 lse_pair = *reinterpret_cast<const float2*>(lse_log2 + col);
-            const float2 delta_pair = *reinterpret_cast<const float2*>(delta + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                // Masked scores are -inf: P^T = 0 there (recompute_probability's
-                // explicit zero is not needed on this path).
-                const float transformed = s[0][j][e];
-                const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
-                s[0][j][e] = p;
-                dp[0][j][e] =
-                    score_gradient(ctx.score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
-                                   m_start + col + e % 2, n_start + warp_key0 + lane / 4 + (e / 2) * 8);
-            }
-        }
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start,
+                                                                 score_col0, n_start, n_start + warp_key0, lane);
         // P^T and dS^T rounded to the element type: dS^T to shared memory for
         // dQ (same swizzle as the tiles), and both as the A operands of dV
         // and dK, from registers, or where the warpgroups split the head dim
@@ -326,15 +272,16 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
             const int chunk_col0 = dq_col0 + chunk * kDqChunk;
             const u64 k_chunk_descriptor = k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
-            float dq[kDqChunk / 2];
+            float dq[1][kDqChunk / 8][4];
+            float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
 #pragma unroll
             for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-                Wgmma<Element, kDqChunk>::ss_mn_major(dq, ds_mn_descriptor + mn_major_k_step<DsTile>(ks),
+                Wgmma<Element, kDqChunk>::ss_mn_major(dq_flat, ds_mn_descriptor + mn_major_k_step<DsTile>(ks),
                                                       k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
-            pin_registers(dq);
+            pin_registers(dq_flat);
             pin_registers(dv_flat);
             pin_registers(dk_flat);
             if constexpr (kOrderedDq) {
@@ -350,8 +297,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                     for (int j = 0; j < kDqChunk / 8; ++j) {
                         const int col = chunk_col0 + 8 * j + 2 * (lane % 4);
                         if (col < ctx.head_dim) {
-                            atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[4 * j + 2 * half] * scale,
-                                            dq[4 * j + 2 * half + 1] * scale);
+                            atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[0][j][2 * half] * scale,
+                                            dq[0][j][2 * half + 1] * scale);
                         }
                     }
                 }
@@ -360,8 +307,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         if constexpr (kOrderedDq) {
             held_counter = dq_counter();
         }
-        head = next_head;
-        m_block = next_m_block;
+        walk.head = next_head;
+        walk.m_block = next_m_block;
     }
 
     // Epilogue: every warpgroup is past its last read of K and V; each warp

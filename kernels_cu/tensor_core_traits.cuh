@@ -74,6 +74,25 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
+// What the two tensor-core backwards share: tile sizes, threads, and the k16
+// steps of their products (S^T = K Q^T and dP^T = V dO^T over the head dim,
+// dV += P^T dO and dK += dS^T Q over the queries, dQ = dS K over the keys).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+struct TensorCoreBackwardShape {
+    using Element = Element_;
+    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
+    static constexpr int kBlockM = kBlockM_;    // query rows per step
+    static constexpr int kBlockN = kBlockN_;    // keys per thread block
+    static constexpr int kWarps = kWarps_;
+    static constexpr int kThreads = kWarps * 32;
+    static constexpr int kQkSteps = kHeadDim / 16;
+    static constexpr int kRowSteps = kBlockM / 16;
+    static constexpr int kKeySteps = kBlockN / 16;
+
+    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
+    static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over the queries and the head dim");
+};
+
 // mma.sync backward dK/dV (flash_bwd_mma.cu, sm_80+): each of the kWarps
 // warps owns 16 of the block's kBlockN keys (one m16 tile of S^T, dP^T, dK
 // and dV) and walks query blocks of kBlockM rows. Per lane: dK and dV
@@ -83,19 +102,13 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
 // tile are padded by 16 bytes, as in the mma.sync forward (conflict-free
 // ldmatrix without a swizzle).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
-struct MmaBackwardTraits {
-    using Element = Element_;
-    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
-    static constexpr int kBlockM = kBlockM_;    // query rows per step
-    static constexpr int kBlockN = kBlockN_;    // keys per thread block
-    static constexpr int kWarps = kWarps_;
-    static constexpr int kThreads = kWarps * 32;
+struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
+    using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
+    using typename Shape::Element;
+    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
 
-    static constexpr int kQTiles = kBlockM / 8;     // n8 tiles of a warp's S^T and dP^T
-    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of a warp's dK and dV
-    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
-    static constexpr int kRowSteps = kBlockM / 16;  // k16 steps of dV += P^T dO and dK += dS^T Q
-    static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ = dS K
+    static constexpr int kQTiles = kBlockM / 8;   // n8 tiles of a warp's S^T and dP^T
+    static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of a warp's dK and dV
     static constexpr int kDqRowTiles = kBlockM / 16;                 // m16 tiles of dQ
     static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
     static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
@@ -113,9 +126,7 @@ struct MmaBackwardTraits {
     static constexpr int kStats = kDs + kBlockN * kDsStride * kElementBytes;  // two buffers of (LSE in log2, delta)
     static constexpr int kBytes = kStats + 2 * 2 * kBlockM * 4;
 
-    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
     static_assert(kBlockN == 16 * kWarps, "one m16 tile of keys per warp");
-    static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over the queries and the head dim");
     static_assert(kWarps % kDqRowTiles == 0 && kHeadDim % (16 * kDqColGroups) == 0,
                   "dQ splits into m16 row tiles and column groups of whole n8 pairs");
     static_assert((kStride * kElementBytes / 16) % 2 == 1 && (kDsStride * kElementBytes / 16) % 2 == 1,
@@ -171,13 +182,10 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
 // until the column blocks start on panels (head dim 96: two dQ blocks of 48
 // columns, 32-byte panels).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
-struct WgmmaBackwardTraits {
-    using Element = Element_;
-    static constexpr int kHeadDim = kHeadDim_;  // padded head dim; padded columns are zero
-    static constexpr int kBlockM = kBlockM_;    // query rows per step
-    static constexpr int kBlockN = kBlockN_;    // keys per thread block
-    static constexpr int kWarps = kWarps_;
-    static constexpr int kThreads = kWarps * 32;
+struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
+    using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
+    using typename Shape::Element;
+    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
     static constexpr int kWarpgroups = kWarps / 4;
 
     static constexpr bool kSplitHeadDim = kHeadDim > 128;
@@ -188,9 +196,6 @@ struct WgmmaBackwardTraits {
 
     static constexpr int kQTiles = kScoreCols / 8;  // n8 tiles of a warp's S^T and dP^T
     static constexpr int kDTiles = kAccCols / 8;    // n8 tiles of a warp's dK and dV
-    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of S^T = K Q^T and dP^T = V dO^T
-    static constexpr int kRowSteps = kBlockM / 16;  // k16 steps of dV += P^T dO and dK += dS^T Q
-    static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ = dS K
     static constexpr int kDqMTiles = kBlockM / 64;  // m64 tiles of dQ
     static constexpr int kDqCols = kHeadDim * kDqMTiles / kWarpgroups;  // dQ columns per warpgroup
 
@@ -210,7 +215,6 @@ struct WgmmaBackwardTraits {
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
-    static_assert(sizeof(Element) == 2, "wgmma path: float16 and bfloat16 only");
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
     static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kScoreCols % 16 == 0,
                   "m64 tiles of dQ; k16 steps over the head dim and the queries");

@@ -97,6 +97,14 @@ def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 4, 2048, 2048, 16, 4, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
     assert _chosen(q, k, v, deterministic=True).kernel == "wgmma"
+    assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal)
+
+
+def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):
+    """Ten deterministic backwards of bfloat16 q, k, v, alternating between
+    the null stream and another: bitwise the same dq, dk, dv; dq of the
+    atomic mode agrees to rounding."""
+    cupy = _cupy()
     dout, out, lse = forward_for_backward(q, k, v, causal=causal)
 
     def bits(grads):
