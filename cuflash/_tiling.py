@@ -123,9 +123,9 @@ class Tiling:
     block_m: int
     block_n: int
     warps: int
-    #: which kernel: "simt" (flash_fwd.cu and the backward), "mma" (mma.sync
-    #: forward, flash_fwd_mma.cu, sm_80+) or "wgmma" (Hopper forward,
-    #: flash_fwd_wgmma.cu, sm_90a)
+    #: which kernel: "simt" (flash_fwd.cu, flash_bwd.cu), "mma" (mma.sync,
+    #: sm_80+: flash_fwd_mma.cu, flash_bwd_mma.cu) or "wgmma" (Hopper, sm_90a:
+    #: flash_fwd_wgmma.cu, flash_bwd_wgmma.cu)
     kernel: str = "simt"
     #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
     #: the wgmma forward always double-buffers
