@@ -239,13 +239,26 @@ def _mma_bucket(dtype_name: str, head_dim: int) -> int:
     return next(b for b in MMA_FORWARD_TILES if head_dim <= b)
 
 
-def mma_applies(dtype_name: str, head_dim: int) -> bool:
-    """Whether (dtype, head_dim) is one the tensor-core kernels serve."""
+def _bucket_in(tiles: dict, kernel: str, dtype_name: str, head_dim: int) -> int:
+    """The tensor-core bucket serving (dtype, head_dim), where ``tiles`` (a
+    tile table keyed by bucket) has it; ValueError naming ``kernel`` otherwise."""
+    padded = _mma_bucket(dtype_name, head_dim)
+    if padded not in tiles:
+        raise ValueError(f"the {kernel} takes head dims in buckets {list(tiles)}, got {head_dim} (bucket {padded})")
+    return padded
+
+
+def _served_by(tiles: dict, dtype_name: str, head_dim: int) -> bool:
     try:
-        _mma_bucket(dtype_name, head_dim)
+        _bucket_in(tiles, "", dtype_name, head_dim)
     except ValueError:
         return False
     return True
+
+
+def mma_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether (dtype, head_dim) is one the tensor-core kernels serve."""
+    return _served_by(MMA_FORWARD_TILES, dtype_name, head_dim)
 
 
 def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
@@ -262,15 +275,12 @@ def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 def mma_backward_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the mma.sync backward serves (dtype, head_dim) (on sm_80+)."""
-    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in MMA_BACKWARD_TILES
+    return _served_by(MMA_BACKWARD_TILES, dtype_name, head_dim)
 
 
 def mma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the mma.sync backward dK/dV kernel, where ``mma_backward_applies``."""
-    padded = _mma_bucket(dtype_name, head_dim)
-    if padded not in MMA_BACKWARD_TILES:
-        raise ValueError(f"the mma.sync backward takes head dims in buckets {list(MMA_BACKWARD_TILES)}, "
-                         f"got {head_dim} (bucket {padded})")
+    padded = _bucket_in(MMA_BACKWARD_TILES, "mma.sync backward", dtype_name, head_dim)
     block_m, block_n, warps = MMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma")
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
@@ -279,25 +289,17 @@ def mma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 def wgmma_forward_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the Hopper forward serves (dtype, head_dim) (on sm_90a)."""
-    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_FORWARD_TILES
+    return _served_by(WGMMA_FORWARD_TILES, dtype_name, head_dim)
 
 
 def wgmma_backward_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the Hopper backward serves (dtype, head_dim) (on sm_90a)."""
-    return mma_applies(dtype_name, head_dim) and _mma_bucket(dtype_name, head_dim) in WGMMA_BACKWARD_TILES
-
-
-def _wgmma_bucket(dtype_name: str, head_dim: int, what: str, tiles: dict) -> int:
-    padded = _mma_bucket(dtype_name, head_dim)
-    if padded not in tiles:
-        raise ValueError(f"the Hopper {what} takes head dims in buckets {list(tiles)}, "
-                         f"got {head_dim} (bucket {padded})")
-    return padded
+    return _served_by(WGMMA_BACKWARD_TILES, dtype_name, head_dim)
 
 
 def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_forward_applies``."""
-    padded = _wgmma_bucket(dtype_name, head_dim, "forward", WGMMA_FORWARD_TILES)
+    padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
                     blocks_per_sm=blocks_per_sm)
@@ -307,7 +309,7 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``."""
-    padded = _wgmma_bucket(dtype_name, head_dim, "backward", WGMMA_BACKWARD_TILES)
+    padded = _bucket_in(WGMMA_BACKWARD_TILES, "Hopper backward", dtype_name, head_dim)
     block_m, block_n, warps = WGMMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")

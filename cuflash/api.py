@@ -179,10 +179,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             (``attention(..., return_lse=True)``).
         causal, softmax_scale: as given to the forward.
         deterministic: if True, dq is bitwise identical from run to run (dQ is
-            summed in a fixed order instead of with float32 atomics: on
-            Hopper's tensor-core backward the key blocks add in turn, at
-            0.57-0.79x the default's speed on an H100; elsewhere a second SIMT
-            pass). dk and dv are always deterministic.
+            summed in a fixed order instead of with float32 atomics: on the
+            tensor-core backwards the key blocks add in turn, at 0.6-0.86x
+            the default's speed on an H100; elsewhere a second SIMT pass).
+            dk and dv are always deterministic.
         dq, dk, dv: optional arrays to write the gradients into, shaped and
             typed like q, k, v (not for JAX).
 

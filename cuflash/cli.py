@@ -349,7 +349,7 @@ def _kernel_choices(generation: int) -> list[dict]:
     """Per common (dtype, head dim): the forward, backward and deterministic
     backward kernel families the launcher picks, and why the preferred ones
     do not apply."""
-    from ._kernel_families import FAMILIES, select
+    from ._kernel_families import FAMILIES, family_of, select
 
     rows = []
     for dtype in _INFO_DTYPES:
@@ -358,7 +358,7 @@ def _kernel_choices(generation: int) -> list[dict]:
             for label, role, deterministic in (("forward", "forward", False), ("backward", "backward-dkdv", False),
                                                ("deterministic", "backward-dkdv", True)):
                 tiling = select(role, dtype, head_dim, generation, deterministic=deterministic)
-                chosen = next(f for f in FAMILIES if f.role == role and f.kernel == tiling.kernel)
+                chosen = family_of(role, tiling.kernel)
                 choice[label] = chosen.name + (f" ({chosen.dq_mode(True)} dQ)" if deterministic else "")
                 for family in FAMILIES[:FAMILIES.index(chosen)]:
                     reason = family.role == role and family.why_not(dtype, head_dim, generation,
