@@ -34,6 +34,11 @@ class MaskPolicy:
     #: whether the last query blocks see the most keys (the kernels' grid
     #: hands them out first)
     later_rows_see_more: bool = False
+    #: the deterministic backward's order of dQ additions (C++ ``kDqTurns``,
+    #: kernels_cu/masks.cuh): "key-block-order" (any mask), "last-key-first"
+    #: (causal, bands), "rotated" (no mask; the launcher decides whether the
+    #: walks rotate, ``cuflash.api.rotate_walks``)
+    dq_turns: str = "key-block-order"
 
     def rule(self, rows, keys, seqlen_q: int, seqlen_k: int):
         return np.ones(np.broadcast_shapes(np.shape(rows), np.shape(keys)), dtype=bool)
@@ -95,8 +100,9 @@ class ScoreTransform:
 
 #: Masks by name; the public ``causal`` flag picks "causal" or "none".
 MASKS: dict[str, MaskPolicy] = {
-    "none": MaskPolicy("none", "cuflash::NoMask"),
-    "causal": CausalMaskPolicy("causal", "cuflash::CausalMask", later_rows_see_more=True),
+    "none": MaskPolicy("none", "cuflash::NoMask", dq_turns="rotated"),
+    "causal": CausalMaskPolicy("causal", "cuflash::CausalMask", later_rows_see_more=True,
+                               dq_turns="last-key-first"),
 }
 
 #: Score transforms by name.

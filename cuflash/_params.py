@@ -49,6 +49,7 @@ BACKWARD_PARAMS = np.dtype(
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("num_n_blocks", _INDEX),
+        ("rotate_walks", _INDEX),
         ("softmax_scale_log2", np.float64),
         ("softmax_scale", np.float64),
     ],
@@ -57,7 +58,7 @@ BACKWARD_PARAMS = np.dtype(
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 4 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
 

@@ -445,6 +445,28 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     return buffers
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+def rotate_walks(problem: AttentionProblem, dq_mode: str, num_m_blocks: int, num_n_blocks: int,
+                 multiprocessors: int) -> bool:
+    """Whether the ordered dQ of a backward rotates the key blocks' walks
+    (``dq_turn`` in kernels_cu/backward_steps.cuh): for a mask that allows
+    it (``dq_turns == "rotated"``: no mask), with at least as many query
+    blocks as key blocks (each key block starts on its own query block), and
+    only where one head's key blocks fit on the GPU at once, counted as one
+    block per multiprocessor whatever the occupancy: the first key block's
+    turns wait for the last key block, so all of them must be running. Past
+    that the walks all start on the first query block and key block j waits
+    there for the j before it (a chain at the start: slower, never stuck)."""
+    return (dq_mode == "ordered" and problem.mask.dq_turns == "rotated"
+            and num_m_blocks >= num_n_blocks and num_n_blocks <= multiprocessors)
+
+
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
                   aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, zeroed dQ
@@ -461,7 +483,9 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     dq_family = FAMILY["backward-dq"]
     dq_tiling = dq_family.tiles(problem.dtype, problem.head_dim)
     rows = problem.batch * problem.seqlen_q * problem.nheads
+    num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
+    rotated = rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device))
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
@@ -471,8 +495,9 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         dq_accum=0,
         dq_semaphore=0,
         size=_size_fields(problem),
-        num_m_blocks=-(-problem.seqlen_q // dkdv_tiling.block_m),
+        num_m_blocks=num_m_blocks,
         num_n_blocks=num_n_blocks,
+        rotate_walks=int(rotated),
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
     )

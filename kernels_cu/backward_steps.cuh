@@ -15,41 +15,82 @@
 namespace cuflash {
 
 // The steps of one key block: every visible query block of every query head
-// sharing its K/V head, head by head, advanced without divisions. Ordered dQ
-// under a mask whose later rows see more keys (causal) walks each head's
-// blocks last to first: every key block then starts on the same (last) query
-// block and runs one step behind the previous key block; first to last, key
-// block j would start on the block where key block j - 1 takes its second
-// step, waiting two steps per key block down the chain.
-template <bool kLastToFirst>
+// sharing its K/V head, head by head, advanced without divisions. Each head's
+// query blocks [begin, end) are walked in a circle from begin + rotation:
+// rotated walks (walk_rotation, dq_turn) start every key block on a
+// different query block.
 struct QueryBlockWalk {
-    int first, last;  // the first and last query block of each head, in walking order
+    int begin, end;  // the query blocks of each head
+    int last;        // the walk's last query block of each head
     int steps;
     index_t head;
     int m_block;
 
+    // `rotation` < the number of query blocks the key block sees (0 when it sees none).
     template <typename Mask>
     __device__ __forceinline__ QueryBlockWalk(const Mask& mask, const KeyBlock& block, int block_n, int block_m,
-                                              int num_m_blocks) {
+                                              int num_m_blocks, int rotation) {
         const BlockRange range = mask.query_blocks(block.n_start, block_n, block_m, num_m_blocks);
-        const int per_head = max(0, range.end - range.begin);
-        first = kLastToFirst ? range.begin + per_head - 1 : range.begin;
-        last = kLastToFirst ? range.begin : range.begin + per_head - 1;
-        steps = static_cast<int>(block.group) * per_head;
+        begin = range.begin;
+        end = max(range.begin, range.end);
+        m_block = begin + rotation;
+        last = (m_block == begin ? end : m_block) - 1;
+        steps = static_cast<int>(block.group) * (end - begin);
         head = block.first_head;
-        m_block = first;
     }
 
     // The head and query block of the step after this one.
     __device__ __forceinline__ void following(index_t& next_head, int& next_m_block) const {
-        next_head = head;
-        next_m_block = kLastToFirst ? m_block - 1 : m_block + 1;
-        if (m_block == last) {
-            next_m_block = first;
-            ++next_head;
-        }
+        next_head = m_block == last ? head + 1 : head;
+        next_m_block = m_block + 1 == end ? begin : m_block + 1;
     }
 };
+
+// Ordered dQ (ordered_accumulation.cuh): the turn of key block n_block
+// among the key blocks that add into dQ block m_block, in the mask's order
+// (DqTurns in masks.cuh). The orders follow the walks: the key block before
+// this one in a dQ block's order reached that block at an earlier step of
+// its own walk, so in steady state nobody waits.
+//  - kLastKeyFirst: the last key block the query block sees goes first, then
+//    each earlier one. Each key block walks from the first query block that
+//    sees it, where its turn is 0; key block j waits only for j + 1, a step
+//    ahead of it, and the grid dispatches the last key blocks first
+//    (key_block<true>), so every awaited block was dispatched earlier.
+//  - kRotated, with params.rotate_walks (num_m_blocks >= num_n_blocks): key
+//    block j starts on query block j; the key blocks reach query block i in
+//    the order j = i, i - 1, ..., wrapping round through the last key block,
+//    and that is their order. Key block 0 waits for the last one, so one
+//    head's key blocks must all be running at once: the launcher rotates
+//    only where they fit (cuflash/api.py, rotate_walks).
+//  - Otherwise key-block order: every walk starts on its first query block,
+//    and key block j waits there for each block before it.
+template <typename Mask>
+__device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& params, int m_block, int n_block,
+                                       int block_m, int block_n) {
+    const BlockRange keys = mask.key_blocks(m_block * block_m, block_m, block_n);
+    if constexpr (Mask::kDqTurns == DqTurns::kLastKeyFirst) {
+        return keys.end - 1 - n_block;
+    } else {
+        if (Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks) {
+            // Steps key block n_block takes to reach m_block; the key blocks
+            // that reach it sooner started on the query blocks
+            // (n_block, n_block + steps], counted round the circle.
+            const int num_m_blocks = static_cast<int>(params.num_m_blocks);
+            const int last_key_block = static_cast<int>(params.num_n_blocks) - 1;
+            const int steps = m_block >= n_block ? m_block - n_block : m_block - n_block + num_m_blocks;
+            const int reach = n_block + steps;
+            return min(reach, last_key_block) - n_block + max(0, reach - num_m_blocks + 1);
+        }
+        return n_block - keys.begin;
+    }
+}
+
+// The first query block of key block n_block's walk, counted from the first
+// it sees (QueryBlockWalk's rotation): its own index where dq_turn rotates.
+template <typename Mask>
+__device__ __forceinline__ int walk_rotation(const BackwardParams& params, int n_block) {
+    return Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks ? n_block : 0;
+}
 
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
 // of `head` into stats[0, kBlockM) and stats[kBlockM, 2 kBlockM), by plain

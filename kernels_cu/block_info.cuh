@@ -50,18 +50,22 @@ __device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index
     block.batch = c.batch;
     block.head = c.head;
     block.kv_head = size.kv_head_of(c.head);
-    block.m_start = (kLongestFirst ? longest_first(c.tile, num_m_blocks) : c.tile) * block_m;
+    block.m_start = (kLongestFirst ? counted_from_end(c.tile, num_m_blocks) : c.tile) * block_m;
     return block;
 }
 
 // The block of a key-major kernel (the backward's dK/dV): keys
 // [n_start, n_start + block_n) of one K/V head, summed over the query heads
-// [first_head, first_head + group) that share it.
+// [first_head, first_head + group) that share it; n_block = n_start / block_n.
 struct KeyBlock {
     index_t batch, kv_head, first_head, group;
-    int n_start;
+    int n_block, n_start;
 };
 
+// This block's key tile; with kLastFirst the last tiles are handed out
+// first (the ordered dQ of a causal mask, where key block j waits for
+// j + 1: see dq_turn in backward_steps.cuh).
+template <bool kLastFirst = false>
 __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t num_n_blocks, int block_n) {
     const BlockCoordinates c = block_coordinates(num_n_blocks, size.nheads_k);
     KeyBlock block;
@@ -69,7 +73,8 @@ __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t n
     block.kv_head = c.head;
     block.group = size.nheads / size.nheads_k;
     block.first_head = c.head * block.group;
-    block.n_start = c.tile * block_n;
+    block.n_block = kLastFirst ? counted_from_end(c.tile, num_n_blocks) : c.tile;
+    block.n_start = block.n_block * block_n;
     return block;
 }
 

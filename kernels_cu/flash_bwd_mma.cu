@@ -10,7 +10,7 @@
 //                                      accumulators packed), B by ldmatrix.trans
 //   dQ_i += scale * dS K               dS^T staged in shared memory (A by
 //                                      ldmatrix.trans), K as B; float32 atomics,
-//                                      or added in key-block order (ordered dQ)
+//                                      or added in a fixed order (ordered dQ)
 // Q, dO and their row statistics are double-buffered: the next query block
 // is copied by cp.async while this one is computed. dK is scaled once at the
 // end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
@@ -45,7 +45,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     Element* const ds_tile = shared_tile<Element>(Traits::kDs);
     float* const stats = shared_tile<float>(Traits::kStats);
 
-    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
+    const KeyBlock block =
+        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 
@@ -77,8 +78,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
                                                        ctx.seqlen_q, thread);
     };
-    QueryBlockWalk<kOrderedDq && Mask::kLaterRowsSeeMore> walk(ctx.mask, block, kBlockN, kBlockM,
-                                                               static_cast<int>(params.num_m_blocks));
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
+                        walk_rotation<Mask>(params, block.n_block));
     if (walk.steps > 0) {
         load_query_block(walk.head, walk.m_block, 0);
     }
@@ -122,6 +123,10 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         const int m_block = walk.m_block;
         const int m_start = m_block * kBlockM;
         const u32 buffer_offset = buffer * Traits::kQTileBytes;
+        // Ordered dQ: this key block's turn in the dQ block's additions,
+        // worked out while the mask's lengths are live anyway (one value
+        // kept to the wait instead of three; the d96 causal variant spilled).
+        const int turn = kOrderedDq ? dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN) : 0;
 
         // S^T = K Q^T and dP^T = V dO^T.
         float s[1][kQTiles][4];
@@ -179,18 +184,15 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
                 mma_two_n8_tiles<Element>(dk, [&](int) -> const u32(&)[4] { return ds_frag[ps]; }, b, dp_pair);
             }
         }
-        // Ordered dQ: the key blocks add into this dQ block in key-block
-        // order (ordered_accumulation.cuh). The turn is awaited here, at the
+        // Ordered dQ: the key blocks add into this dQ block one after
+        // another (ordered_accumulation.cuh, dq_turn). The turn is awaited here, at the
         // barrier the step has anyway (waiting after dQ's product, with its
         // registers live, spilled at d128), and handed on after the additions.
         const auto dq_counter = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
-        const auto dq_turn = [&]() {
-            return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
-        };
         if constexpr (kOrderedDq) {
-            wait_for_turn(dq_counter(), dq_turn());  // includes the barrier
+            wait_for_turn(dq_counter(), turn);  // includes the barrier
         } else {
             __syncthreads();  // every warp's dS^T is in shared memory
         }

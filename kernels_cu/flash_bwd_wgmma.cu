@@ -67,7 +67,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const u32 do_smem = base + Traits::kDo;
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
-    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
+    const KeyBlock block =
+        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 
@@ -104,8 +105,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
                                                        ctx.seqlen_q, thread);
     };
-    QueryBlockWalk<kOrderedDq && Mask::kLaterRowsSeeMore> walk(ctx.mask, block, kBlockN, kBlockM,
-                                                               static_cast<int>(params.num_m_blocks));
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
+                        walk_rotation<Mask>(params, block.n_block));
     if (walk.steps > 0) {
         load_query_block(walk.head, walk.m_block, 0);
     }
@@ -248,7 +249,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         wgmma_commit();
 
         // Deterministic mode: the key blocks add into this dQ block one after
-        // another, in key-block order (ordered_accumulation.cuh). A key block
+        // another, in the order of dq_turn (backward_steps.cuh). A key block
         // that waits trails the previous one by what it waits through, so
         // the turn is awaited after dQ's product (only the additions are
         // serialised), and handed on one step later (see hand_on_turn).
@@ -256,7 +257,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
         const auto turn = [&]() {
-            return block.n_start / kBlockN - ctx.mask.key_blocks(m_start, kBlockM, kBlockN).begin;
+            return dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN);
         };
         if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warpgroup's dS^T is in shared memory

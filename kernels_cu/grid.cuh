@@ -34,10 +34,11 @@ __device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles,
     return c;
 }
 
-// Causal attention gives the last query blocks the most keys. Blocks are
-// dispatched roughly in blockIdx order, so handing the longest tiles out first
-// leaves short ones, not long ones, for the tail of the grid.
-__device__ __forceinline__ int longest_first(int tile, index_t num_tiles) {
+// Tile `tile` counted from the last. Blocks are dispatched roughly in
+// blockIdx order: causal attention gives the last query blocks the most
+// keys, so the forward hands them out first (long tiles early, short ones
+// for the tail of the grid).
+__device__ __forceinline__ int counted_from_end(int tile, index_t num_tiles) {
     return static_cast<int>(num_tiles) - 1 - tile;
 }
 

@@ -20,6 +20,9 @@
 //                                pay for element masking)
 //   kLaterRowsSeeMore            whether the last query blocks have the most
 //                                keys (the grid then hands them out first)
+//   kDqTurns                     the order in which the key blocks of the
+//                                deterministic backward add into a dQ block
+//                                (DqTurns; dq_turn in backward_steps.cuh)
 //   rows_from(first_row)         the same mask with rows counted from
 //                                first_row (row r means first_row + r): a
 //                                kernel that masks one block's rows folds the
@@ -36,6 +39,21 @@
 
 namespace cuflash {
 
+// The orders of the deterministic backward's dQ additions (dq_turn in
+// backward_steps.cuh). kKeyBlockOrder serves any mask; the others are
+// faster where the mask allows them:
+//   kKeyBlockOrder   first key block first: every key block waits at its
+//                    first query block for those before it (a chain)
+//   kLastKeyFirst    the last key block a query block sees first, down to
+//                    the first: needs each query block's key blocks and each
+//                    key block's query blocks to be intervals whose ends grow
+//                    together (causal, bands); no chain
+//   kRotated         needs every row to see every key: each key block starts
+//                    its walk on its own query block; no chain, where the
+//                    launcher finds that one head's key blocks fit on the GPU
+//                    at once (params.rotate_walks), key-block order otherwise
+enum class DqTurns { kKeyBlockOrder, kLastKeyFirst, kRotated };
+
 // Blocks [begin, end); empty when end <= begin.
 struct BlockRange {
     int begin, end;
@@ -50,6 +68,7 @@ struct SequenceBounds {
 // Full attention: every key of the sequence.
 struct NoMask : SequenceBounds {
     static constexpr bool kLaterRowsSeeMore = false;
+    static constexpr DqTurns kDqTurns = DqTurns::kRotated;
 
     __device__ __forceinline__ explicit NoMask(SequenceBounds bounds) : SequenceBounds(bounds) {}
     __device__ __forceinline__ bool rule(int, int) const { return true; }
@@ -73,6 +92,7 @@ struct NoMask : SequenceBounds {
 // all; their output is 0 and their log-sum-exp -inf (see OnlineSoftmax).
 struct CausalMask : SequenceBounds {
     static constexpr bool kLaterRowsSeeMore = true;
+    static constexpr DqTurns kDqTurns = DqTurns::kLastKeyFirst;
     int diagonal_offset;  // row i sees keys up to i + diagonal_offset
 
     __device__ __forceinline__ explicit CausalMask(SequenceBounds bounds)

@@ -20,9 +20,10 @@ __device__ __forceinline__ void add_release(int* address, int value) {
 }
 
 // Waits until *counter == turn; thread 0 polls and the whole block goes on
-// together. Callers wait only for blocks with a smaller index into the grid
-// (dispatched earlier, so resident or finished), which guarantees progress. A
-// counter that never arrives (block ranges that disagree with the order)
+// together. Progress needs the awaited block to be running or finished:
+// callers wait for blocks dispatched earlier, or (rotated walks, see
+// dq_turn) for blocks of a head whose key blocks all fit on the GPU at once.
+// A counter that never arrives (block ranges that disagree with the order)
 // traps, with an error, instead of hanging the GPU.
 __device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
     if (threadIdx.x == 0) {

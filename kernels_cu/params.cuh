@@ -67,10 +67,11 @@ struct BackwardParams {
     const float* lse;  // (batch, nheads, seqlen_q), from the forward pass
     index_t lse_batch_stride, lse_head_stride;
     float* delta;     // rowsum(dO * O), written by the preprocessing kernel
-    float* dq_accum;  // float32 dQ accumulated with atomics, or in key-block order (ordered mode)
+    float* dq_accum;  // float32 dQ accumulated with atomics, or in a fixed order (ordered mode)
     int* dq_semaphore;  // ordered mode: per (batch, head, query block) the key blocks that added their dQ
     ProblemSize size;
     index_t num_m_blocks, num_n_blocks;
+    index_t rotate_walks;  // 1: key block j walks a head's query blocks from j (QueryBlockWalk, dq_turn)
     double softmax_scale_log2;  // softmax_scale * log2(e)
     double softmax_scale;
 
@@ -90,6 +91,6 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 6 * 8 + 4 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -164,3 +164,15 @@ extern "C" __global__ void spin_and_copy(const float* src, float* dst, long long
         dst[i] = src[i];
 }
 """
+
+
+def pin_kernel_generation(monkeypatch, generation: int) -> None:
+    """Makes the launcher choose kernels as on a GPU of compute capability
+    ``generation`` (``api._kernel_generation``), with an empty plan cache of
+    its own: a plan cached by an earlier test of the same call signature
+    would otherwise run the kernel chosen for the real device."""
+    from cuflash import api
+    from cuflash._launch import PlanCache
+
+    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: generation)
+    monkeypatch.setattr(api, "plans", PlanCache())

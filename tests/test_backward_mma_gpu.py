@@ -7,9 +7,9 @@ import pytest
 
 from cuflash import api
 
-from tests.helpers import random_qkv
+from tests.helpers import pin_kernel_generation, random_qkv
 from tests.test_backward_gpu import run_backward_and_check
-from tests.test_backward_wgmma_gpu import _chosen, assert_deterministic_backward_is_bitwise_repeatable
+from tests.test_backward_wgmma_gpu import _chosen, assert_deterministic_backward_is_bitwise_repeatable, pin_ordered_dq_order
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ def _cupy():
 
 @pytest.fixture
 def ampere(monkeypatch):
-    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    pin_kernel_generation(monkeypatch, 80)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -87,3 +87,17 @@ def test_mma_deterministic_backward_is_bitwise_repeatable(ampere, head_dim, caus
     q, k, v = random_qkv(cupy, 2, 1024, 1024, 8, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
     assert _chosen(q, k, v, deterministic=True).kernel == "mma"
     assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal)
+
+
+@pytest.mark.parametrize("rotated", [True, False], ids=["rotated-walks", "key-block-order"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(1000, 1000, (4, 4)), (2049, 1000, (6, 2))])
+def test_mma_deterministic_backward_in_both_orders(ampere, rotated, head_dim, seqlen_q, seqlen_k, heads, monkeypatch):
+    """Both orders of ordered dQ without a mask (see the Hopper test of the
+    same name), on the mma.sync kernel."""
+    orders = pin_ordered_dq_order(monkeypatch, rotated)
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("float16"), seed=head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "mma"
+    run_backward_and_check(q, k, v, causal=False, deterministic=True, seed=seqlen_k)
+    assert orders["ordered"] and set(orders["ordered"]) == {rotated}

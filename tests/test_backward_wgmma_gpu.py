@@ -11,7 +11,7 @@ import cuflash
 from cuflash import api
 from cuflash._validation import check_backward, meta_of
 
-from tests.helpers import random_qkv
+from tests.helpers import pin_kernel_generation, random_qkv
 from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
 from tests.test_forward_wgmma_gpu import needs_hopper
 
@@ -100,6 +100,45 @@ def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
     assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal)
 
 
+@needs_hopper
+@pytest.mark.parametrize("rotated", [True, False], ids=["rotated-walks", "key-block-order"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(1000, 1000, (4, 4)), (2049, 1000, (6, 2)), (300, 129, (4, 1))])
+def test_wgmma_deterministic_backward_in_both_orders(rotated, head_dim, seqlen_q, seqlen_k, heads, monkeypatch):
+    """Ordered dQ without a mask takes one of two orders (dq_turn in
+    kernels_cu/backward_steps.cuh): rotated walks where one head's key blocks
+    fit on the GPU at once, key-block order where they may not (pinned here
+    by the multiprocessor count the launcher sees); each is checked against
+    the float64 reference and for bitwise repeatability."""
+    orders = pin_ordered_dq_order(monkeypatch, rotated)
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    assert _chosen(q, k, v, deterministic=True).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=False, deterministic=True, seed=seqlen_k)
+    assert_deterministic_backward_is_bitwise_repeatable(q, k, v, False)
+    assert orders["ordered"] and set(orders["ordered"]) == {rotated}
+
+
+def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
+    """Makes the launcher rotate the walks of every ordered-dQ backward that
+    may rotate (``rotated``: as if the GPU had room for any number of key
+    blocks), or of none (as if it had none), from a fresh plan cache.
+    Returns dq mode -> the orders the plans made since took (True: rotated)."""
+    from cuflash._launch import PlanCache
+
+    taken = {"ordered": [], "atomic": []}
+    decide = api.rotate_walks
+
+    def recorded(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors):
+        rotate = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
+        taken.setdefault(dq_mode, []).append(rotate)
+        return rotate
+
+    monkeypatch.setattr(api, "rotate_walks", recorded)
+    monkeypatch.setattr(api, "plans", PlanCache())
+    return taken
+
+
 def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):
     """Ten deterministic backwards of bfloat16 q, k, v, alternating between
     the null stream and another: bitwise the same dq, dk, dv; dq of the
@@ -129,7 +168,7 @@ def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):
 def test_simt_backward_where_no_tensor_core_kernel_applies(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
     """The SIMT backward (atomic dQ) as an Ampere GPU runs it where the
     mma.sync backward does not apply: float32, head dims above 128."""
-    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    pin_kernel_generation(monkeypatch, 80)
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + 1)
     assert _chosen(q, k, v).kernel == "simt"

@@ -14,7 +14,7 @@ import pytest
 from cuflash import api
 from cuflash._validation import check_forward, meta_of
 
-from tests.helpers import random_qkv
+from tests.helpers import pin_kernel_generation, random_qkv
 from tests.test_forward_gpu import run_and_check
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +30,7 @@ def _cupy():
 def generation(request, monkeypatch):
     """"device": the kernels this GPU gets; "sm80": those an Ampere gets."""
     if request.param == "sm80":
-        monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+        pin_kernel_generation(monkeypatch, 80)
     return request.param
 
 
@@ -115,7 +115,7 @@ def test_causal_rows_that_see_no_key_in_their_first_blocks(seqlen_q, seqlen_k, g
 def test_mma_kernel_where_hopper_takes_wgmma(dtype, head_dim, seqlen_q, seqlen_k, causal, monkeypatch):
     """The mma.sync kernel at the head dims Hopper serves with wgmma, as an
     Ampere GPU runs it."""
-    monkeypatch.setattr(api, "_kernel_generation", lambda device_id: 80)
+    pin_kernel_generation(monkeypatch, 80)
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim + seqlen_q)
     assert _chosen(q, k, v).kernel == "mma"

@@ -315,3 +315,33 @@ def test_params_pack_requires_every_field():
     with pytest.raises(KeyError, match="unknown \\['bogus'\\]"):
         pack(FORWARD_PARAMS, bogus=1, q=(0, 0, 0, 0), **fields)
     assert np.dtype(FORWARD_PARAMS).isalignedstruct
+
+
+@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,rotated", [
+    ("none", "ordered", 32, 32, 132, True),
+    ("none", "ordered", 64, 32, 132, True),     # more query blocks than key blocks: each still starts on its own
+    ("none", "ordered", 16, 32, 132, False),    # fewer: two key blocks would start on one query block
+    ("none", "ordered", 256, 133, 132, False),  # one head's key blocks may not all be running at once
+    ("none", "ordered", 132, 132, 132, True),
+    ("none", "atomic", 32, 32, 132, False),     # no turns to order
+    ("causal", "ordered", 32, 32, 132, False),  # its own order, chain-free without rotation
+])
+def test_rotate_walks_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks, multiprocessors,
+                                                          rotated):
+    from types import SimpleNamespace
+
+    from cuflash.api import rotate_walks
+
+    problem = SimpleNamespace(mask=MASKS[mask])
+    assert rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is rotated
+
+
+def test_masks_name_a_dq_order_their_structs_have():
+    """Every mask's Python dq_turns names the C++ order its struct declares."""
+    source = (kernel_source_dir() / "masks.cuh").read_text()
+    cxx_names = {"key-block-order": "kKeyBlockOrder", "last-key-first": "kLastKeyFirst", "rotated": "kRotated"}
+    for policy in MASKS.values():
+        struct = policy.cxx.removeprefix("cuflash::")
+        body = source[source.index(f"struct {struct} "):]
+        body = body[:body.index("\n};")]
+        assert f"kDqTurns = DqTurns::{cxx_names[policy.dq_turns]};" in body, policy.name
