@@ -22,15 +22,16 @@ from ._tiling import (
     HEAD_DIM_BUCKETS,
     MMA_DTYPES,
     MMA_BACKWARD_TILES,
+    MMA_3XTF32_DTYPE,
     MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
     backward_tiling,
     forward_tiling,
-    mma_applies,
     mma_backward_applies,
     mma_backward_tiling,
+    mma_forward_applies,
     mma_forward_tiling,
     wgmma_backward_applies,
     wgmma_forward_applies,
@@ -96,6 +97,10 @@ class KernelFamily:
     needs_aligned_rows: bool = False
     #: needs softmax_scale > 0 (the online softmax takes the max of unscaled scores)
     needs_positive_scale: bool = False
+    #: dtypes it takes only when the call opts in to 3xTF32 (float32 on
+    #: tensor cores, ``fp32_precision="3xtf32"``); the exact float32 path
+    #: is the default
+    tf32x3_dtypes: tuple[str, ...] = ()
     #: dQ modes of a dK/dV family, each with the value of its last template
     #: argument: "atomic" (float32 atomics: fast, not bitwise repeatable),
     #: "ordered" (the key blocks add in turn, in order: deterministic),
@@ -120,10 +125,12 @@ class KernelFamily:
         return generation >= _ARCH_CAPABILITY[self.arch]
 
     def why_not(self, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
-                positive_scale: bool = True, deterministic: bool = False) -> str | None:
+                positive_scale: bool = True, deterministic: bool = False, tf32x3: bool = False) -> str | None:
         """Why the launcher may not pick this family for such a call (None: it may)."""
         if dtype_name not in self.dtypes:
             return f"takes {'/'.join(self.dtypes)}"
+        if dtype_name in self.tf32x3_dtypes and not tf32x3:
+            return f"takes {dtype_name} only with fp32_precision='3xtf32'"
         if not self.serves(dtype_name, head_dim):
             if self.tiles is not None and self.head_dims != HEAD_DIM_BUCKETS:
                 return f"built for head dims {'/'.join(map(str, self.head_dims))} (multiples of 8 up to them)"
@@ -141,7 +148,7 @@ class KernelFamily:
 
     def applies(self, dtype_name: str, head_dim: int, generation: int, **conditions) -> bool:
         """Whether the launcher may pick this family for such a call (conditions: aligned_rows,
-        positive_scale, deterministic)."""
+        positive_scale, deterministic, tf32x3)."""
         return self.why_not(dtype_name, head_dim, generation, **conditions) is None
 
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
@@ -196,9 +203,10 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  needs_aligned_rows=True, needs_positive_scale=True,
                  tile_args=lambda t: ((str(t.blocks_per_sm),), f"/b{t.blocks_per_sm}")),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
-                 arch="sm_80", kernel="mma", dtypes=MMA_DTYPES, head_dims=tuple(MMA_FORWARD_TILES),
-                 tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=mma_applies,
-                 needs_aligned_rows=True, needs_positive_scale=True,
+                 arch="sm_80", kernel="mma", dtypes=MMA_DTYPES + (MMA_3XTF32_DTYPE,),
+                 head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,
+                 serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
+                 tf32x3_dtypes=(MMA_3XTF32_DTYPE,),
                  tile_args=lambda t: ((str(t.kv_stages),), f"/kv{t.kv_stages}")),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
@@ -242,7 +250,7 @@ def family_of(role: str, kernel: str) -> KernelFamily:
 
 def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **conditions) -> Tiling:
     """The tiles of the first ``role`` family that ``applies`` (keyword
-    ``conditions``: aligned_rows, positive_scale, deterministic) on a device
+    ``conditions``: aligned_rows, positive_scale, deterministic, tf32x3) on a device
     of kernel ``generation``."""
     for family in FAMILIES:
         if family.role == role and family.applies(dtype_name, head_dim, generation, **conditions):

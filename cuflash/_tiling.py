@@ -41,6 +41,21 @@ MMA_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+#: The same kernel on float32 by 3xTF32 (opt-in: fp32_precision="3xtf32";
+#: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
+#: block_n, warps, K/V buffers). One m16 tile per warp: the float32 tiles
+#: take twice the shared memory of 16-bit ones, and the single-buffered
+#: tiles from 96 up keep Q, K and V within it.
+MMA_3XTF32_FORWARD_TILES = {
+    32: (64, 64, 4, 2),
+    64: (64, 64, 4, 2),
+    96: (64, 64, 4, 2),
+    128: (64, 64, 4, 1),
+    192: (64, 32, 4, 2),
+    256: (64, 32, 4, 1),
+}
+#: The float32 dtype the mma.sync forward serves by 3xTF32.
+MMA_3XTF32_DTYPE = "float32"
 #: mma.sync backward dK/dV tiles (sm_80+; flash_bwd_mma.cu; what Ampere and
 #: Ada GPUs run) per compiled head dim: (block_m query rows per step, block_n
 #: keys per block, warps). Each warp owns 16 keys; S^T and dP^T take
@@ -168,7 +183,7 @@ class Tiling:
         of K and V, plus the alignment slack."""
         if self.kernel == "mma":
             rows = self.block_m + 2 * self.kv_stages * self.block_n
-            return rows * (self.head_dim_padded + 8) * ELEMENT_SIZE[dtype_name]
+            return rows * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
         if self.kernel == "wgmma":
             rows = self.block_m + 4 * self.block_n
             return rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_SMEM_ALIGNMENT
@@ -261,12 +276,21 @@ def mma_applies(dtype_name: str, head_dim: int) -> bool:
     return _served_by(MMA_FORWARD_TILES, dtype_name, head_dim)
 
 
+def mma_forward_applies(dtype_name: str, head_dim: int) -> bool:
+    """Whether the mma.sync forward serves (dtype, head_dim): float16 and
+    bfloat16, or float32 by 3xTF32, head_dim a multiple of 8 up to 256."""
+    if dtype_name == MMA_3XTF32_DTYPE:
+        return mma_applies("float16", head_dim)  # the same buckets
+    return mma_applies(dtype_name, head_dim)
+
+
 def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the mma.sync forward (sm_80+), for float16/bfloat16 and
-    head_dim a multiple of 8 (the launcher checks the rest: alignment,
-    scale > 0)."""
-    padded = _mma_bucket(dtype_name, head_dim)
-    block_m, block_n, warps, stages = MMA_FORWARD_TILES[padded]
+    """Tiles of the mma.sync forward (sm_80+), for float16/bfloat16 (or
+    float32 by 3xTF32, ``MMA_3XTF32_FORWARD_TILES``) and head_dim a multiple
+    of 8 (the launcher checks the rest: alignment, scale > 0)."""
+    float32 = dtype_name == MMA_3XTF32_DTYPE
+    padded = _mma_bucket("float16" if float32 else dtype_name, head_dim)
+    block_m, block_n, warps, stages = (MMA_3XTF32_FORWARD_TILES if float32 else MMA_FORWARD_TILES)[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
                     kv_stages=stages)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")

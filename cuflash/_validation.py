@@ -61,6 +61,9 @@ class AttentionProblem:
     mask_name: str | None = None
     #: a score transform by name (``cuflash._masks.SCORE_TRANSFORMS``); None: the identity
     score_name: str | None = None
+    #: float32 arithmetic of a float32 forward: "ieee" (exact float32 on
+    #: CUDA cores) or "3xtf32" (tensor cores, see FP32_PRECISIONS)
+    fp32_precision: str = "ieee"
 
     @property
     def mask(self) -> MaskPolicy:
@@ -132,8 +135,22 @@ def _check_writable(meta: TensorMeta) -> None:
             raise ValueError(f"{meta.name} must not be a broadcast view (stride 0), got strides {meta.strides}")
 
 
+#: The ``fp32_precision`` choices of a float32 forward: "ieee", float32
+#: products on CUDA cores (the default); "3xtf32", each float32 operand split
+#: into two tf32 parts and three tensor-core products summed in float32
+#: (kernels_cu/mma_operands.cuh): float32-level accuracy, several times faster.
+FP32_PRECISIONS = ("ieee", "3xtf32")
+
+
+def check_fp32_precision(fp32_precision) -> str:
+    if not isinstance(fp32_precision, str) or fp32_precision not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
+    return fp32_precision
+
+
 def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta | None,
-                  *, causal, softmax_scale, lse: TensorMeta | None = None) -> AttentionProblem:
+                  *, causal, softmax_scale, lse: TensorMeta | None = None,
+                  fp32_precision="ieee") -> AttentionProblem:
     """Checks a forward call; returns its sizes. Raises ``TypeError`` or
     ``ValueError`` naming the argument, what was expected and what came."""
     for meta in (q, k, v):
@@ -178,7 +195,7 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
         head_dim=head_dim, dtype=q.dtype, device=q.device,
         softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
-        causal=check_causal(causal),
+        causal=check_causal(causal), fp32_precision=check_fp32_precision(fp32_precision),
     )
 
 

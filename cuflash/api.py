@@ -127,7 +127,8 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
     return True
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None,
+              fp32_precision="ieee"):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -149,6 +150,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         lse: optional (batch, nheads, seqlen_q) C-contiguous float32 array to
             write the log-sum-exp into. With ``out`` and ``lse`` given the call
             allocates nothing, as CUDA graph capture needs.
+        fp32_precision: the arithmetic of float32 inputs (others ignore it):
+            "ieee" (default) float32 products on CUDA cores; "3xtf32" each
+            float32 operand split into two tf32 parts, three tensor-core
+            products summed in float32: float32-level accuracy at several
+            times the speed (sm_80+, head_dim a multiple of 8, 16-byte
+            aligned rows; otherwise the exact path runs). README: float32.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
@@ -157,10 +164,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         framework (PyTorch's current stream, CuPy's current stream).
     """
     arrays = [q, k, v, out, lse]
-    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale)
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
+             fp32_precision)
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
+                                    fp32_precision=fp32_precision,
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
@@ -261,7 +270,7 @@ def _element_strides(view) -> tuple[int, ...]:
     return tuple(stride // view.dtype.itemsize for stride in view.strides)
 
 
-def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature) -> list:
+def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee") -> list:
     """The full path of a forward call: validation, plan, launch. Returns
     the arrays of ``FORWARD_ARRAYS`` in q's framework."""
     arrays = {"q": q, "k": k, "v": v}
@@ -269,7 +278,8 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature) -
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
-                                causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"))
+                                causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"),
+                                fp32_precision=fp32_precision)
         natives = dict(arrays) | given
         allocated = {}
         for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, metas["q"].strides),
@@ -366,7 +376,7 @@ def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None =
         aligned = _pointers_aligned(arrays)
     return select("forward", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
                   aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
-                  positive_scale=problem.softmax_scale > 0)
+                  positive_scale=problem.softmax_scale > 0, tf32x3=problem.fp32_precision == "3xtf32")
 
 
 def _kernel_generation(device_id: int) -> int:

@@ -1,10 +1,13 @@
-// FlashAttention-2 forward pass on tensor cores (float16, bfloat16; sm_80+).
+// FlashAttention-2 forward pass on tensor cores (float16, bfloat16, and
+// float32 by 3xTF32; sm_80+).
 //
 // One thread block per (query block, head, batch), kWarps warps, each owning
-// kRowsPerWarp query rows. S = Q K^T and O += P V are mma.m16n8k16 products
-// with float32 accumulators fed by ldmatrix; the probabilities P go from the
-// S accumulators to the A operand of P V in registers. The online softmax
-// works on the accumulator fragments, so S never touches shared memory.
+// kRowsPerWarp query rows. S = Q K^T and O += P V are mma.sync products
+// (m16n8k16 on 16-bit inputs, three m16n8k8.tf32 per product on float32:
+// MmaOperands in mma_operands.cuh) with float32 accumulators fed by
+// ldmatrix; the probabilities P go from the S accumulators to the A operand
+// of P V in registers. The online softmax works on the accumulator
+// fragments, so S never touches shared memory.
 //
 // Pipeline (kKvStages in MmaForwardTraits): with two K/V buffers, one
 // barrier per key block; after it every warp is done with the previous
@@ -20,6 +23,7 @@
 #include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
+#include "mma_operands.cuh"
 #include "masks.cuh"
 #include "score_transforms.cuh"
 #include "online_softmax.cuh"
@@ -37,6 +41,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kStride = Traits::kStride;
     constexpr int kElementBytes = int(sizeof(Element));
+    constexpr int kKStep = Traits::kKStep;
+    using Operands = MmaOperands<Element, kStride>;
 
     require_shared_memory<Traits>();
     Element* q_tile = shared_tile<Element>(Traits::kQ);
@@ -87,14 +93,11 @@ flash_forward_mma_kernel(const ForwardParams params) {
 
     // Per-lane ldmatrix row addresses (bytes), see mma.cuh for the layouts.
     // Q (A operand): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
-    const u32 q_address = shared_address(q_tile) +
-        ((warp_row0 + lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    const u32 q_address = shared_address(q_tile) + Operands::a(lane, warp_row0);
     // K (B operand of Q K^T): matrices (keys 0-7: d 0-7 | d 8-15), (keys 8-15: ...), two n8 tiles per load.
-    const u32 k_address = shared_address(k_tile) +
-        ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * 8) * kElementBytes;
-    // V (B operand of P V, transposed): matrices (keys 0-7 | 8-15) x (d 0-7 | 8-15), two n8 tiles of d per load.
-    const u32 v_address = shared_address(v_tile) +
-        ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    const u32 k_address = shared_address(k_tile) + Operands::b(lane);
+    // V (B operand of P V, k along the keys): two n8 tiles of d per load.
+    const u32 v_address = shared_address(v_tile) + Operands::v_lane(lane);
 
     float o[kMTiles][kDTiles][4];
     fill_fragments(o, 0.0f);
@@ -109,7 +112,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
-                ldmatrix_x4(q_fragments[mt][ks], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
+                ldmatrix_x4(q_fragments[mt][ks], q_address + (mt * 16 * kStride + ks * kKStep) * kElementBytes);
             }
         }
     }
@@ -149,14 +152,14 @@ flash_forward_mma_kernel(const ForwardParams params) {
                         a[mt][i] = q_fragments[mt][ks][i];
                     }
                 } else {
-                    ldmatrix_x4(a[mt], q_address + (mt * 16 * kStride + ks * 16) * kElementBytes);
+                    ldmatrix_x4(a[mt], q_address + (mt * 16 * kStride + ks * kKStep) * kElementBytes);
                 }
             }
 #pragma unroll
             for (int np = 0; np < kNTiles / 2; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * 16) * kElementBytes);
-                mma_two_n8_tiles<Element>(s, [&](int mt) -> const u32(&)[4] { return a[mt]; }, b, np);
+                ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * kKStep) * kElementBytes);
+                Operands::mma_two_n8_tiles(s, [&](int mt) -> const u32(&)[4] { return a[mt]; }, b, np);
             }
         }
 
@@ -173,13 +176,14 @@ flash_forward_mma_kernel(const ForwardParams params) {
 
         // P rounded to the element type for P V (as FlashAttention does; its
         // float32 row sums were taken before rounding), packed now so that
-        // the float32 scores are dead before the V loop.
+        // the float32 scores are dead before the V loop (3xTF32: P itself,
+        // its k slots permuted, see mma_operands.cuh).
         u32 p[kMTiles][Traits::kPvSteps][4];
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                pack_a_fragment<Element>(p[mt][ps], s[mt][2 * ps], s[mt][2 * ps + 1]);
+                Operands::p_a(p[mt][ps], s[mt], ps);
             }
         }
 
@@ -200,8 +204,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, v_address + stage_offset + (ps * 16 * kStride + dp * 16) * kElementBytes);
-                mma_two_n8_tiles<Element>(o, [&](int mt) -> const u32(&)[4] { return p[mt][ps]; }, b, dp);
+                Operands::v_b(b, v_address + stage_offset, ps, dp);
+                Operands::mma_two_n8_tiles(o, [&](int mt) -> const u32(&)[4] { return p[mt][ps]; }, b, dp);
             }
         }
         stage ^= kKvStages - 1;
@@ -215,21 +219,22 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     const int first_row = block.m_start;
     finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0,
-                                 ctx.seqlen_q, lane, [&](int row_in_block, int dt, u32 packed) {
-                                     reinterpret_cast<u32*>(q_tile + row_in_block * kStride + 2 * (lane % 4))[dt * 4] =
-                                         packed;
+                                 ctx.seqlen_q, lane, [&](int row_in_block, int dt, auto pair) {
+                                     // pair: two elements, so pair dt * 4 is element 8 dt of the row's n8 tiles
+                                     reinterpret_cast<decltype(pair)*>(q_tile + row_in_block * kStride +
+                                                                       2 * (lane % 4))[dt * 4] = pair;
                                  });
     __syncwarp();
     // 16-byte coalesced stores of the warp's rows; rows past seqlen_q and
     // padded head-dim columns are not written.
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
     constexpr int kWarpChunks = Traits::kRowsPerWarp * kChunksPerRow;
     Element* out = params.out.row_ptr<Element>(block.batch, block.head, first_row);
 #pragma unroll
     for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
         const int chunk = lane + i * 32;
         const int row_in_block = warp_row0 + chunk / kChunksPerRow;
-        const int col = chunk % kChunksPerRow * 8;
+        const int col = chunk % kChunksPerRow * (16 / kElementBytes);
         if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && first_row + row_in_block < ctx.seqlen_q &&
             col < ctx.head_dim) {
             *reinterpret_cast<uint4*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =

@@ -8,12 +8,26 @@
 
 namespace cuflash {
 
+// A lane's two adjacent output elements as the epilogue stages them: one
+// register of two 16-bit values, or two floats.
+template <typename Element>
+struct StagedPair {
+    using Type = u32;
+    static __device__ __forceinline__ Type make(float lo, float hi) { return pack_pair<Element>(lo, hi); }
+};
+
+template <>
+struct StagedPair<float> {
+    using Type = float2;
+    static __device__ __forceinline__ Type make(float lo, float hi) { return make_float2(lo, hi); }
+};
+
 // Normalises a warp's output accumulators o[kMTiles][kDTiles][4] (mma
 // layout, rows from warp_row0 inside the block) by the rows' softmax sums,
 // writes the log-sum-exp of the rows that exist (first_row + row <
-// seqlen_q) to lse_row, and hands every normalised pair, rounded to Element,
-// to stage(row_in_block, dt, packed) (the lane's pair of n8 tile dt), which
-// puts it where the kernel's coalesced store picks it up.
+// seqlen_q) to lse_row, and hands every normalised pair, as Element
+// (StagedPair), to stage(row_in_block, dt, pair) (the lane's pair of n8 tile
+// dt), which puts it where the kernel's coalesced store picks it up.
 template <typename Element, int kMTiles, int kDTiles, typename Stage>
 __device__ __forceinline__ void finish_forward_rows(const FragmentOnlineSoftmax<kMTiles>& softmax,
                                                     const float (&o)[kMTiles][kDTiles][4], float* lse_row,
@@ -33,7 +47,7 @@ __device__ __forceinline__ void finish_forward_rows(const FragmentOnlineSoftmax<
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
             stage(row_in_block, dt,
-                  pack_pair<Element>(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum));
+                  StagedPair<Element>::make(o[mt][dt][2 * half] * inv_sum, o[mt][dt][2 * half + 1] * inv_sum));
         }
     }
 }

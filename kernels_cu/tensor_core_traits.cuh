@@ -14,7 +14,9 @@ namespace cuflash {
 
 // What the two tensor-core forwards share: tile sizes, threads, and the
 // fragment counts of a warp's S = Q K^T and O accumulators (n8 column tiles
-// of the mma / wgmma accumulator layout, see mma.cuh) and of their k16 steps.
+// of the mma / wgmma accumulator layout, see mma.cuh) and of their k steps
+// (32 bytes of k: 16 elements of 16 bits, or 8 float32 for 3xTF32, see
+// mma_operands.cuh).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct TensorCoreForwardShape {
     using Element = Element_;
@@ -24,12 +26,13 @@ struct TensorCoreForwardShape {
     static constexpr int kWarps = kWarps_;
     static constexpr int kThreads = kWarps * 32;
 
-    static constexpr int kNTiles = kBlockN / 8;     // n8 tiles of S per 16 rows
-    static constexpr int kDTiles = kHeadDim / 8;    // n8 tiles of O per 16 rows
-    static constexpr int kQkSteps = kHeadDim / 16;  // k16 steps of Q K^T
-    static constexpr int kPvSteps = kBlockN / 16;   // k16 steps of P V
+    static constexpr int kKStep = 32 / int(sizeof(Element));  // k of one product
+    static constexpr int kNTiles = kBlockN / 8;         // n8 tiles of S per 16 rows
+    static constexpr int kDTiles = kHeadDim / 8;        // n8 tiles of O per 16 rows
+    static constexpr int kQkSteps = kHeadDim / kKStep;  // k steps of Q K^T
+    static constexpr int kPvSteps = kBlockN / kKStep;   // k steps of P V
 
-    static_assert(sizeof(Element) == 2, "tensor-core path: float16 and bfloat16 only");
+    static_assert(sizeof(Element) == 2 || sizeof(Element) == 4, "16-bit elements, or float32 (3xTF32)");
 };
 
 // Tensor-core forward (flash_fwd_mma.cu): the kWarps warps split the kBlockM
@@ -50,8 +53,10 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
 
     // Every row is padded by one 16-byte chunk: ldmatrix reads one chunk from
     // each of 8 rows at once, and with an odd number of chunks per row those
-    // 8 chunks fall in 8 different bank groups (no conflicts, no swizzle).
-    static constexpr int kStride = kHeadDim + 8;
+    // 8 chunks fall in 8 different bank groups (no conflicts, no swizzle);
+    // 3xTF32's 32-bit loads of V (lanes at rows 2q, columns g) then hit 32
+    // different banks too.
+    static constexpr int kStride = kHeadDim + 16 / int(sizeof(Element));
     // Buffers of K and V: with 2, block j-1 is copied in while block j is
     // used; with 1 (where registers are too tight for the longer-lived copy
     // state), V_j is copied during S_j and K_{j-1} during P_j V_j.
@@ -113,7 +118,7 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
     static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
 
-    static constexpr int kStride = kHeadDim + 8;   // Q, dO, K, V rows (elements)
+    static constexpr int kStride = kHeadDim + 16 / int(sizeof(Element));   // Q, dO, K, V rows (elements)
     static constexpr int kDsStride = kBlockM + 8;  // dS^T rows: keys, columns queries
     static constexpr int kElementBytes = int(sizeof(Element));
     static constexpr int kKvTileBytes = kBlockN * kStride * kElementBytes;
@@ -159,6 +164,7 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kAlignment = 1024;
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
+    static_assert(sizeof(typename Shape::Element) == 2, "wgmma forward: float16 and bfloat16");
     static_assert(kWarps % 4 == 0 && kBlockM == 64 * kWarpgroups, "one warpgroup per 64 query rows");
     // Whole swizzle panels (SwizzledTile picks the widest that fits); S's N
     // (kBlockN) and O's (kHeadDim) must be widths of the Wgmma table.

@@ -36,16 +36,17 @@ def _dtype(name):
     return _cupy().dtype(name)  # "bfloat16" resolves through ml_dtypes
 
 
-def run_and_check(q, k, v, *, causal, softmax_scale=None):
-    """Runs cuflash into NaN-poisoned buffers and checks output and LSE
-    against float64 (and, for fp16/bf16, against the same-precision baseline)."""
+def run_and_check(q, k, v, *, causal, softmax_scale=None, **options):
+    """Runs cuflash (with ``options``, e.g. fp32_precision) into NaN-poisoned
+    buffers and checks output and LSE against float64 (and, for fp16/bf16,
+    against the same-precision baseline)."""
     cupy = _cupy()
     batch, seqlen_q, nheads, head_dim = q.shape
     scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     lse = cupy.full((batch, nheads, seqlen_q), cupy.nan, dtype=cupy.float32)
     result, lse_result = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-                                           return_lse=True)
+                                           return_lse=True, **options)
     assert result is out and lse_result is lse
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     baseline = None

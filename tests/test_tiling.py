@@ -17,6 +17,7 @@ from cuflash._tiling import (
     HEAD_DIM_BUCKETS,
     MAX_SMEM_BYTES,
     MMA_DTYPES,
+    MMA_3XTF32_FORWARD_TILES,
     MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
@@ -24,6 +25,7 @@ from cuflash._tiling import (
     backward_tiling,
     forward_tiling,
     mma_applies,
+    mma_forward_applies,
     mma_forward_tiling,
     pad_head_dim,
     wgmma_backward_applies,
@@ -186,20 +188,25 @@ def test_dq_modes_of_the_dkdv_families(name, deterministic, mode, key):
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])
-@pytest.mark.parametrize("dtype", MMA_DTYPES)
+@pytest.mark.parametrize("dtype", MMA_DTYPES + ("float32",))
 def test_mma_table(dtype, head_dim):
+    """16-bit tiles, and float32's 3xTF32 tiles on the same head-dim buckets."""
     tiling = mma_forward_tiling(dtype, head_dim)
     assert tiling.keys_last_to_first and tiling.head_dim_padded >= head_dim
     assert tiling.head_dim_padded == min(b for b in MMA_FORWARD_TILES if b >= head_dim)
+    table = MMA_3XTF32_FORWARD_TILES if dtype == "float32" else MMA_FORWARD_TILES
+    assert (tiling.block_m, tiling.block_n, tiling.warps, tiling.kv_stages) == table[tiling.head_dim_padded]
     # MmaForwardTraits: whole m16 tiles per warp, k16 steps over keys.
     assert tiling.block_m % (16 * tiling.warps) == 0 and tiling.block_n % 16 == 0
     assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
-    assert mma_applies(dtype, head_dim)
+    assert mma_forward_applies(dtype, head_dim)
+    assert mma_applies(dtype, head_dim) == (dtype != "float32")  # the 16-bit tensor-core kernels
 
 
-@pytest.mark.parametrize("dtype,head_dim", [("float32", 64), ("float16", 20), ("bfloat16", 257), ("float16", 0)])
+@pytest.mark.parametrize("dtype,head_dim", [("float32", 20), ("float16", 20), ("bfloat16", 257), ("float16", 0),
+                                            ("float32", 264)])
 def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
-    assert not mma_applies(dtype, head_dim)
+    assert not mma_applies(dtype, head_dim) and not mma_forward_applies(dtype, head_dim)
     with pytest.raises(ValueError, match="tensor-core forward"):
         mma_forward_tiling(dtype, head_dim)
 
