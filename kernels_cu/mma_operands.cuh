@@ -5,12 +5,12 @@
 //
 //   MmaOperands<__half / __nv_bfloat16>: mma.m16n8k16 on 16-bit inputs (mma.cuh).
 //   MmaOperands<float>: 3xTF32. Each float32 operand x is split into
-//     big = tf32(x) and small = tf32(x - big) (tf32: 10 explicit mantissa
-//     bits, so big + small carries 22 of float32's 24), and a product is
+//     big = tf32(x) and small = x - big (tf32: 10 explicit mantissa bits,
+//     so big + small carries 21 of float32's 24, see split_tf32), and a product is
 //     a_small b_big + a_big b_small + a_big b_big on mma.m16n8k8.tf32 with
 //     float32 accumulation: three products where one would do in 16 bits,
-//     for an error near float32's (the dropped a_small b_small is 2^-22
-//     relative) at tensor-core speed.
+//     for an error near float32's (the dropped a_small b_small is below
+//     2^-22 relative) at tensor-core speed.
 //
 // A k step spans 32 bytes of k in both: 16 elements of 16 bits, 8 of 32. An
 // 8 x 8 ldmatrix matrix of 16-bit elements is 8 x 4 of float32, each lane
@@ -70,17 +70,13 @@ struct MmaOperands : MmaLaneOffsets<kStride, 2> {
     }
 };
 
-// float32 rounded to tf32 (to nearest, ties away), as the 32-bit pattern the mma reads.
-__device__ __forceinline__ u32 to_tf32(float x) {
-    u32 rounded;
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(rounded) : "f"(x));
-    return rounded;
-}
-
-// The tf32 pair (big, small) of float32 bit patterns: big + small = x to 22 bits.
+// The tf32 pair (big, small) of a float32 bit pattern: big = x rounded to
+// tf32, small = x - big (exact in float32). The mma reads only a tf32's 19
+// bits, so small is not rounded here: the tensor cores drop its low 13 bits,
+// an error below 2^-21 |x| (big's rounding leaves |small| <= 2^-11 |x|).
 __device__ __forceinline__ void split_tf32(u32 x, u32& big, u32& small) {
-    big = to_tf32(__uint_as_float(x));
-    small = to_tf32(__uint_as_float(x) - __uint_as_float(big));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(big) : "f"(__uint_as_float(x)));
+    small = __float_as_uint(__uint_as_float(x) - __uint_as_float(big));
 }
 
 // d += a * b for one 16 x 8 x 8 tile of tf32 inputs, float32 accumulation.
@@ -99,14 +95,19 @@ struct MmaOperands<float, kStride> : MmaLaneOffsets<kStride, 4> {
     static __device__ __forceinline__ u32 v_lane(int lane) {
         return (2 * (lane % 4) * kStride + lane / 4) * kElementBytes;
     }
+    // volatile, with a memory clobber: the loads must stay after the barrier
+    // that says V has landed.
     static __device__ __forceinline__ void v_b(u32 (&b)[4], u32 lane_address, int ps, int dp) {
         const u32 address = lane_address + (ps * kKStep * kStride + dp * 16) * kElementBytes;
         constexpr u32 kNextKey = kStride * kElementBytes;
         constexpr u32 kNextTile = 8 * kElementBytes;
-        asm("ld.shared.b32 %0, [%1];\n" : "=r"(b[0]) : "r"(address));
-        asm("ld.shared.b32 %0, [%1];\n" : "=r"(b[1]) : "r"(address + kNextKey));
-        asm("ld.shared.b32 %0, [%1];\n" : "=r"(b[2]) : "r"(address + kNextTile));
-        asm("ld.shared.b32 %0, [%1];\n" : "=r"(b[3]) : "r"(address + kNextTile + kNextKey));
+        asm volatile("ld.shared.b32 %0, [%4];\n\t"
+                     "ld.shared.b32 %1, [%4 + %5];\n\t"
+                     "ld.shared.b32 %2, [%4 + %6];\n\t"
+                     "ld.shared.b32 %3, [%4 + %7];\n"
+                     : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                     : "r"(address), "n"(kNextKey), "n"(kNextTile), "n"(kNextTile + kNextKey)
+                     : "memory");
     }
     template <int kNTiles>
     static __device__ __forceinline__ void p_a(u32 (&a)[4], const float (&s)[kNTiles][4], int ps) {
@@ -115,7 +116,8 @@ struct MmaOperands<float, kStride> : MmaLaneOffsets<kStride, 4> {
         a[2] = __float_as_uint(s[ps][1]);
         a[3] = __float_as_uint(s[ps][3]);
     }
-    // The small cross terms first, into the same float32 accumulator.
+    // The small cross terms first, into the same float32 accumulator; the
+    // two n8 tiles alternate, two independent chains of products.
     template <int kM, int kN, typename AFragment>
     static __device__ __forceinline__ void mma_two_n8_tiles(float (&acc)[kM][kN][4], AFragment&& a,
                                                             const u32 (&b)[4], int n_pair) {
@@ -131,13 +133,14 @@ struct MmaOperands<float, kStride> : MmaLaneOffsets<kStride, 4> {
             for (int i = 0; i < 4; ++i) {
                 split_tf32(a(mt)[i], a_big[i], a_small[i]);
             }
-#pragma unroll
-            for (int tile = 0; tile < 2; ++tile) {
-                float(&d)[4] = acc[mt][2 * n_pair + tile];
-                mma_m16n8k8_tf32(d, a_small, b_big[2 * tile], b_big[2 * tile + 1]);
-                mma_m16n8k8_tf32(d, a_big, b_small[2 * tile], b_small[2 * tile + 1]);
-                mma_m16n8k8_tf32(d, a_big, b_big[2 * tile], b_big[2 * tile + 1]);
-            }
+            float(&d0)[4] = acc[mt][2 * n_pair];
+            float(&d1)[4] = acc[mt][2 * n_pair + 1];
+            mma_m16n8k8_tf32(d0, a_small, b_big[0], b_big[1]);
+            mma_m16n8k8_tf32(d1, a_small, b_big[2], b_big[3]);
+            mma_m16n8k8_tf32(d0, a_big, b_small[0], b_small[1]);
+            mma_m16n8k8_tf32(d1, a_big, b_small[2], b_small[3]);
+            mma_m16n8k8_tf32(d0, a_big, b_big[0], b_big[1]);
+            mma_m16n8k8_tf32(d1, a_big, b_big[2], b_big[3]);
         }
     }
 };

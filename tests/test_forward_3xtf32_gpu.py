@@ -22,11 +22,11 @@ def _cupy():
     return cupy
 
 
-def _chosen(q, k, v, *, fp32_precision):
+def _chosen(q, k, v, out=None, *, fp32_precision, softmax_scale=None):
     cupy = _cupy()
-    out = cupy.empty_like(q)
+    out = cupy.empty_like(q) if out is None else out
     problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), meta_of("out", out), causal=False,
-                            softmax_scale=None, fp32_precision=fp32_precision)
+                            softmax_scale=softmax_scale, fp32_precision=fp32_precision)
     return api.forward_tiling_for(problem, (q, k, v, out))
 
 
@@ -42,8 +42,10 @@ def test_3xtf32_is_opt_in(head_dim, bucket):
 def test_3xtf32_falls_back_to_the_exact_path_where_it_cannot_run():
     cupy = _cupy()
     assert _chosen(*random_qkv(cupy, 2, 33, 40, 4, 2, 20, cupy.float32), fp32_precision="3xtf32").kernel == "simt"
-    sliced = random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.float32, layout="sliced")  # rows not 16-byte aligned
-    assert _chosen(*sliced, fp32_precision="3xtf32").kernel == "simt"
+    q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.float32)
+    misaligned_out = cupy.empty(q.size + 1, dtype=cupy.float32)[1:].reshape(q.shape)  # 4-byte offset
+    assert _chosen(q, k, v, misaligned_out, fp32_precision="3xtf32").kernel == "simt"
+    assert _chosen(q, k, v, softmax_scale=-0.5, fp32_precision="3xtf32").kernel == "simt"
     # 16-bit inputs ignore it
     bf16 = random_qkv(cupy, 2, 33, 40, 4, 2, 64, cupy.dtype("bfloat16"))
     assert _chosen(*bf16, fp32_precision="3xtf32") == _chosen(*bf16, fp32_precision="ieee")
