@@ -34,7 +34,7 @@ MMA_DTYPES = ("float16", "bfloat16")
 #: copies would spill registers (96, 128) the tiles are single-buffered.
 #: tools/kernel_report.py checks that none spills.
 MMA_FORWARD_TILES = {
-    32: (128, 64, 4, 2),
+    32: (64, 64, 4, 2),
     64: (128, 64, 4, 2),
     96: (128, 64, 4, 1),
     128: (128, 64, 4, 1),
@@ -43,15 +43,18 @@ MMA_FORWARD_TILES = {
 }
 #: The same kernel on float32 by 3xTF32 (opt-in: fp32_precision="3xtf32";
 #: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
-#: block_n, warps, K/V buffers). One m16 tile per warp: the float32 tiles
-#: take twice the shared memory of 16-bit ones, and the single-buffered
-#: tiles from 96 up keep Q, K and V within it.
+#: block_n, warps, K/V buffers). Measured on the H100 (seqlen 4096, docs/
+#: perf-notes.md): two m16 tiles per warp at 64 (each K/V
+#: fragment feeds two products), eight warps of one tile above; float32 tiles
+#: take twice the shared memory of 16-bit ones, and every entry stays within
+#: an A100's 163 KiB (256 would run 15-30% faster on the H100 with 128 rows,
+#: at 200 KiB).
 MMA_3XTF32_FORWARD_TILES = {
     32: (64, 64, 4, 2),
-    64: (64, 64, 4, 2),
-    96: (64, 64, 4, 2),
-    128: (64, 64, 4, 1),
-    192: (64, 32, 4, 2),
+    64: (128, 64, 4, 2),
+    96: (128, 64, 8, 1),
+    128: (128, 64, 8, 1),
+    192: (128, 32, 8, 1),
     256: (64, 32, 4, 1),
 }
 #: The float32 dtype the mma.sync forward serves by 3xTF32.
@@ -76,7 +79,7 @@ MMA_BACKWARD_TILES = {
 #: take fewer keys per block. Head dims whose bucket is missing here run on
 #: the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
-    32: (128, 64, 8, 2),
+    32: (64, 64, 4, 2),
     64: (128, 64, 8, 2),
     96: (128, 128, 8, 1),
     128: (128, 128, 8, 1),

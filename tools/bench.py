@@ -193,10 +193,19 @@ def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tupl
     import cuflash
 
     q_t, k_t, v_t = sdpa_inputs
+    float32 = q.dtype == torch.float32
     with torch.no_grad():
         timings = {"cuflash": time_gpu(lambda: cuflash.attention(q, k, v, causal=causal),
                                        calls=calls, repeats=repeats)}
-        for label, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        if float32:  # the opt-in tensor-core path beside the exact one
+            timings["cuflash-3xtf32"] = time_gpu(
+                lambda: cuflash.attention(q, k, v, causal=causal, fp32_precision="3xtf32"), calls=calls,
+                repeats=repeats)
+        # float32: SDPA's flash and cuDNN backends take 16-bit inputs only; its
+        # memory-efficient one is what a float32 user gets.
+        backends = ((("efficient", SDPBackend.EFFICIENT_ATTENTION),) if float32 else
+                    (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)))
+        for label, backend in backends:
             try:
                 with sdpa_kernel(backend):
                     timings[label] = time_gpu(lambda: sdpa(q_t, k_t, v_t, is_causal=causal),
@@ -204,7 +213,7 @@ def measure_point(q, k, v, sdpa_inputs, causal, tilings, calls, repeats) -> tupl
             except RuntimeError as exc:  # backend unavailable for this shape
                 print(f"# {label} unavailable at {tuple(q.shape)} {q.dtype}: {exc}", file=sys.stderr)
         ours = cuflash.attention(q, k, v, causal=causal)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backends[0][1]):
             theirs = sdpa(q_t, k_t, v_t, is_causal=causal).transpose(1, 2)
         deviation = (ours.float() - theirs.float()).abs().max().item()
         timings.update(_time_extra_tilings(q, k, v, causal, tilings, calls, repeats))
@@ -252,9 +261,11 @@ def _row(pass_name, dtype_name, head_dim, causal, seqlen, batch, heads, timings,
            "seqlen": seqlen, "batch": batch, "heads": heads, "flops": flops,
            "max_abs_deviation_from_flash": deviation,
            "ms": timings, "tflops": {name: flops / (ms * 1e9) for name, ms in timings.items()}}
-    for base in ("flash", "cudnn"):
+    for base in ("flash", "cudnn", "efficient"):
         if base in timings:
             row[f"cuflash_over_{base}"] = timings[base] / timings["cuflash"]
+    if "cuflash-3xtf32" in timings and "efficient" in timings:
+        row["cuflash_3xtf32_over_efficient"] = timings["efficient"] / timings["cuflash-3xtf32"]
     if user and "cuflash" in user:
         row["user_ms"] = user
         for base in ("flash", "cudnn"):
@@ -334,7 +345,9 @@ def environment() -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float16"))
+    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float16", "float32"),
+                        help="float32 rows time the exact path and fp32_precision='3xtf32' against SDPA's "
+                             "memory-efficient backend (forward only)")
     parser.add_argument("--seqlens", default=None, help=f"default {','.join(map(str, SEQLENS))}")
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)),
                         help="comma-separated, or 'sweep' for the head-dim sweep (seqlen 4096 by default)")
@@ -396,6 +409,12 @@ def main() -> int:
         if user:
             print(f"bf16 {pass_name} as the user sees it, cuflash/flash: min {min(user):.3f}, "
                   f"median {statistics.median(user):.3f}; points >= 1.0: {sum(r >= 1.0 for r in user)}/{len(user)}")
+    fp32 = [r for r in rows if r["dtype"] == "float32" and r["pass"] == "fwd" and "cuflash_3xtf32_over_efficient" in r]
+    if fp32:
+        for label, key in (("3xtf32", "cuflash_3xtf32_over_efficient"), ("exact", "cuflash_over_efficient")):
+            ratios = [r[key] for r in fp32]
+            print(f"float32 fwd cuflash {label}/SDPA efficient: min {min(ratios):.3f}, "
+                  f"median {statistics.median(ratios):.3f}; points >= 1.0: {sum(x >= 1.0 for x in ratios)}/{len(ratios)}")
     deterministic = [r["ms"]["cuflash"] / r["ms"]["cuflash-deterministic"] for r in rows
                      if r["pass"] == "bwd" and "cuflash-deterministic" in r["ms"]]
     if deterministic:
