@@ -13,7 +13,9 @@ sys.path.insert(0, str(REPO / "tools"))
 
 #: The FlashAttention-2 grid per device kind, and the head-dim sweeps (``*_head_dims.json``).
 SWEEPS = sorted((REPO / "benchmarks").glob("*_head_dims.json"))
-BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS))
+#: float32 forwards (``tools/bench.py --dtype float32``).
+FLOAT32 = sorted((REPO / "benchmarks").glob("*_float32.json"))
+BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32))
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
@@ -69,10 +71,29 @@ def test_head_dim_sweep_rows_are_consistent(path):
             assert r["ms"]["cuflash-deterministic"] > 0
 
 
+@pytest.mark.parametrize("path", FLOAT32, ids=lambda p: p.name)
+def test_float32_rows_are_consistent(path):
+    from bench import HIDDEN, TOKENS, forward_flops
+
+    rows = json.loads(path.read_text())["rows"]
+    assert rows and {r["dtype"] for r in rows} == {"float32"} and {r["pass"] for r in rows} == {"fwd"}
+    assert {(r["head_dim"], r["causal"]) for r in rows} == {(d, c) for d in (32, 64, 96, 128, 192, 256)
+                                                             for c in (False, True)}
+    for r in rows:
+        assert r["batch"] * r["seqlen"] == TOKENS and r["heads"] == HIDDEN // r["head_dim"]
+        assert r["flops"] == forward_flops(r["batch"], r["heads"], r["seqlen"], r["head_dim"], r["causal"])
+        assert set(r["ms"]) == {"cuflash", "cuflash-3xtf32", "efficient"}
+        for backend, ms in r["ms"].items():
+            assert r["tflops"][backend] == pytest.approx(r["flops"] / (ms * 1e9))
+        assert r["cuflash_over_efficient"] == pytest.approx(r["ms"]["efficient"] / r["ms"]["cuflash"])
+        assert r["cuflash_3xtf32_over_efficient"] == pytest.approx(r["ms"]["efficient"] / r["ms"]["cuflash-3xtf32"])
+
+
 def test_benchmarks_md_renders_the_h100_json():
     rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
                                str(REPO / "benchmarks" / "h100.json"), "--head-dims",
-                               str(REPO / "benchmarks" / "h100_head_dims.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_head_dims.json"), "--float32",
+                               str(REPO / "benchmarks" / "h100_float32.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.

@@ -4,11 +4,14 @@ markdown of BENCHMARKS.md, and optionally a PNG of TFLOP/s against seqlen per
 backend (needs matplotlib).
 
   python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png]
-                                [--head-dims benchmarks/h100_head_dims.json] > BENCHMARKS.md
+                                [--head-dims benchmarks/h100_head_dims.json]
+                                [--float32 benchmarks/h100_float32.json] > BENCHMARKS.md
 
 ``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
-backward's cost.
+backward's cost. ``--float32`` adds the float32 forward (``tools/bench.py
+--dtype float32``): the exact path and 3xTF32 against SDPA's
+memory-efficient backend.
 """
 
 from __future__ import annotations
@@ -168,11 +171,36 @@ def draw(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def float32_markdown(result: dict) -> str:
+    """The float32 forward: one row per (head dim, causal, seqlen)."""
+    env, rows = result["environment"], result["rows"]
+    lines = [
+        "## float32 forward", "",
+        f"float32 inputs (batch x seqlen = 16384, heads = 2048 / head_dim), {env['device']}, cuflash commit "
+        f"`{env['commit']}`, {env['date']}; same timing and FLOP convention as above. TFLOP/s of cuflash's exact "
+        "float32 path (the default), of `fp32_precision=\"3xtf32\"` (tensor cores) and of SDPA's "
+        "memory-efficient backend (its flash and cuDNN backends take 16-bit inputs only); the ratios are "
+        "against SDPA.", "",
+        "| head_dim | causal | seqlen | exact | 3xtf32 | SDPA efficient | exact / SDPA | 3xtf32 / SDPA |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["tflops"]
+        lines.append(f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | {r['seqlen']} | {t['cuflash']:.1f} | "
+                     f"{t['cuflash-3xtf32']:.1f} | {t['efficient']:.1f} | {r['cuflash_over_efficient']:.2f} | "
+                     f"{r['cuflash_3xtf32_over_efficient']:.2f} |")
+    fast = [r["cuflash_3xtf32_over_efficient"] for r in rows]
+    exact = [r["cuflash_over_efficient"] for r in rows]
+    lines.append(f"\n3xtf32 / SDPA from {min(fast):.2f} to {max(fast):.2f} (>= 1.00 at {sum(x >= 1.0 for x in fast)} "
+                 f"of {len(fast)} points); exact / SDPA from {min(exact):.2f} to {max(exact):.2f}.")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--head-dims", help="a head-dim sweep's JSON, rendered as its own section")
+    parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -180,6 +208,8 @@ def main() -> int:
     print(markdown(result, args.plot))
     if args.head_dims:
         print(head_dim_markdown(json.loads(Path(args.head_dims).read_text())))
+    if args.float32:
+        print(float32_markdown(json.loads(Path(args.float32).read_text())))
     return 0
 
 
