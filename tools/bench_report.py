@@ -113,7 +113,7 @@ def head_dim_markdown(result: dict) -> str:
         f"Every head dim of common models at seqlen {'/'.join(map(str, seqlens))} (batch x seqlen = 16384, "
         f"heads = 2048 / head_dim), {env['device']}, cuflash commit `{env['commit']}`, {env['date']}; same timing "
         "and FLOP convention as above. TFLOP/s of cuflash / SDPA flash (FlashAttention-2) / SDPA cuDNN; "
-        "\"det.\" is `deterministic=True` (dQ added in key-block order) and its speed relative to the default "
+        "\"det.\" is `deterministic=True` (dQ added in a fixed order) and its speed relative to the default "
         "backward.", "",
         "| dtype | head_dim | causal | fwd TFLOP/s | fwd / flash | bwd TFLOP/s | bwd / flash | det. TFLOP/s | "
         "det. / default |",
