@@ -125,8 +125,10 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         const u32 buffer_offset = buffer * Traits::kQTileBytes;
         // Ordered dQ: this key block's turn in the dQ block's additions,
         // worked out while the mask's lengths are live anyway (one value
-        // kept to the wait instead of three; the d96 causal variant spilled).
-        const int turn = kOrderedDq ? dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN) : 0;
+        // kept to the wait instead of three), by thread 0 alone, which polls
+        // (the d96 and d128 causal variants spilled otherwise).
+        const int turn =
+            kOrderedDq && thread == 0 ? dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN) : 0;
 
         // S^T = K Q^T and dP^T = V dO^T.
         float s[1][kQTiles][4];
