@@ -481,7 +481,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
                   aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, zeroed dQ
     accumulator and turn counters), dK/dV (dQ added with atomics, added in
-    key-block order, or left to the deterministic dQ pass), then dQ
+    a fixed order (dq_turn), or left to the deterministic dQ pass), then dQ
     conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
     layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
     be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``

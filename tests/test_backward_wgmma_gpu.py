@@ -1,7 +1,7 @@
 """The Hopper backward dK/dV kernel (wgmma, sm_90a): which calls take it, and
 its sizes. The backward grid of test_backward_gpu.py runs through it for
 float16/bfloat16 at every head dim a multiple of 8 up to 256 on Hopper, deterministic
-or not (dQ added in key-block order); the SIMT backward keeps the other
+or not (dQ added in a fixed order); the SIMT backward keeps the other
 cases and (tested here with the generation pinned to sm_80) what an Ampere
 GPU runs."""
 
@@ -42,7 +42,7 @@ def test_hopper_backward_takes_wgmma_for_its_head_dims(dtype, head_dim, kernel):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
     assert _chosen(q, k, v).kernel == kernel
-    # Deterministic: the same kernel with dQ added in key-block order.
+    # Deterministic: the same kernel with dQ added in a fixed order (dq_turn).
     assert _chosen(q, k, v, deterministic=True).kernel == kernel
 
 

@@ -177,7 +177,7 @@ def _relative_error(got, want) -> float:
 @pytest.mark.parametrize("dtype,head_dim,deterministic,force_mma", [
     ("bfloat16", 64, False, False),  # Hopper: wgmma forward and backward
     ("float16", 128, False, False),  # Hopper: wgmma forward and backward, other tiles
-    ("bfloat16", 64, True, True),  # mma.sync forward; Hopper dK/dV with dQ added in key-block order
+    ("bfloat16", 64, True, True),  # mma.sync forward; Hopper dK/dV with dQ added in a fixed order
     ("float16", 96, True, False),  # mma.sync forward; SIMT dK/dV and the deterministic dQ pass
     ("bfloat16", 96, False, False),  # mma.sync forward, SIMT backward with atomic dQ
     ("float32", 48, False, False),  # SIMT forward and backward, padded head dim

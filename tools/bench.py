@@ -237,7 +237,7 @@ def measure_backward(q, k, v, sdpa_inputs, causal, calls, repeats, deterministic
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     timings = {"cuflash": time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal),
                                    calls=calls, repeats=repeats)}
-    if deterministic:  # dQ added in key-block order (Hopper), or the SIMT passes elsewhere
+    if deterministic:  # dQ added in a fixed order (tensor-core kernels), or the SIMT passes elsewhere
         timings["cuflash-deterministic"] = time_gpu(
             lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True),
             calls=calls, repeats=repeats)
