@@ -22,20 +22,21 @@ import torch
 
 from . import api
 from ._interop import dense_strides_like
-from ._validation import check_causal, check_deterministic, resolve_softmax_scale
+from ._validation import check_causal, check_deterministic, check_fp32_precision, resolve_softmax_scale
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
 
 
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                deterministic: bool, fp32_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``deterministic`` is only carried to the backward."""
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                         fp32_precision=fp32_precision)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, causal, softmax_scale, deterministic):
+def _forward_fake(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     # The real op lays out out like q (see cuflash._interop.dense_strides_like)
     # and returns a C-contiguous log-sum-exp.
@@ -64,7 +65,7 @@ def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, causal, softmax_scale, deterministic, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal = causal
@@ -78,7 +79,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
                                                       ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -89,8 +90,9 @@ class _AttentionFunction(torch.autograd.Function):
     inputs, output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    def forward(ctx, q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                                 fp32_precision=fp32_precision)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         return out
@@ -103,7 +105,7 @@ class _AttentionFunction(torch.autograd.Function):
             dout = dout.contiguous()  # an expanded gradient (from a .sum()); see _backward_op
         dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, causal=ctx.causal,
                                             softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 #: How eager calls reach the kernels: "function" (``torch.autograd.Function``)
@@ -113,17 +115,26 @@ class _AttentionFunction(torch.autograd.Function):
 EAGER_ROUTE = "function"
 
 
-def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None):
+def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp32_precision="ieee"):
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
     if route == "custom_op" or torch.compiler.is_compiling():
         _check_cuda_tensors(q, k, v)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
-        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, deterministic)[0]
+        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, deterministic,
+                                                   check_fp32_precision(fp32_precision))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic)
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic, fp32_precision)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, fp32_precision=fp32_precision)
+
+
+def _float32_precision_of_torch() -> str:
+    """The float32 arithmetic the drop-ins use: 3xTF32 where the user has
+    let PyTorch's float32 matmuls use TF32 (``torch.set_float32_matmul_precision``
+    "high" or "medium": 3xTF32 is more accurate than either allows), the
+    exact path at "highest" (PyTorch's default)."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "3xtf32"
 
 
 def _check_cuda_tensors(*tensors):
@@ -134,24 +145,28 @@ def _check_cuda_tensors(*tensors):
             raise TypeError(f"{name} must be a CUDA tensor, got a torch.Tensor on device '{tensor.device}'")
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for PyTorch tensors.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
     head_dim), nheads_k dividing nheads. Causal masking is bottom-right
-    aligned (FlashAttention-2). Returns the output (batch, seqlen_q, nheads,
-    head_dim); gradients flow to q, k and v through cuflash's backward.
+    aligned (FlashAttention-2). ``fp32_precision`` as for ``cuflash.attention``
+    (float32 forward; the backward is exact float32). Returns the output
+    (batch, seqlen_q, nheads, head_dim); gradients flow to q, k and v through
+    cuflash's backward.
     """
-    return _forward(q, k, v, causal, softmax_scale)
+    return _forward(q, k, v, causal, softmax_scale, fp32_precision=fp32_precision)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
     (batch, heads, seqlen, dim) CUDA tensors: the layout change is a view,
-    no copy. Not supported yet (``NotImplementedError``): ``attn_mask``,
-    ``dropout_p > 0``, and ``is_causal`` with seqlen_q != seqlen_k (PyTorch
-    aligns that mask to the top-left corner, cuflash to the bottom-right)."""
+    no copy. float32 inputs take 3xTF32 where ``torch.get_float32_matmul_precision()``
+    allows TF32 ("high", "medium"), the exact path at "highest". Not supported
+    yet (``NotImplementedError``): ``attn_mask``, ``dropout_p > 0``, and
+    ``is_causal`` with seqlen_q != seqlen_k (PyTorch aligns that mask to the
+    top-left corner, cuflash to the bottom-right)."""
     unsupported = []
     if attn_mask is not None:
         unsupported.append("attn_mask")
@@ -174,7 +189,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             "is_causal with different query and key lengths: PyTorch's SDPA aligns the mask to the top-left "
             "corner, cuflash to the bottom-right; use cuflash.torch.attention(causal=True) for the latter"
         )
-    out = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale)
+    precision = _float32_precision_of_torch() if query.dtype == torch.float32 else "ieee"
+    out = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale,
+                   fp32_precision=precision)
     return out.transpose(1, 2)
 
 

@@ -75,11 +75,49 @@ def test_torch_opcheck():
     q, k, v = _qkv(torch, (1, 64, 4, 32), (1, 80, 2, 32), torch.bfloat16)
     for x in (q, k, v):
         x.requires_grad_()
-    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.2, False))
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, True, 0.2, False)
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.2, False, "ieee"))
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q32, k32, v32, True, 0.2, False, "3xtf32"))
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, True, 0.2, False, "ieee")
     # The backward op takes plain tensors (no double backward through cuflash).
     torch.library.opcheck(torch.ops.cuflash.attention_backward.default,
                           (torch.randn_like(out), *(x.detach() for x in (q, k, v, out, lse)), True, 0.2, False))
+
+
+@pytest.mark.parametrize("route", ["function", "custom_op"])
+def test_torch_float32_3xtf32_forward_and_exact_backward(route):
+    """cuflash.torch.attention(fp32_precision="3xtf32") on both eager routes:
+    forward and gradients within the float32 bound of float64."""
+    torch, ct = _torch(), _ct()
+    q, k, v = _qkv(torch, (2, 200, 4, 64), (2, 300, 2, 64), torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = ct._forward(q, k, v, True, None, route=route, fp32_precision="3xtf32")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    arrays = [x.detach().double().cpu().numpy() for x in (q, k, v, dout)]
+    ref_out, _ = attention_reference(*arrays[:3], causal=True)
+    assert_output_accurate(out.detach(), ref_out)
+    exact = ct.attention(q.detach(), k.detach(), v.detach(), causal=True)
+    assert not bool((exact == out.detach()).all())  # the tensor-core path ran
+    for got, want in zip((q.grad, k.grad, v.grad), attention_backward_reference(arrays[3], *arrays[:3], causal=True)):
+        assert_output_accurate(got, want)
+
+
+def test_torch_sdpa_drop_in_takes_3xtf32_where_torch_allows_tf32():
+    torch, ct = _torch(), _ct()
+    q, k, v = _qkv(torch, (1, 128, 4, 64), (1, 128, 4, 64), torch.float32)
+    sdpa_layout = [x.transpose(1, 2) for x in (q, k, v)]
+    ref_out, _ = attention_reference(*(x.double().cpu().numpy() for x in (q, k, v)), causal=True)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        results = {}
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            results[precision] = ct.scaled_dot_product_attention(*sdpa_layout, is_causal=True).transpose(1, 2)
+            assert_output_accurate(results[precision], ref_out)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert not bool((results["highest"] == results["high"]).all())  # two kernels, not one
 
 
 def test_torch_compile_fullgraph():
