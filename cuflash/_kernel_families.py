@@ -32,6 +32,7 @@ from ._tiling import (
     mma_backward_applies,
     mma_backward_tiling,
     mma_forward_applies,
+    mma_forward_hopper_tiling,
     mma_forward_tiling,
     wgmma_backward_applies,
     wgmma_forward_applies,
@@ -109,6 +110,9 @@ class KernelFamily:
     #: tiling -> (template arguments after Mask and Score, key suffix) of the
     #: tile choices beyond the common ones (K/V buffers, blocks per SM)
     tile_args: Callable[[Tiling], tuple[tuple[str, ...], str]] = lambda tiling: ((), "")
+    #: (dtype, head_dim) -> its tiles on Hopper where they differ from
+    #: ``tiles`` (more shared memory per block than an A100's), else None
+    hopper_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -182,9 +186,16 @@ class KernelFamily:
             smem_bytes=self.smem_bytes(tiling, dtype_name),
         )
 
+    def tiles_on(self, dtype_name: str, head_dim: int, generation: int) -> Tiling:
+        """Its tiles for (dtype, head_dim) on a device of this kernel generation."""
+        hopper = self.hopper_tiles(dtype_name, head_dim) if generation == 90 else None
+        return hopper or self.tiles(dtype_name, head_dim)
+
     def compiled_tilings(self) -> list[tuple[str, Tiling]]:
-        """(dtype, tiling) of every head-dim bucket it is compiled for."""
-        return [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in self.head_dims]
+        """(dtype, tiling) of every head-dim bucket it is compiled for, Hopper's own tiles included."""
+        tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in self.head_dims]
+        return tilings + [(dtype, hopper) for dtype in self.dtypes for head_dim in self.head_dims
+                          if (hopper := self.hopper_tiles(dtype, head_dim)) is not None]
 
 
 def _any_head_dim(dtype_name: str, head_dim: int) -> bool:
@@ -206,7 +217,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  arch="sm_80", kernel="mma", dtypes=MMA_DTYPES + (MMA_3XTF32_DTYPE,),
                  head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,
                  serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
-                 tf32x3_dtypes=(MMA_3XTF32_DTYPE,),
+                 tf32x3_dtypes=(MMA_3XTF32_DTYPE,), hopper_tiles=mma_forward_hopper_tiling,
                  tile_args=lambda t: ((str(t.kv_stages),), f"/kv{t.kv_stages}")),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
@@ -254,5 +265,5 @@ def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **co
     of kernel ``generation``."""
     for family in FAMILIES:
         if family.role == role and family.applies(dtype_name, head_dim, generation, **conditions):
-            return family.tiles(dtype_name, head_dim)
+            return family.tiles_on(dtype_name, head_dim, generation)
     raise ValueError(f"no {role} kernel serves dtype {dtype_name!r} with head_dim {head_dim}")

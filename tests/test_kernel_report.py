@@ -31,7 +31,8 @@ def test_every_variant_compiles_and_is_reported():
             # The SIMT kernels are not the fast path; a few bytes of spill in a
             # few of them are tolerated here (see the closing notes), not more.
             assert row["spill_stores"] <= 64, row
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 36  # float16, bfloat16, float32 (3xTF32)
+    # float16, bfloat16, float32 (3xTF32), and float32's Hopper tile at 256
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 38
     # head dims 32/64/96/128/192/256; two dtypes, two masks
     assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 24
     assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 48  # atomic and ordered dQ

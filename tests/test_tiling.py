@@ -352,3 +352,15 @@ def test_masks_name_a_dq_order_their_structs_have():
         body = source[source.index(f"struct {struct} "):]
         body = body[:body.index("\n};")]
         assert f"kDqTurns = DqTurns::{cxx_names[policy.dq_turns]};" in body, policy.name
+
+
+def test_3xtf32_takes_hopper_tiles_where_they_differ():
+    """float32 at head dim 256: 64 rows within an A100's 163 KiB, 128 rows
+    on Hopper; elsewhere one table serves both."""
+    a100 = select("forward", "float32", 256, 80, tf32x3=True)
+    h100 = select("forward", "float32", 256, 90, tf32x3=True)
+    assert (a100.block_m, h100.block_m) == (64, 128)
+    assert a100.forward_smem_bytes("float32") <= 163 * 1024 < h100.forward_smem_bytes("float32") <= MAX_SMEM_BYTES
+    assert select("forward", "float32", 128, 90, tf32x3=True) == select("forward", "float32", 128, 80, tf32x3=True)
+    assert all(t.forward_smem_bytes("float32") <= 163 * 1024 for t in
+               (select("forward", "float32", d, 80, tf32x3=True) for d in (32, 64, 96, 128, 192, 256)))
