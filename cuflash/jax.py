@@ -32,6 +32,7 @@ from ._validation import (
     check_causal,
     check_deterministic,
     check_forward,
+    check_fp32_precision,
     contiguous_strides,
 )
 
@@ -46,22 +47,25 @@ __all__ = ["attention", "JIT_SUPPORTED"]
 JIT_SUPPORTED = buffer_callback is not None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for JAX arrays, eager or traced.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
     head_dim), nheads_k dividing nheads; float16, bfloat16 or float32 on a
     CUDA GPU. Causal masking is bottom-right aligned. ``deterministic``: the
     backward's dq is bitwise repeatable (as ``cuflash.attention_backward``).
+    ``fp32_precision``: as for ``cuflash.attention`` (float32 forward; the
+    backward is exact float32).
     Returns the output (batch, seqlen_q, nheads, head_dim); gradients flow to
     q, k and v through cuflash's backward.
     """
     causal, deterministic = check_causal(causal), check_deterministic(deterministic)
+    fp32_precision = check_fp32_precision(fp32_precision)
     if not JIT_SUPPORTED:
-        return _eager(q, k, v, causal, softmax_scale, deterministic)
+        return _eager(q, k, v, causal, softmax_scale, deterministic, fp32_precision)
     problem = check_forward(*(_meta(name, x) for name, x in (("q", q), ("k", k), ("v", v))), None,
                             causal=causal, softmax_scale=softmax_scale)
-    return _attention(q, k, v, causal, problem.softmax_scale, deterministic)
+    return _attention(q, k, v, causal, problem.softmax_scale, deterministic, fp32_precision)
 
 
 def _meta(name: str, x) -> TensorMeta:
@@ -87,17 +91,17 @@ def _check_platform(name: str, x) -> None:
 
 # --- traced route: buffer_callback ---
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, softmax_scale, deterministic):
-    return _forward_call(q, k, v, causal, softmax_scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _attention(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+    return _forward_call(q, k, v, causal, softmax_scale, fp32_precision)[0]
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale, deterministic):
-    out, lse = _forward_call(q, k, v, causal, softmax_scale)
+def _attention_fwd(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+    out, lse = _forward_call(q, k, v, causal, softmax_scale, fp32_precision)
     return out, (q, k, v, out, lse)
 
 
-def _attention_bwd(causal, softmax_scale, deterministic, residuals, dout):
+def _attention_bwd(causal, softmax_scale, deterministic, fp32_precision, residuals, dout):
     q, k, v, out, lse = residuals
     dq, dk, dv = _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)[:3]
     return dq, dk, dv
@@ -110,10 +114,11 @@ def _shape_dtype(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _forward_call(q, k, v, causal, softmax_scale):
+def _forward_call(q, k, v, causal, softmax_scale, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     results = (_shape_dtype(q.shape, q.dtype), _shape_dtype((batch, nheads, seqlen_q), np.float32))
-    return buffer_callback(_forward_callback(causal, softmax_scale), results, vmap_method="broadcast_all")(q, k, v)
+    callback = _forward_callback(causal, softmax_scale, fp32_precision)
+    return buffer_callback(callback, results, vmap_method="broadcast_all")(q, k, v)
 
 
 def _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
@@ -131,10 +136,11 @@ def _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic
 # the primitive, so a fresh closure per call would recompile every eager call.
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(causal: bool, softmax_scale: float):
+def _forward_callback(causal: bool, softmax_scale: float, fp32_precision: str):
     def callback(ctx, outputs, q, k, v):
         out, lse = outputs
-        _launch(("forward", causal, softmax_scale), ctx.stream, [q, k, v, out, lse], api.FORWARD_ARRAYS)
+        _launch(("forward", causal, softmax_scale, fp32_precision), ctx.stream, [q, k, v, out, lse],
+                api.FORWARD_ARRAYS)
     return callback
 
 
@@ -215,9 +221,9 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
     layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()
                if name != "dq_semaphore"}
     if flags[0] == "forward":
-        _, causal, scale = flags
+        _, causal, scale, fp32_precision = flags
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,
-                                softmax_scale=scale, lse=metas["lse"])
+                                softmax_scale=scale, lse=metas["lse"], fp32_precision=fp32_precision)
         return api.forward_plan(problem, layouts, aligned=aligned)
     _, causal, scale, deterministic = flags
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
@@ -227,17 +233,18 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
 
 # --- eager route for a JAX without buffer_callback ---
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _eager(q, k, v, causal, softmax_scale, deterministic):
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _eager(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, fp32_precision=fp32_precision)
 
 
-def _eager_fwd(q, k, v, causal, softmax_scale, deterministic):
-    out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+def _eager_fwd(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+    out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                             fp32_precision=fp32_precision)
     return out, (q, k, v, out, lse)
 
 
-def _eager_bwd(causal, softmax_scale, deterministic, residuals, dout):
+def _eager_bwd(causal, softmax_scale, deterministic, fp32_precision, residuals, dout):
     q, k, v, out, lse = residuals
     return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                   deterministic=deterministic)

@@ -349,6 +349,30 @@ def test_jax_custom_vjp_gradients():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_jax_float32_3xtf32_forward_under_jit():
+    """cuflash.jax.attention(fp32_precision="3xtf32"), eager and jitted:
+    the tensor-core forward (bitwise what cuflash.attention gives with the
+    same flag, not what the exact path gives), within the float32 bound of
+    float64; gradients through the exact backward."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.jax as cj
+
+    q, k, v = _jax_qkv((2, 130, 4, 64), (2, 140, 2, 64), jnp.float32, seed=3)
+    direct = np.asarray(cuflash.attention(q, k, v, causal=True, fp32_precision="3xtf32"))
+    exact = np.asarray(cuflash.attention(q, k, v, causal=True))
+    eager = np.asarray(cj.attention(q, k, v, causal=True, fp32_precision="3xtf32"))
+    jitted = np.asarray(jax.jit(lambda q, k, v: cj.attention(q, k, v, causal=True, fp32_precision="3xtf32"))(q, k, v))
+    assert np.array_equal(eager, direct) and np.array_equal(jitted, direct) and not np.array_equal(direct, exact)
+    arrays = [np.asarray(x, dtype=np.float64) for x in (q, k, v)]
+    assert_output_accurate(jitted, attention_reference(*arrays, causal=True)[0])
+    grads = jax.jit(jax.grad(lambda q: jnp.sum(cj.attention(q, k, v, causal=True, fp32_precision="3xtf32"))))(q)
+    assert not np.isnan(np.asarray(grads)).any()
+    with pytest.raises(ValueError, match="fp32_precision must be one of"):
+        cj.attention(q, k, v, fp32_precision="tf32")
+
+
 def _jax_qkv(shape_q, shape_kv, dtype, seed=0):
     jax = pytest.importorskip("jax")
     keys = jax.random.split(jax.random.PRNGKey(seed), 3)
