@@ -324,23 +324,25 @@ def test_params_pack_requires_every_field():
     assert np.dtype(FORWARD_PARAMS).isalignedstruct
 
 
-@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,rotated", [
+@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,resident", [
     ("none", "ordered", 32, 32, 132, True),
     ("none", "ordered", 64, 32, 132, True),     # more query blocks than key blocks: each still starts on its own
     ("none", "ordered", 16, 32, 132, False),    # fewer: two key blocks would start on one query block
     ("none", "ordered", 256, 133, 132, False),  # one head's key blocks may not all be running at once
     ("none", "ordered", 132, 132, 132, True),
     ("none", "atomic", 32, 32, 132, False),     # no turns to order
-    ("causal", "ordered", 32, 32, 132, False),  # its own order, chain-free without rotation
+    ("causal", "ordered", 32, 32, 132, True),   # longest walks first
+    ("causal", "ordered", 16, 32, 132, True),   # (any number of query blocks)
+    ("causal", "ordered", 256, 133, 132, False),  # last key blocks first: every awaited block dispatched earlier
 ])
-def test_rotate_walks_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks, multiprocessors,
-                                                          rotated):
+def test_ordered_dq_relies_on_residency_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks,
+                                                                           multiprocessors, resident):
     from types import SimpleNamespace
 
-    from cuflash.api import rotate_walks
+    from cuflash.api import whole_head_resident
 
     problem = SimpleNamespace(mask=MASKS[mask])
-    assert rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is rotated
+    assert whole_head_resident(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is resident
 
 
 def test_masks_name_a_dq_order_their_structs_have():
