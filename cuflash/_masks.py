@@ -37,7 +37,7 @@ class MaskPolicy:
     #: the deterministic backward's order of dQ additions (C++ ``kDqTurns``,
     #: kernels_cu/masks.cuh): "key-block-order" (any mask), "last-key-first"
     #: (causal, bands), "rotated" (no mask; the launcher decides whether the
-    #: walks rotate, ``cuflash.api.whole_head_resident``)
+    #: walks rotate, ``cuflash.api.rotate_walks``)
     dq_turns: str = "key-block-order"
 
     def rule(self, rows, keys, seqlen_q: int, seqlen_k: int):

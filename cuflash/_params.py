@@ -49,7 +49,7 @@ BACKWARD_PARAMS = np.dtype(
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("num_n_blocks", _INDEX),
-        ("whole_head_resident", _INDEX),
+        ("rotate_walks", _INDEX),
         ("softmax_scale_log2", np.float64),
         ("softmax_scale", np.float64),
     ],

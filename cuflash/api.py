@@ -462,23 +462,19 @@ def _multiprocessor_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
-def whole_head_resident(problem: AttentionProblem, dq_mode: str, num_m_blocks: int, num_n_blocks: int,
-                        multiprocessors: int) -> bool:
-    """Whether the ordered dQ of a backward may wait for key blocks
-    dispatched after the waiting one (``dq_turn`` in
-    kernels_cu/backward_steps.cuh): only where one head's key blocks fit on
-    the GPU at once, counted as one block per multiprocessor whatever the
-    occupancy, so that all of them are running. Then without a mask
-    (``dq_turns == "rotated"``, and at least as many query blocks as key
-    blocks, each key block starting on its own) the walks rotate, and with a
-    causal one (``"last-key-first"``) the grid hands out the longest walks
-    first. Otherwise the walks all start on the first query block, key block
-    j waiting there for the j before it (no mask: a chain at the start), and
-    a causal grid hands out the last key blocks first (short walks first):
-    slower, never stuck."""
-    turns = problem.mask.dq_turns
-    return (dq_mode == "ordered" and num_n_blocks <= multiprocessors
-            and (turns == "last-key-first" or turns == "rotated" and num_m_blocks >= num_n_blocks))
+def rotate_walks(problem: AttentionProblem, dq_mode: str, num_m_blocks: int, num_n_blocks: int,
+                 multiprocessors: int) -> bool:
+    """Whether the ordered dQ of a backward rotates the key blocks' walks
+    (``dq_turn`` in kernels_cu/backward_steps.cuh): for a mask that allows
+    it (``dq_turns == "rotated"``: no mask), with at least as many query
+    blocks as key blocks (each key block starts on its own query block), and
+    only where one head's key blocks fit on the GPU at once, counted as one
+    block per multiprocessor whatever the occupancy: the first key block's
+    turns wait for the last key block, so all of them must be running. Past
+    that the walks all start on the first query block and key block j waits
+    there for the j before it (a chain at the start: slower, never stuck)."""
+    return (dq_mode == "ordered" and problem.mask.dq_turns == "rotated"
+            and num_m_blocks >= num_n_blocks and num_n_blocks <= multiprocessors)
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
@@ -499,8 +495,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     rows = problem.batch * problem.seqlen_q * problem.nheads
     num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
-    resident = whole_head_resident(problem, dq_mode, num_m_blocks, num_n_blocks,
-                                   _multiprocessor_count(problem.device))
+    rotated = rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device))
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
@@ -512,7 +507,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         num_n_blocks=num_n_blocks,
-        whole_head_resident=int(resident),
+        rotate_walks=int(rotated),
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
     )

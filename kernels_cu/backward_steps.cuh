@@ -54,16 +54,14 @@ struct QueryBlockWalk {
 //  - kLastKeyFirst: the last key block the query block sees goes first, then
 //    each earlier one. Each key block walks from the first query block that
 //    sees it, where its turn is 0; key block j waits only for j + 1, a step
-//    ahead of it. Where one head's key blocks all fit on the GPU
-//    (params.whole_head_resident) the grid hands out the longest walks first,
-//    as the default does; elsewhere the last key blocks first (key_block), so
-//    that every awaited block was dispatched earlier.
-//  - kRotated, with params.whole_head_resident (num_m_blocks >= num_n_blocks): key
+//    ahead of it, and the grid dispatches the last key blocks first
+//    (key_block<true>), so every awaited block was dispatched earlier.
+//  - kRotated, with params.rotate_walks (num_m_blocks >= num_n_blocks): key
 //    block j starts on query block j; the key blocks reach query block i in
 //    the order j = i, i - 1, ..., wrapping round through the last key block,
 //    and that is their order. Key block 0 waits for the last one, so one
 //    head's key blocks must all be running at once: the launcher rotates
-//    only where they fit (cuflash/api.py, whole_head_resident).
+//    only where they fit (cuflash/api.py, rotate_walks).
 //  - Otherwise key-block order: every walk starts on its first query block,
 //    and key block j waits there for each block before it.
 template <typename Mask>
@@ -73,7 +71,7 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& p
     if constexpr (Mask::kDqTurns == DqTurns::kLastKeyFirst) {
         return keys.end - 1 - n_block;
     } else {
-        if (Mask::kDqTurns == DqTurns::kRotated && params.whole_head_resident) {
+        if (Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks) {
             // Steps key block n_block takes to reach m_block; the key blocks
             // that reach it sooner started on the query blocks
             // (n_block, n_block + steps], counted round the circle.
@@ -91,15 +89,7 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& p
 // it sees (QueryBlockWalk's rotation): its own index where dq_turn rotates.
 template <typename Mask>
 __device__ __forceinline__ int walk_rotation(const BackwardParams& params, int n_block) {
-    return Mask::kDqTurns == DqTurns::kRotated && params.whole_head_resident ? n_block : 0;
-}
-
-// Whether the grid hands out this backward's last key blocks first: the
-// ordered dQ of kLastKeyFirst where a head's key blocks may not all run at
-// once (key block j waits for j + 1; see dq_turn).
-template <typename Mask, bool kOrderedDq>
-__device__ __forceinline__ bool last_key_blocks_first(const BackwardParams& params) {
-    return kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst && !params.whole_head_resident;
+    return Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks ? n_block : 0;
 }
 
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start

@@ -62,18 +62,18 @@ struct KeyBlock {
     int n_block, n_start;
 };
 
-// This block's key tile; with last_first the last tiles are handed out
+// This block's key tile; with kLastFirst the last tiles are handed out
 // first (the ordered dQ of a causal mask, where key block j waits for
 // j + 1: see dq_turn in backward_steps.cuh).
-__device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t num_n_blocks, int block_n,
-                                              bool last_first = false) {
+template <bool kLastFirst = false>
+__device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t num_n_blocks, int block_n) {
     const BlockCoordinates c = block_coordinates(num_n_blocks, size.nheads_k);
     KeyBlock block;
     block.batch = c.batch;
     block.kv_head = c.head;
     block.group = size.nheads / size.nheads_k;
     block.first_head = c.head * block.group;
-    block.n_block = last_first ? counted_from_end(c.tile, num_n_blocks) : c.tile;
+    block.n_block = kLastFirst ? counted_from_end(c.tile, num_n_blocks) : c.tile;
     block.n_start = block.n_block * block_n;
     return block;
 }

@@ -45,8 +45,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     Element* const ds_tile = shared_tile<Element>(Traits::kDs);
     float* const stats = shared_tile<float>(Traits::kStats);
 
-    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN,
-                                     last_key_blocks_first<Mask, kOrderedDq>(params));
+    const KeyBlock block =
+        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 

@@ -67,8 +67,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const u32 do_smem = base + Traits::kDo;
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
-    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN,
-                                     last_key_blocks_first<Mask, kOrderedDq>(params));
+    const KeyBlock block =
+        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 

@@ -51,8 +51,7 @@ namespace cuflash {
 //   kRotated         needs every row to see every key: each key block starts
 //                    its walk on its own query block; no chain, where the
 //                    launcher finds that one head's key blocks fit on the GPU
-//                    at once (params.whole_head_resident), key-block order
-//                    otherwise
+//                    at once (params.rotate_walks), key-block order otherwise
 enum class DqTurns { kKeyBlockOrder, kLastKeyFirst, kRotated };
 
 // Blocks [begin, end); empty when end <= begin.

@@ -71,10 +71,7 @@ struct BackwardParams {
     int* dq_semaphore;  // ordered mode: per (batch, head, query block) the key blocks that added their dQ
     ProblemSize size;
     index_t num_m_blocks, num_n_blocks;
-    // Ordered dQ: 1 where one head's key blocks all run at once (the launcher
-    // checked that they fit), so turns may wait for blocks dispatched later:
-    // rotated walks without a mask, longest work first with a causal one (dq_turn).
-    index_t whole_head_resident;
+    index_t rotate_walks;  // 1: key block j walks a head's query blocks from j (QueryBlockWalk, dq_turn)
     double softmax_scale_log2;  // softmax_scale * log2(e)
     double softmax_scale;
 

@@ -101,44 +101,40 @@ def test_wgmma_deterministic_backward_is_bitwise_repeatable(head_dim, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("resident", [True, False], ids=["whole-head-resident", "not-resident"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("rotated", [True, False], ids=["rotated-walks", "key-block-order"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(1000, 1000, (4, 4)), (2049, 1000, (6, 2)), (300, 129, (4, 1))])
-def test_wgmma_deterministic_backward_in_both_orders(resident, causal, head_dim, seqlen_q, seqlen_k, heads,
-                                                      monkeypatch):
-    """Ordered dQ takes one of two orders per mask (dq_turn in
-    kernels_cu/backward_steps.cuh): where one head's key blocks fit on the
-    GPU at once, rotated walks (no mask) or the longest walks first
-    (causal); where they may not (pinned here by the multiprocessor count
-    the launcher sees), key-block order or the last key blocks first. Each
-    is checked against the float64 reference and for bitwise repeatability."""
-    orders = pin_ordered_dq_order(monkeypatch, resident)
+def test_wgmma_deterministic_backward_in_both_orders(rotated, head_dim, seqlen_q, seqlen_k, heads, monkeypatch):
+    """Ordered dQ without a mask takes one of two orders (dq_turn in
+    kernels_cu/backward_steps.cuh): rotated walks where one head's key blocks
+    fit on the GPU at once, key-block order where they may not (pinned here
+    by the multiprocessor count the launcher sees); each is checked against
+    the float64 reference and for bitwise repeatability."""
+    orders = pin_ordered_dq_order(monkeypatch, rotated)
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
     assert _chosen(q, k, v, deterministic=True).kernel == "wgmma"
-    run_backward_and_check(q, k, v, causal=causal, deterministic=True, seed=seqlen_k)
-    assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal)
-    assert orders["ordered"] and set(orders["ordered"]) == {resident}
+    run_backward_and_check(q, k, v, causal=False, deterministic=True, seed=seqlen_k)
+    assert_deterministic_backward_is_bitwise_repeatable(q, k, v, False)
+    assert orders["ordered"] and set(orders["ordered"]) == {rotated}
 
 
-def pin_ordered_dq_order(monkeypatch, resident: bool) -> dict:
-    """Makes the launcher see room on the GPU for any number of key blocks
-    (``resident``) or for none, from a fresh plan cache: the ordered dQ then
-    takes its order for whole heads resident where the shape allows it, or
-    never. Returns dq mode -> what the plans made since decided (True:
-    whole heads resident)."""
+def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
+    """Makes the launcher rotate the walks of every ordered-dQ backward that
+    may rotate (``rotated``: as if the GPU had room for any number of key
+    blocks), or of none (as if it had none), from a fresh plan cache.
+    Returns dq mode -> the orders the plans made since took (True: rotated)."""
     from cuflash._launch import PlanCache
 
     taken = {"ordered": [], "atomic": []}
-    decide = api.whole_head_resident
+    decide = api.rotate_walks
 
     def recorded(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors):
-        decided = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if resident else 0)
-        taken.setdefault(dq_mode, []).append(decided)
-        return decided
+        rotate = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
+        taken.setdefault(dq_mode, []).append(rotate)
+        return rotate
 
-    monkeypatch.setattr(api, "whole_head_resident", recorded)
+    monkeypatch.setattr(api, "rotate_walks", recorded)
     monkeypatch.setattr(api, "plans", PlanCache())
     return taken
 

@@ -324,25 +324,23 @@ def test_params_pack_requires_every_field():
     assert np.dtype(FORWARD_PARAMS).isalignedstruct
 
 
-@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,resident", [
+@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,rotated", [
     ("none", "ordered", 32, 32, 132, True),
     ("none", "ordered", 64, 32, 132, True),     # more query blocks than key blocks: each still starts on its own
     ("none", "ordered", 16, 32, 132, False),    # fewer: two key blocks would start on one query block
     ("none", "ordered", 256, 133, 132, False),  # one head's key blocks may not all be running at once
     ("none", "ordered", 132, 132, 132, True),
     ("none", "atomic", 32, 32, 132, False),     # no turns to order
-    ("causal", "ordered", 32, 32, 132, True),   # longest walks first
-    ("causal", "ordered", 16, 32, 132, True),   # (any number of query blocks)
-    ("causal", "ordered", 256, 133, 132, False),  # last key blocks first: every awaited block dispatched earlier
+    ("causal", "ordered", 32, 32, 132, False),  # its own order, chain-free without rotation
 ])
-def test_ordered_dq_relies_on_residency_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks,
-                                                                           multiprocessors, resident):
+def test_rotate_walks_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks, multiprocessors,
+                                                          rotated):
     from types import SimpleNamespace
 
-    from cuflash.api import whole_head_resident
+    from cuflash.api import rotate_walks
 
     problem = SimpleNamespace(mask=MASKS[mask])
-    assert whole_head_resident(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is resident
+    assert rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is rotated
 
 
 def test_masks_name_a_dq_order_their_structs_have():
