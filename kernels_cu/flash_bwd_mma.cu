@@ -106,6 +106,11 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     float dv[1][kDTiles][4];
     fill_fragments(dk, 0.0f);
     fill_fragments(dv, 0.0f);
+    // Ordered dQ: the dQ block whose turn this block holds until it hands
+    // it on, once the next step's S^T and dP^T are computed (the barrier at
+    // the top of that step orders every thread's additions before thread
+    // 0's release; its fence then waits on additions long since landed).
+    int* held_counter = nullptr;
     for (int step = 0; step < walk.steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
@@ -151,6 +156,11 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
                 mma_two_n8_tiles<Element>(dp, [&](int) -> const u32(&)[4] { return v_a; }, b, np);
             }
         }
+        if constexpr (kOrderedDq) {
+            if (thread == 0 && held_counter != nullptr) {
+                hand_on_turn(held_counter);
+            }
+        }
 
         transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start, 0,
                                                                  n_start, n_start + warp_key0, lane);
@@ -189,7 +199,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         // Ordered dQ: the key blocks add into this dQ block one after
         // another (ordered_accumulation.cuh, dq_turn). The turn is awaited here, at the
         // barrier the step has anyway (waiting after dQ's product, with its
-        // registers live, spilled at d128), and handed on after the additions.
+        // registers live, spilled at d128), and handed on one step later.
         const auto dq_counter = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
@@ -230,10 +240,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            __syncthreads();  // every thread's additions before thread 0's release
-            if (thread == 0) {
-                hand_on_turn(dq_counter());
-            }
+            held_counter = dq_counter();
         }
         walk.head = next_head;
         walk.m_block = next_m_block;
@@ -245,6 +252,11 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     // written; with no visible query the results are zeros.
     cp_async_wait<0>();
     __syncthreads();
+    if constexpr (kOrderedDq) {
+        if (thread == 0 && held_counter != nullptr) {  // the last step's dQ block
+            hand_on_turn(held_counter);
+        }
+    }
     Element* const tiles[2] = {k_tile, v_tile};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
