@@ -129,7 +129,8 @@ class KernelFamily:
         return generation >= _ARCH_CAPABILITY[self.arch]
 
     def why_not(self, dtype_name: str, head_dim: int, generation: int, *, aligned_rows: bool = True,
-                positive_scale: bool = True, deterministic: bool = False, tf32x3: bool = False) -> str | None:
+                positive_scale: bool = True, deterministic: bool = False, tf32x3: bool = False,
+                smem_limit: int | None = None) -> str | None:
         """Why the launcher may not pick this family for such a call (None: it may)."""
         if dtype_name not in self.dtypes:
             return f"takes {'/'.join(self.dtypes)}"
@@ -141,6 +142,10 @@ class KernelFamily:
             return f"does not serve head_dim {head_dim}"
         if not self.runs_on(generation):
             return {"sm_90a": "needs Hopper (sm_90a) and NVRTC 12.9+", "sm_80": "needs sm_80 or newer"}[self.arch]
+        if smem_limit is not None and self.tiles is not None:
+            needed = self.smem_bytes(self.tiles_on(dtype_name, head_dim, generation), dtype_name)
+            if needed > smem_limit:
+                return f"needs {needed} bytes of shared memory per block, the GPU gives {smem_limit}"
         if self.needs_aligned_rows and not aligned_rows:
             return "needs 16-byte aligned rows"
         if self.needs_positive_scale and not positive_scale:
@@ -152,7 +157,8 @@ class KernelFamily:
 
     def applies(self, dtype_name: str, head_dim: int, generation: int, **conditions) -> bool:
         """Whether the launcher may pick this family for such a call (conditions: aligned_rows,
-        positive_scale, deterministic, tf32x3)."""
+        positive_scale, deterministic, tf32x3, smem_limit: the GPU's shared memory per block, None
+        where unknown)."""
         return self.why_not(dtype_name, head_dim, generation, **conditions) is None
 
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
@@ -261,7 +267,7 @@ def family_of(role: str, kernel: str) -> KernelFamily:
 
 def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **conditions) -> Tiling:
     """The tiles of the first ``role`` family that ``applies`` (keyword
-    ``conditions``: aligned_rows, positive_scale, deterministic, tf32x3) on a device
+    ``conditions``: aligned_rows, positive_scale, deterministic, tf32x3, smem_limit) on a device
     of kernel ``generation``."""
     for family in FAMILIES:
         if family.role == role and family.applies(dtype_name, head_dim, generation, **conditions):

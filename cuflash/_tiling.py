@@ -34,7 +34,7 @@ MMA_DTYPES = ("float16", "bfloat16")
 #: copies would spill registers (96, 128) the tiles are single-buffered.
 #: tools/kernel_report.py checks that none spills.
 MMA_FORWARD_TILES = {
-    32: (64, 64, 4, 2),
+    32: (128, 64, 4, 2),
     64: (128, 64, 4, 2),
     96: (128, 64, 4, 1),
     128: (128, 64, 4, 1),
@@ -45,7 +45,8 @@ MMA_FORWARD_TILES = {
 #: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
 #: block_n, warps, K/V buffers). Measured on the H100 (seqlen 4096, docs/
 #: perf-notes.md): two m16 tiles per warp at 64 (each K/V
-#: fragment feeds two products), eight warps of one tile above; float32 tiles
+#: fragment feeds two products), one tile per warp elsewhere (eight warps
+#: from 96 to 192); float32 tiles
 #: take twice the shared memory of 16-bit ones, and every entry stays within
 #: an A100's 163 KiB (Hopper takes MMA_3XTF32_HOPPER_TILES where they differ).
 MMA_3XTF32_FORWARD_TILES = {
@@ -84,7 +85,7 @@ MMA_BACKWARD_TILES = {
 #: take fewer keys per block. Head dims whose bucket is missing here run on
 #: the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
-    32: (64, 64, 4, 2),
+    32: (128, 64, 8, 2),
     64: (128, 64, 8, 2),
     96: (128, 128, 8, 1),
     128: (128, 128, 8, 1),

@@ -155,7 +155,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             float32 operand split into two tf32 parts, three tensor-core
             products summed in float32: float32-level accuracy at several
             times the speed (sm_80+, head_dim a multiple of 8, 16-byte
-            aligned rows; otherwise the exact path runs). README: float32.
+            aligned rows, softmax_scale > 0, tiles that fit the GPU's shared
+            memory; otherwise the exact path runs). README: float32.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
@@ -367,16 +368,19 @@ def _as_layouts(arrays) -> list[Layout]:
 def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None = None) -> Tiling:
     """The forward kernel a problem runs on: the first forward family of
     ``cuflash._kernel_families`` that applies. The tensor-core kernels need
-    float16/bfloat16 with head_dim a multiple of 8, the device generation,
+    float16/bfloat16 (or float32 by 3xTF32) with head_dim a multiple of 8, the device generation,
     and at run time a positive softmax scale and 16-byte aligned rows
     (``arrays``: q, k, v, out as CuPy views or ``Layout``s; ``aligned``:
     whether their pointers are 16-byte aligned, read from the CuPy views
-    where not given); otherwise the SIMT kernel runs (same results, slower)."""
+    where not given), tiles that fit the GPU's shared memory, and for
+    float32 ``fp32_precision="3xtf32"``; otherwise the SIMT kernel runs
+    (same results, slower)."""
     if aligned is None:
         aligned = _pointers_aligned(arrays)
     return select("forward", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
                   aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
-                  positive_scale=problem.softmax_scale > 0, tf32x3=problem.fp32_precision == "3xtf32")
+                  positive_scale=problem.softmax_scale > 0, tf32x3=problem.fp32_precision == "3xtf32",
+                  smem_limit=_shared_memory_per_block(problem.device))
 
 
 def _kernel_generation(device_id: int) -> int:
@@ -430,7 +434,7 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
         aligned = _pointers_aligned(arrays)
     return select("backward-dkdv", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
                   aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
-                  deterministic=deterministic)
+                  deterministic=deterministic, smem_limit=_shared_memory_per_block(problem.device))
 
 
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool) -> dict:
@@ -456,10 +460,22 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessor_count(device_id: int) -> int:
+def _device_properties(device_id: int) -> dict:
     import cupy
 
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+    return cupy.cuda.runtime.getDeviceProperties(device_id)
+
+
+def _multiprocessor_count(device_id: int) -> int:
+    return int(_device_properties(device_id)["multiProcessorCount"])
+
+
+def _shared_memory_per_block(device_id: int) -> int | None:
+    """The shared memory a block may opt in to on ``device_id`` (227 KiB on
+    Hopper, 163 KiB on an A100, 99 KiB on sm_86/sm_89); None where CuPy does
+    not say. Families whose tiles need more are not picked there."""
+    limit = _device_properties(device_id).get("sharedMemPerBlockOptin")
+    return int(limit) if limit else None
 
 
 def rotate_walks(problem: AttentionProblem, dq_mode: str, num_m_blocks: int, num_n_blocks: int,
@@ -495,7 +511,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     rows = problem.batch * problem.seqlen_q * problem.nheads
     num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
-    rotated = rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device))
+    rotated = (dq_mode == "ordered" and problem.mask.dq_turns == "rotated"
+               and rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device)))
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,

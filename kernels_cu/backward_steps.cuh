@@ -53,9 +53,11 @@ struct QueryBlockWalk {
 // its own walk, so in steady state nobody waits.
 //  - kLastKeyFirst: the last key block the query block sees goes first, then
 //    each earlier one. Each key block walks from the first query block that
-//    sees it, where its turn is 0; key block j waits only for j + 1, a step
-//    ahead of it, and the grid dispatches the last key blocks first
-//    (key_block<true>), so every awaited block was dispatched earlier.
+//    sees it (where its turn is 0, or small where later key blocks are first
+//    seen by the same query block); key block j waits only for j + 1, which
+//    reached the query block no later in its own walk, and the grid
+//    dispatches the last key blocks first (key_block<true>), so every
+//    awaited block was dispatched earlier.
 //  - kRotated, with params.rotate_walks (num_m_blocks >= num_n_blocks): key
 //    block j starts on query block j; the key blocks reach query block i in
 //    the order j = i, i - 1, ..., wrapping round through the last key block,
@@ -74,7 +76,9 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& p
         if (Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks) {
             // Steps key block n_block takes to reach m_block; the key blocks
             // that reach it sooner started on the query blocks
-            // (n_block, n_block + steps], counted round the circle.
+            // (n_block, n_block + steps], counted round the circle. The
+            // counts are the grid's, which are every batch entry's in a
+            // dense batch (varlen must count per entry).
             const int num_m_blocks = static_cast<int>(params.num_m_blocks);
             const int last_key_block = static_cast<int>(params.num_n_blocks) - 1;
             const int steps = m_block >= n_block ? m_block - n_block : m_block - n_block + num_m_blocks;

@@ -5,7 +5,8 @@
 // kRowsPerWarp query rows. S = Q K^T and O += P V are mma.sync products
 // (m16n8k16 on 16-bit inputs, three m16n8k8.tf32 per product on float32:
 // MmaOperands in mma_operands.cuh) with float32 accumulators fed by
-// ldmatrix; the probabilities P go from the S accumulators to the A operand
+// ldmatrix (float32 V by 32-bit shared loads); the probabilities P go from
+// the S accumulators to the A operand
 // of P V in registers. The online softmax works on the accumulator
 // fragments, so S never touches shared memory.
 //
@@ -43,6 +44,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     constexpr int kElementBytes = int(sizeof(Element));
     constexpr int kKStep = Traits::kKStep;
     using Operands = MmaOperands<Element, kStride>;
+    static_assert(Operands::kKStep == kKStep, "one k step: 32 bytes of k in the traits and the operands");
 
     require_shared_memory<Traits>();
     Element* q_tile = shared_tile<Element>(Traits::kQ);
@@ -91,10 +93,10 @@ flash_forward_mma_kernel(const ForwardParams params) {
     }
     cp_async_commit();
 
-    // Per-lane ldmatrix row addresses (bytes), see mma.cuh for the layouts.
-    // Q (A operand): matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
+    // Per-lane shared addresses (bytes), see mma_operands.cuh for the layouts.
+    // Q (A operand): matrices (rows 0-7 | 8-15) x (the k step's first | second 16 bytes).
     const u32 q_address = shared_address(q_tile) + Operands::a(lane, warp_row0);
-    // K (B operand of Q K^T): matrices (keys 0-7: d 0-7 | d 8-15), (keys 8-15: ...), two n8 tiles per load.
+    // K (B operand of Q K^T): matrices (keys 0-7: first | second 16 bytes), (keys 8-15: ...), two n8 tiles per load.
     const u32 k_address = shared_address(k_tile) + Operands::b(lane);
     // V (B operand of P V, k along the keys): two n8 tiles of d per load.
     const u32 v_address = shared_address(v_tile) + Operands::v_lane(lane);

@@ -37,7 +37,8 @@ __device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles,
 // Tile `tile` counted from the last. Blocks are dispatched roughly in
 // blockIdx order: causal attention gives the last query blocks the most
 // keys, so the forward hands them out first (long tiles early, short ones
-// for the tail of the grid).
+// for the tail of the grid); the deterministic causal backward hands out its
+// last key blocks first, whose turns come first (dq_turn).
 __device__ __forceinline__ int counted_from_end(int tile, index_t num_tiles) {
     return static_cast<int>(num_tiles) - 1 - tile;
 }

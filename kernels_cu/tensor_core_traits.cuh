@@ -118,7 +118,7 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
     static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
 
-    static constexpr int kStride = kHeadDim + 16 / int(sizeof(Element));   // Q, dO, K, V rows (elements)
+    static constexpr int kStride = kHeadDim + 8;   // Q, dO, K, V rows (elements)
     static constexpr int kDsStride = kBlockM + 8;  // dS^T rows: keys, columns queries
     static constexpr int kElementBytes = int(sizeof(Element));
     static constexpr int kKvTileBytes = kBlockN * kStride * kElementBytes;

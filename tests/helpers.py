@@ -176,3 +176,24 @@ def pin_kernel_generation(monkeypatch, generation: int) -> None:
 
     monkeypatch.setattr(api, "_kernel_generation", lambda device_id: generation)
     monkeypatch.setattr(api, "plans", PlanCache())
+
+
+def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
+    """Makes the launcher rotate the walks of every ordered-dQ backward that
+    may rotate (``rotated``: as if the GPU had room for any number of key
+    blocks), or of none (as if it had none), from a fresh plan cache.
+    Returns dq mode -> the orders the plans made since took (True: rotated)."""
+    from cuflash import api
+    from cuflash._launch import PlanCache
+
+    taken = {"ordered": [], "atomic": []}
+    decide = api.rotate_walks
+
+    def recorded(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors):
+        rotate = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
+        taken.setdefault(dq_mode, []).append(rotate)
+        return rotate
+
+    monkeypatch.setattr(api, "rotate_walks", recorded)
+    monkeypatch.setattr(api, "plans", PlanCache())
+    return taken

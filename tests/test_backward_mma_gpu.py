@@ -7,9 +7,9 @@ import pytest
 
 from cuflash import api
 
-from tests.helpers import pin_kernel_generation, random_qkv
+from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv
 from tests.test_backward_gpu import run_backward_and_check
-from tests.test_backward_wgmma_gpu import _chosen, assert_deterministic_backward_is_bitwise_repeatable, pin_ordered_dq_order
+from tests.test_backward_wgmma_gpu import _chosen, assert_deterministic_backward_is_bitwise_repeatable
 
 pytestmark = pytest.mark.gpu
 

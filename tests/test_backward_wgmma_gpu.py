@@ -11,7 +11,7 @@ import cuflash
 from cuflash import api
 from cuflash._validation import check_backward, meta_of
 
-from tests.helpers import pin_kernel_generation, random_qkv
+from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv
 from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
 from tests.test_forward_wgmma_gpu import needs_hopper
 
@@ -117,26 +117,6 @@ def test_wgmma_deterministic_backward_in_both_orders(rotated, head_dim, seqlen_q
     run_backward_and_check(q, k, v, causal=False, deterministic=True, seed=seqlen_k)
     assert_deterministic_backward_is_bitwise_repeatable(q, k, v, False)
     assert orders["ordered"] and set(orders["ordered"]) == {rotated}
-
-
-def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
-    """Makes the launcher rotate the walks of every ordered-dQ backward that
-    may rotate (``rotated``: as if the GPU had room for any number of key
-    blocks), or of none (as if it had none), from a fresh plan cache.
-    Returns dq mode -> the orders the plans made since took (True: rotated)."""
-    from cuflash._launch import PlanCache
-
-    taken = {"ordered": [], "atomic": []}
-    decide = api.rotate_walks
-
-    def recorded(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors):
-        rotate = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
-        taken.setdefault(dq_mode, []).append(rotate)
-        return rotate
-
-    monkeypatch.setattr(api, "rotate_walks", recorded)
-    monkeypatch.setattr(api, "plans", PlanCache())
-    return taken
 
 
 def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):

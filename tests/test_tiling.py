@@ -364,3 +364,18 @@ def test_3xtf32_takes_hopper_tiles_where_they_differ():
     assert select("forward", "float32", 128, 90, tf32x3=True) == select("forward", "float32", 128, 80, tf32x3=True)
     assert all(t.forward_smem_bytes("float32") <= 163 * 1024 for t in
                (select("forward", "float32", d, 80, tf32x3=True) for d in (32, 64, 96, 128, 192, 256)))
+
+
+def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
+    """sm_86/sm_89 GPUs give a block 99 KiB: the launcher passes the limit
+    and what needs more falls to the next family (3xTF32 float32 from head
+    dim 64 to the exact path, the mma.sync backward at 96-128 to SIMT)."""
+    small = 99 * 1024
+    assert select("forward", "float32", 32, 86, tf32x3=True, smem_limit=small).kernel == "mma"
+    assert select("forward", "float32", 64, 86, tf32x3=True, smem_limit=small).kernel == "simt"
+    assert select("forward", "float32", 64, 80, tf32x3=True, smem_limit=163 * 1024).kernel == "mma"
+    assert select("forward", "bfloat16", 256, 86, smem_limit=small).kernel == "mma"  # 99 KiB exactly
+    assert select("backward-dkdv", "bfloat16", 64, 86, smem_limit=small).kernel == "mma"
+    assert select("backward-dkdv", "bfloat16", 128, 86, smem_limit=small).kernel == "simt"
+    reason = FAMILY["forward-mma"].why_not("float32", 128, 86, tf32x3=True, smem_limit=small)
+    assert reason == f"needs 135168 bytes of shared memory per block, the GPU gives {small}"
