@@ -143,7 +143,10 @@ FP32_PRECISIONS = ("ieee", "3xtf32")
 
 
 def check_fp32_precision(fp32_precision) -> str:
-    if not isinstance(fp32_precision, str) or fp32_precision not in FP32_PRECISIONS:
+    if not isinstance(fp32_precision, str):
+        raise TypeError(f"fp32_precision must be a str, one of {FP32_PRECISIONS}, got "
+                        f"{type(fp32_precision).__name__}")
+    if fp32_precision not in FP32_PRECISIONS:
         raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got {fp32_precision!r}")
     return fp32_precision
 

@@ -82,7 +82,7 @@ BAD_FORWARD_CASES = [
     BadCase("causal-not-bool", TypeError, "causal must be a bool, got str 'yes'", options=_options(causal="yes")),
     BadCase("fp32-precision-unknown", ValueError, r"fp32_precision must be one of \('ieee', '3xtf32'\), got 'tf32'",
             options=_options(fp32_precision="tf32")),
-    BadCase("fp32-precision-not-a-string", ValueError, "fp32_precision must be one of .*, got None",
+    BadCase("fp32-precision-not-a-string", TypeError, "fp32_precision must be a str, one of .*, got NoneType",
             options=_options(fp32_precision=None)),
     BadCase("lse-buffer-wrong-dtype", TypeError, "lse must have dtype float32 .* got float16",
             {"lse": {"shape": (2, 4, 17), "dtype": "float16"}}),
