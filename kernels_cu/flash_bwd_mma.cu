@@ -20,6 +20,7 @@
 #include "tensor_core_traits.cuh"
 #include "async_copy.cuh"
 #include "mma.cuh"
+#include "mma_operands.cuh"
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
 
@@ -87,9 +88,9 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
 
     // Per-lane ldmatrix addresses (bytes; mma.cuh has the fragment layouts).
     // A of S^T / dP^T: this warp's 16 rows of K or V, k16 steps along the head dim.
-    const u32 key_a_offset = ((warp_key0 + lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    const u32 key_a_offset = MmaLaneOffsets<kStride, kElementBytes>::a(lane, warp_key0);
     // B of S^T / dP^T: rows of Q or dO (queries), two n8 tiles per load.
-    const u32 row_b_offset = ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * 8) * kElementBytes;
+    const u32 row_b_offset = MmaLaneOffsets<kStride, kElementBytes>::b(lane);
     // B of dV / dK / dQ, transposed: rows of dO, Q or K along k, two n8 tiles of the head dim per load.
     const u32 row_bt_offset = ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
     // dQ: this warp's m16 row tile and column group; A = dS from dS^T, transposed.
@@ -110,7 +111,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     // it on, once the next step's S^T and dP^T are computed (the barrier at
     // the top of that step orders every thread's additions before thread
     // 0's release; its fence then waits on additions long since landed).
-    int* held_counter = nullptr;
+    HeldTurn held;
     for (int step = 0; step < walk.steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
@@ -157,9 +158,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            if (thread == 0 && held_counter != nullptr) {
-                hand_on_turn(held_counter);
-            }
+            held.hand_on(thread);
         }
 
         transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start, 0,
@@ -240,7 +239,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            held_counter = dq_counter();
+            held.counter = dq_counter();
         }
         walk.head = next_head;
         walk.m_block = next_m_block;
@@ -253,9 +252,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     cp_async_wait<0>();
     __syncthreads();
     if constexpr (kOrderedDq) {
-        if (thread == 0 && held_counter != nullptr) {  // the last step's dQ block
-            hand_on_turn(held_counter);
-        }
+        held.hand_on(thread);  // the last step's dQ block
     }
     Element* const tiles[2] = {k_tile, v_tile};
 #pragma unroll

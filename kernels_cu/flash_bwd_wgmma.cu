@@ -146,7 +146,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
 
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
-    int* held_counter = nullptr;
+    HeldTurn held;
     for (int step = 0; step < walk.steps; ++step) {
         const int buffer = step & 1;
         // This step's Q, dO and statistics have landed for every thread;
@@ -186,9 +186,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         if constexpr (kOrderedDq) {
             // The previous step's dQ additions are ordered before the barrier
             // at the top of this step; its fence waits while S^T and dP^T run.
-            if (thread == 0 && held_counter != nullptr) {
-                hand_on_turn(held_counter);
-            }
+            held.hand_on(thread);
         }
         wgmma_wait<0>();
         pin_registers(s_flat);
@@ -306,7 +304,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             }
         }
         if constexpr (kOrderedDq) {
-            held_counter = dq_counter();
+            held.counter = dq_counter();
         }
         walk.head = next_head;
         walk.m_block = next_m_block;
@@ -319,9 +317,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     cp_async_wait<0>();
     __syncthreads();
     if constexpr (kOrderedDq) {
-        if (thread == 0 && held_counter != nullptr) {  // the last step's dQ block
-            hand_on_turn(held_counter);
-        }
+        held.hand_on(thread);  // the last step's dQ block
     }
     unsigned char* const tiles[2] = {smem + Traits::kK, smem + Traits::kV};
 #pragma unroll

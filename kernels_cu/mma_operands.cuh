@@ -32,7 +32,8 @@ namespace cuflash {
 
 // What both element widths share: lane addresses (byte offsets) of the
 // ldmatrix rows of A (Q) and of B (K) in tiles of kStride elements per row,
-// each row's k step in two 16-byte halves (kHalf elements each).
+// each row's k step in two 16-byte halves (kHalf elements each). The
+// mma.sync backward reads its K/V (A) and Q/dO (B) of S^T and dP^T the same way.
 template <int kStride, int kElementBytes>
 struct MmaLaneOffsets {
     static constexpr int kHalf = 16 / kElementBytes;

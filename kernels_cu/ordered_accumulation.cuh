@@ -52,4 +52,18 @@ __device__ __forceinline__ void hand_on_turn(int* counter) {
     add_release(counter, 1);
 }
 
+// The turn a block holds from its last additions until it hands it on one
+// step later (see hand_on_turn): none before the first step's additions.
+struct HeldTurn {
+    int* counter = nullptr;
+
+    // Thread 0 hands the held turn on, if any; every thread has passed a
+    // barrier since its additions.
+    __device__ __forceinline__ void hand_on(int thread) const {
+        if (thread == 0 && counter != nullptr) {
+            hand_on_turn(counter);
+        }
+    }
+};
+
 }  // namespace cuflash
