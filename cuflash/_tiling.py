@@ -285,21 +285,29 @@ def mma_applies(dtype_name: str, head_dim: int) -> bool:
     return _served_by(MMA_FORWARD_TILES, dtype_name, head_dim)
 
 
+def _mma_forward_bucket(dtype_name: str, head_dim: int) -> int:
+    """The mma.sync forward's head-dim bucket: float32 (3xTF32) takes the
+    16-bit buckets; ValueError where the forward does not serve it."""
+    return _mma_bucket("float16" if dtype_name == MMA_3XTF32_DTYPE else dtype_name, head_dim)
+
+
 def mma_forward_applies(dtype_name: str, head_dim: int) -> bool:
     """Whether the mma.sync forward serves (dtype, head_dim): float16 and
     bfloat16, or float32 by 3xTF32, head_dim a multiple of 8 up to 256."""
-    if dtype_name == MMA_3XTF32_DTYPE:
-        return mma_applies("float16", head_dim)  # the same buckets
-    return mma_applies(dtype_name, head_dim)
+    try:
+        _mma_forward_bucket(dtype_name, head_dim)
+    except ValueError:
+        return False
+    return True
 
 
 def mma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the mma.sync forward (sm_80+), for float16/bfloat16 (or
     float32 by 3xTF32, ``MMA_3XTF32_FORWARD_TILES``) and head_dim a multiple
     of 8 (the launcher checks the rest: alignment, scale > 0)."""
-    float32 = dtype_name == MMA_3XTF32_DTYPE
-    padded = _mma_bucket("float16" if float32 else dtype_name, head_dim)
-    return _mma_forward_tiles(dtype_name, padded, (MMA_3XTF32_FORWARD_TILES if float32 else MMA_FORWARD_TILES)[padded])
+    padded = _mma_forward_bucket(dtype_name, head_dim)
+    table = MMA_3XTF32_FORWARD_TILES if dtype_name == MMA_3XTF32_DTYPE else MMA_FORWARD_TILES
+    return _mma_forward_tiles(dtype_name, padded, table[padded])
 
 
 def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
@@ -307,7 +315,7 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     ``mma_forward_tiling``'s (``MMA_3XTF32_HOPPER_TILES``), else None."""
     if dtype_name != MMA_3XTF32_DTYPE:
         return None
-    padded = _mma_bucket("float16", head_dim)
+    padded = _mma_forward_bucket(dtype_name, head_dim)
     tiles = MMA_3XTF32_HOPPER_TILES.get(padded)
     return None if tiles is None else _mma_forward_tiles(dtype_name, padded, tiles)
 

@@ -511,8 +511,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     rows = problem.batch * problem.seqlen_q * problem.nheads
     num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
-    rotated = (dq_mode == "ordered" and problem.mask.dq_turns == "rotated"
-               and rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device)))
+    rotated = rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device))
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
