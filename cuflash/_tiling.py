@@ -67,14 +67,19 @@ MMA_3XTF32_HOPPER_TILES = {
 MMA_3XTF32_DTYPE = "float32"
 #: mma.sync backward dK/dV tiles (sm_80+; flash_bwd_mma.cu; what Ampere and
 #: Ada GPUs run) per compiled head dim: (block_m query rows per step, block_n
-#: keys per block, warps). Each warp owns 16 keys; S^T and dP^T take
-#: block_m / 2 registers each, dK and dV head_dim / 2 each, so
-#: block_m + head_dim <= 192 (head dims above 128 run on the SIMT backward).
+#: keys per block, warps). Up to head dim 128 each warp owns 16 keys: S^T and
+#: dP^T take block_m / 2 registers each, dK and dV head_dim / 2 each, so
+#: block_m + head_dim <= 192. Above 128 two warps share 16 keys and split the
+#: head dim (``backward_splits_head_dim``), halving both; 32 query rows keep
+#: the tiles (110 and 143 KiB at 192 and 256) within an A100's 163 KiB, where
+#: 64 would need 169 and 217 KiB.
 MMA_BACKWARD_TILES = {
     32: (64, 128, 8),
     64: (64, 128, 8),
     96: (64, 128, 8),
     128: (32, 128, 8),
+    192: (32, 64, 8),
+    256: (32, 64, 8),
 }
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
 #: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One
@@ -97,7 +102,7 @@ WGMMA_FORWARD_TILES = {
 #: warps). Up to head dim 128 each warpgroup owns 64 keys: S^T and dP^T take
 #: block_m / 2 registers each, dK and dV head_dim / 2 each, so
 #: block_m + head_dim <= 192. Above 128 the warpgroups share 64 keys and split
-#: the head dim (``wgmma_backward_splits_head_dim``): head_dim / warpgroups
+#: the head dim (``backward_splits_head_dim``): head_dim / warpgroups
 #: columns of dK and dV, block_m / warpgroups queries of S^T and dP^T each.
 WGMMA_BACKWARD_TILES = {
     32: (128, 128, 8),
@@ -114,10 +119,11 @@ WGMMA_SMEM_ALIGNMENT = 1024
 KERNELS = ("simt", "mma", "wgmma")
 
 
-def wgmma_backward_splits_head_dim(head_dim_padded: int) -> bool:
-    """Whether the Hopper backward's warpgroups share their keys and split
-    the head dim (``WgmmaBackwardTraits::kSplitHeadDim``): above 128, dK and
-    dV of 64 keys do not fit one warpgroup's registers."""
+def backward_splits_head_dim(head_dim_padded: int) -> bool:
+    """Whether the tensor-core backwards share their keys between warpgroups
+    (Hopper, ``WgmmaBackwardTraits::kSplitHeadDim``) or pairs of warps
+    (mma.sync, ``MmaBackwardTraits::kSplitHeadDim``) and split the head dim:
+    above 128, dK and dV of one warp's 16 keys do not fit its registers."""
     return head_dim_padded > 128
 
 
@@ -202,19 +208,20 @@ class Tiling:
     def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
         """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
         for the mma.sync backward ``MmaBackwardTraits::kBytes``: K, V, two
-        buffers of Q and dO (rows padded by 8 elements), dS^T (16-bit, rows
-        padded), two buffers of LSE and delta; for the wgmma backward
+        buffers of Q and dO (rows padded by 8 elements), dS^T (and P^T where
+        the head dim is split; 16-bit, rows padded), two buffers of LSE and
+        delta; for the wgmma backward
         ``WgmmaBackwardTraits::kBytes``: K, V, two
         buffers of Q and dO, dS^T (and P^T where the head dim is split;
         16-bit, swizzled), two buffers of LSE and delta, plus the alignment
         slack."""
+        d, m, n = self.head_dim_padded, self.block_m, self.block_n
+        score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
-            d, m, n = self.head_dim_padded, self.block_m, self.block_n
-            return (2 * n * (d + 8) + 4 * m * (d + 8) + n * (m + 8)) * ELEMENT_SIZE[dtype_name] + 2 * 2 * m * 4
+            return ((2 * n * (d + 8) + 4 * m * (d + 8) + score_tiles * n * (m + 8)) * ELEMENT_SIZE[dtype_name]
+                    + 2 * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
-            d, m, n = self.head_dim_padded, self.block_m, self.block_n
-            score_tiles = 2 if wgmma_backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
             return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]

@@ -3,7 +3,8 @@
 // GPUs run. The algorithm and the transposed form are flash_bwd_wgmma.cu's:
 // one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
 // accumulators while it walks every query block i of every query head
-// sharing this K/V head. Each warp owns 16 keys; per query block:
+// sharing this K/V head. Each warp owns 16 keys (above head dim 128 two
+// warps share them; see below); per query block:
 //   S^T  = K Q^T, dP^T = V dO^T        A (K, V) and B (Q, dO) by ldmatrix
 //   P^T, dS^T                          as in the Hopper kernel (probability.cuh)
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
@@ -11,6 +12,10 @@
 //   dQ_i += scale * dS K               dS^T staged in shared memory (A by
 //                                      ldmatrix.trans), K as B; float32 atomics,
 //                                      or added in a fixed order (ordered dQ)
+// Above head dim 128 (MmaBackwardTraits::kSplitHeadDim) the two warps
+// sharing 16 keys each compute S^T and dP^T for half of the query block's
+// rows and own half of dK's and dV's columns: P^T is staged in shared memory
+// next to dS^T, and dV, dK read both A operands from there by ldmatrix.
 // Q, dO and their row statistics are double-buffered: the next query block
 // is copied by cp.async while this one is computed. dK is scaled once at the
 // end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
@@ -34,6 +39,9 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
+    constexpr int kAccCols = Traits::kAccCols;
+    constexpr int kScoreCols = Traits::kScoreCols;
+    constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
     constexpr int kStride = Traits::kStride;
     constexpr int kDsStride = Traits::kDsStride;
     constexpr int kElementBytes = Traits::kElementBytes;
@@ -44,6 +52,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     Element* const q_tiles = shared_tile<Element>(Traits::kQ);
     Element* const do_tiles = shared_tile<Element>(Traits::kDo);
     Element* const ds_tile = shared_tile<Element>(Traits::kDs);
+    Element* const pt_tile = shared_tile<Element>(Traits::kPt);
     float* const stats = shared_tile<float>(Traits::kStats);
 
     const KeyBlock block =
@@ -55,7 +64,12 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     const int warp = thread / 32;
     const int lane = thread % 32;
     const int n_start = block.n_start;
-    const int warp_key0 = warp * 16;  // the warp's 16 accumulator rows (keys) inside the block
+    // The warp's 16 accumulator rows (keys) inside the block, its queries of
+    // S^T and dP^T inside the query block, and its columns of dK and dV.
+    const int dim_group = kSplitHeadDim ? warp / Traits::kKeyTiles : 0;
+    const int warp_key0 = (kSplitHeadDim ? warp % Traits::kKeyTiles : warp) * 16;
+    const int score_col0 = dim_group * kScoreCols;
+    const int acc_col0 = dim_group * kAccCols;
 
     load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
         k_tile, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
@@ -89,10 +103,14 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     // Per-lane ldmatrix addresses (bytes; mma.cuh has the fragment layouts).
     // A of S^T / dP^T: this warp's 16 rows of K or V, k16 steps along the head dim.
     const u32 key_a_offset = MmaLaneOffsets<kStride, kElementBytes>::a(lane, warp_key0);
-    // B of S^T / dP^T: rows of Q or dO (queries), two n8 tiles per load.
-    const u32 row_b_offset = MmaLaneOffsets<kStride, kElementBytes>::b(lane);
+    // B of S^T / dP^T: rows of Q or dO (this warp's queries), two n8 tiles per load.
+    const u32 row_b_offset = MmaLaneOffsets<kStride, kElementBytes>::b(lane) + score_col0 * kStride * kElementBytes;
     // B of dV / dK / dQ, transposed: rows of dO, Q or K along k, two n8 tiles of the head dim per load.
     const u32 row_bt_offset = ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    // B of dV / dK: this warp's columns of dO and Q.
+    const u32 acc_bt_offset = row_bt_offset + acc_col0 * kElementBytes;
+    // A of dV / dK where the head dim is split: this warp's 16 rows (keys) of P^T or dS^T, k16 steps of queries.
+    const u32 score_a_offset = MmaLaneOffsets<kDsStride, kElementBytes>::a(lane, warp_key0);
     // dQ: this warp's m16 row tile and column group; A = dS from dS^T, transposed.
     const int dq_row0 = warp % Traits::kDqRowTiles * 16;
     const int dq_col0 = warp / Traits::kDqRowTiles * kDqCols;
@@ -161,38 +179,59 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             held.hand_on(thread);
         }
 
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start, 0,
-                                                                 n_start, n_start + warp_key0, lane);
-        // P^T and dS^T rounded to the element type as the A operands of dV
-        // and dK; dS^T also to shared memory for dQ.
-        u32 p_frag[Traits::kRowSteps][4];
-        u32 ds_frag[Traits::kRowSteps][4];
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start,
+                                                                 score_col0, n_start, n_start + warp_key0, lane);
+        // P^T and dS^T rounded to the element type: dS^T to shared memory for
+        // dQ, and both as the A operands of dV and dK, from registers, or
+        // where two warps split the head dim (each holding its queries'
+        // half), from shared memory too.
+        u32 p_frag[kScoreCols / 16][4];
+        u32 ds_frag[kScoreCols / 16][4];
 #pragma unroll
-        for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+        for (int ps = 0; ps < kScoreCols / 16; ++ps) {
             pack_a_fragment<Element>(p_frag[ps], s[0][2 * ps], s[0][2 * ps + 1]);
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
+        const auto stage_transposed = [&](Element* tile, const u32 (&frags)[kScoreCols / 16][4]) {
 #pragma unroll
-        for (int j = 0; j < kQTiles; ++j) {
+            for (int j = 0; j < kQTiles; ++j) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int key_row = warp_key0 + lane / 4 + half * 8;
-                *reinterpret_cast<u32*>(ds_tile + key_row * kDsStride + 8 * j + 2 * (lane % 4)) =
-                    ds_frag[j / 2][(j % 2) * 2 + half];
+                for (int half = 0; half < 2; ++half) {
+                    const int key_row = warp_key0 + lane / 4 + half * 8;
+                    *reinterpret_cast<u32*>(tile + key_row * kDsStride + score_col0 + 8 * j + 2 * (lane % 4)) =
+                        frags[j / 2][(j % 2) * 2 + half];
+                }
             }
+        };
+        stage_transposed(ds_tile, ds_frag);
+        if constexpr (kSplitHeadDim) {
+            stage_transposed(pt_tile, p_frag);
+            __syncthreads();  // both warps' queries of P^T and dS^T are in shared memory
         }
 
         // dV += P^T dO, dK += dS^T Q.
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
+            u32 p_a[4];
+            u32 ds_a[4];
+            if constexpr (kSplitHeadDim) {
+                ldmatrix_x4(p_a, shared_address(pt_tile) + score_a_offset + ps * 16 * kElementBytes);
+                ldmatrix_x4(ds_a, shared_address(ds_tile) + score_a_offset + ps * 16 * kElementBytes);
+            } else {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    p_a[r] = p_frag[ps][r];
+                    ds_a[r] = ds_frag[ps][r];
+                }
+            }
 #pragma unroll
             for (int dp_pair = 0; dp_pair < kDTiles / 2; ++dp_pair) {
-                const u32 offset = buffer_offset + row_bt_offset + (ps * 16 * kStride + dp_pair * 16) * kElementBytes;
+                const u32 offset = buffer_offset + acc_bt_offset + (ps * 16 * kStride + dp_pair * 16) * kElementBytes;
                 u32 b[4];
                 ldmatrix_x4_trans(b, do_address + offset);
-                mma_two_n8_tiles<Element>(dv, [&](int) -> const u32(&)[4] { return p_frag[ps]; }, b, dp_pair);
+                mma_two_n8_tiles<Element>(dv, [&](int) -> const u32(&)[4] { return p_a; }, b, dp_pair);
                 ldmatrix_x4_trans(b, q_address + offset);
-                mma_two_n8_tiles<Element>(dk, [&](int) -> const u32(&)[4] { return ds_frag[ps]; }, b, dp_pair);
+                mma_two_n8_tiles<Element>(dk, [&](int) -> const u32(&)[4] { return ds_a; }, b, dp_pair);
             }
         }
         // Ordered dQ: the key blocks add into this dQ block one after
@@ -204,7 +243,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         };
         if constexpr (kOrderedDq) {
             wait_for_turn(dq_counter(), turn);  // includes the barrier
-        } else {
+        } else if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warp's dS^T is in shared memory
         }
 
@@ -246,8 +285,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     }
 
     // Epilogue: every warp is past its last read of K and V; each warp
-    // stages its 16 rows of dK (scaled) and dV there and stores them 16
-    // bytes at a time. Keys past seqlen_k and padded columns are not
+    // stages its 16 rows (its columns) of dK (scaled) and dV there and
+    // stores them 16 bytes at a time. Keys past seqlen_k and padded columns are not
     // written; with no visible query the results are zeros.
     cp_async_wait<0>();
     __syncthreads();
@@ -260,14 +299,14 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         const int key_row = warp_key0 + lane / 4 + half * 8;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
-            const int offset = key_row * kStride + 8 * dt + 2 * (lane % 4);
+            const int offset = key_row * kStride + acc_col0 + 8 * dt + 2 * (lane % 4);
             *reinterpret_cast<u32*>(tiles[0] + offset) =
                 pack_pair<Element>(dk[0][dt][2 * half] * scale, dk[0][dt][2 * half + 1] * scale);
             *reinterpret_cast<u32*>(tiles[1] + offset) = pack_pair<Element>(dv[0][dt][2 * half], dv[0][dt][2 * half + 1]);
         }
     }
     __syncwarp();
-    constexpr int kChunksPerRow = kHeadDim / 8;
+    constexpr int kChunksPerRow = kAccCols / 8;
     constexpr int kWarpChunks = 16 * kChunksPerRow;
     Element* const outputs[2] = {params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start),
                                  params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start)};
@@ -278,7 +317,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
             const int chunk = lane + i * 32;
             const int key_row = warp_key0 + chunk / kChunksPerRow;
-            const int col = chunk % kChunksPerRow * 8;
+            const int col = acc_col0 + chunk % kChunksPerRow * 8;
             if ((kWarpChunks % 32 == 0 || chunk < kWarpChunks) && n_start + key_row < ctx.seqlen_k &&
                 col < ctx.head_dim) {
                 *reinterpret_cast<uint4*>(outputs[which] + static_cast<index_t>(key_row) * row_strides[which] + col) =

@@ -98,12 +98,16 @@ struct TensorCoreBackwardShape {
     static_assert(kBlockM % 16 == 0 && kHeadDim % 16 == 0, "k16 steps over the queries and the head dim");
 };
 
-// mma.sync backward dK/dV (flash_bwd_mma.cu, sm_80+): each of the kWarps
-// warps owns 16 of the block's kBlockN keys (one m16 tile of S^T, dP^T, dK
-// and dV) and walks query blocks of kBlockM rows. Per lane: dK and dV
-// (kHeadDim / 2 floats each), S^T and dP^T (kBlockM / 2 each), then its share
-// of dQ_i = dS_i K_j (kDqCols / 2 floats): the warps split dQ's kBlockM x
-// kHeadDim into m16 row tiles first, then into column groups. Rows of every
+// mma.sync backward dK/dV (flash_bwd_mma.cu, sm_80+): each warp owns 16 of
+// the block's kBlockN keys (one m16 tile of S^T, dP^T, dK and dV) and walks
+// query blocks of kBlockM rows. Up to head dim 128 each warp has its own 16
+// keys; above it (kSplitHeadDim; dK and dV of 16 keys would take kHeadDim
+// registers per lane) two warps share 16 keys, each computing S^T and dP^T
+// for half of the query block's rows and owning half of dK's and dV's
+// columns, as the Hopper kernel's warpgroups do. Per lane: dK and dV
+// (kAccCols / 2 floats each), S^T and dP^T (kScoreCols / 2 each), then its
+// share of dQ_i = dS_i K_j (kDqCols / 2 floats): the warps split dQ's kBlockM
+// x kHeadDim into m16 row tiles first, then into column groups. Rows of every
 // tile are padded by 16 bytes, as in the mma.sync forward (conflict-free
 // ldmatrix without a swizzle).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
@@ -112,31 +116,40 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     using typename Shape::Element;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
 
-    static constexpr int kQTiles = kBlockM / 8;   // n8 tiles of a warp's S^T and dP^T
-    static constexpr int kDTiles = kHeadDim / 8;  // n8 tiles of a warp's dK and dV
+    static constexpr bool kSplitHeadDim = kHeadDim > 128;
+    static constexpr int kDimGroups = kSplitHeadDim ? 2 : 1;       // warps sharing 16 keys
+    static constexpr int kKeyTiles = kWarps / kDimGroups;           // m16 tiles of keys
+    static constexpr int kAccCols = kHeadDim / kDimGroups;          // dK, dV columns per warp
+    static constexpr int kScoreCols = kBlockM / kDimGroups;         // S^T, dP^T queries per warp
+
+    static constexpr int kQTiles = kScoreCols / 8;  // n8 tiles of a warp's S^T and dP^T
+    static constexpr int kDTiles = kAccCols / 8;    // n8 tiles of a warp's dK and dV
     static constexpr int kDqRowTiles = kBlockM / 16;                 // m16 tiles of dQ
     static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
     static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
 
     static constexpr int kStride = kHeadDim + 8;   // Q, dO, K, V rows (elements)
-    static constexpr int kDsStride = kBlockM + 8;  // dS^T rows: keys, columns queries
+    static constexpr int kDsStride = kBlockM + 8;  // dS^T (P^T) rows: keys, columns queries
     static constexpr int kElementBytes = int(sizeof(Element));
     static constexpr int kKvTileBytes = kBlockN * kStride * kElementBytes;
     static constexpr int kQTileBytes = kBlockM * kStride * kElementBytes;
+    static constexpr int kDsTileBytes = kBlockN * kDsStride * kElementBytes;
     static constexpr int kK = 0;
     static constexpr int kV = kK + kKvTileBytes;
     static constexpr int kQ = kV + kKvTileBytes;       // two buffers
     static constexpr int kDo = kQ + 2 * kQTileBytes;   // two buffers
     static constexpr int kDs = kDo + 2 * kQTileBytes;
-    static constexpr int kStats = kDs + kBlockN * kDsStride * kElementBytes;  // two buffers of (LSE in log2, delta)
+    static constexpr int kPt = kDs + kDsTileBytes;     // P^T, where two warps split the head dim
+    static constexpr int kStats = kPt + (kSplitHeadDim ? kDsTileBytes : 0);  // two buffers of (LSE in log2, delta)
     static constexpr int kBytes = kStats + 2 * 2 * kBlockM * 4;
 
-    static_assert(kBlockN == 16 * kWarps, "one m16 tile of keys per warp");
+    static_assert(kBlockN == 16 * kKeyTiles, "one m16 tile of keys per warp, or per pair of warps when split");
+    static_assert(kScoreCols % 16 == 0 && kAccCols % 16 == 0, "whole k16 steps of P^T and n8 pairs of dK, dV");
     static_assert(kWarps % kDqRowTiles == 0 && kHeadDim % (16 * kDqColGroups) == 0,
                   "dQ splits into m16 row tiles and column groups of whole n8 pairs");
     static_assert((kStride * kElementBytes / 16) % 2 == 1 && (kDsStride * kElementBytes / 16) % 2 == 1,
                   "odd chunks per row: conflict-free ldmatrix");
-    static_assert(kHeadDim + kBlockM <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -27,7 +27,7 @@ def ampere(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim,kernel", [(8, "mma"), (32, "mma"), (64, "mma"), (80, "mma"), (128, "mma"),
-                                             (160, "simt"), (256, "simt")])
+                                             (160, "mma"), (256, "mma")])
 def test_ampere_backward_takes_mma_for_its_head_dims(ampere, dtype, head_dim, kernel):
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 33, 40, 4, 2, head_dim, cupy.dtype(dtype), layout="bhsd")
@@ -36,7 +36,7 @@ def test_ampere_backward_takes_mma_for_its_head_dims(ampere, dtype, head_dim, ke
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (127, 129), (129, 127), (1000, 2049), (2049, 1000),
                                                (1000, 17), (17, 1000)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -44,7 +44,8 @@ def test_ampere_backward_takes_mma_for_its_head_dims(ampere, dtype, head_dim, ke
 def test_mma_backward_sizes(ampere, dtype, head_dim, seqlen_q, seqlen_k, causal, heads):
     """Partial query and key blocks, both orders of the lengths (causal rows
     that see no key), several query blocks per key block so that the Q/dO
-    buffers alternate, and query heads summed into one K/V head."""
+    buffers alternate, and query heads summed into one K/V head; above head
+    dim 128 two warps share each 16 keys (P^T through shared memory)."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 1, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype(dtype),
                          seed=seqlen_q + 3 * seqlen_k + head_dim)
@@ -53,7 +54,7 @@ def test_mma_backward_sizes(ampere, dtype, head_dim, seqlen_q, seqlen_k, causal,
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [8, 40, 72, 104, 120])
+@pytest.mark.parametrize("head_dim", [8, 40, 72, 104, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_mma_backward_padded_head_dims(ampere, dtype, head_dim, causal):
     """Head dims below their bucket: padded columns add nothing, and dQ, dK,
@@ -65,7 +66,7 @@ def test_mma_backward_padded_head_dims(ampere, dtype, head_dim, causal):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 160, 256])
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (129, 127), (1000, 2049), (2049, 1000), (17, 1000)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
@@ -78,7 +79,7 @@ def test_mma_deterministic_backward_sizes(ampere, dtype, head_dim, seqlen_q, seq
     run_backward_and_check(q, k, v, causal=causal, deterministic=True, seed=seqlen_q)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_mma_deterministic_backward_is_bitwise_repeatable(ampere, head_dim, causal):
     """Ten runs, bitwise the same dq, dk, dv, on another stream too; dq of
@@ -90,7 +91,7 @@ def test_mma_deterministic_backward_is_bitwise_repeatable(ampere, head_dim, caus
 
 
 @pytest.mark.parametrize("rotated", [True, False], ids=["rotated-walks", "key-block-order"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 192])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [(1000, 1000, (4, 4)), (2049, 1000, (6, 2))])
 def test_mma_deterministic_backward_in_both_orders(ampere, rotated, head_dim, seqlen_q, seqlen_k, heads, monkeypatch):
     """Both orders of ordered dQ without a mask (see the Hopper test of the

@@ -216,7 +216,9 @@ def test_info_on_ampere_names_the_hopper_requirement():
     assert d128["deterministic"] == "backward-dkdv-mma (ordered dQ)"
     assert any("needs Hopper" in why for why in d128["why"])
     d256 = _row(report, "float16", 256)
-    assert (d256["backward"], d256["deterministic"]) == ("backward-dkdv", "backward-dkdv (separate dQ)")
+    assert (d256["backward"], d256["deterministic"]) == ("backward-dkdv-mma", "backward-dkdv-mma (ordered dQ)")
+    fp32 = _row(report, "float32", 128)
+    assert (fp32["backward"], fp32["deterministic"]) == ("backward-dkdv", "backward-dkdv (separate dQ)")
 
 
 def test_info_reports_the_kernel_cache(tmp_path):

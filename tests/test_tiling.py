@@ -16,20 +16,23 @@ from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
     MAX_SMEM_BYTES,
+    MMA_BACKWARD_TILES,
     MMA_DTYPES,
     MMA_3XTF32_FORWARD_TILES,
     MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
+    backward_splits_head_dim,
     backward_tiling,
     forward_tiling,
     mma_applies,
     mma_forward_applies,
     mma_forward_tiling,
     pad_head_dim,
+    mma_backward_applies,
+    mma_backward_tiling,
     wgmma_backward_applies,
-    wgmma_backward_splits_head_dim,
     wgmma_backward_tiling,
     wgmma_forward_applies,
     wgmma_forward_tiling,
@@ -155,7 +158,8 @@ def test_family_entries_are_consistent(family):
     ("bfloat16", 256, 90, {}, "wgmma", "wgmma"),
     ("bfloat16", 96, 80, {}, "mma", "mma"),
     ("bfloat16", 128, 80, {}, "mma", "mma"),
-    ("bfloat16", 192, 80, {}, "mma", "simt"),
+    ("bfloat16", 192, 80, {}, "mma", "mma"),
+    ("float16", 256, 80, dict(deterministic=True), "mma", "mma"),
     ("bfloat16", 128, 90, dict(aligned_rows=False), "simt", "simt"),
     ("float32", 64, 90, {}, "simt", "simt"),
     ("bfloat16", 20, 90, {}, "simt", "simt"),
@@ -239,7 +243,7 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     # where the head dim is split; dK, dV, S^T and dP^T within 192
     # registers; dQ split into column blocks of whole k16 steps.
     warpgroups = tiling.warps // 4
-    split = wgmma_backward_splits_head_dim(bucket)
+    split = backward_splits_head_dim(bucket)
     assert split == (bucket > 128)
     assert tiling.block_n == (64 if split else 64 * warpgroups) and tiling.block_m % 64 == 0
     dim_groups = warpgroups if split else 1
@@ -249,7 +253,28 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     assert tiling.backward_dkdv_smem_bytes(dtype) <= MAX_SMEM_BYTES
     assert wgmma_backward_applies(dtype, head_dim)
     assert select("backward-dkdv", dtype, head_dim, 90) == tiling
-    assert select("backward-dkdv", dtype, head_dim, 80).kernel == ("mma" if bucket <= 128 else "simt")
+    assert select("backward-dkdv", dtype, head_dim, 80).kernel == "mma"
+
+
+@pytest.mark.parametrize("head_dim,bucket", [(8, 32), (40, 64), (72, 96), (96, 96), (120, 128), (128, 128),
+                                             (136, 192), (160, 192), (192, 192), (200, 256), (256, 256)])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_mma_backward_table(dtype, head_dim, bucket):
+    tiling = mma_backward_tiling(dtype, head_dim)
+    assert tiling.kernel == "mma" and tiling.head_dim_padded == bucket
+    assert (tiling.block_m, tiling.block_n, tiling.warps) == MMA_BACKWARD_TILES[bucket]
+    # MmaBackwardTraits: 16 keys per warp, or per pair of warps where the
+    # head dim is split; dK, dV, S^T and dP^T within 192 registers; dQ in m16
+    # row tiles and whole n8 pairs of columns.
+    dim_groups = 2 if backward_splits_head_dim(bucket) else 1
+    assert tiling.block_n == 16 * tiling.warps // dim_groups
+    assert (bucket + tiling.block_m) // dim_groups <= 192 and (tiling.block_m // dim_groups) % 16 == 0
+    row_tiles = tiling.block_m // 16
+    assert tiling.warps % row_tiles == 0 and bucket % (16 * (tiling.warps // row_tiles)) == 0
+    # What Ampere runs: within an A100's 163 KiB per block.
+    assert tiling.backward_dkdv_smem_bytes(dtype) <= 163 * 1024
+    assert mma_backward_applies(dtype, head_dim)
+    assert select("backward-dkdv", dtype, head_dim, 80, smem_limit=163 * 1024) == tiling
 
 
 @pytest.mark.parametrize("dtype,head_dim,kernel", [("float32", 64, "simt"), ("bfloat16", 20, "simt"),
@@ -369,7 +394,7 @@ def test_3xtf32_takes_hopper_tiles_where_they_differ():
 def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
     """sm_86/sm_89 GPUs give a block 99 KiB: the launcher passes the limit
     and what needs more falls to the next family (3xTF32 float32 from head
-    dim 64 to the exact path, the mma.sync backward at 96-128 to SIMT)."""
+    dim 64 to the exact path, the mma.sync backward from 96 to SIMT)."""
     small = 99 * 1024
     assert select("forward", "float32", 32, 86, tf32x3=True, smem_limit=small).kernel == "mma"
     assert select("forward", "float32", 64, 86, tf32x3=True, smem_limit=small).kernel == "simt"
@@ -377,5 +402,7 @@ def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
     assert select("forward", "bfloat16", 256, 86, smem_limit=small).kernel == "mma"  # 99 KiB exactly
     assert select("backward-dkdv", "bfloat16", 64, 86, smem_limit=small).kernel == "mma"
     assert select("backward-dkdv", "bfloat16", 128, 86, smem_limit=small).kernel == "simt"
+    assert select("backward-dkdv", "bfloat16", 256, 86, smem_limit=small).kernel == "simt"
+    assert select("backward-dkdv", "bfloat16", 256, 80, smem_limit=163 * 1024).kernel == "mma"
     reason = FAMILY["forward-mma"].why_not("float32", 128, 86, tf32x3=True, smem_limit=small)
     assert reason == f"needs 135168 bytes of shared memory per block, the GPU gives {small}"
