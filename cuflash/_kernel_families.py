@@ -31,6 +31,7 @@ from ._tiling import (
     forward_tiling,
     mma_backward_applies,
     mma_backward_tiling,
+    mma_backward_99kib_tiling,
     mma_forward_applies,
     mma_forward_hopper_tiling,
     mma_forward_tiling,
@@ -108,11 +109,14 @@ class KernelFamily:
     #: "separate" (no dQ here: the deterministic dQ pass follows)
     dq_modes: dict[str, str] = field(default_factory=dict)
     #: tiling -> (template arguments after Mask and Score, key suffix) of the
-    #: tile choices beyond the common ones (K/V buffers, blocks per SM)
+    #: tile choices beyond the common ones (K/V or Q/dO buffers, blocks per SM)
     tile_args: Callable[[Tiling], tuple[tuple[str, ...], str]] = lambda tiling: ((), "")
     #: (dtype, head_dim) -> its tiles on Hopper where they differ from
     #: ``tiles`` (more shared memory per block than an A100's), else None
     hopper_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
+    #: (dtype, head_dim) -> its tiles on GPUs with 99 KiB of shared memory
+    #: per block (sm_86, sm_89) where ``tiles``' need more, else None
+    small_smem_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -143,7 +147,7 @@ class KernelFamily:
         if not self.runs_on(generation):
             return {"sm_90a": "needs Hopper (sm_90a) and NVRTC 12.9+", "sm_80": "needs sm_80 or newer"}[self.arch]
         if smem_limit is not None and self.tiles is not None:
-            needed = self.smem_bytes(self.tiles_on(dtype_name, head_dim, generation), dtype_name)
+            needed = self.smem_bytes(self.tiles_on(dtype_name, head_dim, generation, smem_limit), dtype_name)
             if needed > smem_limit:
                 return f"needs {needed} bytes of shared memory per block, the GPU gives {smem_limit}"
         if self.needs_aligned_rows and not aligned_rows:
@@ -192,16 +196,23 @@ class KernelFamily:
             smem_bytes=self.smem_bytes(tiling, dtype_name),
         )
 
-    def tiles_on(self, dtype_name: str, head_dim: int, generation: int) -> Tiling:
-        """Its tiles for (dtype, head_dim) on a device of this kernel generation."""
+    def tiles_on(self, dtype_name: str, head_dim: int, generation: int, smem_limit: int | None = None) -> Tiling:
+        """Its tiles for (dtype, head_dim) on a device of this kernel
+        generation giving a block ``smem_limit`` bytes of shared memory
+        (None: unknown, as much as the tiles need)."""
         hopper = self.hopper_tiles(dtype_name, head_dim) if generation == 90 else None
-        return hopper or self.tiles(dtype_name, head_dim)
+        tiling = hopper or self.tiles(dtype_name, head_dim)
+        if smem_limit is not None and self.smem_bytes(tiling, dtype_name) > smem_limit:
+            return self.small_smem_tiles(dtype_name, head_dim) or tiling
+        return tiling
 
     def compiled_tilings(self) -> list[tuple[str, Tiling]]:
-        """(dtype, tiling) of every head-dim bucket it is compiled for, Hopper's own tiles included."""
+        """(dtype, tiling) of every head-dim bucket it is compiled for, the
+        Hopper and small-shared-memory tiles included."""
         tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in self.head_dims]
-        return tilings + [(dtype, hopper) for dtype in self.dtypes for head_dim in self.head_dims
-                          if (hopper := self.hopper_tiles(dtype, head_dim)) is not None]
+        return tilings + [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
+                          for choose in (self.hopper_tiles, self.small_smem_tiles)
+                          if (other := choose(dtype, head_dim)) is not None]
 
 
 def _any_head_dim(dtype_name: str, head_dim: int) -> bool:
@@ -237,7 +248,8 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
                  dtypes=MMA_DTYPES, head_dims=tuple(MMA_BACKWARD_TILES), tiles=mma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=mma_backward_applies, needs_aligned_rows=True,
-                 dq_modes={"atomic": "false", "ordered": "true"}),
+                 dq_modes={"atomic": "false", "ordered": "true"}, small_smem_tiles=mma_backward_99kib_tiling,
+                 tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
     KernelFamily("backward-dkdv", "backward-dkdv", "flash_bwd.cu", "cuflash::flash_backward_dkdv_kernel", _BACKWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS, tiles=backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=_any_head_dim,
@@ -271,5 +283,5 @@ def select(role: str, dtype_name: str, head_dim: int, generation: int = 80, **co
     of kernel ``generation``."""
     for family in FAMILIES:
         if family.role == role and family.applies(dtype_name, head_dim, generation, **conditions):
-            return family.tiles_on(dtype_name, head_dim, generation)
+            return family.tiles_on(dtype_name, head_dim, generation, conditions.get("smem_limit"))
     raise ValueError(f"no {role} kernel serves dtype {dtype_name!r} with head_dim {head_dim}")

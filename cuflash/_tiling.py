@@ -67,19 +67,34 @@ MMA_3XTF32_HOPPER_TILES = {
 MMA_3XTF32_DTYPE = "float32"
 #: mma.sync backward dK/dV tiles (sm_80+; flash_bwd_mma.cu; what Ampere and
 #: Ada GPUs run) per compiled head dim: (block_m query rows per step, block_n
-#: keys per block, warps). Up to head dim 128 each warp owns 16 keys: S^T and
-#: dP^T take block_m / 2 registers each, dK and dV head_dim / 2 each, so
-#: block_m + head_dim <= 192. Above 128 two warps share 16 keys and split the
-#: head dim (``backward_splits_head_dim``), halving both; 32 query rows keep
-#: the tiles (110 and 143 KiB at 192 and 256) within an A100's 163 KiB, where
-#: 64 would need 169 and 217 KiB.
+#: keys per block, warps, Q/dO buffers), within an A100's 163 KiB per block.
+#: Up to head dim 128 each warp owns 16 keys: S^T and dP^T take block_m / 2
+#: registers each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192.
+#: Above 128 two warps share 16 keys and split the head dim
+#: (``backward_splits_head_dim``), halving both. At 192, 64 query rows fit
+#: single-buffered (118.5 KiB; 169 double-buffered): as fast as 32 rows
+#: double-buffered and the deterministic mode 15% faster (H100 as sm_80
+#: code, docs/perf-notes.md). At 256 the same (150.5 KiB) measured alike,
+#: deterministic 18% faster, but its ordered-dQ variant spills on sm_90
+#: (which runs this kernel where NVRTC cannot build sm_90a): 32 rows
+#: double-buffered (142.5 KiB).
 MMA_BACKWARD_TILES = {
-    32: (64, 128, 8),
-    64: (64, 128, 8),
-    96: (64, 128, 8),
-    128: (32, 128, 8),
-    192: (32, 64, 8),
-    256: (32, 64, 8),
+    32: (64, 128, 8, 2),
+    64: (64, 128, 8, 2),
+    96: (64, 128, 8, 2),
+    128: (32, 128, 8, 2),
+    192: (64, 64, 8, 1),
+    256: (32, 64, 8, 2),
+}
+#: The mma.sync backward's tiles for GPUs that give a block 99 KiB (sm_86,
+#: sm_89: RTX 30/40, A10, L4, L40S) where ``MMA_BACKWARD_TILES``' need more;
+#: measured as sm_80 code on the H100 at 0.94-1.0x the larger tiles' speed,
+#: 0.53x at 256 (32 keys per block).
+MMA_BACKWARD_99KIB_TILES = {
+    96: (64, 128, 8, 1),
+    128: (32, 128, 8, 1),
+    192: (32, 64, 8, 1),
+    256: (32, 32, 4, 1),
 }
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
 #: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One
@@ -160,6 +175,9 @@ class Tiling:
     #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
     #: the wgmma forward always double-buffers
     kv_stages: int = 1
+    #: Q/dO buffers of the mma.sync backward (1 or 2, see MmaBackwardTraits);
+    #: the wgmma backward always double-buffers
+    q_stages: int = 2
     #: resident blocks per SM the wgmma forward's register budget is set for
     #: (its launch bounds); the other kernels leave it to the compiler
     blocks_per_sm: int = 1
@@ -207,10 +225,10 @@ class Tiling:
 
     def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
         """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
-        for the mma.sync backward ``MmaBackwardTraits::kBytes``: K, V, two
-        buffers of Q and dO (rows padded by 8 elements), dS^T (and P^T where
-        the head dim is split; 16-bit, rows padded), two buffers of LSE and
-        delta; for the wgmma backward
+        for the mma.sync backward ``MmaBackwardTraits::kBytes``: K, V,
+        ``q_stages`` buffers of Q and dO (rows padded by 8 elements), dS^T
+        (and P^T where the head dim is split; 16-bit, rows padded), as many
+        buffers of LSE and delta; for the wgmma backward
         ``WgmmaBackwardTraits::kBytes``: K, V, two
         buffers of Q and dO, dS^T (and P^T where the head dim is split;
         16-bit, swizzled), two buffers of LSE and delta, plus the alignment
@@ -218,8 +236,9 @@ class Tiling:
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
-            return ((2 * n * (d + 8) + 4 * m * (d + 8) + score_tiles * n * (m + 8)) * ELEMENT_SIZE[dtype_name]
-                    + 2 * 2 * m * 4)
+            q = self.q_stages
+            return ((2 * n * (d + 8) + 2 * q * m * (d + 8) + score_tiles * n * (m + 8)) * ELEMENT_SIZE[dtype_name]
+                    + q * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + WGMMA_SMEM_ALIGNMENT
@@ -343,8 +362,22 @@ def mma_backward_applies(dtype_name: str, head_dim: int) -> bool:
 def mma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the mma.sync backward dK/dV kernel, where ``mma_backward_applies``."""
     padded = _bucket_in(MMA_BACKWARD_TILES, "mma.sync backward", dtype_name, head_dim)
-    block_m, block_n, warps = MMA_BACKWARD_TILES[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma")
+    return _mma_backward_tiles(dtype_name, padded, MMA_BACKWARD_TILES[padded])
+
+
+def mma_backward_99kib_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
+    """The mma.sync backward's tiles on GPUs with 99 KiB of shared memory
+    per block where ``mma_backward_tiling``'s need more
+    (``MMA_BACKWARD_99KIB_TILES``), else None."""
+    padded = _bucket_in(MMA_BACKWARD_TILES, "mma.sync backward", dtype_name, head_dim)
+    tiles = MMA_BACKWARD_99KIB_TILES.get(padded)
+    return None if tiles is None else _mma_backward_tiles(dtype_name, padded, tiles)
+
+
+def _mma_backward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int]) -> Tiling:
+    block_m, block_n, warps, q_stages = tiles
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
+                    q_stages=q_stages)
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 

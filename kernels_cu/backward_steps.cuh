@@ -96,6 +96,15 @@ __device__ __forceinline__ int walk_rotation(const BackwardParams& params, int n
     return Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks ? n_block : 0;
 }
 
+// Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
+// them, or 64 at a time where ordered dQ would hold them with dK and dV
+// (acc_cols columns each: acc_cols registers together) past 192 registers
+// per thread counted as dK + dV + 2 dQ, which spilled (the d256 tiles of
+// both tensor-core backwards) while waiting for the turn or polling for it.
+__host__ __device__ constexpr int dq_chunk_columns(bool ordered_dq, int acc_cols, int dq_cols) {
+    return ordered_dq && acc_cols + dq_cols > 192 ? 64 : dq_cols;
+}
+
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
 // of `head` into stats[0, kBlockM) and stats[kBlockM, 2 kBlockM), by plain
 // stores; rows past seqlen_q get 0 (they are masked).

@@ -16,8 +16,11 @@
 // sharing 16 keys each compute S^T and dP^T for half of the query block's
 // rows and own half of dK's and dV's columns: P^T is staged in shared memory
 // next to dS^T, and dV, dK read both A operands from there by ldmatrix.
-// Q, dO and their row statistics are double-buffered: the next query block
-// is copied by cp.async while this one is computed. dK is scaled once at the
+// Q, dO and their row statistics are double-buffered (kQStages = 2): the next
+// query block is copied by cp.async while this one is computed; or, where
+// shared memory is short (the largest head dims on an A100, 99 KiB GPUs),
+// single-buffered: the next block is copied once every warp is past its last
+// read of Q and dO (dK's product), while dQ is computed. dK is scaled once at the
 // end. Nothing of size seqlen_q x seqlen_k exists: one dS^T tile per block.
 #include "numeric.cuh"
 #include "params.cuh"
@@ -32,10 +35,10 @@
 namespace cuflash {
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          bool kOrderedDq>
+          int kQStages, bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dkdv_mma_kernel(const BackwardParams params) {
-    using Traits = MmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Traits = MmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kQStages>;
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
@@ -131,7 +134,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     // 0's release; its fence then waits on additions long since landed).
     HeldTurn held;
     for (int step = 0; step < walk.steps; ++step) {
-        const int buffer = step & 1;
+        const int buffer = kQStages == 2 ? step & 1 : 0;
         // This step's Q, dO and statistics have landed for every thread;
         // every warp is done with the previous step (its buffers and dS^T).
         cp_async_wait<0>();
@@ -139,10 +142,15 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         index_t next_head;
         int next_m_block;
         walk.following(next_head, next_m_block);
-        if (step + 1 < walk.steps) {
-            load_query_block(next_head, next_m_block, buffer ^ 1);
+        const auto load_next_query_block = [&]() {
+            if (step + 1 < walk.steps) {
+                load_query_block(next_head, next_m_block, kQStages == 2 ? buffer ^ 1 : 0);
+            }
+            cp_async_commit();
+        };
+        if constexpr (kQStages == 2) {
+            load_next_query_block();
         }
-        cp_async_commit();
         const index_t head = walk.head;
         const int m_block = walk.m_block;
         const int m_start = m_block * kBlockM;
@@ -241,38 +249,51 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         const auto dq_counter = [&]() {
             return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
         };
+        // The barrier also says, single-buffered, that every warp is past
+        // its last read of Q, dO and the statistics.
         if constexpr (kOrderedDq) {
             wait_for_turn(dq_counter(), turn);  // includes the barrier
-        } else if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
+        } else if constexpr (!kSplitHeadDim || kQStages == 1) {  // (split: dS^T passed before dV and dK)
             __syncthreads();  // every warp's dS^T is in shared memory
         }
-
-        // dQ_i (this warp's rows and columns) = dS K.
-        float dq[1][kDqCols / 8][4];
-        fill_fragments(dq, 0.0f);
-#pragma unroll
-        for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-            u32 ds_a[4];
-            ldmatrix_x4_trans(ds_a, ds_a_address + ks * 16 * kDsStride * kElementBytes);
-#pragma unroll
-            for (int dp_pair = 0; dp_pair < kDqCols / 16; ++dp_pair) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, k_address + row_bt_offset + (ks * 16 * kStride + dq_col0 + dp_pair * 16) * kElementBytes);
-                mma_two_n8_tiles<Element>(dq, [&](int) -> const u32(&)[4] { return ds_a; }, b, dp_pair);
-            }
+        if constexpr (kQStages == 1) {
+            load_next_query_block();
         }
+
+        // dQ_i (this warp's rows and columns) = dS K, in chunks of kDqChunk
+        // columns (dq_chunk_columns).
+        constexpr int kDqChunk = dq_chunk_columns(true, kAccCols, kDqCols);
+        static_assert(kDqCols % kDqChunk == 0 && kDqChunk % 16 == 0, "chunks of whole n8 pairs");
         float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = dq_row0 + lane / 4 + half * 8;
-            if (m_start + row < ctx.seqlen_q) {
+        for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
+            const int chunk_col0 = dq_col0 + chunk * kDqChunk;
+            float dq[1][kDqChunk / 8][4];
+            fill_fragments(dq, 0.0f);
 #pragma unroll
-                for (int j = 0; j < kDqCols / 8; ++j) {
-                    const int col = dq_col0 + 8 * j + 2 * (lane % 4);
-                    if (col < ctx.head_dim) {
-                        atomicAdd(dq_rows + row * dq_row_stride + col, dq[0][j][2 * half] * scale);
-                        atomicAdd(dq_rows + row * dq_row_stride + col + 1, dq[0][j][2 * half + 1] * scale);
+            for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
+                u32 ds_a[4];
+                ldmatrix_x4_trans(ds_a, ds_a_address + ks * 16 * kDsStride * kElementBytes);
+#pragma unroll
+                for (int dp_pair = 0; dp_pair < kDqChunk / 16; ++dp_pair) {
+                    u32 b[4];
+                    ldmatrix_x4_trans(
+                        b, k_address + row_bt_offset + (ks * 16 * kStride + chunk_col0 + dp_pair * 16) * kElementBytes);
+                    mma_two_n8_tiles<Element>(dq, [&](int) -> const u32(&)[4] { return ds_a; }, b, dp_pair);
+                }
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = dq_row0 + lane / 4 + half * 8;
+                if (m_start + row < ctx.seqlen_q) {
+#pragma unroll
+                    for (int j = 0; j < kDqChunk / 8; ++j) {
+                        const int col = chunk_col0 + 8 * j + 2 * (lane % 4);
+                        if (col < ctx.head_dim) {
+                            atomicAdd(dq_rows + row * dq_row_stride + col, dq[0][j][2 * half] * scale);
+                            atomicAdd(dq_rows + row * dq_row_stride + col + 1, dq[0][j][2 * half + 1] * scale);
+                        }
                     }
                 }
             }

@@ -260,10 +260,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warpgroup's dS^T is in shared memory
         }
-        // dQ's product in chunks of kDqChunk columns: one for the whole column
-        // block, or 64 at a time where dK, dV and dQ together pass 192
-        // registers per thread (d256), which spilled waiting for the turn.
-        constexpr int kDqChunk = kOrderedDq && kAccCols + kDqCols > 192 ? 64 : kDqCols;
+        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns).
+        constexpr int kDqChunk = dq_chunk_columns(kOrderedDq, kAccCols, kDqCols);
         static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "chunks of whole K panels");
         float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;

@@ -109,8 +109,9 @@ struct TensorCoreBackwardShape {
 // share of dQ_i = dS_i K_j (kDqCols / 2 floats): the warps split dQ's kBlockM
 // x kHeadDim into m16 row tiles first, then into column groups. Rows of every
 // tile are padded by 16 bytes, as in the mma.sync forward (conflict-free
-// ldmatrix without a swizzle).
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+// ldmatrix without a swizzle). Q, dO and their statistics have kQStages
+// buffers (2: the next block is copied during this one; 1: during dQ).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kQStages_>
 struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
@@ -128,6 +129,7 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kDqColGroups = kWarps / kDqRowTiles;        // warps sharing one row tile
     static constexpr int kDqCols = kHeadDim / kDqColGroups;          // dQ columns per warp
 
+    static constexpr int kQStages = kQStages_;
     static constexpr int kStride = kHeadDim + 8;   // Q, dO, K, V rows (elements)
     static constexpr int kDsStride = kBlockM + 8;  // dS^T (P^T) rows: keys, columns queries
     static constexpr int kElementBytes = int(sizeof(Element));
@@ -136,12 +138,12 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kDsTileBytes = kBlockN * kDsStride * kElementBytes;
     static constexpr int kK = 0;
     static constexpr int kV = kK + kKvTileBytes;
-    static constexpr int kQ = kV + kKvTileBytes;       // two buffers
-    static constexpr int kDo = kQ + 2 * kQTileBytes;   // two buffers
-    static constexpr int kDs = kDo + 2 * kQTileBytes;
+    static constexpr int kQ = kV + kKvTileBytes;              // kQStages buffers
+    static constexpr int kDo = kQ + kQStages * kQTileBytes;   // kQStages buffers
+    static constexpr int kDs = kDo + kQStages * kQTileBytes;
     static constexpr int kPt = kDs + kDsTileBytes;     // P^T, where two warps split the head dim
-    static constexpr int kStats = kPt + (kSplitHeadDim ? kDsTileBytes : 0);  // two buffers of (LSE in log2, delta)
-    static constexpr int kBytes = kStats + 2 * 2 * kBlockM * 4;
+    static constexpr int kStats = kPt + (kSplitHeadDim ? kDsTileBytes : 0);  // kQStages buffers of (LSE in log2, delta)
+    static constexpr int kBytes = kStats + kQStages * 2 * kBlockM * 4;
 
     static_assert(kBlockN == 16 * kKeyTiles, "one m16 tile of keys per warp, or per pair of warps when split");
     static_assert(kScoreCols % 16 == 0 && kAccCols % 16 == 0, "whole k16 steps of P^T and n8 pairs of dK, dV");
@@ -150,6 +152,7 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static_assert((kStride * kElementBytes / 16) % 2 == 1 && (kDsStride * kElementBytes / 16) % 2 == 1,
                   "odd chunks per row: conflict-free ldmatrix");
     static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kQStages == 1 || kQStages == 2, "single or double buffered Q and dO");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

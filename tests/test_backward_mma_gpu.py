@@ -6,6 +6,7 @@ an Ampere GPU would: the same kernel source, built for the GPU at hand."""
 import pytest
 
 from cuflash import api
+from cuflash._tiling import mma_backward_99kib_tiling
 
 from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv
 from tests.test_backward_gpu import run_backward_and_check
@@ -23,6 +24,13 @@ def _cupy():
 @pytest.fixture
 def ampere(monkeypatch):
     pin_kernel_generation(monkeypatch, 80)
+
+
+@pytest.fixture
+def ada(monkeypatch):
+    """As on an sm_89 GPU (RTX 40, L4, L40S): 99 KiB of shared memory per block."""
+    pin_kernel_generation(monkeypatch, 89)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device_id: 99 * 1024)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -102,3 +110,26 @@ def test_mma_deterministic_backward_in_both_orders(ampere, rotated, head_dim, se
     assert _chosen(q, k, v, deterministic=True).kernel == "mma"
     run_backward_and_check(q, k, v, causal=False, deterministic=True, seed=seqlen_k)
     assert orders["ordered"] and set(orders["ordered"]) == {rotated}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [96, 128, 160, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(1, 1), (129, 127), (1000, 2049), (2049, 1000)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+def test_mma_backward_99kib_tiles(ada, dtype, head_dim, seqlen_q, seqlen_k, causal, deterministic):
+    """The tiles of GPUs with 99 KiB per block (one Q/dO buffer: the next
+    query block is copied during dQ; 32 keys per block at 256)."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, head_dim, cupy.dtype(dtype), seed=seqlen_q + head_dim)
+    chosen = _chosen(q, k, v, deterministic=deterministic)
+    assert chosen == mma_backward_99kib_tiling(dtype, head_dim) and chosen.backward_dkdv_smem_bytes(dtype) <= 99 * 1024
+    run_backward_and_check(q, k, v, causal=causal, deterministic=deterministic, seed=seqlen_k)
+
+
+@pytest.mark.parametrize("head_dim", [128, 192])
+def test_mma_99kib_deterministic_backward_is_bitwise_repeatable(ada, head_dim):
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 1024, 1024, 8, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    assert _chosen(q, k, v, deterministic=True) == mma_backward_99kib_tiling("bfloat16", head_dim)
+    assert_deterministic_backward_is_bitwise_repeatable(q, k, v, True)

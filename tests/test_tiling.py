@@ -16,6 +16,7 @@ from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
     MAX_SMEM_BYTES,
+    MMA_BACKWARD_99KIB_TILES,
     MMA_BACKWARD_TILES,
     MMA_DTYPES,
     MMA_3XTF32_FORWARD_TILES,
@@ -31,6 +32,7 @@ from cuflash._tiling import (
     mma_forward_tiling,
     pad_head_dim,
     mma_backward_applies,
+    mma_backward_99kib_tiling,
     mma_backward_tiling,
     wgmma_backward_applies,
     wgmma_backward_tiling,
@@ -117,7 +119,8 @@ _TRAITS = {
     "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                            "{t.warps}>",
-    "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
+    "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
+                         "{t.q_stages}>",
 }
 
 
@@ -262,7 +265,7 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
 def test_mma_backward_table(dtype, head_dim, bucket):
     tiling = mma_backward_tiling(dtype, head_dim)
     assert tiling.kernel == "mma" and tiling.head_dim_padded == bucket
-    assert (tiling.block_m, tiling.block_n, tiling.warps) == MMA_BACKWARD_TILES[bucket]
+    assert (tiling.block_m, tiling.block_n, tiling.warps, tiling.q_stages) == MMA_BACKWARD_TILES[bucket]
     # MmaBackwardTraits: 16 keys per warp, or per pair of warps where the
     # head dim is split; dK, dV, S^T and dP^T within 192 registers; dQ in m16
     # row tiles and whole n8 pairs of columns.
@@ -275,6 +278,26 @@ def test_mma_backward_table(dtype, head_dim, bucket):
     assert tiling.backward_dkdv_smem_bytes(dtype) <= 163 * 1024
     assert mma_backward_applies(dtype, head_dim)
     assert select("backward-dkdv", dtype, head_dim, 80, smem_limit=163 * 1024) == tiling
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 72, 96, 120, 128, 160, 192, 200, 256])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_mma_backward_99kib_tiles(dtype, head_dim):
+    """sm_86/sm_89 GPUs give a block 99 KiB: where the A100 tiles need more,
+    the launcher takes tiles that fit (same kernel rules), and those run
+    with one Q/dO buffer or fewer rows or keys."""
+    small = 99 * 1024
+    default = mma_backward_tiling(dtype, head_dim)
+    compact = mma_backward_99kib_tiling(dtype, head_dim)
+    chosen = select("backward-dkdv", dtype, head_dim, 86, smem_limit=small)
+    if default.backward_dkdv_smem_bytes(dtype) <= small:
+        assert chosen == default
+    else:
+        assert compact is not None and chosen == compact and compact.head_dim_padded == default.head_dim_padded
+        assert compact.backward_dkdv_smem_bytes(dtype) <= small
+        assert tuple(MMA_BACKWARD_99KIB_TILES[compact.head_dim_padded]) == (
+            compact.block_m, compact.block_n, compact.warps, compact.q_stages)
+    assert (dtype, chosen) in FAMILY["backward-dkdv-mma"].compiled_tilings()
 
 
 @pytest.mark.parametrize("dtype,head_dim,kernel", [("float32", 64, "simt"), ("bfloat16", 20, "simt"),
@@ -394,15 +417,16 @@ def test_3xtf32_takes_hopper_tiles_where_they_differ():
 def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
     """sm_86/sm_89 GPUs give a block 99 KiB: the launcher passes the limit
     and what needs more falls to the next family (3xTF32 float32 from head
-    dim 64 to the exact path, the mma.sync backward from 96 to SIMT)."""
+    dim 64 to the exact path); the mma.sync backward takes its 99 KiB tiles
+    from head dim 96."""
     small = 99 * 1024
     assert select("forward", "float32", 32, 86, tf32x3=True, smem_limit=small).kernel == "mma"
     assert select("forward", "float32", 64, 86, tf32x3=True, smem_limit=small).kernel == "simt"
     assert select("forward", "float32", 64, 80, tf32x3=True, smem_limit=163 * 1024).kernel == "mma"
     assert select("forward", "bfloat16", 256, 86, smem_limit=small).kernel == "mma"  # 99 KiB exactly
     assert select("backward-dkdv", "bfloat16", 64, 86, smem_limit=small).kernel == "mma"
-    assert select("backward-dkdv", "bfloat16", 128, 86, smem_limit=small).kernel == "simt"
-    assert select("backward-dkdv", "bfloat16", 256, 86, smem_limit=small).kernel == "simt"
-    assert select("backward-dkdv", "bfloat16", 256, 80, smem_limit=163 * 1024).kernel == "mma"
+    assert select("backward-dkdv", "bfloat16", 128, 86, smem_limit=small) == mma_backward_99kib_tiling("bfloat16", 128)
+    assert select("backward-dkdv", "bfloat16", 256, 86, smem_limit=small) == mma_backward_99kib_tiling("bfloat16", 256)
+    assert select("backward-dkdv", "bfloat16", 256, 80, smem_limit=163 * 1024) == mma_backward_tiling("bfloat16", 256)
     reason = FAMILY["forward-mma"].why_not("float32", 128, 86, tf32x3=True, smem_limit=small)
     assert reason == f"needs 135168 bytes of shared memory per block, the GPU gives {small}"

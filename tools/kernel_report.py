@@ -40,6 +40,12 @@ _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gen
                "sm_80": "-gencode=arch=compute_80,code=sm_80"}
 
 
+def _family_variants(family, dtype: str, tiling) -> list[KernelVariant]:
+    """``family``'s variants of one tiling: every mask, both dQ modes of a dK/dV family that has them."""
+    return [family.variant(dtype, tiling, mask, dq_mode=mode)
+            for mask in MASKS.values() for mode in family.dq_modes or ("atomic",)]
+
+
 def all_variants() -> list[KernelVariant]:
     """Every instantiation the launcher can request: each family's compiled
     tiles with every mask (and both dQ modes of a dK/dV family that has them)."""
@@ -49,15 +55,34 @@ def all_variants() -> list[KernelVariant]:
             variants += [family.variant(dtype) for dtype in family.dtypes]
             continue
         for dtype, tiling in family.compiled_tilings():
-            for mask in MASKS.values():
-                for mode in family.dq_modes or ("atomic",):
-                    variants.append(family.variant(dtype, tiling, mask, dq_mode=mode))
+            variants += _family_variants(family, dtype, tiling)
     return variants
 
 
+def small_smem_only_keys() -> frozenset[str]:
+    """Keys of the variants only GPUs with less shared memory per block than
+    an A100 take (``KernelFamily.small_smem_tiles``, sm_86/sm_89): a Hopper
+    (227 KiB) never builds them."""
+    keys = set()
+    for family in FAMILIES:
+        if family.tiles is None:
+            continue
+        for dtype in family.dtypes:
+            for head_dim in family.head_dims:
+                small = family.small_smem_tiles(dtype, head_dim)
+                if small is not None and small not in (family.tiles(dtype, head_dim),
+                                                       family.hopper_tiles(dtype, head_dim)):
+                    keys.update(v.key for v in _family_variants(family, dtype, small))
+    return frozenset(keys)
+
+
 def variants_for(variants, arch: str) -> list[KernelVariant]:
-    """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone."""
-    return [v for v in variants if arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY)]
+    """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone,
+    the small-shared-memory ones everywhere but Hopper."""
+    if arch.startswith("sm_90"):
+        small = small_smem_only_keys()
+        return [v for v in variants if v.key not in small and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY))]
+    return [v for v in variants if not v.key.startswith(HOPPER_ONLY)]
 
 
 def _translation_unit(variants) -> str:
