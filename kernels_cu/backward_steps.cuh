@@ -96,6 +96,26 @@ __device__ __forceinline__ int walk_rotation(const BackwardParams& params, int n
     return Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks ? n_block : 0;
 }
 
+// Stores one warp's P^T or dS^T, packed to 16 bits as A fragments
+// (pack_a_fragment: frags[j / 2] holds n8 query tiles j and j + 1), into a
+// shared tile of keys x queries: 16 rows from key0, kQTiles n8 tiles of
+// columns from query0. chunk_offset(row, chunk) is the byte offset of a
+// row's 16-byte chunk (8 queries): padded rows or a swizzle.
+template <int kQTiles, typename ChunkOffset>
+__device__ __forceinline__ void stage_transposed_fragments(unsigned char* tile, const u32 (&frags)[kQTiles / 2][4],
+                                                           int key0, int query0, int lane,
+                                                           const ChunkOffset& chunk_offset) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key_row = key0 + lane / 4 + half * 8;
+            *reinterpret_cast<u32*>(tile + chunk_offset(key_row, query0 / 8 + j) + 4 * (lane % 4)) =
+                frags[j / 2][(j % 2) * 2 + half];
+        }
+    }
+}
+
 // Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
 // them, or 64 at a time where ordered dQ would hold them with dK and dV
 // (acc_cols columns each: acc_cols registers together) past 192 registers

@@ -201,15 +201,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
         const auto stage_transposed = [&](Element* tile, const u32 (&frags)[kScoreCols / 16][4]) {
-#pragma unroll
-            for (int j = 0; j < kQTiles; ++j) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int key_row = warp_key0 + lane / 4 + half * 8;
-                    *reinterpret_cast<u32*>(tile + key_row * kDsStride + score_col0 + 8 * j + 2 * (lane % 4)) =
-                        frags[j / 2][(j % 2) * 2 + half];
-                }
-            }
+            stage_transposed_fragments<kQTiles>(reinterpret_cast<unsigned char*>(tile), frags, warp_key0, score_col0,
+                                                lane, [](int row, int chunk) { return (row * kDsStride + 8 * chunk) * kElementBytes; });
         };
         stage_transposed(ds_tile, ds_frag);
         if constexpr (kSplitHeadDim) {

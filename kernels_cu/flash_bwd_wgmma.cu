@@ -206,15 +206,8 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
         const auto stage_transposed = [&](unsigned char* tile, const u32 (&frags)[kScoreCols / 16][4]) {
-#pragma unroll
-            for (int j = 0; j < kQTiles; ++j) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int key_row = warp_key0 + lane / 4 + half * 8;
-                    *reinterpret_cast<u32*>(tile + DsTile::chunk_offset(key_row, score_col0 / 8 + j) + 4 * (lane % 4)) =
-                        frags[j / 2][(j % 2) * 2 + half];
-                }
-            }
+            stage_transposed_fragments<kQTiles>(tile, frags, warp_key0, score_col0, lane,
+                                                [](int row, int chunk) { return DsTile::chunk_offset(row, chunk); });
         };
         stage_transposed(ds_tile, ds_frag);
         if constexpr (kSplitHeadDim) {
