@@ -3,6 +3,7 @@ of attention algorithms (pure Python, no GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -11,6 +12,7 @@ import click
 
 from .simulate import ALGORITHMS, MACHINES, PASSES, Problem, explain, format_csv, format_table, run, summarize
 from .simulate.report import format_bytes
+from .simulate.timing import estimate
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -67,6 +69,13 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--pass", "passes", type=click.Choice(PASSES), default="fwd+bwd", show_default=True)
 @click.option("--machine", type=click.Choice(sorted(MACHINES)), default="a100", show_default=True)
 @click.option("--sram", type=SIZE, default=None, help="SRAM per SM in bytes, e.g. 96KB (overrides the preset's)")
+@click.option("--sms", type=SIZE, default=None, help="SMs (overrides the preset's)")
+@click.option("--l2", type=SIZE, default=None, help="L2 bytes, e.g. 50MB (overrides the preset's)")
+@click.option("--bandwidth", type=float, default=None, help="DRAM bandwidth in TB/s (overrides the preset's)")
+@click.option("--matmul-tflops", type=float, default=None,
+              help="dense 16-bit tensor-core TFLOP/s (overrides the preset's)")
+@click.option("--measured", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="a tools/bench.py JSON file: the time model beside its measured times, error per row")
 @click.option("--algorithm", "-a", "algorithms", type=click.Choice(list(ALGORITHMS)), multiple=True,
               help="repeat for several; default: all")
 @click.option("--block-m", type=SIZE, default=None, help="override the query block size (Br)")
@@ -81,14 +90,16 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
 @click.option("--explain", "show_explain", is_flag=True, help="print every term with its formula")
 def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype, element_bytes, causal, dropout,
-             key_padding_mask, deterministic, passes, machine, sram, algorithms, block_m, block_n, as_json, as_csv,
-             sweep, values, plot, show_explain):
+             key_padding_mask, deterministic, passes, machine, sram, sms, l2, bandwidth, matmul_tflops, measured,
+             algorithms, block_m, block_n, as_json, as_csv, sweep, values, plot, show_explain):
     """Count the HBM traffic of attention algorithms.
 
     Two levels: the bytes each algorithm's loads and stores request from global
     memory (exact, the FlashAttention paper's "HBM accesses"), and an estimate
     of DRAM traffic after the L2 cache (what a profiler measures). Also FLOPs,
-    arithmetic intensity, and a roofline time estimate on the machine.
+    arithmetic intensity, a roofline time, and a time model of the tiled
+    algorithms (thread blocks in waves, the tensor cores, exponentials and
+    CUDA cores of each SM; fitted to an H100's measurements).
 
     Algorithms: standard (Algorithm 0), pytorch (the unfused pipeline),
     flash1 (FlashAttention Algorithm 1/4), flash2 (FlashAttention-2), cuflash
@@ -132,7 +143,17 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         except ValueError as error:
             raise click.BadParameter(str(error)) from None
 
-    base_machine = MACHINES[machine] if sram is None else MACHINES[machine].with_sram(sram)
+    overrides = {"sms": sms, "l2_bytes": l2, "hbm_bandwidth": None if bandwidth is None else bandwidth * 1e12,
+                 "matmul_flops": None if matmul_tflops is None else matmul_tflops * 1e12}
+    for name, value in overrides.items():
+        if value is not None and value <= 0:
+            raise click.BadParameter(f"{name} must be positive, got {value}")
+    if measured:
+        if sweep or show_explain or as_csv:
+            raise click.UsageError("--measured compares a benchmark file's rows; leave out --sweep, --explain, --csv")
+        _compare_with_measured(measured, machine, ctx, overrides, as_json)
+        return
+    base_machine = _machine(machine, sram, overrides)
     if "flash1" in algorithms and not sweep:
         _warn_outside_theorem2(problem_for(), base_machine)
 
@@ -143,7 +164,10 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                 traffic = run(name, problem, target, passes, block_m, block_n)
             except ValueError as error:
                 raise click.BadParameter(str(error)) from None
-            out.append((traffic, summarize(traffic, target)))
+            # The time model follows the tiles the algorithms choose; with
+            # --block-m/--block-n it is left out rather than made up.
+            model = None if block_m or block_n else estimate(name, problem, target, passes)
+            out.append((traffic, summarize(traffic, target, model)))
         return out
 
     if not sweep:
@@ -171,7 +195,7 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
             elif sweep == "head-dim":
                 problem, target = problem_for(d=value), base_machine
             else:
-                problem, target = problem_for(), MACHINES[machine].with_sram(value)
+                problem, target = problem_for(), _machine(machine, value, overrides)
             records += [(value, s) for _, s in summaries_for(problem, target)]
     if as_json:
         click.echo(json.dumps({"sweep": sweep, "pass": passes, "machine": machine,
@@ -182,6 +206,66 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         click.echo(_sweep_table(sweep, records))
     if plot:
         _plot(plot, sweep, records)
+
+
+def _machine(name: str, sram: int | None, overrides: dict):
+    """The preset with --sram and the other overrides applied."""
+    chosen = MACHINES[name] if sram is None else MACHINES[name].with_sram(sram)
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if given:
+        label = ", ".join(f"{key} {value:g}" for key, value in given.items())
+        chosen = dataclasses.replace(chosen, name=f"{chosen.name} ({label})", **given)
+    return chosen
+
+
+def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, as_json: bool) -> None:
+    """The time model of cuflash and flash2 beside a bench file's measured
+    cuflash and SDPA flash times (its 16-bit forward and backward rows), as
+    a Markdown table with the error per row and the largest errors."""
+    try:
+        with open(path) as handle:
+            bench = json.load(handle)
+        rows = [row for row in bench["rows"] if row["dtype"] in ("bfloat16", "float16")
+                and row["pass"] in ("fwd", "bwd")]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise click.BadParameter(f"{path} is not a tools/bench.py JSON file: {error}") from None
+    if not rows:
+        raise click.BadParameter(f"{path} has no 16-bit fwd or bwd rows")
+    device = str(bench.get("environment", {}).get("device", ""))
+    if ctx.get_parameter_source("machine") is click.core.ParameterSource.DEFAULT:
+        machine_name = next((name for name in MACHINES if name.upper() in device.upper()), machine_name)
+    target = _machine(machine_name, None, overrides)
+    records = []
+    for row in rows:
+        problem = Problem(batch=row["batch"], nheads=row["heads"], seqlen_q=row["seqlen"], head_dim=row["head_dim"],
+                          element_size=2, causal=row["causal"])
+        for algorithm, measured_as in (("cuflash", "cuflash"), ("flash2", "flash")):
+            if measured_as not in row["ms"]:
+                continue
+            model_ms = estimate(algorithm, problem, target, row["pass"])["seconds"] * 1e3
+            records.append({"pass": row["pass"], "dtype": row["dtype"], "head_dim": row["head_dim"],
+                            "causal": row["causal"], "seqlen": row["seqlen"], "batch": row["batch"],
+                            "heads": row["heads"], "algorithm": algorithm, "measured_ms": row["ms"][measured_as],
+                            "model_ms": model_ms, "error": model_ms / row["ms"][measured_as] - 1})
+    if as_json:
+        click.echo(json.dumps({"file": path, "machine": target.name, "rows": records}, indent=2))
+        return
+    click.echo(f"Time model on {target.name} against {path} ({device or 'device not recorded'}); "
+               "error = model / measured - 1.\n")
+    click.echo("| pass | dtype | head_dim | causal | seqlen | batch x heads | algorithm | measured ms | model ms "
+               "| error |")
+    click.echo("|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        click.echo(f"| {r['pass']} | {r['dtype']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | "
+                   f"{r['seqlen']} | {r['batch']} x {r['heads']} | {r['algorithm']} | {r['measured_ms']:.4g} | "
+                   f"{r['model_ms']:.4g} | {r['error']:+.1%} |")
+    click.echo("")
+    for algorithm in ("cuflash", "flash2"):
+        for pass_name in ("fwd", "bwd"):
+            errors = [abs(r["error"]) for r in records if r["algorithm"] == algorithm and r["pass"] == pass_name]
+            if errors:
+                click.echo(f"{algorithm} {pass_name}: largest error {max(errors):.1%}, "
+                           f"mean {sum(errors) / len(errors):.1%} over {len(errors)} rows")
 
 
 def _warn_outside_theorem2(problem: Problem, machine) -> None:

@@ -10,8 +10,9 @@ from .machines import Machine
 from .traffic import Traffic
 
 
-def summarize(t: Traffic, machine: Machine) -> dict:
-    """Everything the report shows, as plain numbers (bytes, FLOPs, seconds)."""
+def summarize(t: Traffic, machine: Machine, time_model: dict | None = None) -> dict:
+    """Everything the report shows, as plain numbers (bytes, FLOPs, seconds);
+    ``time_model``: ``timing.estimate``'s result for the same run."""
     requested = t.total("requested")
     dram = t.total("dram")
     flops = t.matmul_flops + t.other_flops
@@ -32,6 +33,7 @@ def summarize(t: Traffic, machine: Machine) -> dict:
         "intensity_requested": flops / requested if requested else float("inf"),
         "intensity_dram": flops / dram if dram else float("inf"),
         "roofline": roofline_seconds(t, machine),
+        "time_model": time_model,
         "notes": list(t.notes),
     }
 
@@ -48,14 +50,16 @@ def format_bytes(nbytes: float) -> str:
 def format_table(summaries: list[dict], header: str) -> str:
     """A readable report: totals per algorithm, then traffic by tensor."""
     lines = [header, ""]
-    columns = ("algorithm", "requested", "DRAM (est.)", "GFLOPs", "FLOP/B (DRAM)", "est. ms", "bound")
+    columns = ("algorithm", "requested", "DRAM (est.)", "GFLOPs", "FLOP/B (DRAM)", "roofline ms", "bound",
+               "model ms")
     rows = []
     for s in summaries:
         roof = s["roofline"]
         bound = "memory" if roof["memory_s"] >= roof["compute_s"] else "compute"
+        model = s.get("time_model")
         rows.append((s["algorithm"], format_bytes(s["requested_bytes"]), format_bytes(s["dram_bytes"]),
-                     f"{s['flops'] / 1e9:.1f}",
-                     f"{s['intensity_dram']:.1f}", f"{roof['estimate_s'] * 1e3:.4g}", bound))
+                     f"{s['flops'] / 1e9:.1f}", f"{s['intensity_dram']:.1f}", f"{roof['estimate_s'] * 1e3:.4g}",
+                     bound, "-" if model is None else f"{model['seconds'] * 1e3:.4g}"))
     lines += _align([columns] + rows)
     for s in summaries:
         lines += ["", f"{s['algorithm']}: traffic by tensor"
@@ -67,6 +71,11 @@ def format_table(summaries: list[dict], header: str) -> str:
                                 f"{row['elements']:,}"))
         lines += _align(tensor_rows)
         lines += [f"  note: {note}" for note in s["notes"]]
+        if s.get("time_model"):
+            lines.append("  time model: " + "; ".join(
+                f"{launch['name']} {launch['seconds'] * 1e3:.4g} ms"
+                + (f" ({launch['waves']:.2f} waves of {launch['blocks_per_sm']}/SM)" if launch["waves"] else "")
+                for launch in s["time_model"]["launches"]))
     return "\n".join(lines)
 
 
@@ -83,7 +92,7 @@ def _align(rows: list[tuple]) -> list[str]:
 
 CSV_FIELDS = ("sweep_value", "algorithm", "requested_bytes", "requested_read_bytes", "requested_write_bytes",
               "dram_bytes", "dram_read_bytes", "dram_write_bytes", "element_accesses", "matmul_flops",
-              "other_flops", "intensity_dram", "estimate_s")
+              "other_flops", "intensity_dram", "estimate_s", "model_s")
 
 
 def format_csv(records: list[tuple[object, dict]]) -> str:
@@ -93,7 +102,8 @@ def format_csv(records: list[tuple[object, dict]]) -> str:
     writer.writeheader()
     for value, s in records:
         row = {key: s.get(key) for key in CSV_FIELDS if key in s}
-        row.update(sweep_value=value, estimate_s=s["roofline"]["estimate_s"])
+        row.update(sweep_value=value, estimate_s=s["roofline"]["estimate_s"],
+                   model_s=s["time_model"]["seconds"] if s.get("time_model") else None)
         writer.writerow(row)
     return buffer.getvalue()
 

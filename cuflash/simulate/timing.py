@@ -1,0 +1,258 @@
+"""A time model of the tiled algorithms: thread blocks, waves, and the pipes of an SM.
+
+The roofline (``algorithms.roofline_seconds``) cannot tell FlashAttention-1,
+-2 and cuflash apart where it matters: they do the same matmul FLOPs and
+nearly the same DRAM traffic at long sequences. What separates them is how
+their work lands on the SMs:
+
+* **Thread blocks and waves.** A kernel is a grid of thread blocks; each SM
+  holds ``blocks_per_sm`` of them (shared memory and threads decide), and a
+  block runs to its end on the SM it was given. The model hands the blocks
+  out in grid order to whichever slot frees first (the hardware's
+  dispatcher), so the partial last wave and the unequal blocks of a causal
+  mask show. FlashAttention-1 has one block per (batch, head): 16 heads use
+  16 of an H100's 132 SMs.
+* **The pipes of an SM, per step.** A block's work is a prologue and one step
+  per key block (forward) or query block (backward). A step keeps three
+  pipes busy: the tensor cores (its matmul FLOPs at the SM's share of the
+  machine's rate, times the kernel's ``tensor_efficiency``), the
+  special-function units (one exponential per score, 16 per SM per clock on
+  the A100 and H100, the bottleneck FlashAttention-3 is built around: at
+  head dim 64 they take as long as the matmuls) and the CUDA cores (the other
+  float32 work). ``overlap`` says how much of the shorter pipes hides behind
+  the longest: 0 runs them one after another (one warp's matmul, then its
+  softmax), 1 hides them entirely (FlashAttention-3's ping-pong). Blocks
+  resident on one SM share its pipes, so a block's time there is
+  ``blocks_per_sm`` times its time alone.
+* **DRAM.** A kernel takes at least its DRAM bytes over the bandwidth; the
+  element-wise kernels of the backward (delta, the dQ conversion) are that
+  alone.
+
+The constants of each kernel (``KERNEL_COSTS``: tensor efficiency, overlap,
+cycles per step and per block) are fitted to the H100 measurements in
+``benchmarks/h100.json`` (commit d39f7ae) and stated there; the structure
+above, not the fit, is what carries over to other shapes and machines.
+``cuflash simulate --measured FILE`` prints the model beside a benchmark
+file, with the error per row.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from .algorithms import (NONMATMUL, _cdiv, _flash2_plan, cuflash_plan, flash1_blocks, key_sweep, query_sweep,
+                         roofline_seconds, run)
+from .machines import Machine
+from .traffic import STAT_BYTES, Problem
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """How one kernel uses an SM (see the module doc)."""
+
+    tensor_efficiency: float  #: fraction of the machine's matmul rate its products reach
+    overlap: float  #: 0: pipes one after another, 1: all behind the longest
+    step_cycles: float  #: fixed cycles per step (barriers, pointer and mask work, pipeline fill)
+    block_cycles: float  #: fixed cycles per thread block (prologue, epilogue, first loads)
+    note: str
+
+
+#: Per algorithm, pass and (cuflash) kernel generation. Fitted to
+#: benchmarks/h100.json (d39f7ae, bf16, the FlashAttention-2 grid: head dims
+#: 64 and 128, seqlen 512-16k at 16k tokens, causal and not) by a grid search
+#: minimising the largest relative error: cuflash forward within 16% at every
+#: point (mean 7%), backward 4.4% (mean 2.4%); flash2, PyTorch SDPA's flash
+#: backend (FlashAttention-2's mma.sync code) in the same runs, 19% and 21%.
+#: cuflash's mma.sync kernels (sm_80/sm_89, or Hopper without sm_90a) take
+#: flash2's constants: same instructions, not fitted on their own. flash1
+#: takes flash2's pipes with its own grid and HBM round trips.
+KERNEL_COSTS = {
+    ("cuflash", "fwd", 90): KernelCost(0.55, 0.50, 0, 5000, "wgmma forward: the softmax of one key block runs "
+                                                           "while the tensor cores do P V of the last"),
+    ("cuflash", "bwd", 90): KernelCost(0.70, 1.00, 3000, 15000, "wgmma backward: two warpgroups, products "
+                                                                "of one behind the element-wise work of the other"),
+    ("flash2", "fwd", 0): KernelCost(0.55, 0.50, 500, 5000, "FlashAttention-2 forward (mma.sync; several "
+                                                           "blocks per SM interleave their pipes)"),
+    ("flash2", "bwd", 0): KernelCost(0.55, 0.00, 3000, 20000, "FlashAttention-2 backward (mma.sync)"),
+}
+
+
+def kernel_cost(algorithm: str, pass_name: str, machine: Machine) -> KernelCost:
+    """The constants of an algorithm's kernel on a machine's generation
+    (cuflash: the Hopper kernels on compute capability 9.0, below it the
+    mma.sync kernels with flash2's constants; flash1 and flash2 the same
+    everywhere)."""
+    if algorithm == "cuflash" and machine.compute_capability >= 90:
+        return KERNEL_COSTS[("cuflash", pass_name, 90)]
+    return KERNEL_COSTS[("flash2", pass_name, 0)]
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """One thread block's work."""
+
+    steps: int
+    matmul_flops: float
+    exps: float
+    other_flops: float
+
+
+@dataclass
+class Launch:
+    """One kernel launch: its blocks in grid order (``(count, work)`` runs),
+    blocks per SM, DRAM bytes and costs; ``seconds`` once timed."""
+
+    name: str
+    blocks: list[tuple[int, BlockWork]]
+    blocks_per_sm: int
+    dram_bytes: float
+    cost: KernelCost | None
+    #: fraction of the machine's DRAM bandwidth its blocks can pull (flash1:
+    #: only the busy SMs' share)
+    bandwidth_share: float = 1.0
+    seconds: float = 0.0
+    compute_seconds: float = 0.0
+    memory_seconds: float = 0.0
+    waves: float = 0.0
+
+
+def block_seconds(work: BlockWork, cost: KernelCost, machine: Machine) -> float:
+    """A block's time on an SM it has to itself: prologue plus steps, each
+    step its pipes combined by ``cost.overlap``."""
+    sm_matmul = machine.matmul_flops / machine.sms * cost.tensor_efficiency
+    sm_other = machine.nonmatmul_flops / machine.sms
+    pipes = (work.matmul_flops / sm_matmul, work.exps / (machine.exp_per_clock * machine.clock_hz),
+             work.other_flops / sm_other)
+    longest = max(pipes)
+    busy = longest + (1 - cost.overlap) * (sum(pipes) - longest)
+    return busy + (cost.step_cycles * work.steps + cost.block_cycles) / machine.clock_hz
+
+
+def _makespan(durations: list[tuple[int, float]], slots: int) -> float:
+    """The time the last block ends when blocks (in grid order, ``(count,
+    seconds)`` runs) go to whichever of ``slots`` frees first."""
+    total = sum(count for count, _ in durations)
+    if total <= slots:
+        return max((seconds for count, seconds in durations if count), default=0.0)
+    if total > 200_000:  # very large grids: the balanced bound, with the longest block as the floor
+        work = sum(count * seconds for count, seconds in durations)
+        return max(work / slots, max(seconds for _, seconds in durations))
+    free = [0.0] * slots
+    for count, seconds in durations:
+        for _ in range(count):
+            start = heapq.heappop(free)
+            heapq.heappush(free, start + seconds)
+    return max(free)
+
+
+def time_launch(launch: Launch, machine: Machine) -> Launch:
+    """Fills in the launch's compute (waves of blocks), memory and total time."""
+    slots = machine.sms * launch.blocks_per_sm
+    if launch.cost is not None and launch.blocks:
+        durations = [(count, launch.blocks_per_sm * block_seconds(work, launch.cost, machine))
+                     for count, work in launch.blocks]
+        launch.compute_seconds = _makespan(durations, slots)
+        launch.waves = sum(count for count, _ in launch.blocks) / slots
+    launch.memory_seconds = launch.dram_bytes / (machine.hbm_bandwidth * launch.bandwidth_share)
+    launch.seconds = max(launch.compute_seconds, launch.memory_seconds) + machine.launch_seconds
+    return launch
+
+
+# --------------------------------------------------------------------------
+# The launches of each algorithm
+# --------------------------------------------------------------------------
+
+def _forward_blocks(p: Problem, block_m: int, block_n: int) -> list[tuple[int, BlockWork]]:
+    """One block per (head, query block) with the keys it visits, longest first (as both tensor-core
+    forwards and FlashAttention-2 schedule causal grids)."""
+    d = p.head_dim
+    runs = []
+    for b in sorted(query_sweep(p, block_m, block_n), key=lambda b: -b.rows * b.keys):
+        pairs = b.rows * b.keys
+        steps = _cdiv(b.keys, block_n)
+        runs.append((p.heads, BlockWork(steps, 4 * pairs * d, pairs,
+                                        NONMATMUL["flash_fwd"] * pairs + 2 * b.rows * d * steps)))
+    return runs
+
+
+def _backward_blocks(p: Problem, block_m: int, block_n: int, group: int) -> list[tuple[int, BlockWork]]:
+    """One block per (K/V owner, key block): it walks the query rows it sees
+    of ``group`` query heads."""
+    d = p.head_dim
+    owners = p.heads // group
+    runs = []
+    for b in sorted(key_sweep(p, block_m, block_n), key=lambda b: -b.rows * b.keys):
+        pairs = group * b.rows * b.keys
+        runs.append((owners, BlockWork(group * _cdiv(b.rows, block_m), 10 * pairs * d, pairs,
+                                       NONMATMUL["flash_bwd"] * pairs)))
+    return runs
+
+
+def _elementwise(name: str, nbytes: float) -> Launch:
+    return Launch(name, [], 1, nbytes, None)
+
+
+def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[Launch]:
+    """The kernels an algorithm launches for ``passes``, untimed."""
+    e, f, d, heads, nq = p.element_size, STAT_BYTES, p.head_dim, p.heads, p.seqlen_q
+    out: list[Launch] = []
+    if algorithm in ("flash2", "cuflash"):
+        plan = cuflash_plan(p, machine) if algorithm == "cuflash" else _flash2_plan(p, machine, None, None)
+        group = p.group if plan.native_gqa else 1
+        if "fwd" in passes:
+            out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan.fwd_m, plan.fwd_n),
+                              plan.fwd_blocks_per_sm, run(algorithm, p, machine, "fwd").total("dram"),
+                              kernel_cost(algorithm, "fwd", machine)))
+        if "bwd" in passes:
+            # delta = rowsum(dO * O) and the zeroed float32 dQ accumulator
+            # before; the accumulator converted to the input dtype after.
+            preprocess = heads * nq * (2 * d * e + f + d * f)
+            conversion = heads * nq * d * (f + e)
+            backward_dram = run(algorithm, p, machine, "bwd").total("dram")
+            out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
+            out.append(Launch(f"{algorithm} backward dK/dV", _backward_blocks(p, plan.bwd_m, plan.bwd_n, group),
+                              plan.bwd_blocks_per_sm, max(backward_dram - preprocess - conversion, 0.0),
+                              kernel_cost(algorithm, "bwd", machine)))
+            out.append(_elementwise(f"{algorithm} backward dQ conversion", conversion))
+        return out
+    if algorithm == "flash1":
+        br, bc = flash1_blocks(p, machine)
+        for pass_name in ("fwd", "bwd"):
+            if pass_name not in passes:
+                continue
+            pass_traffic = run(algorithm, p, machine, pass_name)
+            if pass_name == "fwd":
+                sweep = query_sweep(p, br, bc)
+                pairs = sum(b.rows * b.keys for b in sweep)
+                steps = sum(_cdiv(b.keys, bc) for b in sweep)
+                work = BlockWork(steps, 4 * pairs * d, pairs, (NONMATMUL["flash_fwd"] + 1) * pairs)
+            else:
+                sweep = key_sweep(p, br, bc)
+                pairs = sum(b.rows * b.keys for b in sweep)
+                steps = sum(_cdiv(b.rows, br) for b in sweep)
+                work = BlockWork(steps, 10 * pairs * d, pairs, (NONMATMUL["flash_bwd"] + 2) * pairs)
+            # One block per (batch, head), alone on its SM; its per-step HBM
+            # round trips (O, l, m; dQ) come through the busy SMs only.
+            out.append(Launch(f"flash1 {'forward' if pass_name == 'fwd' else 'backward'}", [(heads, work)], 1,
+                              pass_traffic.total("dram"), kernel_cost(algorithm, pass_name, machine),
+                              bandwidth_share=min(heads, machine.sms) / machine.sms))
+        return out
+    # Unfused pipelines: each op at its own roofline, one after another.
+    traffic = run(algorithm, p, machine, passes)
+    roof = roofline_seconds(traffic, machine)
+    out.append(Launch(f"{algorithm} (roofline)", [], 1, traffic.total("dram"), None,
+                      compute_seconds=roof["compute_s"]))
+    return out
+
+
+def estimate(algorithm: str, p: Problem, machine: Machine, passes: str) -> dict:
+    """Seconds of an algorithm's passes on the machine, with the launches it
+    is made of (name, seconds, compute, memory, waves)."""
+    timed = [time_launch(launch, machine) for launch in launches(algorithm, p, machine, passes)]
+    return {
+        "seconds": sum(launch.seconds for launch in timed),
+        "launches": [{"name": launch.name, "seconds": launch.seconds, "compute_s": launch.compute_seconds,
+                      "memory_s": launch.memory_seconds, "waves": launch.waves,
+                      "blocks_per_sm": launch.blocks_per_sm} for launch in timed],
+    }
