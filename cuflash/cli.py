@@ -260,6 +260,15 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
                    f"{r['seqlen']} | {r['batch']} x {r['heads']} | {r['algorithm']} | {r['measured_ms']:.4g} | "
                    f"{r['model_ms']:.4g} | {r['error']:+.1%} |")
     click.echo("")
+    pairs = {}
+    for r in records:
+        key = (r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"])
+        pairs.setdefault(key, {})[r["algorithm"]] = r
+    both = [pair for pair in pairs.values() if len(pair) == 2]
+    agree = sum((pair["cuflash"]["model_ms"] < pair["flash2"]["model_ms"])
+                == (pair["cuflash"]["measured_ms"] < pair["flash2"]["measured_ms"]) for pair in both)
+    if both:
+        click.echo(f"ranking of cuflash and flash2 as measured at {agree} of {len(both)} points")
     for algorithm in ("cuflash", "flash2"):
         for pass_name in ("fwd", "bwd"):
             errors = [abs(r["error"]) for r in records if r["algorithm"] == algorithm and r["pass"] == pass_name]

@@ -120,6 +120,7 @@ def test_cli_prints_the_model_and_compares_with_measurements():
     assert compared.exit_code == 0, compared.output
     assert "on h100" in compared.output  # machine inferred from the file's device
     assert compared.output.count("| cuflash |") == 72 and "cuflash fwd: largest error" in compared.output
+    assert "ranking of cuflash and flash2 as measured at 72 of 72 points" in compared.output
     as_json = runner.invoke(main, ["simulate", "--measured", str(REPO / "benchmarks" / "h100.json"), "--json"])
     records = json.loads(as_json.output)["rows"]
     assert max(abs(r["error"]) for r in records if r["algorithm"] == "cuflash") <= 0.25
