@@ -5,7 +5,8 @@ tensors, JAX arrays and any DLPack producer in, arrays of the same kind out.
 """
 
 from .api import attention, attention_backward
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "__version__"]
+__all__ = ["attention", "attention_backward", "warmup", "__version__"]

@@ -109,6 +109,10 @@ class KernelLoader:
                 self._functions[key] = function
         return function
 
+    def compiled_keys(self, device_id: int) -> list[str]:
+        """Keys of the variants compiled (or loaded from the disk cache) for ``device_id`` so far."""
+        return [key for key, device in list(self._functions) if device == device_id]
+
     def _build(self, variant: KernelVariant, device_id: int):
         import cupy
 

@@ -399,6 +399,54 @@ def info(capability, as_json):
     click.echo(f"\nkernel cache: {cache['path']} ({cache['files']} files, {format_bytes(cache['bytes'])})")
 
 
+_WARMUP_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@main.command()
+@click.option("--dtype", "dtypes", type=click.Choice(sorted(_WARMUP_DTYPES)), multiple=True,
+              help="repeatable; default bf16 and fp16")
+@click.option("--head-dim", "head_dims", type=int, multiple=True, help="repeatable; default 64 and 128")
+@click.option("--mask", type=click.Choice(["none", "causal", "both"]), default="both", show_default=True)
+@click.option("--forward-only", is_flag=True, help="leave out the backward")
+@click.option("--deterministic", is_flag=True, help="also the deterministic backward")
+@click.option("--device", type=int, default=None, help="GPU index (default: the current one)")
+@click.option("--workers", type=int, default=8, show_default=True, help="compilations at once")
+def warmup(dtypes, head_dims, mask, forward_only, deterministic, device, workers):
+    """Compile the kernels a model will use, ahead of time.
+
+    Plans each call as the launcher does on this GPU (forward per dtype, head
+    dim and mask; backward per dQ mode), which compiles its kernels into
+    CuPy's kernel cache: later processes load them instead of compiling
+    (seconds per kernel). For deployment images and CUDA-graph capture.
+    """
+    import time
+
+    from .warmup import configurations
+    from .warmup import warmup as compile_ahead
+
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # noqa: BLE001 - any failure here means no usable GPU
+        raise click.ClickException(f"warmup compiles for a GPU and found none: {error}") from None
+    dtype_names = [_WARMUP_DTYPES[d] for d in dtypes] or ["bfloat16", "float16"]
+    dims = list(head_dims) or [64, 128]
+    causal = {"none": (False,), "causal": (True,), "both": (False, True)}[mask]
+    modes = (False, True) if deterministic else (False,)
+    total = len(configurations(dtype_names, dims, causal, not forward_only, modes, ("ieee", "3xtf32")))
+    start = time.perf_counter()
+    try:
+        with click.progressbar(length=total, label="compiling", file=sys.stderr) as bar:
+            keys = compile_ahead(dtype_names, dims, causal=causal, backward=not forward_only, deterministic=modes,
+                                 device=device, workers=workers, progress=lambda config: bar.update(1))
+    except (TypeError, ValueError) as error:
+        raise click.BadParameter(str(error)) from None
+    cache = _kernel_cache()
+    click.echo(f"{len(keys)} kernels ready in {time.perf_counter() - start:.1f} s; cache {cache['path']} "
+               f"({cache['files']} files, {format_bytes(cache['bytes'])})")
+
+
 def _versions() -> dict:
     import importlib.metadata
     import platform
