@@ -82,9 +82,10 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--block-n", type=SIZE, default=None, help="override the key block size (Bc)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--csv", "as_csv", is_flag=True, help="print CSV (one row per algorithm and sweep value)")
-@click.option("--sweep", type=click.Choice(["seqlen", "kv-len", "head-dim", "sram"]), default=None,
+@click.option("--sweep", type=click.Choice(["seqlen", "kv-len", "head-dim", "sram", "block-n"]), default=None,
               help="vary one quantity over --values (seqlen: both lengths; kv-len: the key length, with "
-                   "--seqlen-q or --seqlen as the query length, e.g. decoding with --seqlen-q 1)")
+                   "--seqlen-q or --seqlen as the query length, e.g. decoding with --seqlen-q 1; block-n: the "
+                   "key block size Bc, as the FlashAttention paper's Figure 2, middle)")
 @click.option("--values", default=None, help="comma-separated sweep values, e.g. 1k,2k,4k,8k,16k")
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
@@ -121,6 +122,8 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                                "length use --sweep kv-len with --seqlen-q")
     if sweep == "kv-len" and seqlen_k is not None:
         raise click.UsageError("--sweep kv-len sets the key length; leave out --seqlen-k")
+    if sweep == "block-n" and block_n is not None:
+        raise click.UsageError("--sweep block-n sets the key block size; leave out --block-n")
     sweep_values = _size_list(values, ctx) if sweep else []
     if sweep and not sweep_values:
         raise click.UsageError(f"--values gave no values: {values!r}")
@@ -157,16 +160,16 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
     if "flash1" in algorithms and not sweep:
         _warn_outside_theorem2(problem_for(), base_machine)
 
-    def summaries_for(problem, target):
+    def summaries_for(problem, target, keys_per_block=block_n):
         out = []
         for name in algorithms:
             try:
-                traffic = run(name, problem, target, passes, block_m, block_n)
+                traffic = run(name, problem, target, passes, block_m, keys_per_block)
             except ValueError as error:
                 raise click.BadParameter(str(error)) from None
             # The time model follows the tiles the algorithms choose; with
             # --block-m/--block-n it is left out rather than made up.
-            model = None if block_m or block_n else estimate(name, problem, target, passes)
+            model = None if block_m or keys_per_block else estimate(name, problem, target, passes)
             out.append((traffic, summarize(traffic, target, model)))
         return out
 
@@ -194,6 +197,9 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                 problem, target = problem_for(k_len=value), base_machine
             elif sweep == "head-dim":
                 problem, target = problem_for(d=value), base_machine
+            elif sweep == "block-n":
+                records += [(value, s) for _, s in summaries_for(problem_for(), base_machine, value)]
+                continue
             else:
                 problem, target = problem_for(), _machine(machine, value, overrides)
             records += [(value, s) for _, s in summaries_for(problem, target)]
@@ -298,11 +304,14 @@ def _header(problem: Problem, machine, passes: str) -> str:
 
 
 def _sweep_table(sweep: str, records) -> str:
-    lines = [f"{sweep:>10}  {'algorithm':10}  {'requested':>12}  {'DRAM (est.)':>12}  {'GFLOPs':>10}  {'est. ms':>10}"]
+    lines = [f"{sweep:>10}  {'algorithm':10}  {'requested':>12}  {'DRAM (est.)':>12}  {'GFLOPs':>10}  "
+             f"{'roofline ms':>11}  {'model ms':>10}"]
     for value, s in records:
+        model = s.get("time_model")
         lines.append(f"{value:>10}  {s['algorithm']:10}  {format_bytes(s['requested_bytes']):>12}  "
                      f"{format_bytes(s['dram_bytes']):>12}  {s['flops'] / 1e9:10.1f}  "
-                     f"{s['roofline']['estimate_s'] * 1e3:10.4g}")
+                     f"{s['roofline']['estimate_s'] * 1e3:11.4g}  "
+                     f"{'-' if model is None else format(model['seconds'] * 1e3, '.4g'):>10}")
     return "\n".join(lines)
 
 

@@ -239,3 +239,19 @@ def test_info_lists_the_gpus_or_says_there_are_none():
     else:
         assert "no CUDA GPU found" in result.output and "kernels on" not in result.output
     assert "kernel cache:" in result.output
+
+
+def test_simulate_block_size_sweep_as_figure_2_middle():
+    """Larger key blocks, fewer outer steps of flash1: its requested traffic
+    falls as Bc grows (the paper's Figure 2, middle); the time model is left
+    out for tiles the algorithm would not choose."""
+    result = invoke("simulate", "-a", "flash1", "--pass", "fwd", "--seqlen", "1k", "--sweep", "block-n",
+                    "--values", "64,128,256,512", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output[result.output.index("{"):])["results"]
+    requested = [row["requested_bytes"] for row in rows]
+    assert [row["value"] for row in rows] == [64, 128, 256, 512]
+    assert requested == sorted(requested, reverse=True) and requested[0] > 1.5 * requested[-1]
+    assert all(row["blocks"]["flash1 Bc"] == row["value"] and row["time_model"] is None for row in rows)
+    conflict = invoke("simulate", "--sweep", "block-n", "--values", "64", "--block-n", "32")
+    assert conflict.exit_code != 0 and "leave out --block-n" in conflict.output
