@@ -117,12 +117,13 @@ __device__ __forceinline__ void stage_transposed_fragments(unsigned char* tile, 
 }
 
 // Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
-// them, or 64 at a time where ordered dQ would hold them with dK and dV
-// (acc_cols columns each: acc_cols registers together) past 192 registers
-// per thread counted as dK + dV + 2 dQ, which spilled (the d256 tiles of
-// both tensor-core backwards) while waiting for the turn or polling for it.
-__host__ __device__ constexpr int dq_chunk_columns(bool ordered_dq, int acc_cols, int dq_cols) {
-    return ordered_dq && acc_cols + dq_cols > 192 ? 64 : dq_cols;
+// them, or, where `chunked`, 64 at a time once dK and dV (acc_cols columns
+// each: acc_cols registers together) and dQ pass 192 registers per thread
+// counted as dK + dV + 2 dQ. The Hopper kernel chunks its ordered variants
+// (the d256 one spilled waiting for the turn; its atomic ones fit), the
+// mma.sync kernel all of them (its atomic d256 variants spilled on sm_90).
+__host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, int dq_cols) {
+    return chunked && acc_cols + dq_cols > 192 ? 64 : dq_cols;
 }
 
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start

@@ -37,7 +37,8 @@ FAST_PATH = tuple(f"{f.name}/" for f in FAMILIES if f.kernel in ("mma", "wgmma")
 #: architectures do not compile them.
 HOPPER_ONLY = tuple(f"{f.name}/" for f in FAMILIES if f.arch == "sm_90a")
 _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gencode=arch=compute_90,code=sm_90",
-               "sm_80": "-gencode=arch=compute_80,code=sm_80"}
+               "sm_80": "-gencode=arch=compute_80,code=sm_80", "sm_86": "-gencode=arch=compute_86,code=sm_86",
+               "sm_89": "-gencode=arch=compute_89,code=sm_89"}
 
 
 def _family_variants(family, dtype: str, tiling) -> list[KernelVariant]:
@@ -76,13 +77,19 @@ def small_smem_only_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
+#: Shared memory one block may use on each architecture (sharedMemPerBlockOptin):
+#: a variant that needs more cannot launch there, and the launcher never picks it.
+SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024,
+                  "sm_90a": 227 * 1024}
+
+
 def variants_for(variants, arch: str) -> list[KernelVariant]:
     """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone,
-    the small-shared-memory ones everywhere but Hopper."""
-    if arch.startswith("sm_90"):
-        small = small_smem_only_keys()
-        return [v for v in variants if v.key not in small and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY))]
-    return [v for v in variants if not v.key.startswith(HOPPER_ONLY)]
+    the small-shared-memory ones everywhere but Hopper, and only those whose
+    shared memory fits the architecture's blocks."""
+    small = small_smem_only_keys() if arch.startswith("sm_90") else frozenset()
+    return [v for v in variants if v.key not in small and v.smem_bytes <= SMEM_PER_BLOCK[arch]
+            and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY))]
 
 
 def _translation_unit(variants) -> str:
