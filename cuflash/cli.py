@@ -377,13 +377,14 @@ def info(capability, as_json):
     """What cuflash finds on this machine: versions, GPUs, which kernel each
     common configuration runs and why, and the kernel cache."""
     report = {"versions": _versions(), "gpus": _gpus()}
-    generation = capability
+    generation, smem_limit = capability, None
     if generation is None and report["gpus"]:
         from . import api
 
         generation = api._kernel_generation(0)
+        smem_limit = api._shared_memory_per_block(0)  # 99 KiB GPUs take other tiles, or other kernels
     report["generation"] = generation
-    report["kernels"] = _kernel_choices(generation) if generation is not None else []
+    report["kernels"] = _kernel_choices(generation, smem_limit) if generation is not None else []
     report["kernel_cache"] = _kernel_cache()
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -495,10 +496,11 @@ def _gpus() -> list[dict]:
     return gpus
 
 
-def _kernel_choices(generation: int) -> list[dict]:
+def _kernel_choices(generation: int, smem_limit: int | None = None) -> list[dict]:
     """Per common (dtype, head dim): the forward, backward and deterministic
-    backward kernel families the launcher picks, and why the preferred ones
-    do not apply."""
+    backward kernel families the launcher picks on a GPU of this generation
+    giving a block ``smem_limit`` bytes of shared memory (None: enough), and
+    why the preferred ones do not apply."""
     from ._kernel_families import FAMILIES, family_of, select
 
     rows = []
@@ -507,12 +509,12 @@ def _kernel_choices(generation: int) -> list[dict]:
             choice, skipped = {}, {}  # skipped: reason -> the preferred families it rules out
             for label, role, deterministic in (("forward", "forward", False), ("backward", "backward-dkdv", False),
                                                ("deterministic", "backward-dkdv", True)):
-                tiling = select(role, dtype, head_dim, generation, deterministic=deterministic)
+                tiling = select(role, dtype, head_dim, generation, deterministic=deterministic, smem_limit=smem_limit)
                 chosen = family_of(role, tiling.kernel)
                 choice[label] = chosen.name + (f" ({chosen.dq_mode(True)} dQ)" if deterministic else "")
                 for family in FAMILIES[:FAMILIES.index(chosen)]:
                     reason = family.role == role and family.why_not(dtype, head_dim, generation,
-                                                                    deterministic=deterministic)
+                                                                    deterministic=deterministic, smem_limit=smem_limit)
                     if reason and family.name not in skipped.setdefault(reason, []):
                         skipped[reason].append(family.name)
             why = [f"not {', '.join(names)}: {reason}" for reason, names in skipped.items()]

@@ -210,3 +210,17 @@ def test_gqa_gradients_are_summed_per_kv_head(algorithm):
     assert by_tensor[("dK_expanded", "read")] == by_tensor[("dV_expanded", "read")] == 4 * nk * d * e
     plain = run(algorithm, Problem(batch=1, nheads=4, seqlen_q=512, head_dim=d), MACHINES["a100"], "bwd")
     assert not any(term.tensor.endswith("_expanded") for term in plain.terms)
+
+
+def test_cuflash_on_a_99_kib_machine_takes_the_launchers_small_tiles():
+    """With SRAM of an sm_86/sm_89 block the simulated cuflash picks what the
+    launcher picks there: the mma.sync backward's 99 KiB tiles."""
+    from cuflash._tiling import mma_backward_99kib_tiling, mma_backward_tiling
+
+    small = MACHINES["a100"].with_sram(99 * 1024)
+    problem = Problem(batch=1, nheads=4, seqlen_q=2048, head_dim=256)
+    t = run("cuflash", problem, small, "bwd")
+    tiling = mma_backward_99kib_tiling("float16", 256)
+    assert (t.blocks["cuflash bwd Br"], t.blocks["cuflash bwd Bc"]) == (tiling.block_m, tiling.block_n)
+    a100 = run("cuflash", problem, MACHINES["a100"], "bwd")
+    assert a100.blocks["cuflash bwd Bc"] == mma_backward_tiling("float16", 256).block_n != tiling.block_n

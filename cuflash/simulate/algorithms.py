@@ -451,8 +451,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # otherwise) for 16-bit types and head_dim % 8 == 0, the SIMT kernel
     # otherwise; the deterministic dQ pass always has the SIMT forward's tiles.
     dq = FAMILY["backward-dq"].tiles(dtype, p.head_dim)
-    fwd = select("forward", dtype, p.head_dim, machine.compute_capability)
-    bwd = select("backward-dkdv", dtype, p.head_dim, machine.compute_capability, deterministic=p.deterministic)
+    fwd, bwd = _cuflash_tiles(p, machine)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
@@ -504,10 +503,26 @@ def sram_needed(algorithm: str, p: Problem, machine: Machine) -> int:
         return 3 * 16 * p.head_dim * p.element_size
     if algorithm == "cuflash":
         dtype = cuflash_dtype(p)
-        fwd = select("forward", dtype, p.head_dim, machine.compute_capability)
-        bwd = select("backward-dkdv", dtype, p.head_dim, machine.compute_capability, deterministic=p.deterministic)
+        fwd, bwd = _cuflash_tiles(p, machine)
         return max(fwd.forward_smem_bytes(dtype), bwd.backward_dkdv_smem_bytes(dtype))
     return 0
+
+
+def _cuflash_tiles(p: Problem, machine: Machine):
+    """The forward and dK/dV tiles cuflash's launcher picks for the problem
+    on a GPU of the machine's generation whose blocks get its SRAM (so a
+    small ``--sram`` takes the small-shared-memory tiles, as on sm_86/sm_89)."""
+    dtype = cuflash_dtype(p)
+
+    def tiles(**conditions):
+        return (select("forward", dtype, p.head_dim, machine.compute_capability, **conditions),
+                select("backward-dkdv", dtype, p.head_dim, machine.compute_capability,
+                       deterministic=p.deterministic, **conditions))
+
+    try:
+        return tiles(smem_limit=machine.sram_per_sm)
+    except ValueError:  # nothing fits: the unconstrained tiles, whose need sram_needed reports
+        return tiles()
 
 
 def cuflash_dtype(p: Problem) -> str:
