@@ -94,3 +94,37 @@ def test_after_warmup_a_new_process_first_call_takes_under_0_2_s(tmp_path):
     print(f"warmup: {time.perf_counter() - start:.1f} s")
     assert _first_call_seconds(warm) < 0.2
     assert _first_call_seconds(cold) > 0.5  # what warming up saves
+
+
+def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
+    """On a stand-in Hopper (no GPU needed): warmup asks the loader for
+    exactly the kernels the launcher's plans launch: the forward per mask,
+    the backward's preprocess, dK/dV (atomic and ordered dQ) and dQ
+    conversion."""
+    from cuflash import api
+
+    from types import SimpleNamespace
+
+    requested = []
+    compiled = SimpleNamespace(kernel=SimpleNamespace(ptr=0))  # what a plan reads of a cupy.RawKernel
+
+    def get(variant, device):
+        requested.append((variant.key, device))
+        return compiled
+
+    monkeypatch.setattr(api.loader, "get", get)
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    seen = []
+    cuflash.warmup(["bfloat16"], [80], causal=[False, True], deterministic=[False, True], device=3,
+                   progress=seen.append)
+    keys = {key for key, _ in requested}
+    assert {device for _, device in requested} == {3} and len(seen) == 2 + 2 * 2
+    assert {k.split("/")[0] for k in keys} == {"forward-wgmma", "backward-preprocess", "backward-dkdv-wgmma",
+                                              "backward-convert-dq"}
+    dkdv = sorted(k for k in keys if k.startswith("backward-dkdv-wgmma/"))
+    assert [k.split("/", 2)[2] for k in dkdv] == [
+        "hdim96/m64n128w8/causal/atomic-dq", "hdim96/m64n128w8/causal/ordered-dq",
+        "hdim96/m64n128w8/none/atomic-dq", "hdim96/m64n128w8/none/ordered-dq"]
+    assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 2  # none, causal
