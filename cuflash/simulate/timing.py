@@ -221,19 +221,19 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
         for pass_name in ("fwd", "bwd"):
             if pass_name not in passes:
                 continue
+            # One block per (batch, head): a head's share of the pass's FLOPs
+            # (algorithms.flash1), one step per inner tile. Alone on its SM,
+            # its per-step HBM round trips (O, l, m; dQ) come through the
+            # busy SMs only.
             pass_traffic = run(algorithm, p, machine, pass_name)
             if pass_name == "fwd":
                 sweep = query_sweep(p, br, bc)
-                pairs = sum(b.rows * b.keys for b in sweep)
                 steps = sum(_cdiv(b.keys, bc) for b in sweep)
-                work = BlockWork(steps, 4 * pairs * d, pairs, (NONMATMUL["flash_fwd"] + 1) * pairs)
             else:
                 sweep = key_sweep(p, br, bc)
-                pairs = sum(b.rows * b.keys for b in sweep)
                 steps = sum(_cdiv(b.rows, br) for b in sweep)
-                work = BlockWork(steps, 10 * pairs * d, pairs, (NONMATMUL["flash_bwd"] + 2) * pairs)
-            # One block per (batch, head), alone on its SM; its per-step HBM
-            # round trips (O, l, m; dQ) come through the busy SMs only.
+            work = BlockWork(steps, pass_traffic.matmul_flops / heads, sum(b.rows * b.keys for b in sweep),
+                             pass_traffic.other_flops / heads)
             out.append(Launch(f"flash1 {'forward' if pass_name == 'fwd' else 'backward'}", [(heads, work)], 1,
                               pass_traffic.total("dram"), kernel_cost(algorithm, pass_name, machine),
                               bandwidth_share=min(heads, machine.sms) / machine.sms))
