@@ -12,7 +12,7 @@ import click
 
 from .simulate import ALGORITHMS, MACHINES, PASSES, Problem, explain, format_csv, format_table, run, summarize
 from .simulate.report import format_bytes
-from .simulate.timing import estimate
+from .simulate.timing import compare_with_bench, estimate, ranking_agreement
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -231,28 +231,18 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
     try:
         with open(path) as handle:
             bench = json.load(handle)
-        rows = [row for row in bench["rows"] if row["dtype"] in ("bfloat16", "float16")
-                and row["pass"] in ("fwd", "bwd")]
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        rows = list(bench["rows"])
+        device = str(bench.get("environment", {}).get("device", ""))
+        if ctx.get_parameter_source("machine") is click.core.ParameterSource.DEFAULT:
+            machine_name = next((name for name in MACHINES if name.upper() in device.upper()), machine_name)
+        target = _machine(machine_name, None, overrides)
+        records = compare_with_bench(rows, target)
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
         raise click.BadParameter(f"{path} is not a tools/bench.py JSON file: {error}") from None
-    if not rows:
+    except ValueError as error:  # a row the model cannot take
+        raise click.BadParameter(f"{path}: {error}") from None
+    if not records:
         raise click.BadParameter(f"{path} has no 16-bit fwd or bwd rows")
-    device = str(bench.get("environment", {}).get("device", ""))
-    if ctx.get_parameter_source("machine") is click.core.ParameterSource.DEFAULT:
-        machine_name = next((name for name in MACHINES if name.upper() in device.upper()), machine_name)
-    target = _machine(machine_name, None, overrides)
-    records = []
-    for row in rows:
-        problem = Problem(batch=row["batch"], nheads=row["heads"], seqlen_q=row["seqlen"], head_dim=row["head_dim"],
-                          element_size=2, causal=row["causal"])
-        for algorithm, measured_as in (("cuflash", "cuflash"), ("flash2", "flash")):
-            if measured_as not in row["ms"]:
-                continue
-            model_ms = estimate(algorithm, problem, target, row["pass"])["seconds"] * 1e3
-            records.append({"pass": row["pass"], "dtype": row["dtype"], "head_dim": row["head_dim"],
-                            "causal": row["causal"], "seqlen": row["seqlen"], "batch": row["batch"],
-                            "heads": row["heads"], "algorithm": algorithm, "measured_ms": row["ms"][measured_as],
-                            "model_ms": model_ms, "error": model_ms / row["ms"][measured_as] - 1})
     if as_json:
         click.echo(json.dumps({"file": path, "machine": target.name, "rows": records}, indent=2))
         return
@@ -266,15 +256,9 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
                    f"{r['seqlen']} | {r['batch']} x {r['heads']} | {r['algorithm']} | {r['measured_ms']:.4g} | "
                    f"{r['model_ms']:.4g} | {r['error']:+.1%} |")
     click.echo("")
-    pairs = {}
-    for r in records:
-        key = (r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"])
-        pairs.setdefault(key, {})[r["algorithm"]] = r
-    both = [pair for pair in pairs.values() if len(pair) == 2]
-    agree = sum((pair["cuflash"]["model_ms"] < pair["flash2"]["model_ms"])
-                == (pair["cuflash"]["measured_ms"] < pair["flash2"]["measured_ms"]) for pair in both)
-    if both:
-        click.echo(f"ranking of cuflash and flash2 as measured at {agree} of {len(both)} points")
+    agree, points = ranking_agreement(records)
+    if points:
+        click.echo(f"ranking of cuflash and flash2 as measured at {agree} of {points} points")
     for algorithm in ("cuflash", "flash2"):
         for pass_name in ("fwd", "bwd"):
             errors = [abs(r["error"]) for r in records if r["algorithm"] == algorithm and r["pass"] == pass_name]

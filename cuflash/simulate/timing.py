@@ -256,3 +256,36 @@ def estimate(algorithm: str, p: Problem, machine: Machine, passes: str) -> dict:
                       "memory_s": launch.memory_seconds, "waves": launch.waves,
                       "blocks_per_sm": launch.blocks_per_sm} for launch in timed],
     }
+
+
+def compare_with_bench(rows: list[dict], machine: Machine) -> list[dict]:
+    """The model's cuflash and flash2 times beside a ``tools/bench.py`` file's
+    measured cuflash and SDPA flash times, one record per (16-bit fwd or bwd
+    row, algorithm): the row's shape, ``measured_ms``, ``model_ms`` and
+    ``error`` (model / measured - 1)."""
+    records = []
+    for row in rows:
+        if row["dtype"] not in ("bfloat16", "float16") or row["pass"] not in ("fwd", "bwd"):
+            continue
+        problem = Problem(batch=row["batch"], nheads=row["heads"], seqlen_q=row["seqlen"], head_dim=row["head_dim"],
+                          element_size=2, causal=row["causal"])
+        for algorithm, measured_as in (("cuflash", "cuflash"), ("flash2", "flash")):
+            if measured_as not in row["ms"]:
+                continue
+            model_ms = estimate(algorithm, problem, machine, row["pass"])["seconds"] * 1e3
+            records.append({"pass": row["pass"], "dtype": row["dtype"], "head_dim": row["head_dim"],
+                            "causal": row["causal"], "seqlen": row["seqlen"], "batch": row["batch"],
+                            "heads": row["heads"], "algorithm": algorithm, "measured_ms": row["ms"][measured_as],
+                            "model_ms": model_ms, "error": model_ms / row["ms"][measured_as] - 1})
+    return records
+
+
+def ranking_agreement(records: list[dict]) -> tuple[int, int]:
+    """(points where the model orders cuflash and flash2 as measured, points with both)."""
+    pairs: dict[tuple, dict] = {}
+    for r in records:
+        pairs.setdefault((r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]), {})[r["algorithm"]] = r
+    both = [pair for pair in pairs.values() if len(pair) == 2]
+    agree = sum((pair["cuflash"]["model_ms"] < pair["flash2"]["model_ms"])
+                == (pair["cuflash"]["measured_ms"] < pair["flash2"]["measured_ms"]) for pair in both)
+    return agree, len(both)
