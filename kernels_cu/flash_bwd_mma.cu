@@ -109,7 +109,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     // B of S^T / dP^T: rows of Q or dO (this warp's queries), two n8 tiles per load.
     const u32 row_b_offset = MmaLaneOffsets<kStride, kElementBytes>::b(lane) + score_col0 * kStride * kElementBytes;
     // B of dV / dK / dQ, transposed: rows of dO, Q or K along k, two n8 tiles of the head dim per load.
-    const u32 row_bt_offset = ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    const u32 row_bt_offset = MmaLaneOffsets<kStride, kElementBytes>::b_trans(lane);
     // B of dV / dK: this warp's columns of dO and Q.
     const u32 acc_bt_offset = row_bt_offset + acc_col0 * kElementBytes;
     // A of dV / dK where the head dim is split: this warp's 16 rows (keys) of P^T or dS^T, k16 steps of queries.

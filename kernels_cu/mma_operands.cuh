@@ -45,6 +45,13 @@ struct MmaLaneOffsets {
     static __device__ __forceinline__ u32 b(int lane) {
         return ((lane % 8 + lane / 16 * 8) * kStride + (lane / 8) % 2 * kHalf) * kElementBytes;
     }
+    // B stored with k along the rows (V of P V; dO, Q, K in the backward),
+    // read by ldmatrix.trans, 16-bit elements: matrices (k 0-7 | 8-15) x
+    // (columns 0-7 | 8-15), two n8 tiles of columns per load.
+    static __device__ __forceinline__ u32 b_trans(int lane) {
+        static_assert(kElementBytes == 2, "ldmatrix.trans moves 16-bit elements");
+        return ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
+    }
 };
 
 template <typename Element, int kStride>
@@ -52,9 +59,7 @@ struct MmaOperands : MmaLaneOffsets<kStride, 2> {
     static constexpr int kElementBytes = 2;
     static constexpr int kKStep = 16;  // elements of k per product
     // A lane's address offset into V for v_b (ldmatrix.trans rows).
-    static __device__ __forceinline__ u32 v_lane(int lane) {
-        return ((lane % 8 + (lane / 8) % 2 * 8) * kStride + lane / 16 * 8) * kElementBytes;
-    }
+    static __device__ __forceinline__ u32 v_lane(int lane) { return MmaLaneOffsets<kStride, 2>::b_trans(lane); }
     // V's B operand of P V, k step ps (keys), n8 tiles 2 dp and 2 dp + 1 (dims).
     static __device__ __forceinline__ void v_b(u32 (&b)[4], u32 lane_address, int ps, int dp) {
         ldmatrix_x4_trans(b, lane_address + (ps * kKStep * kStride + dp * 16) * kElementBytes);
