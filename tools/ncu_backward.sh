@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the tensor-core dK/dV kernel (flash_backward_dkdv_*) on the
+# head-dim sweep's shape (bf16, seqlen 4096, 16k tokens, hidden 2048), one head dim per argument:
+# the speed-of-light, memory, compute and warp-state sections, then the L2 throughput broken down
+# by unit and the L2 sectors by operation (reads, writes, reductions). Reports land in $OUT.
+#
+#   OUT=/tmp/out bash tools/ncu_backward.sh 256 192 128     (CAUSAL=1 for the causal mask)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+causal=${CAUSAL:-0}
+run_backward() {  # head_dim repetitions
+  python3 - "$1" "$causal" "$2" <<'PY'
+import sys
+import torch
+import cuflash
+head_dim, causal, repetitions = int(sys.argv[1]), sys.argv[2] == "1", int(sys.argv[3])
+seqlen = 4096
+q, k, v, dout = (torch.randn(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, device="cuda",
+                             dtype=torch.bfloat16) for _ in range(4))
+out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+for _ in range(repetitions):
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+torch.cuda.synchronize()
+PY
+}
+export -f run_backward
+export causal
+metrics=breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed
+metrics+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum
+metrics+=,lts__t_sectors_op_atom.sum,gpu__time_duration.sum
+metrics+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
+metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
+for head_dim in "$@"; do
+  run_backward "$head_dim" 1 > /dev/null  # compiles outside the profile
+  common=(--clock-control none --target-processes all --kernel-name regex:flash_backward_dkdv --launch-skip 1 --launch-count 1)
+  "$NCU" "${common[@]}" --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section LaunchStats --section Occupancy \
+    bash -c "run_backward $head_dim 2" > "$OUT/ncu_sections_$head_dim.txt" 2>&1
+  "$NCU" "${common[@]}" --metrics "$metrics" bash -c "run_backward $head_dim 2" > "$OUT/ncu_l2_$head_dim.txt" 2>&1
+  echo "== head_dim $head_dim (causal=$causal)"
+  grep -E "Duration|Throughput|Registers Per|Eligible Warps" "$OUT/ncu_sections_$head_dim.txt"
+  grep -E "^\s+(lts|gpu|sm__|l1tex)" "$OUT/ncu_l2_$head_dim.txt"
+done
