@@ -39,10 +39,13 @@ def _size_list(text: str, ctx) -> list[int]:
     return [SIZE.convert(item, None, ctx) for item in text.split(",") if item.strip()]
 
 
-@click.group()
+@click.group(invoke_without_command=True)
 @click.version_option(package_name="cuflash")
-def main():
+@click.pass_context
+def main(ctx):
     """cuflash: exact FlashAttention for any Python GPU framework."""
+    if ctx.invoked_subcommand is None:  # a bare `cuflash` shows what it can do
+        click.echo(ctx.get_help())
 
 
 EXAMPLE = """\b
@@ -66,8 +69,19 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--dropout", is_flag=True, help="dropout in the pytorch pipeline (a one-byte mask in HBM)")
 @click.option("--key-padding-mask", is_flag=True, help="key-padding masked_fill in the pytorch pipeline")
 @click.option("--deterministic", is_flag=True, help="cuflash's deterministic backward (dQ pass, no atomics)")
+@click.option("--page-size", type=SIZE, default=None,
+              help="K/V in a paged cache of this many tokens per page, read through a block table")
+@click.option("--append", is_flag=True, help="the --seqlen-q new tokens' K/V are appended to the cache by the same "
+                                             "call (the cache then holds --seqlen-k tokens)")
+@click.option("--splits", default=None,
+              help="split-KV: thread blocks per query block, a count or 'auto' (default: each algorithm's own: "
+                   "flash-decoding auto, the others 1)")
+@click.option("--pack-gqa/--no-pack-gqa", default=None,
+              help="run the query heads of a K/V head as one block's rows (default: each algorithm's own: "
+                   "flash-decoding for one-token queries, the others not)")
 @click.option("--pass", "passes", type=click.Choice(PASSES), default="fwd+bwd", show_default=True)
-@click.option("--machine", type=click.Choice(sorted(MACHINES)), default="a100", show_default=True)
+@click.option("--machine", type=click.Choice(sorted(MACHINES), case_sensitive=False), default="a100",
+              show_default=True)
 @click.option("--sram", type=SIZE, default=None, help="SRAM per SM in bytes, e.g. 96KB (overrides the preset's)")
 @click.option("--sms", type=SIZE, default=None, help="SMs (overrides the preset's)")
 @click.option("--l2", type=SIZE, default=None, help="L2 bytes, e.g. 50MB (overrides the preset's)")
@@ -91,8 +105,9 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
 @click.option("--explain", "show_explain", is_flag=True, help="print every term with its formula")
 def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype, element_bytes, causal, dropout,
-             key_padding_mask, deterministic, passes, machine, sram, sms, l2, bandwidth, matmul_tflops, measured,
-             algorithms, block_m, block_n, as_json, as_csv, sweep, values, plot, show_explain):
+             key_padding_mask, deterministic, page_size, append, splits, pack_gqa, passes, machine, sram, sms, l2,
+             bandwidth, matmul_tflops, measured, algorithms, block_m, block_n, as_json, as_csv, sweep, values, plot,
+             show_explain):
     """Count the HBM traffic of attention algorithms.
 
     Two levels: the bytes each algorithm's loads and stores request from global
@@ -103,12 +118,22 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
     CUDA cores of each SM; fitted to an H100's measurements).
 
     Algorithms: standard (Algorithm 0), pytorch (the unfused pipeline),
-    flash1 (FlashAttention Algorithm 1/4), flash2 (FlashAttention-2), cuflash
-    (this library's kernels, tile for tile).
+    flash1 (FlashAttention Algorithm 1/4), flash2 (FlashAttention-2),
+    flash-decoding (FlashAttention-2's inference path: split-KV, GQA packing),
+    cuflash (this library's kernels, tile for tile).
     """
     ctx = click.get_current_context()
+    machine = machine.lower()
     if as_json and as_csv:
         raise click.UsageError("choose one of --json and --csv")
+    if show_explain and (as_json or as_csv):
+        raise click.UsageError("--explain prints text; leave out --json and --csv")
+    if splits is not None and splits != "auto":
+        try:
+            splits = SIZE.convert(splits, None, ctx)
+        except click.BadParameter:
+            raise click.BadParameter(f"expected a whole number or 'auto', got {splits!r}", param_hint="--splits") \
+                from None
     if plot and not sweep:
         raise click.UsageError("--plot needs --sweep")
     if sweep and not values:
@@ -142,7 +167,8 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                            seqlen_k=given(k_len, given(seqlen_k, seqlen)),
                            head_dim=given(d, head_dim), element_size=given(element_bytes, _DTYPE_BYTES[dtype]),
                            causal=causal, dropout=dropout, key_padding_mask=key_padding_mask,
-                           deterministic=deterministic)
+                           deterministic=deterministic, page_size=page_size, append=append, num_splits=splits,
+                           pack_gqa=pack_gqa)
         except ValueError as error:
             raise click.BadParameter(str(error)) from None
 
@@ -203,9 +229,9 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
             else:
                 problem, target = problem_for(), _machine(machine, value, overrides)
             records += [(value, s) for _, s in summaries_for(problem, target)]
-    if as_json:
-        click.echo(json.dumps({"sweep": sweep, "pass": passes, "machine": machine,
-                               "results": [{"value": v, **s} for v, s in records]}, indent=2))
+    if as_json:  # the single run's shape, plus the swept quantity and each result's value
+        click.echo(json.dumps({"problem": problem_for().__dict__, "machine": base_machine.__dict__, "pass": passes,
+                               "sweep": sweep, "results": [{"value": v, **s} for v, s in records]}, indent=2))
     elif as_csv:
         click.echo(format_csv(records), nl=False)
     else:
@@ -242,7 +268,7 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
     except ValueError as error:  # a row the model cannot take
         raise click.BadParameter(f"{path}: {error}") from None
     if not records:
-        raise click.BadParameter(f"{path} has no 16-bit fwd or bwd rows")
+        raise click.BadParameter(f"{path} has no 16-bit fwd, bwd or decode rows")
     if as_json:
         click.echo(json.dumps({"file": path, "machine": target.name, "rows": records}, indent=2))
         return
@@ -252,15 +278,18 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
                "| error |")
     click.echo("|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
+        seqlen = r["seqlen_k"] if r["seqlen_q"] == r["seqlen_k"] else f"{r['seqlen_q']} x {r['seqlen_k']}"
+        heads = r["heads"] if r["kv_heads"] == r["heads"] else f"{r['heads']}/{r['kv_heads']}"
+        pages = f", pages of {r['page_size']}" if r["page_size"] else ""
         click.echo(f"| {r['pass']} | {r['dtype']} | {r['head_dim']} | {'yes' if r['causal'] else 'no'} | "
-                   f"{r['seqlen']} | {r['batch']} x {r['heads']} | {r['algorithm']} | {r['measured_ms']:.4g} | "
+                   f"{seqlen}{pages} | {r['batch']} x {heads} | {r['algorithm']} | {r['measured_ms']:.4g} | "
                    f"{r['model_ms']:.4g} | {r['error']:+.1%} |")
     click.echo("")
     agree, points = ranking_agreement(records)
     if points:
-        click.echo(f"ranking of cuflash and flash2 as measured at {agree} of {points} points")
-    for algorithm in ("cuflash", "flash2"):
-        for pass_name in ("fwd", "bwd"):
+        click.echo(f"ranking of cuflash and the other algorithm as measured at {agree} of {points} points")
+    for algorithm in dict.fromkeys(r["algorithm"] for r in records):
+        for pass_name in dict.fromkeys(r["pass"] for r in records):
             errors = [abs(r["error"]) for r in records if r["algorithm"] == algorithm and r["pass"] == pass_name]
             if errors:
                 click.echo(f"{algorithm} {pass_name}: largest error {max(errors):.1%}, "
@@ -282,7 +311,11 @@ def _header(problem: Problem, machine, passes: str) -> str:
     return (f"batch {problem.batch}, heads {problem.nheads} (kv {problem.nheads_k}), "
             f"seqlen {problem.seqlen_q}x{problem.seqlen_k}, head_dim {problem.head_dim}, "
             f"{problem.element_size}-byte elements, {'causal' if problem.causal else 'not causal'}"
-            f"{', key-padding mask' if problem.key_padding_mask else ''}{', dropout' if problem.dropout else ''}; "
+            f"{', key-padding mask' if problem.key_padding_mask else ''}{', dropout' if problem.dropout else ''}"
+            f"{f', pages of {problem.page_size}' if problem.page_size else ''}"
+            f"{', K/V appended' if problem.append else ''}"
+            f"{f', splits {problem.num_splits}' if problem.num_splits is not None else ''}"
+            f"{'' if problem.pack_gqa is None else ', GQA packed' if problem.pack_gqa else ', GQA not packed'}; "
             f"pass {passes}; machine {machine.name}: {machine.sms} SMs, SRAM {machine.sram_per_sm} B/SM, "
             f"L2 {machine.l2_bytes / 2**20:.0f} MiB, {machine.hbm_bandwidth / 1e12:.2f} TB/s")
 
@@ -310,20 +343,23 @@ def _matplotlib():
     return plt
 
 
+#: The file types matplotlib's Agg canvas writes (so a bad name fails before matplotlib is imported).
+_PLOT_FORMATS = ("eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff",
+                 "webp")
+
+
 def _check_plot_target(path: str) -> None:
     """Fails in one line, before any work, where the plot could not be written."""
     import os
 
-    plt = _matplotlib()
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise click.BadParameter(f"directory {directory} does not exist", param_hint="--plot")
     suffix = os.path.splitext(path)[1].lstrip(".").lower()
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
-    if suffix not in formats:
-        raise click.BadParameter(f"expected a file name ending in one of {', '.join(sorted(formats))}, got {path!r}",
+    if suffix not in _PLOT_FORMATS:
+        raise click.BadParameter(f"expected a file name ending in one of {', '.join(_PLOT_FORMATS)}, got {path!r}",
                                  param_hint="--plot")
+    _matplotlib()
 
 
 def _plot(path: str, sweep: str, records) -> None:

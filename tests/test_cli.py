@@ -140,9 +140,10 @@ def test_bad_or_ignored_input_is_a_clear_error(args, message):
     assert "Traceback" not in result.output and result.exception is None or isinstance(result.exception, SystemExit)
 
 
-@pytest.mark.parametrize("path,message", [("/nonexistent/x.png", "does not exist"), ("{tmp}/x.xyz", "ending in one of")])
+@pytest.mark.parametrize("path,message", [("/nonexistent/x.png", "does not exist"), ("{tmp}/x.xyz", "ending in one of"),
+                                          ("{tmp}/x", "ending in one of")])
 def test_bad_plot_targets_fail_before_the_sweep(tmp_path, path, message):
-    pytest.importorskip("matplotlib")
+    # Checked before matplotlib is imported: runs where it is not installed.
     result = CliRunner().invoke(main, ["simulate", "--sweep", "seqlen", "--values", "1k", "--plot",
                                        path.format(tmp=tmp_path)])
     assert result.exit_code != 0 and message in result.output
@@ -255,3 +256,66 @@ def test_simulate_block_size_sweep_as_figure_2_middle():
     assert all(row["blocks"]["flash1 Bc"] == row["value"] and row["time_model"] is None for row in rows)
     conflict = invoke("simulate", "--sweep", "block-n", "--values", "64", "--block-n", "32")
     assert conflict.exit_code != 0 and "leave out --block-n" in conflict.output
+
+
+# --- command-line polish (issue 20) ----------------------------------------------------------------
+
+
+def test_bare_cuflash_shows_help_and_succeeds():
+    result = subprocess.run([sys.executable, "-m", "cuflash"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "Commands:" in result.stdout and "simulate" in result.stdout
+
+
+def test_machine_names_ignore_case():
+    upper = invoke("simulate", "--machine", "A100", "-a", "flash2", "--json")
+    lower = invoke("simulate", "--machine", "a100", "-a", "flash2", "--json")
+    assert upper.exit_code == 0, upper.output
+    assert json.loads(upper.output) == json.loads(lower.output)
+
+
+@pytest.mark.parametrize("machine_readable", ["--json", "--csv"])
+def test_explain_is_not_mixed_into_machine_readable_output(machine_readable):
+    result = invoke("simulate", "-a", "flash2", "--explain", machine_readable)
+    assert result.exit_code == 2
+    assert "--explain prints text; leave out --json and --csv" in result.output
+
+
+def test_sweep_json_has_the_single_run_shape():
+    single = json.loads(invoke("simulate", "-a", "flash2", "--json").output)
+    sweep = invoke("simulate", "-a", "flash2", "--sweep", "kv-len", "--values", "1k,2k", "--json")
+    assert sweep.exit_code == 0, sweep.output
+    data = json.loads(sweep.output[sweep.output.index("{"):])
+    assert set(single) <= set(data) and data["sweep"] == "kv-len"
+    assert data["machine"] == single["machine"] and data["problem"] == single["problem"]
+    assert [r["value"] for r in data["results"]] == [1024, 2048]
+
+
+# --- decoding and the KV cache (issue 18, build 3) --------------------------------------------------
+
+
+def test_decode_options_reach_the_ledger():
+    result = invoke("simulate", "--machine", "h100", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "1",
+                    "--seqlen-k", "64k", "-d", "128", "--pass", "fwd", "-a", "cuflash", "--splits", "auto",
+                    "--pack-gqa", "--page-size", "16", "--append")
+    assert result.exit_code == 0, result.output
+    for text in ("pages of 16", "K/V appended", "splits auto", "GQA packed", "block_table", "K_new", "O_partial",
+                 "split-KV merge"):
+        assert text in result.output, text
+
+
+def test_flash_decoding_is_listed_and_beats_todays_cuflash_on_a_lone_long_sequence():
+    result = invoke("simulate", "--machine", "h100", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "1",
+                    "--seqlen-k", "128k", "-d", "128", "--pass", "fwd", "-a", "cuflash", "-a", "flash-decoding",
+                    "--json")
+    assert result.exit_code == 0, result.output
+    times = {r["algorithm"]: r["time_model"]["seconds"] for r in json.loads(result.output)["results"]}
+    assert times["flash-decoding"] < times["cuflash"] / 5
+
+
+@pytest.mark.parametrize("splits,message", [("0", "num_splits must be a whole number of at least 1"),
+                                            ("many", "expected a whole number or 'auto', got 'many'")])
+def test_bad_split_counts(splits, message):
+    result = invoke("simulate", "--splits", splits, "-a", "flash2")
+    assert result.exit_code == 2
+    assert message in result.output

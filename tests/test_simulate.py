@@ -58,9 +58,10 @@ def test_fwd_plus_bwd_is_the_sum():
 
 
 def test_requested_traffic_scales_with_batch_times_heads():
+    # At a fixed split count: flash-decoding's own choice depends on the grid's size.
     for name in ALGORITHMS:
-        one = run(name, Problem(batch=1, nheads=1, seqlen_q=777, head_dim=64), A100).total("requested")
-        many = run(name, Problem(batch=3, nheads=5, seqlen_q=777, head_dim=64), A100).total("requested")
+        one = run(name, Problem(batch=1, nheads=1, seqlen_q=777, head_dim=64, num_splits=1), A100).total("requested")
+        many = run(name, Problem(batch=3, nheads=5, seqlen_q=777, head_dim=64, num_splits=1), A100).total("requested")
         assert many == 15 * one
 
 
@@ -224,3 +225,103 @@ def test_cuflash_on_a_99_kib_machine_takes_the_launchers_small_tiles():
     assert (t.blocks["cuflash bwd Br"], t.blocks["cuflash bwd Bc"]) == (tiling.block_m, tiling.block_n)
     a100 = run("cuflash", problem, MACHINES["a100"], "bwd")
     assert a100.blocks["cuflash bwd Bc"] == mma_backward_tiling("float16", 256).block_n != tiling.block_n
+
+
+# --- decoding and the KV cache (issue 18, build 3) ------------------------------------------------
+# One K/V row of head dim 64 in 2-byte elements is 128 bytes; block sizes are pinned (64 x 128).
+ROW = 64 * 2
+
+
+def _decode(**fields):
+    base = dict(batch=1, nheads=2, seqlen_q=1, seqlen_k=1000, head_dim=64)
+    return Problem(**{**base, **fields})
+
+
+def test_split_kv_reads_k_v_once_and_q_once_per_split():
+    t = run("flash2", _decode(num_splits=4), A100, "fwd", block_m=64, block_n=128).by_tensor()
+    # 1000 keys = 8 blocks of 128: 2 per split (256, 256, 256, 232 keys)
+    assert t["K"]["read"] == t["V"]["read"] == 2 * 1000 * ROW
+    assert t["Q"]["read"] == 2 * 4 * ROW
+    # each split's O row in float32 and its LSE, written and read back by the merge
+    assert t["O_partial"]["write"] == t["O_partial"]["read"] == 2 * 4 * 64 * 4
+    assert t["LSE_partial"]["write"] == t["LSE_partial"]["read"] == 2 * 4 * 4
+    assert t["O"]["write"] == 2 * ROW and t["LSE"]["write"] == 2 * 4
+    unsplit = run("flash2", _decode(num_splits=1), A100, "fwd", block_m=64, block_n=128).by_tensor()
+    assert "O_partial" not in unsplit and unsplit["Q"]["read"] == 2 * ROW
+
+
+def test_splits_beyond_the_key_blocks_still_write_their_partial_results():
+    t = run("flash2", _decode(seqlen_k=200, num_splits=4), A100, "fwd", block_m=64, block_n=128).by_tensor()
+    assert t["K"]["read"] == 2 * 200 * ROW  # 128 + 72 + 0 + 0 keys
+    assert t["O_partial"]["write"] == 2 * 4 * 64 * 4
+
+
+def test_gqa_packing_reads_k_v_once_per_kv_head():
+    problem = dict(nheads=8, nheads_k=2)
+    packed = run("cuflash", _decode(pack_gqa=True, **problem), A100, "fwd").by_tensor()
+    unpacked = run("cuflash", _decode(pack_gqa=False, **problem), A100, "fwd").by_tensor()
+    assert packed["K"]["read"] == 2 * 1000 * ROW
+    assert unpacked["K"]["read"] == 8 * 1000 * ROW
+    assert packed["Q"]["read"] == unpacked["Q"]["read"] == 8 * ROW
+
+
+def test_gqa_packing_with_causal_rows_visits_the_keys_of_the_positions_a_block_covers():
+    # 2 query heads per K/V head, 2 query positions, 130 keys (the diagonal offset is 128): one packed block of
+    # 4 rows covers positions 0 and 1, whose last sees key 129, so it visits all 130 keys once per K/V head.
+    problem = Problem(batch=1, nheads=2, nheads_k=1, seqlen_q=2, seqlen_k=130, head_dim=64, causal=True)
+    packed = run("flash2", Problem(**{**problem.__dict__, "pack_gqa": True}), A100, "fwd", 64, 64).by_tensor()
+    plain = run("flash2", Problem(**{**problem.__dict__, "pack_gqa": False}), A100, "fwd", 64, 64).by_tensor()
+    assert packed["K"]["read"] == 130 * ROW
+    assert plain["K"]["read"] == 2 * 130 * ROW
+
+
+def test_paged_reads_add_the_page_numbers_of_the_pages_each_block_spans():
+    for page_size, splits, pages in ((16, 1, 63), (16, 4, 63), (100, 1, 10), (100, 4, 3 + 4 + 3 + 3)):
+        t = run("flash2", _decode(page_size=page_size, num_splits=splits), A100, "fwd", 64, 128).by_tensor()
+        assert t["block_table"]["read"] == 2 * pages * 4, (page_size, splits)
+        contiguous = run("flash2", _decode(num_splits=splits), A100, "fwd", 64, 128).by_tensor()
+        assert t["K"] == contiguous["K"]
+
+
+def test_appending_reads_the_new_tokens_and_writes_them_into_the_cache():
+    t = run("cuflash", _decode(nheads=4, nheads_k=2, seqlen_q=3, append=True), A100, "fwd").by_tensor()
+    assert t["K_new"]["read"] == t["V_new"]["read"] == 2 * 3 * ROW
+    assert t["K"]["write"] == t["V"]["write"] == 2 * 3 * ROW
+    with pytest.raises(ValueError, match="seqlen_k .* must be at least seqlen_q"):
+        Problem(seqlen_q=8, seqlen_k=4, append=True)
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"page_size": 0}, "page_size must be at least 1, got 0"),
+    ({"num_splits": 0}, "num_splits must be a whole number of at least 1 or 'auto', got 0"),
+    ({"num_splits": "many"}, "got 'many'"),
+])
+def test_decode_options_are_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Problem(**fields)
+
+
+def test_wave_efficient_splits():
+    from cuflash.simulate.algorithms import wave_efficient_splits
+
+    assert wave_efficient_splits(200, 132, 64) == 1  # the grid nearly fills the GPU already
+    assert wave_efficient_splits(106, 132, 64) == 1  # 80% of the slots
+    # 8 blocks, 1024 key blocks: 16 splits fill 97% of a wave (33 would fill 2 waves, but 32 key blocks per
+    # split is what 32 splits give too, so it is not a count of its own); 14 is the first within 85% of that.
+    assert wave_efficient_splits(8, 132, 1024) == 14
+    assert wave_efficient_splits(1, 132, 3) == 3  # no more splits than key blocks
+
+
+def test_flash_decoding_packs_one_token_queries_and_splits_small_grids():
+    problem = Problem(batch=1, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=131072, head_dim=128)
+    blocks = run("flash-decoding", problem, MACHINES["h100"], "fwd").blocks
+    assert blocks["flash-decoding packed heads"] == 4 and blocks["flash-decoding splits"] == 14
+    full = Problem(batch=128, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=2048, head_dim=128)
+    assert run("flash-decoding", full, MACHINES["h100"], "fwd").blocks["flash-decoding splits"] == 1
+    # cuflash's kernels today do neither; the options model what they would
+    today = run("cuflash", problem, MACHINES["h100"], "fwd")
+    assert today.by_tensor()["K"]["read"] == 32 * 131072 * 128 * 2
+    what_if = run("cuflash", Problem(**{**problem.__dict__, "num_splits": "auto", "pack_gqa": True}),
+                  MACHINES["h100"], "fwd")
+    assert what_if.by_tensor()["K"]["read"] == 8 * 131072 * 128 * 2
+    assert what_if.blocks["cuflash splits"] > 1

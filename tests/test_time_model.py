@@ -36,6 +36,43 @@ def test_model_is_within_25_percent_of_every_h100_grid_point(algorithm, measured
                                                                   row["causal"], model, row["ms"][measured_as])
 
 
+def test_decode_rows_of_issue_15_are_explained_by_whole_tiles():
+    """benchmarks/h100_decode.json (issue 15's measurements, no constant fitted
+    to them): cuflash's one-token blocks cost whole 128-row tiles and re-read
+    K/V per query head, so the model puts its times within 12% of the
+    measurement; flash-decoding (packed, split, DRAM-bound) within 30%, and
+    faster than cuflash wherever heads are grouped, as measured."""
+    from cuflash.simulate.timing import compare_with_bench, ranking_agreement
+
+    rows = json.loads((REPO / "benchmarks" / "h100_decode.json").read_text())["rows"]
+    records = compare_with_bench(rows, H100)
+    assert len(records) == 8
+    for record in records:
+        bound = 0.12 if record["algorithm"] == "cuflash" else 0.30
+        assert abs(record["error"]) <= bound, record
+    by_shape = {}
+    for record in records:
+        by_shape.setdefault((record["batch"], record["seqlen_k"], record["kv_heads"]), {})[record["algorithm"]] = record
+    for (batch, seqlen_k, kv_heads), pair in by_shape.items():
+        if kv_heads < 32:
+            assert pair["flash-decoding"]["model_ms"] < pair["cuflash"]["model_ms"] / 2, (batch, seqlen_k)
+    assert ranking_agreement(records) == (3, 4)  # the MHA row ties in the model (both DRAM-bound)
+
+
+def test_a_one_row_block_costs_a_whole_tile():
+    one = estimate("cuflash", Problem(batch=1, nheads=132, seqlen_q=1, seqlen_k=8192, head_dim=128), H100, "fwd")
+    full = estimate("cuflash", Problem(batch=1, nheads=132, seqlen_q=128, seqlen_k=8192, head_dim=128), H100, "fwd")
+    assert one["launches"][0]["compute_s"] == pytest.approx(full["launches"][0]["compute_s"])
+
+
+def test_split_kv_adds_a_merge_launch_and_shortens_a_lone_sequence():
+    problem = Problem(batch=1, nheads=8, seqlen_q=1, seqlen_k=65536, head_dim=128)
+    alone = estimate("cuflash", problem, H100, "fwd")
+    split = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 16}), H100, "fwd")
+    assert [launch["name"] for launch in split["launches"]] == ["cuflash forward", "cuflash split-KV merge"]
+    assert split["seconds"] < alone["seconds"] / 8
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("passes", ["fwd", "bwd", "fwd+bwd"])
 def test_ranking_at_batch_1_16_heads_16k(head_dim, passes):
@@ -120,7 +157,7 @@ def test_cli_prints_the_model_and_compares_with_measurements():
     assert compared.exit_code == 0, compared.output
     assert "on h100" in compared.output  # machine inferred from the file's device
     assert compared.output.count("| cuflash |") == 72 and "cuflash fwd: largest error" in compared.output
-    assert "ranking of cuflash and flash2 as measured at 72 of 72 points" in compared.output
+    assert "ranking of cuflash and the other algorithm as measured at 72 of 72 points" in compared.output
     as_json = runner.invoke(main, ["simulate", "--measured", str(REPO / "benchmarks" / "h100.json"), "--json"])
     records = json.loads(as_json.output)["rows"]
     assert max(abs(r["error"]) for r in records if r["algorithm"] == "cuflash") <= 0.25

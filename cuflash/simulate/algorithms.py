@@ -27,7 +27,8 @@ fits in L2:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
 from .._masks import mask_for
@@ -57,6 +58,7 @@ def _cdiv(a: int, b: int) -> int:
 class QueryBlock:
     rows: int
     keys: int  #: keys visited (the visited key blocks, clipped to seqlen_k)
+    key_start: int = 0  #: the first key visited
 
 
 @dataclass(frozen=True)
@@ -65,14 +67,53 @@ class KeyBlock:
     rows: int  #: query rows visited (from the first query block that sees this key block)
 
 
-def query_sweep(p: Problem, block_m: int, block_n: int) -> list[QueryBlock]:
-    """Query-outer loop: each query block with the keys it visits."""
+def query_sweep(p: Problem, block_m: int, block_n: int, pack: int = 1) -> list[QueryBlock]:
+    """Query-outer loop: each query block with the keys it visits. With
+    ``pack`` > 1 (GQA packing) the blocks run over the rows of ``pack`` query
+    heads interleaved, row r being query position r // pack, so a block
+    visits the keys of the positions its rows cover."""
     blocks = []
-    for m_start in range(0, p.seqlen_q, block_m):
-        key_blocks = mask_for(p.causal).key_blocks(m_start, block_m, block_n, p.seqlen_q, p.seqlen_k)
-        keys = min(key_blocks.stop * block_n, p.seqlen_k) - key_blocks.start * block_n if key_blocks else 0
-        blocks.append(QueryBlock(min(block_m, p.seqlen_q - m_start), keys))
+    mask = mask_for(p.causal)
+    rows_total = pack * p.seqlen_q
+    for m_start in range(0, rows_total, block_m):
+        rows = min(block_m, rows_total - m_start)
+        first, last = m_start // pack, (m_start + rows - 1) // pack
+        key_blocks = mask.key_blocks(first, last - first + 1, block_n, p.seqlen_q, p.seqlen_k)
+        start = key_blocks.start * block_n if key_blocks else 0
+        keys = min(key_blocks.stop * block_n, p.seqlen_k) - start if key_blocks else 0
+        blocks.append(QueryBlock(rows, keys, start))
     return blocks
+
+
+def split_keys(blocks: list[QueryBlock], block_n: int, splits: int) -> list[QueryBlock]:
+    """Split-KV: each query block's key blocks dealt to ``splits`` thread
+    blocks, ceil(key blocks / splits) each in order (the last ones may get
+    fewer, or none: an empty split still runs and writes its empty partial
+    result)."""
+    if splits == 1:
+        return blocks
+    out = []
+    for b in blocks:
+        per_split = _cdiv(_cdiv(b.keys, block_n), splits) * block_n
+        for split in range(splits):
+            start = min(split * per_split, b.keys)
+            out.append(QueryBlock(b.rows, min(per_split, b.keys - start), b.key_start + start))
+    return out
+
+
+def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
+    """A split count for split-KV, by the idea FlashAttention-2's launcher
+    uses: none when the grid already nearly fills the GPU (80% of its slots);
+    otherwise, of the counts that change how many key blocks each split gets,
+    the smallest whose last wave is within 85% of the best wave efficiency
+    (waves / ceil(waves))."""
+    if parallel_blocks >= 0.8 * slots:
+        return 1
+    candidates = [s for s in range(1, min(max_splits, slots, key_blocks) + 1)
+                  if s == 1 or _cdiv(key_blocks, s) != _cdiv(key_blocks, s - 1)]
+    efficiency = {s: (parallel_blocks * s / slots) / math.ceil(parallel_blocks * s / slots) for s in candidates}
+    best = max(efficiency.values())
+    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
 
 
 def key_sweep(p: Problem, block_m: int, block_n: int) -> list[KeyBlock]:
@@ -334,29 +375,88 @@ class _TiledPlan:
     dq_m: int
     dq_n: int
     native_gqa: bool  #: dK/dV computed per K/V head (cuflash) or per query head then summed (flash2)
+    splits: int = 1  #: split-KV thread blocks per query block of the forward
+    pack: int = 1  #: query heads packed into one block's rows (GQA packing), else 1
+
+
+def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool) -> _TiledPlan:
+    """The plan with the problem's split-KV and GQA-packing choices where it
+    makes them (Problem.num_splits, Problem.pack_gqa), else the algorithm's
+    defaults ``splits`` (a count or "auto") and ``pack``; "auto" takes
+    wave_efficient_splits over the machine's SMs."""
+    pack = pack if p.pack_gqa is None else p.pack_gqa
+    rows = p.group if pack and p.group > 1 else 1
+    splits = splits if p.num_splits is None else p.num_splits
+    if splits == "auto":
+        blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
+        owners = p.kv_heads if rows > 1 else p.heads
+        key_blocks = max((_cdiv(b.keys, plan.fwd_n) for b in blocks), default=1)
+        splits = wave_efficient_splits(owners * len(blocks), machine.sms, max(key_blocks, 1))
+    return replace(plan, splits=splits, pack=rows)
 
 
 def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -> None:
     e, f, d, heads = p.element_size, STAT_BYTES, p.head_dim, p.heads
-    sweep = query_sweep(p, plan.fwd_m, plan.fwd_n)
-    keys_visited = sum(b.keys for b in sweep)
-    pairs = sum(b.rows * b.keys for b in sweep)
-    max_keys = max((b.keys for b in sweep), default=0)
+    # A thread block's rows belong to one query head, or with GQA packing to
+    # the plan.pack heads sharing a K/V head ("owners": who reads the K/V).
+    owners = p.kv_heads if plan.pack > 1 else heads
+    unsplit = query_sweep(p, plan.fwd_m, plan.fwd_n, plan.pack)
+    blocks = split_keys(unsplit, plan.fwd_n, plan.splits)
+    rows_read = sum(b.rows for b in blocks)
+    keys_visited = sum(b.keys for b in blocks)
+    pairs = sum(b.rows * b.keys for b in blocks)
+    seen = [b for b in unsplit if b.keys]
+    distinct_keys = max(b.key_start + b.keys for b in seen) - min(b.key_start for b in seen) if seen else 0
     concurrent = machine.sms * plan.fwd_blocks_per_sm
-    factor = reread_factor(machine, len(sweep), concurrent, 2 * p.seqlen_k * d * e)
-    kv_owners = p.kv_heads if factor == 1 else heads
-    t.read("Q", heads * p.seqlen_q * d * e, element_size=e, formula="Q_i once per query block: B·H·Nq·d")
+    factor = reread_factor(machine, len(blocks), concurrent, 2 * p.seqlen_k * d * e)
+    kv_owners = p.kv_heads if factor == 1 else owners
+    split_note = f" × {plan.splits} splits" if plan.splits > 1 else ""
+    t.read("Q", owners * rows_read * d * e, element_size=e, dram=heads * p.seqlen_q * d * e,
+           formula=f"Q_i once per query block{split_note}: B·H·Nq·d")
     for tensor in ("K", "V"):
-        t.read(tensor, heads * keys_visited * d * e, element_size=e, dram=kv_owners * factor * max_keys * d * e,
-               formula=f"{tensor}_j for every visited (i, j): B·H·Σ_i keys_i·d (Tr = {len(sweep)} query blocks)")
-    t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="O_i once: B·H·Nq·d")
-    t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
-    t.flops(4 * heads * pairs * d, heads * NONMATMUL["flash_fwd"] * pairs + heads * 2 * sum(
-        b.rows * _cdiv(b.keys, plan.fwd_n) for b in sweep) * d,
+        t.read(tensor, owners * keys_visited * d * e, element_size=e, dram=kv_owners * factor * distinct_keys * d * e,
+               formula=f"{tensor}_j for every visited (i, j): {'B·H_kv' if plan.pack > 1 else 'B·H'}·Σ_i keys_i·d "
+                       f"(Tr = {len(unsplit)} query blocks{split_note})")
+    if p.page_size is not None:
+        pages = sum(_cdiv(b.key_start + b.keys, p.page_size) - b.key_start // p.page_size for b in blocks if b.keys)
+        t.read("block_table", owners * pages * 4, element_size=4,
+               dram=p.batch * _cdiv(p.seqlen_k, p.page_size) * 4,
+               formula=f"int32 page numbers of the pages each block's keys span (page size {p.page_size})")
+    if p.append:
+        new = p.kv_heads * p.seqlen_q * d * e
+        for tensor in ("K", "V"):
+            t.read(f"{tensor}_new", new, element_size=e, formula=f"{tensor}_new appended: B·H_kv·Nq·d")
+            t.write(tensor, new, element_size=e, formula=f"{tensor}_new into the cache at each sequence's length")
+    if plan.splits == 1:
+        t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="O_i once: B·H·Nq·d")
+        t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
+    else:
+        partial = owners * rows_read
+        fits = _fits(machine, partial * (d + 1) * f)
+        t.write("O_partial", partial * d * f, element_size=f,
+                formula=f"each split's O_i, float32: B·H·Nq·d × {plan.splits} splits")
+        t.write("LSE_partial", partial * f, element_size=f, formula=f"each split's LSE_i: B·H·Nq × {plan.splits}")
+        t.read("O_partial", partial * d * f, element_size=f, dram=0 if fits else None,
+               formula="merge reads every split's O_i")
+        t.read("LSE_partial", partial * f, element_size=f, dram=0 if fits else None,
+               formula="merge reads every split's LSE_i")
+        t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="merge writes O_i: B·H·Nq·d")
+        t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="merge writes LSE_i: B·H·Nq (float32)")
+        t.flops(0, heads * p.seqlen_q * plan.splits * (2 * d + 4),
+                "split-KV merge: per row and split, an exponential weight and a scaled add of d values")
+    t.flops(4 * owners * pairs * d, owners * NONMATMUL["flash_fwd"] * pairs + owners * 2 * sum(
+        b.rows * _cdiv(b.keys, plan.fwd_n) for b in blocks) * d,
         "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 4 per score + d per row per tile "
         "(rescale) and at the end (normalise)")
     t.notes.append(f"forward: K/V from DRAM {'once per K/V head' if factor == 1 else f'{factor}× per head'} "
                    f"({concurrent} blocks in flight)")
+    if plan.pack > 1:
+        t.notes.append(f"forward: GQA packing, the {plan.pack} query heads of a K/V head in one block's rows")
+    if plan.splits > 1:
+        t.notes.append(f"forward: split-KV, {plan.splits} thread blocks per query block, merged by their LSE")
+    if p.page_size is not None:
+        t.notes.append("forward: paged K/V request the bytes a contiguous cache would (a key's row of d elements "
+                       "is one run in either layout) plus the block table; DRAM page locality is not modelled")
 
 
 def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, deterministic: bool) -> None:
@@ -425,7 +525,8 @@ def _flash2_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
     bm, bn = block_m or bm, block_n or bn
     smem = (bm + 2 * bn) * p.head_dim * p.element_size
     per_sm = _blocks_per_sm(machine, smem, 128)
-    return _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
+    plan = _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
+    return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
 
 def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
@@ -436,6 +537,45 @@ def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
     t = Traffic("flash2")
     plan = _flash2_plan(p, machine, block_m, block_n)
     t.blocks.update({"flash2 Br": plan.fwd_m, "flash2 Bc": plan.fwd_n})
+    if plan.splits > 1 or plan.pack > 1:
+        t.blocks.update({"flash2 splits": plan.splits, "flash2 packed heads": plan.pack})
+    if "fwd" in passes:
+        _tiled_forward(t, p, machine, plan)
+    if "bwd" in passes:
+        _tiled_backward(t, p, machine, plan, deterministic=False)
+    return t
+
+
+def flash_decoding_blocks(p: Problem) -> tuple[int, int]:
+    """FlashAttention-2's split-KV kernel tiles: 64 query rows (4 warps), and
+    keys per step by head dim (256 up to 64, 128 up to 128, else 64)."""
+    return 64, 256 if p.head_dim <= 64 else 128 if p.head_dim <= 128 else 64
+
+
+def _flash_decoding_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
+    bm, bn = flash_decoding_blocks(p)
+    bm, bn = block_m or bm, block_n or bn
+    per_sm = _blocks_per_sm(machine, (bm + 2 * bn) * p.head_dim * p.element_size, 128)
+    flash2_backward = _flash2_plan(p, machine, None, None)
+    plan = replace(flash2_backward, fwd_m=bm, fwd_n=bn, fwd_blocks_per_sm=per_sm)
+    # PyTorch's copy of FlashAttention-2 counts the SMs as the slots of its
+    # split heuristic (upstream counts two per SM); it packs the query heads
+    # of a K/V head for single-token queries.
+    return _decoding_plan(plan, p, machine, splits="auto", pack=p.seqlen_q == 1)
+
+
+def flash_decoding(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
+    """FlashAttention-2's decoding path (Flash-Decoding; what PyTorch SDPA's
+    flash backend runs for inference shapes): its split-KV kernel (64-row
+    query blocks), the keys split over thread blocks by a wave-efficiency
+    heuristic where batch x heads x query blocks would not fill the GPU, the
+    partial results merged by their LSE, and for single-token queries the
+    query heads of a K/V head packed into one block. The backward is
+    flash2's."""
+    t = Traffic("flash-decoding")
+    plan = _flash_decoding_plan(p, machine, block_m, block_n)
+    t.blocks.update({"flash-decoding Br": plan.fwd_m, "flash-decoding Bc": plan.fwd_n,
+                     "flash-decoding splits": plan.splits, "flash-decoding packed heads": plan.pack})
     if "fwd" in passes:
         _tiled_forward(t, p, machine, plan)
     if "bwd" in passes:
@@ -457,13 +597,16 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         # Its launch bounds set the registers for exactly blocks_per_sm
         # resident blocks; the other kernels are sized by shared memory here.
         fwd_blocks_per_sm = min(fwd_blocks_per_sm, fwd.blocks_per_sm)
-    return _TiledPlan(
+    plan = _TiledPlan(
         fwd_m=block_m or fwd.block_m, fwd_n=block_n or fwd.block_n,
         bwd_m=bwd.block_m, bwd_n=bwd.block_n,
         fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
     )
+    # Today's kernels neither split the keys nor pack query heads (issue 15);
+    # Problem.num_splits / pack_gqa model what they would do.
+    return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
 
 def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
@@ -476,6 +619,8 @@ def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
     plan = cuflash_plan(p, machine, block_m, block_n)
     t.blocks.update({"cuflash fwd Br": plan.fwd_m, "cuflash fwd Bc": plan.fwd_n,
                      "cuflash bwd Br": plan.bwd_m, "cuflash bwd Bc": plan.bwd_n})
+    if plan.splits > 1 or plan.pack > 1:
+        t.blocks.update({"cuflash splits": plan.splits, "cuflash packed heads": plan.pack})
     if "fwd" in passes:
         _tiled_forward(t, p, machine, plan)
     if "bwd" in passes:
@@ -488,6 +633,7 @@ ALGORITHMS = {
     "pytorch": pytorch,
     "flash1": flash1,
     "flash2": flash2,
+    "flash-decoding": flash_decoding,
     "cuflash": cuflash,
 }
 
@@ -499,7 +645,7 @@ def sram_needed(algorithm: str, p: Problem, machine: Machine) -> int:
     memory of the kernels it launches; the unfused algorithms need none."""
     if algorithm == "flash1":
         return 4 * p.head_dim * p.element_size
-    if algorithm == "flash2":
+    if algorithm in ("flash2", "flash-decoding"):
         return 3 * 16 * p.head_dim * p.element_size
     if algorithm == "cuflash":
         dtype = cuflash_dtype(p)

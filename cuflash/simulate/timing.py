@@ -41,8 +41,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from .algorithms import (NONMATMUL, _cdiv, _flash2_plan, cuflash_plan, flash1_blocks, key_sweep, query_sweep,
-                         roofline_seconds, run)
+from .algorithms import (NONMATMUL, _cdiv, _flash2_plan, _flash_decoding_plan, _TiledPlan, cuflash_plan,
+                         flash1_blocks, key_sweep, query_sweep, roofline_seconds, run, split_keys)
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem
 
@@ -163,16 +163,22 @@ def time_launch(launch: Launch, machine: Machine) -> Launch:
 # The launches of each algorithm
 # --------------------------------------------------------------------------
 
-def _forward_blocks(p: Problem, block_m: int, block_n: int) -> list[tuple[int, BlockWork]]:
-    """One block per (head, query block) with the keys it visits, longest first (as both tensor-core
-    forwards and FlashAttention-2 schedule causal grids)."""
-    d = p.head_dim
+def _forward_blocks(p: Problem, plan: _TiledPlan) -> list[tuple[int, BlockWork]]:
+    """One block per (row owner, query block, split) with the keys it
+    visits, longest first (as both tensor-core forwards and
+    FlashAttention-2 schedule causal grids). The tensor cores and the
+    exponentials work on whole tiles: a block of one query row (decoding)
+    costs what a full one does, which is why one-token queries want their
+    query heads packed into the rows and their keys split over blocks."""
+    d, block_m, block_n = p.head_dim, plan.fwd_m, plan.fwd_n
+    owners = p.kv_heads if plan.pack > 1 else p.heads
+    blocks = split_keys(query_sweep(p, block_m, block_n, plan.pack), block_n, plan.splits)
     runs = []
-    for b in sorted(query_sweep(p, block_m, block_n), key=lambda b: -b.rows * b.keys):
-        pairs = b.rows * b.keys
+    for b in sorted(blocks, key=lambda b: -b.keys):
         steps = _cdiv(b.keys, block_n)
-        runs.append((p.heads, BlockWork(steps, 4 * pairs * d, pairs,
-                                        NONMATMUL["flash_fwd"] * pairs + 2 * b.rows * d * steps)))
+        tile_pairs = block_m * steps * block_n
+        runs.append((owners, BlockWork(steps, 4 * tile_pairs * d, tile_pairs,
+                                       NONMATMUL["flash_fwd"] * tile_pairs + 2 * block_m * d * steps)))
     return runs
 
 
@@ -197,13 +203,19 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
     """The kernels an algorithm launches for ``passes``, untimed."""
     e, f, d, heads, nq = p.element_size, STAT_BYTES, p.head_dim, p.heads, p.seqlen_q
     out: list[Launch] = []
-    if algorithm in ("flash2", "cuflash"):
-        plan = cuflash_plan(p, machine) if algorithm == "cuflash" else _flash2_plan(p, machine, None, None)
+    if algorithm in ("flash2", "flash-decoding", "cuflash"):
+        plan = {"cuflash": cuflash_plan, "flash2": _flash2_plan,
+                "flash-decoding": _flash_decoding_plan}[algorithm](p, machine, None, None)
         group = p.group if plan.native_gqa else 1
         if "fwd" in passes:
-            out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan.fwd_m, plan.fwd_n),
-                              plan.fwd_blocks_per_sm, run(algorithm, p, machine, "fwd").total("dram"),
-                              kernel_cost(algorithm, "fwd", machine)))
+            forward_dram = run(algorithm, p, machine, "fwd").total("dram")
+            merge = 0
+            if plan.splits > 1:  # the merge kernel: partial O and LSE in (from L2), O and LSE out
+                merge = heads * nq * (d * e + f)
+            out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
+                              forward_dram - merge, kernel_cost(algorithm, "fwd", machine)))
+            if merge:
+                out.append(_elementwise(f"{algorithm} split-KV merge", merge))
         if "bwd" in passes:
             # delta = rowsum(dO * O) and the zeroed float32 dQ accumulator
             # before; the accumulator converted to the input dtype after.
@@ -258,34 +270,55 @@ def estimate(algorithm: str, p: Problem, machine: Machine, passes: str) -> dict:
     }
 
 
+#: Which modelled algorithm stands for a benchmark column, per kind of row:
+#: SDPA's flash backend runs FlashAttention-2's training kernels, and for
+#: decoding its split-KV path.
+_MEASURED_AS = {"fwd": (("cuflash", "cuflash"), ("flash2", "flash")),
+                "bwd": (("cuflash", "cuflash"), ("flash2", "flash")),
+                "decode": (("cuflash", "cuflash"), ("flash-decoding", "flash"))}
+
+
 def compare_with_bench(rows: list[dict], machine: Machine) -> list[dict]:
-    """The model's cuflash and flash2 times beside a ``tools/bench.py`` file's
-    measured cuflash and SDPA flash times, one record per (16-bit fwd or bwd
-    row, algorithm): the row's shape, ``measured_ms``, ``model_ms`` and
-    ``error`` (model / measured - 1)."""
+    """The model's times beside a benchmark file's measured ones, one record
+    per (16-bit row, algorithm): ``fwd`` and ``bwd`` rows of ``tools/bench.py``
+    (cuflash and flash2 against cuflash and SDPA flash) and ``decode`` rows
+    (a forward with ``seqlen_q`` query tokens against a cache of ``seqlen_k``,
+    ``kv_heads`` K/V heads and optionally ``page_size``: cuflash and
+    flash-decoding). Each record has the row's shape, ``measured_ms``,
+    ``model_ms`` and ``error`` (model / measured - 1)."""
     records = []
     for row in rows:
-        if row["dtype"] not in ("bfloat16", "float16") or row["pass"] not in ("fwd", "bwd"):
+        if row["dtype"] not in ("bfloat16", "float16") or row["pass"] not in _MEASURED_AS:
             continue
-        problem = Problem(batch=row["batch"], nheads=row["heads"], seqlen_q=row["seqlen"], head_dim=row["head_dim"],
-                          element_size=2, causal=row["causal"])
-        for algorithm, measured_as in (("cuflash", "cuflash"), ("flash2", "flash")):
+        decode = row["pass"] == "decode"
+        seqlen_q = row["seqlen_q"] if decode else row["seqlen"]
+        seqlen_k = row["seqlen_k"] if decode else row["seqlen"]
+        kv_heads = row.get("kv_heads", row["heads"])
+        problem = Problem(batch=row["batch"], nheads=row["heads"], nheads_k=kv_heads, seqlen_q=seqlen_q,
+                          seqlen_k=seqlen_k, head_dim=row["head_dim"], element_size=2, causal=row["causal"],
+                          page_size=row.get("page_size"))
+        for algorithm, measured_as in _MEASURED_AS[row["pass"]]:
             if measured_as not in row["ms"]:
                 continue
-            model_ms = estimate(algorithm, problem, machine, row["pass"])["seconds"] * 1e3
+            model_ms = estimate(algorithm, problem, machine, "fwd" if decode else row["pass"])["seconds"] * 1e3
             records.append({"pass": row["pass"], "dtype": row["dtype"], "head_dim": row["head_dim"],
-                            "causal": row["causal"], "seqlen": row["seqlen"], "batch": row["batch"],
-                            "heads": row["heads"], "algorithm": algorithm, "measured_ms": row["ms"][measured_as],
-                            "model_ms": model_ms, "error": model_ms / row["ms"][measured_as] - 1})
+                            "causal": row["causal"], "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+                            "batch": row["batch"], "heads": row["heads"], "kv_heads": kv_heads,
+                            "page_size": row.get("page_size"), "algorithm": algorithm,
+                            "measured_ms": row["ms"][measured_as], "model_ms": model_ms,
+                            "error": model_ms / row["ms"][measured_as] - 1})
     return records
 
 
 def ranking_agreement(records: list[dict]) -> tuple[int, int]:
-    """(points where the model orders cuflash and flash2 as measured, points with both)."""
+    """(points where the model orders cuflash and the other algorithm as
+    measured, points with both); a modelled tie counts as disagreement."""
     pairs: dict[tuple, dict] = {}
+    shape = ("pass", "dtype", "head_dim", "causal", "seqlen_q", "seqlen_k", "batch", "heads", "kv_heads", "page_size")
     for r in records:
-        pairs.setdefault((r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]), {})[r["algorithm"]] = r
-    both = [pair for pair in pairs.values() if len(pair) == 2]
-    agree = sum((pair["cuflash"]["model_ms"] < pair["flash2"]["model_ms"])
-                == (pair["cuflash"]["measured_ms"] < pair["flash2"]["measured_ms"]) for pair in both)
+        pairs.setdefault(tuple(r[key] for key in shape), {})[r["algorithm"]] = r
+    both = [(pair["cuflash"], other) for pair in pairs.values() if "cuflash" in pair
+            for name, other in pair.items() if name != "cuflash"]
+    agree = sum((ours["model_ms"] < other["model_ms"]) == (ours["measured_ms"] < other["measured_ms"])
+                and ours["model_ms"] != other["model_ms"] for ours, other in both)
     return agree, len(both)

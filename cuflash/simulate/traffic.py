@@ -14,8 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 #: Display order of tensors; anything else is listed after these.
-TENSOR_ORDER = ("Q", "K", "V", "O", "LSE", "l", "m", "S", "P", "dropout_mask", "padding_mask", "dO", "dP", "dS",
-                "dQ", "dK", "dV", "D", "dQ_accum", "dK_expanded", "dV_expanded")
+TENSOR_ORDER = ("Q", "K", "V", "K_new", "V_new", "block_table", "O", "LSE", "O_partial", "LSE_partial", "l", "m",
+                "S", "P", "dropout_mask", "padding_mask", "dO", "dP", "dS", "dQ", "dK", "dV", "D", "dQ_accum",
+                "dK_expanded", "dV_expanded")
 
 #: float32 statistics (LSE, l, m, D) and accumulators.
 STAT_BYTES = 4
@@ -36,6 +37,19 @@ class Problem:
     dropout: bool = False  #: the ``pytorch`` pipeline's dropout (other algorithms regenerate it on chip)
     key_padding_mask: bool = False  #: the ``pytorch`` pipeline's masked_fill with a key-padding mask
     deterministic: bool = False  #: cuflash's deterministic backward (dQ pass instead of atomics)
+    #: K/V in a paged cache of this many tokens per page, found through an
+    #: int32 block table (None: one contiguous cache per sequence)
+    page_size: int | None = None
+    #: the seqlen_q new tokens' K and V are appended to the cache (which then
+    #: holds seqlen_k tokens, the new ones last) by the same call
+    append: bool = False
+    #: split-KV: the forward's keys split over this many thread blocks per
+    #: query block, merged by their LSE; "auto": a wave-efficiency heuristic
+    #: (algorithms.wave_efficient_splits); None: the algorithm's own choice
+    num_splits: int | str | None = None
+    #: GQA packing: the query heads sharing a K/V head run as the rows of one
+    #: query block, so K/V are read once per K/V head (None: the algorithm's choice)
+    pack_gqa: bool | None = None
 
     def __post_init__(self):
         if self.nheads_k is None:
@@ -47,6 +61,14 @@ class Problem:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.nheads % self.nheads_k:
             raise ValueError(f"nheads ({self.nheads}) must be a multiple of nheads_k ({self.nheads_k})")
+        if self.page_size is not None and self.page_size < 1:
+            raise ValueError(f"page_size must be at least 1, got {self.page_size}")
+        if self.num_splits is not None and self.num_splits != "auto" and not (
+                isinstance(self.num_splits, int) and self.num_splits >= 1):
+            raise ValueError(f"num_splits must be a whole number of at least 1 or 'auto', got {self.num_splits!r}")
+        if self.append and self.seqlen_k < self.seqlen_q:
+            raise ValueError(f"append adds the seqlen_q ({self.seqlen_q}) new tokens to the cache, so seqlen_k "
+                             f"(the cache after it) must be at least seqlen_q, got {self.seqlen_k}")
 
     @property
     def heads(self) -> int:
