@@ -325,3 +325,40 @@ def test_flash_decoding_packs_one_token_queries_and_splits_small_grids():
                   MACHINES["h100"], "fwd")
     assert what_if.by_tensor()["K"]["read"] == 8 * 131072 * 128 * 2
     assert what_if.blocks["cuflash splits"] > 1
+
+
+# --- peak memory (issue 18, build 5: the paper's Figure 3) -----------------------------------------
+
+
+def test_peak_memory_hand_counts():
+    p = Problem(batch=1, nheads=1, seqlen_q=256, head_dim=64)  # ND = 32768 bytes per N x d tensor
+    standard_fwd = run("standard", p, A100, "fwd").peak_memory()
+    assert standard_fwd[0] == 3 * ND + 2 * NN and "softmax" in standard_fwd[1]
+    standard_bwd = run("standard", p, A100, "bwd").peak_memory()
+    assert standard_bwd[0] == 3 * ND + ND + ND + 3 * NN + ND  # Q K V, O, dO, P dP dS, dV
+    flash_fwd = run("cuflash", p, A100, "fwd").peak_memory()
+    assert flash_fwd[0] == 4 * ND + VEC  # Q K V O, LSE
+    flash_bwd = run("cuflash", p, A100, "bwd").peak_memory()
+    assert flash_bwd[0] == 8 * ND + 2 * VEC + 2 * ND  # Q K V O dO dQ dK dV, LSE D, float32 dQ accumulator
+    deterministic = run("cuflash", Problem(**{**p.__dict__, "deterministic": True}), A100, "bwd").peak_memory()
+    assert deterministic[0] == flash_bwd[0] - 2 * ND
+
+
+def test_peak_memory_grows_quadratically_unfused_and_linearly_tiled():
+    def peak(name, n):
+        problem = Problem(batch=2, nheads=8, seqlen_q=n, head_dim=64, dropout=True, key_padding_mask=True)
+        return run(name, problem, A100, "fwd+bwd").peak_memory()[0]
+
+    for name in ("standard", "pytorch"):
+        assert peak(name, 8192) / peak(name, 4096) > 3.8
+    for name in ("flash1", "flash2", "cuflash"):
+        assert peak(name, 8192) / peak(name, 4096) == pytest.approx(2, rel=0.01)
+    assert peak("pytorch", 4096) > 20 * peak("cuflash", 4096)
+
+
+def test_peak_memory_counts_expanded_k_v_and_split_partials():
+    gqa = Problem(batch=1, nheads=8, nheads_k=2, seqlen_q=1, seqlen_k=4096, head_dim=64)
+    assert "K_expanded" in run("standard", gqa, A100, "fwd").peak_memory()[2]
+    assert "K_expanded" not in run("cuflash", gqa, A100, "fwd").peak_memory()[2]
+    split = run("cuflash", Problem(**{**gqa.__dict__, "num_splits": 4}), A100, "fwd").peak_memory()[2]
+    assert split["O_partial"] == 8 * 4 * 64 * 4

@@ -194,6 +194,27 @@ def _sum_expanded_gradients(t: Traffic, p: Problem) -> None:
         t.write(final, p.kv_heads * nk * d * e, element_size=e, formula="summed gradient per K/V head")
 
 
+def _inputs(p: Problem, *, expand: bool) -> dict[str, int]:
+    """Q, K and V in HBM; algorithms without native grouped-query attention
+    (``expand``) also hold K and V copied to every query head."""
+    e, q, kvq, _ = _sizes(p)
+    kv = p.kv_heads * p.seqlen_k * p.head_dim * e
+    held = {"Q": q, "K": kv, "V": kv}
+    if expand and p.group > 1:
+        held.update(K_expanded=kvq, V_expanded=kvq)
+    return held
+
+
+def _gradients(p: Problem, *, expand: bool) -> dict[str, int]:
+    """dK and dV (per query head first, then summed, where ``expand``)."""
+    e, _, kvq, _ = _sizes(p)
+    kv = p.kv_heads * p.seqlen_k * p.head_dim * e
+    held = {"dK": kv, "dV": kv}
+    if expand and p.group > 1:
+        held.update(dK_expanded=kvq, dV_expanded=kvq)
+    return held
+
+
 def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
     """Algorithm 0 of the FlashAttention paper: S and P written to and read
     back from HBM; its backward (Algorithm 3) likewise with dP and dS. Each
@@ -209,6 +230,8 @@ def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=No
         ], machine)
         t.flops(4 * scores * p.head_dim, (NONMATMUL["standard_fwd"] + p.causal) * scores,
                 f"forward: matmul 4·B·H·Nq·Nk·d; other {NONMATMUL['standard_fwd'] + p.causal}·B·H·Nq·Nk")
+        t.live("forward: softmax (S and P)", {**_inputs(p, expand=True), "S": nn, "P": nn})
+        t.live("forward: O = P V", {**_inputs(p, expand=True), "P": nn, "O": q})
     if "bwd" in passes:
         dk, dv = _gradient_names(p)
         _run_ops(t, [
@@ -221,6 +244,8 @@ def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=No
         _sum_expanded_gradients(t, p)
         t.flops(8 * scores * p.head_dim, NONMATMUL["standard_bwd"] * scores,
                 f"backward: matmul 8·B·H·Nq·Nk·d; other {NONMATMUL['standard_bwd']}·B·H·Nq·Nk")
+        t.live("backward: dS from P and dP", {**_inputs(p, expand=True), "O": q, "dO": q, "P": nn, "dP": nn,
+                                             "dS": nn, dv: kvq})
     return t
 
 
@@ -247,6 +272,11 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
             ops.append(Op("dropout", (("P", nn, e),), (("P_dropped", nn, e), ("dropout_mask", drop_mask, 1))))
         ops.append(Op("O = P V (bmm)", ((probs_used, nn, e), ("V", kvq, e)), (("O", q, e),)))
         _run_ops(t, ops, machine)
+        inputs = {**_inputs(p, expand=True), "padding_mask": mask_bytes if p.key_padding_mask else 0}
+        # Autograd keeps P (softmax's backward) and, with dropout, its mask and the dropped P (bmm's backward).
+        saved = {"P": nn, "dropout_mask": drop_mask if p.dropout else 0, "P_dropped": nn if p.dropout else 0}
+        t.live("forward: softmax (S and P)", {**inputs, "S": nn, "P": nn})
+        t.live("forward: O = P V", {**inputs, **saved, "O": q})
         other = 1 + masked + 5 + 2 * p.dropout
         t.flops(4 * scores * p.head_dim, other * scores,
                 f"forward: matmul 4·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (scale, mask, softmax 5, dropout 2)")
@@ -268,6 +298,10 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
         ]
         _run_ops(t, ops, machine)
         _sum_expanded_gradients(t, p)
+        t.live("backward: softmax backward (dP and dS)",
+               {**_inputs(p, expand=True), "padding_mask": mask_bytes if p.key_padding_mask else 0,
+                "P": nn, "dropout_mask": drop_mask if p.dropout else 0, "P_dropped": nn if p.dropout else 0,
+                "O": q, "dO": q, "dP": nn, "dS": nn, dv: kvq})
         other = 4 + masked + p.dropout
         t.flops(8 * scores * p.head_dim, other * scores,
                 f"backward: matmul 8·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (softmax backward 4, mask, dropout)")
@@ -326,6 +360,8 @@ def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
                       f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j·{'d' if element == e else '1'}")
         for tensor, size, element in (("O", d * e, e), ("l", f, f), ("m", f, f)):
             revisited("write", tensor, size, element, hit, f"{tensor}_i written back for every visited (i, j)")
+        t.live("forward", {**_inputs(p, expand=True), "O": heads * nq * d * e, "l": heads * nq * f,
+                           "m": heads * nq * f})
         t.flops(4 * heads * pairs * d, heads * (NONMATMUL["flash_fwd"] + 1) * pairs + heads * 4 * visited_rows * d,
                 "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 5 per score + 4·d per row per tile "
                 "(rescaling O)")
@@ -343,6 +379,9 @@ def flash1(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
         t.write(dk, heads * nk * d * e, element_size=e, formula=f"{dk}_j at the end of outer step j")
         t.write(dv, heads * nk * d * e, element_size=e, formula=f"{dv}_j at the end of outer step j")
         _sum_expanded_gradients(t, p)
+        t.live("backward", {**_inputs(p, expand=True), "O": heads * nq * d * e, "dO": heads * nq * d * e,
+                            "l": heads * nq * f, "m": heads * nq * f, "dQ": heads * nq * d * e,
+                            **_gradients(p, expand=True)})
         t.flops(10 * heads * pairs * d, heads * (NONMATMUL["flash_bwd"] + 2) * pairs + heads * 2 * visited_rows * d,
                 "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dQ, dK); other 6 per score "
                 "+ 2·d per row per tile (D_i = rowsum(dO_i ∘ O_i))")
@@ -427,6 +466,10 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
         for tensor in ("K", "V"):
             t.read(f"{tensor}_new", new, element_size=e, formula=f"{tensor}_new appended: B·H_kv·Nq·d")
             t.write(tensor, new, element_size=e, formula=f"{tensor}_new into the cache at each sequence's length")
+    held = {**_inputs(p, expand=False), "O": heads * p.seqlen_q * d * e, "LSE": heads * p.seqlen_q * f}
+    if plan.splits > 1:
+        held.update(O_partial=owners * rows_read * d * f, LSE_partial=owners * rows_read * f)
+    t.live("forward", held)
     if plan.splits == 1:
         t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="O_i once: B·H·Nq·d")
         t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
@@ -499,6 +542,10 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
         _sum_expanded_gradients(t, p)
     t.flops(10 * heads * pairs * d, heads * NONMATMUL["flash_bwd"] * pairs,
             "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dK, dQ); other 4 per score")
+    t.live("backward", {**_inputs(p, expand=False), "O": heads * nq * d * e, "dO": heads * nq * d * e,
+                        "LSE": heads * nq * f, "D": heads * nq * f,
+                        "dQ_accum": 0 if deterministic else heads * nq * d * f, "dQ": heads * nq * d * e,
+                        **_gradients(p, expand=not plan.native_gqa)})
     if deterministic:
         dq_sweep = query_sweep(p, plan.dq_m, plan.dq_n)
         keys_visited = sum(b.keys for b in dq_sweep)

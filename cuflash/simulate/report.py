@@ -16,6 +16,7 @@ def summarize(t: Traffic, machine: Machine, time_model: dict | None = None) -> d
     requested = t.total("requested")
     dram = t.total("dram")
     flops = t.matmul_flops + t.other_flops
+    peak, peak_phase, peak_tensors = t.peak_memory()
     return {
         "algorithm": t.algorithm,
         "blocks": dict(t.blocks),
@@ -33,6 +34,9 @@ def summarize(t: Traffic, machine: Machine, time_model: dict | None = None) -> d
         "intensity_requested": flops / requested if requested else float("inf"),
         "intensity_dram": flops / dram if dram else float("inf"),
         "roofline": roofline_seconds(t, machine),
+        "peak_memory_bytes": peak,
+        "peak_memory_phase": peak_phase,
+        "peak_memory_tensors": peak_tensors,
         "time_model": time_model,
         "notes": list(t.notes),
     }
@@ -51,7 +55,7 @@ def format_table(summaries: list[dict], header: str) -> str:
     """A readable report: totals per algorithm, then traffic by tensor."""
     lines = [header, ""]
     columns = ("algorithm", "requested", "DRAM (est.)", "GFLOPs", "FLOP/B (DRAM)", "roofline ms", "bound",
-               "model ms")
+               "model ms", "peak memory")
     rows = []
     for s in summaries:
         roof = s["roofline"]
@@ -59,7 +63,8 @@ def format_table(summaries: list[dict], header: str) -> str:
         model = s.get("time_model")
         rows.append((s["algorithm"], format_bytes(s["requested_bytes"]), format_bytes(s["dram_bytes"]),
                      f"{s['flops'] / 1e9:.1f}", f"{s['intensity_dram']:.1f}", f"{roof['estimate_s'] * 1e3:.4g}",
-                     bound, "-" if model is None else f"{model['seconds'] * 1e3:.4g}"))
+                     bound, "-" if model is None else f"{model['seconds'] * 1e3:.4g}",
+                     format_bytes(s["peak_memory_bytes"])))
     lines += _align([columns] + rows)
     for s in summaries:
         lines += ["", f"{s['algorithm']}: traffic by tensor"
@@ -71,6 +76,10 @@ def format_table(summaries: list[dict], header: str) -> str:
                                 f"{row['elements']:,}"))
         lines += _align(tensor_rows)
         lines += [f"  note: {note}" for note in s["notes"]]
+        if s["peak_memory_bytes"]:
+            lines.append(f"  peak memory: {format_bytes(s['peak_memory_bytes'])} in {s['peak_memory_phase']} ("
+                         + ", ".join(f"{name} {format_bytes(size)}" for name, size in s["peak_memory_tensors"].items())
+                         + ")")
         if s.get("time_model"):
             lines.append("  time model: " + "; ".join(
                 f"{launch['name']} {launch['seconds'] * 1e3:.4g} ms"
@@ -92,7 +101,7 @@ def _align(rows: list[tuple]) -> list[str]:
 
 CSV_FIELDS = ("sweep_value", "algorithm", "requested_bytes", "requested_read_bytes", "requested_write_bytes",
               "dram_bytes", "dram_read_bytes", "dram_write_bytes", "element_accesses", "matmul_flops",
-              "other_flops", "intensity_dram", "estimate_s", "model_s")
+              "other_flops", "intensity_dram", "estimate_s", "model_s", "peak_memory_bytes")
 
 
 def format_csv(records: list[tuple[object, dict]]) -> str:

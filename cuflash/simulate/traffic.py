@@ -105,6 +105,9 @@ class Traffic:
     blocks: dict = field(default_factory=dict)
     flop_formulas: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: (phase, {tensor: bytes}): what the algorithm holds in HBM at once, per
+    #: phase of its passes (inputs and outputs included)
+    phases: list[tuple[str, dict[str, int]]] = field(default_factory=list)
 
     def access(self, tensor: str, kind: str, requested: int, *, element_size: int, formula: str,
                dram: int | None = None) -> None:
@@ -117,6 +120,17 @@ class Traffic:
 
     def write(self, tensor, requested, **kwargs):
         self.access(tensor, "write", requested, **kwargs)
+
+    def live(self, phase: str, tensors: dict[str, int]) -> None:
+        """Records the tensors held in HBM together during ``phase``."""
+        self.phases.append((phase, {name: int(size) for name, size in tensors.items() if size}))
+
+    def peak_memory(self) -> tuple[int, str, dict[str, int]]:
+        """(bytes, phase, tensors) of the phase that holds the most HBM."""
+        if not self.phases:
+            return 0, "", {}
+        phase, tensors = max(self.phases, key=lambda item: sum(item[1].values()))
+        return sum(tensors.values()), phase, tensors
 
     def flops(self, matmul: float, other: float, formula: str) -> None:
         self.matmul_flops += matmul
