@@ -237,7 +237,7 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
     else:
         click.echo(_sweep_table(sweep, records))
     if plot:
-        _plot(plot, sweep, records)
+        _plot(plot, sweep, records, base_machine)
 
 
 def _machine(name: str, sram: int | None, overrides: dict):
@@ -362,20 +362,43 @@ def _check_plot_target(path: str) -> None:
     _matplotlib()
 
 
-def _plot(path: str, sweep: str, records) -> None:
+def roofline_points(records, machine) -> dict[str, list[tuple[float, float]]]:
+    """Per algorithm, (arithmetic intensity in FLOP per DRAM byte, achieved
+    TFLOP/s by the time model, or by the roofline where there is none) of
+    each sweep point: where the algorithm sits under the machine's roofline."""
+    points: dict[str, list[tuple[float, float]]] = {}
+    for _, s in records:
+        seconds = (s.get("time_model") or {}).get("seconds") or s["roofline"]["estimate_s"]
+        points.setdefault(s["algorithm"], []).append((s["intensity_dram"], s["flops"] / seconds / 1e12))
+    return points
+
+
+def _plot(path: str, sweep: str, records, machine) -> None:
     plt = _matplotlib()
-    figure, (traffic_axis, time_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, (traffic_axis, time_axis, roofline_axis) = plt.subplots(1, 3, figsize=(16, 4.2))
     for name in dict.fromkeys(s["algorithm"] for _, s in records):
         xs = [v for v, s in records if s["algorithm"] == name]
         rows = [s for _, s in records if s["algorithm"] == name]
         line, = traffic_axis.plot(xs, [s["dram_bytes"] for s in rows], marker="o", label=f"{name} (DRAM est.)")
         traffic_axis.plot(xs, [s["requested_bytes"] for s in rows], linestyle="--", color=line.get_color(),
                           label=f"{name} (requested)")
-        time_axis.plot(xs, [s["roofline"]["estimate_s"] * 1e3 for s in rows], marker="o", label=name)
-    for axis, title in ((traffic_axis, "HBM traffic (bytes)"), (time_axis, "roofline estimate (ms)")):
-        axis.set_xscale("log", base=2)
+        time_axis.plot(xs, [(s.get("time_model") or {}).get("seconds", s["roofline"]["estimate_s"]) * 1e3
+                            for s in rows], marker="o", label=name)
+    for name, points in roofline_points(records, machine).items():
+        roofline_axis.plot(*zip(*points), marker="o", label=name)
+    intensities = [x for points in roofline_points(records, machine).values() for x, _ in points if x > 0]
+    if intensities:
+        ridge = machine.matmul_flops / machine.hbm_bandwidth
+        low, high = min(min(intensities), ridge) / 2, max(max(intensities), ridge) * 2
+        roofline_axis.plot([low, ridge, high], [low * machine.hbm_bandwidth / 1e12, machine.matmul_flops / 1e12,
+                                                machine.matmul_flops / 1e12], color="black", linewidth=1,
+                           label=f"{machine.name} roofline")
+    for axis, title, xlabel in ((traffic_axis, "HBM traffic (bytes)", sweep),
+                                (time_axis, "time model, else roofline (ms)", sweep),
+                                (roofline_axis, "TFLOP/s against FLOP per DRAM byte", "arithmetic intensity")):
+        axis.set_xscale("log", base=2 if axis is not roofline_axis else 10)
         axis.set_yscale("log")
-        axis.set_xlabel(sweep)
+        axis.set_xlabel(xlabel)
         axis.set_title(title)
         axis.grid(True, which="both", alpha=0.3)
         axis.legend(fontsize=7)

@@ -319,3 +319,24 @@ def test_bad_split_counts(splits, message):
     result = invoke("simulate", "--splits", splits, "-a", "flash2")
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_roofline_points_place_each_algorithm_by_intensity_and_achieved_rate():
+    from cuflash.cli import roofline_points
+    from cuflash.simulate import MACHINES, Problem, run, summarize
+    from cuflash.simulate.timing import estimate
+
+    h100 = MACHINES["h100"]
+    records = []
+    for n in (1024, 4096):
+        problem = Problem(seqlen_q=n, head_dim=128)
+        for name in ("standard", "cuflash"):
+            traffic = run(name, problem, h100)
+            model = estimate(name, problem, h100, "fwd+bwd") if name == "cuflash" else None
+            records.append((n, summarize(traffic, h100, model)))
+    points = roofline_points(records, h100)
+    assert set(points) == {"standard", "cuflash"} and all(len(p) == 2 for p in points.values())
+    for intensity, tflops in points["standard"] + points["cuflash"]:
+        # under the roofline: neither above the tensor-core peak nor above bandwidth x intensity
+        assert 0 < tflops <= min(h100.matmul_flops, h100.hbm_bandwidth * intensity) / 1e12 * 1.0001
+    assert min(i for i, _ in points["cuflash"]) > 5 * max(i for i, _ in points["standard"])
