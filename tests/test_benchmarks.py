@@ -15,7 +15,21 @@ sys.path.insert(0, str(REPO / "tools"))
 SWEEPS = sorted((REPO / "benchmarks").glob("*_head_dims.json"))
 #: float32 forwards (``tools/bench.py --dtype float32``).
 FLOAT32 = sorted((REPO / "benchmarks").glob("*_float32.json"))
-BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32))
+#: decode rows (one query token against a cache), read by ``cuflash simulate --measured``.
+DECODE = sorted((REPO / "benchmarks").glob("*_decode.json"))
+BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE))
+
+
+@pytest.mark.parametrize("path", DECODE, ids=lambda p: p.name)
+def test_decode_rows_are_consistent(path):
+    result = json.loads(path.read_text())
+    assert {"device", "source"} <= set(result["environment"])
+    for r in result["rows"]:
+        assert r["pass"] == "decode" and r["heads"] % r["kv_heads"] == 0
+        element = {"bfloat16": 2, "float16": 2}[r["dtype"]]
+        assert r["kv_bytes"] == r["batch"] * r["seqlen_k"] * r["kv_heads"] * r["head_dim"] * element * 2
+        for backend, ms in r["ms"].items():
+            assert ms == pytest.approx(r["kv_bytes"] / (r["kv_tbps"][backend] * 1e9), rel=1e-3)
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
