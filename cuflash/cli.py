@@ -79,6 +79,8 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--pack-gqa/--no-pack-gqa", default=None,
               help="run the query heads of a K/V head as one block's rows (default: each algorithm's own: "
                    "flash-decoding for one-token queries, the others not)")
+@click.option("--block-density", type=float, default=1.0, show_default=True,
+              help="block-sparse attention (Proposition 4): the fraction of blocks the mask keeps")
 @click.option("--pass", "passes", type=click.Choice(PASSES), default="fwd+bwd", show_default=True)
 @click.option("--machine", type=click.Choice(sorted(MACHINES), case_sensitive=False), default="a100",
               show_default=True)
@@ -105,9 +107,9 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
 @click.option("--explain", "show_explain", is_flag=True, help="print every term with its formula")
 def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype, element_bytes, causal, dropout,
-             key_padding_mask, deterministic, page_size, append, splits, pack_gqa, passes, machine, sram, sms, l2,
-             bandwidth, matmul_tflops, measured, algorithms, block_m, block_n, as_json, as_csv, sweep, values, plot,
-             show_explain):
+             key_padding_mask, deterministic, page_size, append, splits, pack_gqa, block_density, passes, machine,
+             sram, sms, l2, bandwidth, matmul_tflops, measured, algorithms, block_m, block_n, as_json, as_csv, sweep,
+             values, plot, show_explain):
     """Count the HBM traffic of attention algorithms.
 
     Two levels: the bytes each algorithm's loads and stores request from global
@@ -168,7 +170,7 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
                            head_dim=given(d, head_dim), element_size=given(element_bytes, _DTYPE_BYTES[dtype]),
                            causal=causal, dropout=dropout, key_padding_mask=key_padding_mask,
                            deterministic=deterministic, page_size=page_size, append=append, num_splits=splits,
-                           pack_gqa=pack_gqa)
+                           pack_gqa=pack_gqa, block_density=block_density)
         except ValueError as error:
             raise click.BadParameter(str(error)) from None
 
@@ -315,7 +317,8 @@ def _header(problem: Problem, machine, passes: str) -> str:
             f"{f', pages of {problem.page_size}' if problem.page_size else ''}"
             f"{', K/V appended' if problem.append else ''}"
             f"{f', splits {problem.num_splits}' if problem.num_splits is not None else ''}"
-            f"{'' if problem.pack_gqa is None else ', GQA packed' if problem.pack_gqa else ', GQA not packed'}; "
+            f"{'' if problem.pack_gqa is None else ', GQA packed' if problem.pack_gqa else ', GQA not packed'}"
+            f"{f', block density {problem.block_density:g}' if problem.block_density < 1 else ''}; "
             f"pass {passes}; machine {machine.name}: {machine.sms} SMs, SRAM {machine.sram_per_sm} B/SM, "
             f"L2 {machine.l2_bytes / 2**20:.0f} MiB, {machine.hbm_bandwidth / 1e12:.2f} TB/s")
 

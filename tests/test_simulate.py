@@ -362,3 +362,18 @@ def test_peak_memory_counts_expanded_k_v_and_split_partials():
     assert "K_expanded" not in run("cuflash", gqa, A100, "fwd").peak_memory()[2]
     split = run("cuflash", Problem(**{**gqa.__dict__, "num_splits": 4}), A100, "fwd").peak_memory()[2]
     assert split["O_partial"] == 8 * 4 * 64 * 4
+
+
+def test_block_sparse_traffic_scales_with_the_density_of_kept_blocks():
+    """Proposition 4: the tiled algorithms' K/V (forward) and Q/dO (backward) re-reads scale with the
+    fraction s of blocks the mask keeps; the unfused pipelines compute everything and mask."""
+    dense = Problem(batch=1, nheads=1, seqlen_q=1024, head_dim=64)
+    sparse = Problem(**{**dense.__dict__, "block_density": 0.25})
+    for name in ("flash2", "cuflash"):
+        full, quarter = (run(name, p, A100, "fwd+bwd", 64, 64).by_tensor() for p in (dense, sparse))
+        assert quarter["K"]["read"] - 1024 * ROW == (full["K"]["read"] - 1024 * ROW) // 4  # 4 of 16 key blocks
+        assert quarter["dO"]["read"] - 1024 * ROW == (full["dO"]["read"] - 1024 * ROW) // 4
+        assert quarter["K"]["dram_read"] == full["K"]["dram_read"]  # the kept blocks differ per query block
+    assert run("standard", sparse, A100).total() == run("standard", dense, A100).total()
+    with pytest.raises(ValueError, match="block_density must be in"):
+        Problem(block_density=0)

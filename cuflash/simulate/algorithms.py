@@ -78,11 +78,20 @@ def query_sweep(p: Problem, block_m: int, block_n: int, pack: int = 1) -> list[Q
     for m_start in range(0, rows_total, block_m):
         rows = min(block_m, rows_total - m_start)
         first, last = m_start // pack, (m_start + rows - 1) // pack
-        key_blocks = mask.key_blocks(first, last - first + 1, block_n, p.seqlen_q, p.seqlen_k)
+        key_blocks = _kept(mask.key_blocks(first, last - first + 1, block_n, p.seqlen_q, p.seqlen_k), p)
         start = key_blocks.start * block_n if key_blocks else 0
         keys = min(key_blocks.stop * block_n, p.seqlen_k) - start if key_blocks else 0
         blocks.append(QueryBlock(rows, keys, start))
     return blocks
+
+
+def _kept(blocks: range, p: Problem) -> range:
+    """The blocks a block-sparse mask of density p.block_density keeps (at
+    least one where any is visible), counted from the first: what is
+    traffic and work is how many, not which."""
+    if p.block_density == 1 or not blocks:
+        return blocks
+    return range(blocks.start, blocks.start + max(1, math.ceil(p.block_density * len(blocks))))
 
 
 def split_keys(blocks: list[QueryBlock], block_n: int, splits: int) -> list[QueryBlock]:
@@ -120,7 +129,7 @@ def key_sweep(p: Problem, block_m: int, block_n: int) -> list[KeyBlock]:
     """Key-outer loop: each key block with the query rows it visits."""
     blocks = []
     for n_start in range(0, p.seqlen_k, block_n):
-        query_blocks = mask_for(p.causal).query_blocks(n_start, block_n, block_m, p.seqlen_q, p.seqlen_k)
+        query_blocks = _kept(mask_for(p.causal).query_blocks(n_start, block_n, block_m, p.seqlen_q, p.seqlen_k), p)
         rows = min(query_blocks.stop * block_m, p.seqlen_q) - query_blocks.start * block_m if query_blocks else 0
         blocks.append(KeyBlock(min(block_n, p.seqlen_k - n_start), rows))
     return blocks
@@ -444,7 +453,9 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
     rows_read = sum(b.rows for b in blocks)
     keys_visited = sum(b.keys for b in blocks)
     pairs = sum(b.rows * b.keys for b in blocks)
-    seen = [b for b in unsplit if b.keys]
+    # DRAM: the union of the keys the query blocks visit; a block-sparse mask
+    # keeps different key blocks for different query blocks, so the dense union.
+    seen = [b for b in query_sweep(replace(p, block_density=1.0), plan.fwd_m, plan.fwd_n, plan.pack) if b.keys]
     distinct_keys = max(b.key_start + b.keys for b in seen) - min(b.key_start for b in seen) if seen else 0
     concurrent = machine.sms * plan.fwd_blocks_per_sm
     factor = reread_factor(machine, len(blocks), concurrent, 2 * p.seqlen_k * d * e)
@@ -519,7 +530,7 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     # (from its first visible query block on), so the longest is the union.
     # DRAM is charged for those, not for rows no key block reads (causal with
     # seqlen_q > seqlen_k leaves the first ones unvisited).
-    distinct_rows = max((b.rows for b in sweep), default=0)
+    distinct_rows = max((b.rows for b in key_sweep(replace(p, block_density=1.0), plan.bwd_m, plan.bwd_n)), default=0)
     pairs = sum(b.rows * b.keys for b in sweep)
     owners = p.kv_heads if plan.native_gqa else heads
     per_owner_heads = p.group if plan.native_gqa else 1

@@ -50,6 +50,11 @@ class Problem:
     #: GQA packing: the query heads sharing a K/V head run as the rows of one
     #: query block, so K/V are read once per K/V head (None: the algorithm's choice)
     pack_gqa: bool | None = None
+    #: block-sparse attention (the FlashAttention paper's Proposition 4): the
+    #: fraction of a query block's key blocks (of a key block's query blocks)
+    #: a block mask keeps, spread evenly; the tiled algorithms skip the rest,
+    #: the unfused ones compute everything and mask
+    block_density: float = 1.0
 
     def __post_init__(self):
         if self.nheads_k is None:
@@ -61,6 +66,8 @@ class Problem:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.nheads % self.nheads_k:
             raise ValueError(f"nheads ({self.nheads}) must be a multiple of nheads_k ({self.nheads_k})")
+        if not 0 < self.block_density <= 1:
+            raise ValueError(f"block_density must be in (0, 1], got {self.block_density}")
         if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be at least 1, got {self.page_size}")
         if self.num_splits is not None and self.num_splits != "auto" and not (
