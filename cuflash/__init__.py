@@ -4,9 +4,10 @@ CUDA C++ kernels compiled at run time by CuPy (NVRTC); CuPy arrays, PyTorch
 tensors, JAX arrays and any DLPack producer in, arrays of the same kind out.
 """
 
+from ._cuda import CudaSetupError
 from .api import attention, attention_backward
 from .warmup import warmup
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "warmup", "__version__"]
+__all__ = ["attention", "attention_backward", "warmup", "CudaSetupError", "__version__"]

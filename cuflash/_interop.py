@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._cuda import gpu_access, import_cupy
 from ._validation import contiguous_strides
 
 #: DLPack device types (dlpack.h): host memory, CUDA device memory, CUDA managed memory.
@@ -45,6 +46,12 @@ def _is_jax_tracer(x) -> bool:
     return any(cls.__name__ == "Tracer" and cls.__module__.startswith("jax") for cls in type(x).__mro__)
 
 
+def torch_device_error(name: str, tensor) -> TypeError:
+    """The error for a torch.Tensor ``name`` outside GPU memory: the one
+    ``framework_of`` raises, for wrappers that check before dispatching."""
+    return TypeError(f"{name} must be {_EXPECTED}, got a torch.Tensor on device '{tensor.device}'")
+
+
 def framework_of(x, name: str) -> str:
     """Which framework ``x`` belongs to; a ``TypeError`` naming ``name`` for
     anything that is not an array, or not in GPU memory."""
@@ -57,7 +64,7 @@ def framework_of(x, name: str) -> str:
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cuda":
-            raise TypeError(f"{name} must be {_EXPECTED}, got a torch.Tensor on device '{x.device}'")
+            raise torch_device_error(name, x)
         if x.layout != torch.strided:
             raise TypeError(f"{name} must be a dense (strided) tensor, got a torch.Tensor with layout {x.layout}")
         return TORCH
@@ -170,10 +177,12 @@ _TORCH_DTYPES = {
 
 
 def bridge_for(first, framework: str, device_id: int) -> Bridge:
-    """The bridge of a call whose first array is ``first``."""
-    import cupy
-
-    with cupy.cuda.Device(device_id):
+    """The bridge of a call whose first array is ``first``. A call first
+    touches the GPU through CuPy here: where this machine cannot run the
+    installed CuPy build (driver too old, none, no GPU) it raises
+    ``cuflash.CudaSetupError`` saying why and what to install."""
+    cupy = import_cupy()
+    with gpu_access(), cupy.cuda.Device(device_id):
         if framework == TORCH:
             stream = _cupy_stream_of_torch(_torch().cuda.current_stream(device_id), device_id)
         else:

@@ -17,6 +17,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from ._cuda import CudaSetupError, nvrtc_missing
 from ._kernel_families import KernelVariant
 
 _SOURCE_SUFFIXES = (".cu", ".cuh")
@@ -133,9 +134,15 @@ class KernelLoader:
 
 @lru_cache(maxsize=1)
 def _nvrtc_version() -> tuple[int, int]:
+    """NVRTC's version: the first use of NVRTC, before any kernel compiles.
+    ``CudaSetupError`` where CuPy finds none (cuda.pathfinder's
+    DynamicLibNotFoundError, a RuntimeError)."""
     from cupy.cuda import nvrtc
 
-    return tuple(nvrtc.getVersion())
+    try:
+        return tuple(nvrtc.getVersion())
+    except RuntimeError as error:
+        raise CudaSetupError(nvrtc_missing(error)) from error
 
 
 #: The process-wide loader used by the public API.

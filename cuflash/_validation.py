@@ -112,9 +112,43 @@ def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
     return scale
 
 
-def _check_layout(meta: TensorMeta, role: str) -> None:
-    if len(meta.shape) != 4:
-        raise ValueError(f"{meta.name} must have 4 dimensions {role}, got shape {meta.shape}")
+#: What each dimension of an attention input is: q, k and v (and dout, out) alike.
+ATTENTION_LAYOUT = "(batch, seqlen, nheads, head_dim)"
+
+
+def check_rank(name: str, shape: tuple[int, ...]) -> None:
+    """An attention input has 4 dimensions, ``ATTENTION_LAYOUT``."""
+    if len(shape) != 4:
+        raise ValueError(f"{name} must have 4 dimensions {ATTENTION_LAYOUT}, got shape {shape}")
+
+
+def check_sizes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *,
+                max_head_dim: int | None = MAX_HEAD_DIM) -> None:
+    """The size rules of an attention call on the 4-dimensional shapes of q
+    (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k,
+    head_dim): one batch size and head_dim, at least 1 (and at most
+    ``max_head_dim`` where given), v shaped like k, and nheads a multiple of
+    nheads_k (grouped-query attention)."""
+    batch, _, nheads, head_dim = q
+    nheads_k = k[2]
+    if head_dim == 0 or max_head_dim is not None and head_dim > max_head_dim:
+        expected = "at least 1" if max_head_dim is None else f"between 1 and {max_head_dim}"
+        raise ValueError(f"q's head_dim (last dimension) must be {expected}, got {head_dim}")
+    for name, shape in (("k", k), ("v", v)):
+        if shape[0] != batch:
+            raise ValueError(f"{name} must have batch size {batch} like q, got shape {shape}")
+        if shape[3] != head_dim:
+            raise ValueError(f"{name} must have head_dim {head_dim} like q, got shape {shape}")
+    if v != k:
+        raise ValueError(f"v must have the shape of k {k} (batch, seqlen_k, nheads_k, head_dim), got {v}")
+    if nheads_k == 0 and nheads > 0 or nheads_k > 0 and nheads % nheads_k != 0:
+        raise ValueError(
+            f"q's nheads ({nheads}) must be a multiple of k's nheads_k ({nheads_k}) for grouped-query attention"
+        )
+
+
+def _check_layout(meta: TensorMeta) -> None:
+    check_rank(meta.name, meta.shape)
     if meta.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{meta.name} must have dtype float16, bfloat16 or float32, got {meta.dtype}"
@@ -157,27 +191,15 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
     """Checks a forward call; returns its sizes. Raises ``TypeError`` or
     ``ValueError`` naming the argument, what was expected and what came."""
     for meta in (q, k, v):
-        _check_layout(meta, "(batch, seqlen, nheads, head_dim)")
+        _check_layout(meta)
     for meta in (k, v):
         if meta.dtype != q.dtype:
             raise TypeError(f"{meta.name} must have the same dtype as q ({q.dtype}), got {meta.dtype}")
     check_same_device([q, k, v])
 
+    check_sizes(q.shape, k.shape, v.shape)
     batch, seqlen_q, nheads, head_dim = q.shape
     _, seqlen_k, nheads_k, _ = k.shape
-    if head_dim == 0 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"q's head_dim (last dimension) must be between 1 and {MAX_HEAD_DIM}, got {head_dim}")
-    for meta in (k, v):
-        if meta.shape[0] != batch:
-            raise ValueError(f"{meta.name} must have batch size {batch} like q, got shape {meta.shape}")
-        if meta.shape[3] != head_dim:
-            raise ValueError(f"{meta.name} must have head_dim {head_dim} like q, got shape {meta.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {k.shape} (batch, seqlen_k, nheads_k, head_dim), got {v.shape}")
-    if nheads_k == 0 and nheads > 0 or nheads_k > 0 and nheads % nheads_k != 0:
-        raise ValueError(
-            f"q's nheads ({nheads}) must be a multiple of k's nheads_k ({nheads_k}) for grouped-query attention"
-        )
     for name, length in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if length > _INT32_MAX:
             raise ValueError(f"{name} must be below 2**31, got {length}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import _interop
+from ._cuda import import_cupy
 from ._kernel_families import FAMILIES, FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
@@ -218,8 +219,7 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
     """Checks that ``arrays`` (which include q, whose framework, device and
     stream the call takes) are GPU arrays on one device and yields the call's
     bridge and CuPy views of them, inside that device and stream."""
-    import cupy
-
+    cupy = import_cupy()
     frameworks = {name: _interop.framework_of(x, name) for name, x in arrays.items()}
     for framework in set(frameworks.values()):
         _interop.fast_lane(framework)  # lets later calls with these array classes compute their signature

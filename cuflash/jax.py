@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from . import _interop, api
+from ._cuda import gpu_access
 from ._validation import (
     TensorMeta,
     check_backward,
@@ -168,7 +169,8 @@ def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) ->
         shapes.append(tuple(buffer.shape))
     q = names.index("q")
     dtype = np.dtype(buffers[q].dtype).name
-    device = _device_of_pointer(pointers[q])
+    with gpu_access():  # JAX runs here; the CuPy build may not
+        device = _device_of_pointer(pointers[q])
     aligned = api.pointers_aligned(flags[0], pointers)
     key = ("jax", flags, tuple(shapes), dtype, device, aligned)
     plan = api.plans.get(key)

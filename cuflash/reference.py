@@ -12,6 +12,12 @@ arrays alike.
 Masks and score transforms are the policies of ``cuflash._masks``: every
 function takes ``causal`` (the public flag) or a ``mask`` policy, and a
 ``score`` transform (identity by default).
+
+Bad input raises the ``TypeError`` or ``ValueError`` that ``cuflash.attention``
+raises for it (wrong rank, mismatched sizes or heads, head_dim 0, a
+non-bool ``causal``, a non-finite ``softmax_scale``), before any arithmetic;
+any real dtype is taken (computed in float64), and the naive references
+take any head_dim from 1.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import numpy as np
 
 from ._kernel_families import select
 from ._masks import MASKS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform, mask_for
-from ._tiling import Tiling, backward_tiling, forward_tiling
+from ._tiling import MAX_HEAD_DIM, Tiling, backward_tiling, forward_tiling
+from ._validation import check_causal, check_rank, check_sizes, resolve_softmax_scale
 
 _LOG2E = math.log2(math.e)
 #: FragmentOnlineSoftmax::kRescaleSlack (kernels_cu/online_softmax.cuh), log2 units.
@@ -38,8 +45,21 @@ def _array_module(x):
     return np
 
 
-def _scale(softmax_scale, head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+def _check_inputs(q, k, v, dout=None, *, causal, softmax_scale, max_head_dim: int | None = None) -> float:
+    """The checks of ``cuflash.attention`` that apply to host arrays of any
+    dtype: shapes (q (batch, seqlen_q, nheads, head_dim), k and v (batch,
+    seqlen_k, nheads_k, head_dim), dout like q), ``causal`` and
+    ``softmax_scale``. Raises ``TypeError`` or ``ValueError`` naming the
+    argument, what was expected and what came; returns the softmax scale."""
+    arrays = {"q": q, "k": k, "v": v} | ({} if dout is None else {"dout": dout})
+    for name, x in arrays.items():
+        check_rank(name, x.shape)
+    check_sizes(q.shape, k.shape, v.shape, max_head_dim=max_head_dim)
+    if dout is not None and dout.shape != q.shape:
+        raise ValueError(f"dout must have the shape of q {q.shape} (batch, seqlen_q, nheads, head_dim), "
+                         f"got {dout.shape}")
+    check_causal(causal)
+    return resolve_softmax_scale(softmax_scale, q.shape[3])
 
 
 def causal_mask(seqlen_q: int, seqlen_k: int, xp=np):
@@ -93,10 +113,11 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, mask: Mask
     key gets output 0 and lse -inf."""
     xp = _array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
-    nheads, head_dim = q.shape[2], q.shape[3]
+    scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    nheads = q.shape[2]
     mask, score = _policies(causal, mask, score)
     probs, safe_max, row_sum = _softmax_probabilities(
-        q, _expand_kv_heads(k, nheads, xp), mask=mask, score=score, scale=_scale(softmax_scale, head_dim), xp=xp)
+        q, _expand_kv_heads(k, nheads, xp), mask=mask, score=score, scale=scale, xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, _expand_kv_heads(v, nheads, xp))
     nonempty = row_sum > 0
     lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
@@ -119,12 +140,13 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     (query block, key block) pairs computed per (batch, head).
     """
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale, max_head_dim=MAX_HEAD_DIM)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k = k.shape[1]
     if tiling is None:
         tiling = select("forward", dtype_name, head_dim)
     mask, score = _policies(causal, mask, score)
-    scale_log2 = _scale(softmax_scale, head_dim) * _LOG2E
+    scale_log2 = scale * _LOG2E
     k = _expand_kv_heads(k, nheads, np).transpose(0, 2, 1, 3)  # (b, h, sk, d)
     v = _expand_kv_heads(v, nheads, np).transpose(0, 2, 1, 3)
     q = q.transpose(0, 2, 1, 3)  # (b, h, sq, d)
@@ -175,9 +197,9 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     sharing each key/value head."""
     xp = _array_module(q)
     dout, q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (dout, q, k, v))
+    scale = _check_inputs(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    scale = _scale(softmax_scale, head_dim)
     k_all = _expand_kv_heads(k, nheads, xp)
     v_all = _expand_kv_heads(v, nheads, xp)
     mask, score = _policies(causal, mask, score)
@@ -215,9 +237,9 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
     the first query head of each group.
     """
     dout, q, k, v = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v))
+    scale = _check_inputs(q, k, v, dout, causal=causal, softmax_scale=softmax_scale, max_head_dim=MAX_HEAD_DIM)
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    scale = _scale(softmax_scale, head_dim)
     scale_log2 = scale * _LOG2E
     mask, score = _policies(causal, mask, score)
     out, lse, _ = attention_tiled(q, k, v, softmax_scale=softmax_scale, dtype_name=dtype_name, mask=mask,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import api
-from ._interop import dense_strides_like
+from ._interop import dense_strides_like, torch_device_error
 from ._validation import check_causal, check_deterministic, check_fp32_precision, resolve_softmax_scale
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
@@ -120,7 +120,7 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
     if route == "custom_op" or torch.compiler.is_compiling():
-        _check_cuda_tensors(q, k, v)
+        _check_cuda_tensors(("q", "k", "v"), (q, k, v))
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
         return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, deterministic,
                                                    check_fp32_precision(fp32_precision))[0]
@@ -137,12 +137,14 @@ def _float32_precision_of_torch() -> str:
     return "ieee" if torch.get_float32_matmul_precision() == "highest" else "3xtf32"
 
 
-def _check_cuda_tensors(*tensors):
-    """The custom op dispatches on the device: check first, so that a CPU
-    tensor gets cuflash's one-line error rather than the dispatcher's."""
-    for name, tensor in zip(("q", "k", "v"), tensors):
+def _check_cuda_tensors(names: tuple[str, ...], tensors: tuple) -> None:
+    """The custom op dispatches on the device: check first, so that a tensor
+    outside GPU memory gets ``cuflash.attention``'s one-line ``TypeError``
+    naming the caller's argument (``names``), not the dispatcher's
+    NotImplementedError. Meta tensors pass (tracing)."""
+    for name, tensor in zip(names, tensors):
         if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cuda", "meta"):
-            raise TypeError(f"{name} must be a CUDA tensor, got a torch.Tensor on device '{tensor.device}'")
+            raise torch_device_error(name, tensor)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, fp32_precision="ieee"):
@@ -166,7 +168,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     allows TF32 ("high", "medium"), the exact path at "highest". Not supported
     yet (``NotImplementedError``): ``attn_mask``, ``dropout_p > 0``, and
     ``is_causal`` with seqlen_q != seqlen_k (PyTorch aligns that mask to the
-    top-left corner, cuflash to the bottom-right)."""
+    top-left corner, cuflash to the bottom-right). A tensor outside GPU
+    memory raises ``cuflash.attention``'s ``TypeError``, naming ``query``,
+    ``key`` or ``value``."""
     unsupported = []
     if attn_mask is not None:
         unsupported.append("attn_mask")
@@ -176,6 +180,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise NotImplementedError(
             f"cuflash.torch.scaled_dot_product_attention does not support {', '.join(unsupported)} yet"
         )
+    if not (query.is_cuda and key.is_cuda and value.is_cuda):
+        _check_cuda_tensors(("query", "key", "value"), (query, key, value))
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != 4:
             raise ValueError(f"{name} must be (batch, heads, seqlen, dim), got shape {tuple(tensor.shape)}")

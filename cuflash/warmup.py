@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import api
+from ._cuda import gpu_access, import_cupy
 from ._tiling import ELEMENT_SIZE
 from ._validation import FP32_PRECISIONS, TensorMeta, check_backward, check_forward, contiguous_strides
 
@@ -78,10 +79,11 @@ def warmup(dtypes: Iterable[str] = ("bfloat16", "float16"), head_dims: Iterable[
     for that device so far (``cuflash info`` lists the cache they went to).
 
     Raises ``TypeError``/``ValueError`` naming the argument for a dtype,
-    head dim or precision the kernels do not take, before compiling anything.
+    head dim or precision the kernels do not take, before compiling anything;
+    ``cuflash.CudaSetupError`` where this machine cannot run the installed
+    CuPy build.
     """
-    import cupy
-
+    cupy = import_cupy()
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
     causal, deterministic, fp32_precision = tuple(causal), tuple(deterministic), tuple(fp32_precision)
     for dtype in dtypes:
@@ -100,10 +102,11 @@ def warmup(dtypes: Iterable[str] = ("bfloat16", "float16"), head_dims: Iterable[
         raise TypeError(f"backward must be a bool, got {type(backward).__name__}")
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    device = cupy.cuda.Device().id if device is None else device
     configs = configurations(dtypes, head_dims, causal, backward, deterministic, fp32_precision)
-    with ThreadPoolExecutor(workers) as pool:
-        for config, _ in zip(configs, pool.map(lambda config: _plan(config, device), configs)):
-            if progress is not None:
-                progress(config)
+    with gpu_access():
+        device = cupy.cuda.Device().id if device is None else device
+        with ThreadPoolExecutor(workers) as pool:
+            for config, _ in zip(configs, pool.map(lambda config: _plan(config, device), configs)):
+                if progress is not None:
+                    progress(config)
     return sorted(api.loader.compiled_keys(device))

@@ -8,7 +8,14 @@ import pytest
 
 from cuflash._masks import MASKS
 from cuflash._tiling import forward_tiling, mma_forward_tiling
-from cuflash.reference import attention_reference, attention_tiled, causal_mask
+from cuflash.reference import (
+    attention_backward_reference,
+    attention_backward_tiled,
+    attention_reference,
+    attention_tiled,
+    causal_mask,
+)
+from tests.validation_cases import BAD_FORWARD_CASES
 
 
 def _random(shape, rng):
@@ -123,3 +130,69 @@ def test_causal_key_blocks_match_brute_force(seqlen_q, seqlen_k):
         expected = 0 if len(visible_cols) == 0 else math.ceil((visible_cols.max() + 1) / block_n)
         assert len(MASKS["causal"].key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k)) == expected
         assert MASKS["none"].key_blocks(m_start, block_m, block_n, seqlen_q, seqlen_k) == range(math.ceil(seqlen_k / block_n))
+
+
+# --- Bad input: the errors of cuflash.attention, not IndexError or ZeroDivisionError ---
+
+#: Every reference function, called on (q, k, v) and, for the backward ones, a dout shaped like q.
+REFERENCE_FUNCTIONS = {
+    "attention_reference": lambda q, k, v, **kw: attention_reference(q, k, v, **kw),
+    "attention_tiled": lambda q, k, v, **kw: attention_tiled(q, k, v, **kw),
+    "attention_backward_reference": lambda q, k, v, **kw: attention_backward_reference(np.zeros(q.shape), q, k, v,
+                                                                                        **kw),
+    "attention_backward_tiled": lambda q, k, v, **kw: attention_backward_tiled(np.zeros(q.shape), q, k, v, **kw),
+}
+#: The cases of the forward API that are about shapes alone, which the references share.
+SHAPE_CASES = [case for case in BAD_FORWARD_CASES
+               if case.id in ("rank-3", "rank-5", "batch-mismatch", "head-dim-mismatch", "nheads-not-divisible",
+                              "kv-length-mismatch")]
+
+
+@pytest.mark.parametrize("function", REFERENCE_FUNCTIONS)
+@pytest.mark.parametrize("case", SHAPE_CASES, ids=lambda case: case.id)
+def test_references_reject_bad_shapes_as_attention_does(function, case):
+    arrays = {name: np.zeros(spec["shape"]) for name, spec in case.arrays().items()}
+    with pytest.raises(case.error, match=case.match):
+        REFERENCE_FUNCTIONS[function](arrays["q"], arrays["k"], arrays["v"])
+
+
+@pytest.mark.parametrize("function", REFERENCE_FUNCTIONS)
+def test_references_reject_head_dim_zero(function):
+    x = np.zeros((1, 4, 2, 0))
+    with pytest.raises(ValueError, match=r"q's head_dim \(last dimension\) must be (at least 1|between 1 and 256), "
+                                         r"got 0"):
+        REFERENCE_FUNCTIONS[function](x, x, x)
+
+
+@pytest.mark.parametrize("function", ["attention_tiled", "attention_backward_tiled"])
+def test_tiled_emulations_reject_head_dims_the_kernels_do_not_take(function):
+    x = np.zeros((1, 4, 1, 257))
+    with pytest.raises(ValueError, match=r"q's head_dim \(last dimension\) must be between 1 and 256, got 257"):
+        REFERENCE_FUNCTIONS[function](x, x, x)
+
+
+def test_naive_reference_takes_any_head_dim():
+    x = np.ones((1, 2, 1, 300))
+    out, _ = attention_reference(x, x, x)
+    np.testing.assert_allclose(out, x)
+
+
+@pytest.mark.parametrize("function", REFERENCE_FUNCTIONS)
+@pytest.mark.parametrize("options,error,match", [
+    ({"causal": "yes"}, TypeError, "causal must be a bool, got str 'yes'"),
+    ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite, got nan"),
+    ({"softmax_scale": "0.1"}, TypeError, "softmax_scale must be a real number or None, got str"),
+], ids=["causal-str", "scale-nan", "scale-str"])
+def test_references_reject_bad_options(function, options, error, match):
+    x = np.zeros((1, 4, 2, 8))
+    with pytest.raises(error, match=match):
+        REFERENCE_FUNCTIONS[function](x, x, x, **options)
+
+
+@pytest.mark.parametrize("backward", [attention_backward_reference, attention_backward_tiled])
+def test_backward_references_reject_dout_unlike_q(backward):
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"dout must have the shape of q \(1, 4, 2, 8\) .* got \(1, 4, 2, 7\)"):
+        backward(np.zeros((1, 4, 2, 7)), q, q, q)
+    with pytest.raises(ValueError, match=r"dout must have 4 dimensions .* got shape \(4, 2, 8\)"):
+        backward(np.zeros((4, 2, 8)), q, q, q)
