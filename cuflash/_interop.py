@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._cuda import gpu_access, import_cupy
+from ._cuda import gpu_access
 from ._validation import contiguous_strides
 
 #: DLPack device types (dlpack.h): host memory, CUDA device memory, CUDA managed memory.
@@ -180,8 +180,10 @@ def bridge_for(first, framework: str, device_id: int) -> Bridge:
     """The bridge of a call whose first array is ``first``. A call first
     touches the GPU through CuPy here: where this machine cannot run the
     installed CuPy build (driver too old, none, no GPU) it raises
-    ``cuflash.CudaSetupError`` saying why and what to install."""
-    cupy = import_cupy()
+    ``cuflash.CudaSetupError`` saying why and what to install. (api._call,
+    its caller, has imported CuPy by then, or said that none is installed.)"""
+    import cupy
+
     with gpu_access(), cupy.cuda.Device(device_id):
         if framework == TORCH:
             stream = _cupy_stream_of_torch(_torch().cuda.current_stream(device_id), device_id)

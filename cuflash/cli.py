@@ -125,7 +125,6 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
     cuflash (this library's kernels, tile for tile).
     """
     ctx = click.get_current_context()
-    machine = machine.lower()
     if as_json and as_csv:
         raise click.UsageError("choose one of --json and --csv")
     if show_explain and (as_json or as_csv):

@@ -203,25 +203,26 @@ def _sum_expanded_gradients(t: Traffic, p: Problem) -> None:
         t.write(final, p.kv_heads * nk * d * e, element_size=e, formula="summed gradient per K/V head")
 
 
-def _inputs(p: Problem, *, expand: bool) -> dict[str, int]:
-    """Q, K and V in HBM; algorithms without native grouped-query attention
-    (``expand``) also hold K and V copied to every query head."""
-    e, q, kvq, _ = _sizes(p)
+def _key_value_pair(p: Problem, names: tuple[str, str], *, expand: bool) -> dict[str, int]:
+    """Two K/V-shaped tensors held in HBM (K and V, or dK and dV), per K/V
+    head; algorithms without native grouped-query attention (``expand``)
+    also hold them per query head (``<name>_expanded``)."""
+    e, _, kvq, _ = _sizes(p)
     kv = p.kv_heads * p.seqlen_k * p.head_dim * e
-    held = {"Q": q, "K": kv, "V": kv}
+    held = dict.fromkeys(names, kv)
     if expand and p.group > 1:
-        held.update(K_expanded=kvq, V_expanded=kvq)
+        held.update(dict.fromkeys((f"{name}_expanded" for name in names), kvq))
     return held
+
+
+def _inputs(p: Problem, *, expand: bool) -> dict[str, int]:
+    """Q, K and V in HBM (see _key_value_pair for ``expand``)."""
+    return {"Q": _sizes(p)[1], **_key_value_pair(p, ("K", "V"), expand=expand)}
 
 
 def _gradients(p: Problem, *, expand: bool) -> dict[str, int]:
     """dK and dV (per query head first, then summed, where ``expand``)."""
-    e, _, kvq, _ = _sizes(p)
-    kv = p.kv_heads * p.seqlen_k * p.head_dim * e
-    held = {"dK": kv, "dV": kv}
-    if expand and p.group > 1:
-        held.update(dK_expanded=kvq, dV_expanded=kvq)
-    return held
+    return _key_value_pair(p, ("dK", "dV"), expand=expand)
 
 
 def standard(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
@@ -271,6 +272,9 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
     mask_bytes = p.batch * p.seqlen_k  # a (batch, seqlen_k) bool key-padding mask; causal masks are built on the fly
     drop_mask = scores  # bool per score
     probs_used = "P_dropped" if p.dropout else "P"
+    inputs = {**_inputs(p, expand=True), "padding_mask": mask_bytes if p.key_padding_mask else 0}
+    # Autograd keeps P (softmax's backward) and, with dropout, its mask and the dropped P (bmm's backward).
+    saved = {"P": nn, "dropout_mask": drop_mask if p.dropout else 0, "P_dropped": nn if p.dropout else 0}
     if "fwd" in passes:
         ops = [Op("S = scale·Q Kᵀ (baddbmm)", (("Q", q, e), ("K", kvq, e)), (("S", nn, e),))]
         if masked:
@@ -281,9 +285,6 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
             ops.append(Op("dropout", (("P", nn, e),), (("P_dropped", nn, e), ("dropout_mask", drop_mask, 1))))
         ops.append(Op("O = P V (bmm)", ((probs_used, nn, e), ("V", kvq, e)), (("O", q, e),)))
         _run_ops(t, ops, machine)
-        inputs = {**_inputs(p, expand=True), "padding_mask": mask_bytes if p.key_padding_mask else 0}
-        # Autograd keeps P (softmax's backward) and, with dropout, its mask and the dropped P (bmm's backward).
-        saved = {"P": nn, "dropout_mask": drop_mask if p.dropout else 0, "P_dropped": nn if p.dropout else 0}
         t.live("forward: softmax (S and P)", {**inputs, "S": nn, "P": nn})
         t.live("forward: O = P V", {**inputs, **saved, "O": q})
         other = 1 + masked + 5 + 2 * p.dropout
@@ -308,9 +309,7 @@ def pytorch(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
         _run_ops(t, ops, machine)
         _sum_expanded_gradients(t, p)
         t.live("backward: softmax backward (dP and dS)",
-               {**_inputs(p, expand=True), "padding_mask": mask_bytes if p.key_padding_mask else 0,
-                "P": nn, "dropout_mask": drop_mask if p.dropout else 0, "P_dropped": nn if p.dropout else 0,
-                "O": q, "dO": q, "dP": nn, "dS": nn, dv: kvq})
+               {**inputs, **saved, "O": q, "dO": q, "dP": nn, "dS": nn, dv: kvq})
         other = 4 + masked + p.dropout
         t.flops(8 * scores * p.head_dim, other * scores,
                 f"backward: matmul 8·B·H·Nq·Nk·d; other {other}·B·H·Nq·Nk (softmax backward 4, mask, dropout)")
@@ -438,8 +437,8 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     if splits == "auto":
         blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
         owners = p.kv_heads if rows > 1 else p.heads
-        key_blocks = max((_cdiv(b.keys, plan.fwd_n) for b in blocks), default=1)
-        splits = wave_efficient_splits(owners * len(blocks), machine.sms, max(key_blocks, 1))
+        key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
+        splits = wave_efficient_splits(owners * len(blocks), machine.sms, key_blocks)
     return replace(plan, splits=splits, pack=rows)
 
 
@@ -455,7 +454,9 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
     pairs = sum(b.rows * b.keys for b in blocks)
     # DRAM: the union of the keys the query blocks visit; a block-sparse mask
     # keeps different key blocks for different query blocks, so the dense union.
-    seen = [b for b in query_sweep(replace(p, block_density=1.0), plan.fwd_m, plan.fwd_n, plan.pack) if b.keys]
+    dense = unsplit if p.block_density == 1 else query_sweep(replace(p, block_density=1.0), plan.fwd_m,
+                                                             plan.fwd_n, plan.pack)
+    seen = [b for b in dense if b.keys]
     distinct_keys = max(b.key_start + b.keys for b in seen) - min(b.key_start for b in seen) if seen else 0
     concurrent = machine.sms * plan.fwd_blocks_per_sm
     factor = reread_factor(machine, len(blocks), concurrent, 2 * p.seqlen_k * d * e)
@@ -530,7 +531,8 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     # (from its first visible query block on), so the longest is the union.
     # DRAM is charged for those, not for rows no key block reads (causal with
     # seqlen_q > seqlen_k leaves the first ones unvisited).
-    distinct_rows = max((b.rows for b in key_sweep(replace(p, block_density=1.0), plan.bwd_m, plan.bwd_n)), default=0)
+    dense = sweep if p.block_density == 1 else key_sweep(replace(p, block_density=1.0), plan.bwd_m, plan.bwd_n)
+    distinct_rows = max((b.rows for b in dense), default=0)
     pairs = sum(b.rows * b.keys for b in sweep)
     owners = p.kv_heads if plan.native_gqa else heads
     per_owner_heads = p.group if plan.native_gqa else 1
@@ -578,13 +580,31 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
         t.write("dQ", heads * nq * d * e, element_size=e, formula="conversion writes dQ in the input dtype")
 
 
-def _flash2_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
+def _flash2_tiles(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
+    """FlashAttention-2's tiles and occupancy, before any decoding choice."""
     bm, bn = flash2_blocks(p, machine)
     bm, bn = block_m or bm, block_n or bn
     smem = (bm + 2 * bn) * p.head_dim * p.element_size
     per_sm = _blocks_per_sm(machine, smem, 128)
-    plan = _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
-    return _decoding_plan(plan, p, machine, splits=1, pack=False)
+    return _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
+
+
+def _flash2_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
+    return _decoding_plan(_flash2_tiles(p, machine, block_m, block_n), p, machine, splits=1, pack=False)
+
+
+def _run_tiled(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, passes: str, *,
+               deterministic: bool = False, show_decoding: bool = False) -> Traffic:
+    """Fills ``t`` with a FlashAttention-2-style algorithm's passes; its
+    split and packing choices go with its blocks where they are not the
+    plain ones (or always, with ``show_decoding``)."""
+    if show_decoding or plan.splits > 1 or plan.pack > 1:
+        t.blocks.update({f"{t.algorithm} splits": plan.splits, f"{t.algorithm} packed heads": plan.pack})
+    if "fwd" in passes:
+        _tiled_forward(t, p, machine, plan)
+    if "bwd" in passes:
+        _tiled_backward(t, p, machine, plan, deterministic=deterministic)
+    return t
 
 
 def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None) -> Traffic:
@@ -595,13 +615,7 @@ def flash2(p: Problem, machine: Machine, passes: str, block_m=None, block_n=None
     t = Traffic("flash2")
     plan = _flash2_plan(p, machine, block_m, block_n)
     t.blocks.update({"flash2 Br": plan.fwd_m, "flash2 Bc": plan.fwd_n})
-    if plan.splits > 1 or plan.pack > 1:
-        t.blocks.update({"flash2 splits": plan.splits, "flash2 packed heads": plan.pack})
-    if "fwd" in passes:
-        _tiled_forward(t, p, machine, plan)
-    if "bwd" in passes:
-        _tiled_backward(t, p, machine, plan, deterministic=False)
-    return t
+    return _run_tiled(t, p, machine, plan, passes)
 
 
 def flash_decoding_blocks(p: Problem) -> tuple[int, int]:
@@ -614,8 +628,7 @@ def _flash_decoding_plan(p: Problem, machine: Machine, block_m, block_n) -> _Til
     bm, bn = flash_decoding_blocks(p)
     bm, bn = block_m or bm, block_n or bn
     per_sm = _blocks_per_sm(machine, (bm + 2 * bn) * p.head_dim * p.element_size, 128)
-    flash2_backward = _flash2_plan(p, machine, None, None)
-    plan = replace(flash2_backward, fwd_m=bm, fwd_n=bn, fwd_blocks_per_sm=per_sm)
+    plan = replace(_flash2_tiles(p, machine, None, None), fwd_m=bm, fwd_n=bn, fwd_blocks_per_sm=per_sm)
     # PyTorch's copy of FlashAttention-2 counts the SMs as the slots of its
     # split heuristic (upstream counts two per SM); it packs the query heads
     # of a K/V head for single-token queries.
@@ -632,13 +645,8 @@ def flash_decoding(p: Problem, machine: Machine, passes: str, block_m=None, bloc
     flash2's."""
     t = Traffic("flash-decoding")
     plan = _flash_decoding_plan(p, machine, block_m, block_n)
-    t.blocks.update({"flash-decoding Br": plan.fwd_m, "flash-decoding Bc": plan.fwd_n,
-                     "flash-decoding splits": plan.splits, "flash-decoding packed heads": plan.pack})
-    if "fwd" in passes:
-        _tiled_forward(t, p, machine, plan)
-    if "bwd" in passes:
-        _tiled_backward(t, p, machine, plan, deterministic=False)
-    return t
+    t.blocks.update({"flash-decoding Br": plan.fwd_m, "flash-decoding Bc": plan.fwd_n})
+    return _run_tiled(t, p, machine, plan, passes, show_decoding=True)
 
 
 def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _TiledPlan:
@@ -677,13 +685,7 @@ def cuflash(p: Problem, machine: Machine, passes: str, block_m=None, block_n=Non
     plan = cuflash_plan(p, machine, block_m, block_n)
     t.blocks.update({"cuflash fwd Br": plan.fwd_m, "cuflash fwd Bc": plan.fwd_n,
                      "cuflash bwd Br": plan.bwd_m, "cuflash bwd Bc": plan.bwd_n})
-    if plan.splits > 1 or plan.pack > 1:
-        t.blocks.update({"cuflash splits": plan.splits, "cuflash packed heads": plan.pack})
-    if "fwd" in passes:
-        _tiled_forward(t, p, machine, plan)
-    if "bwd" in passes:
-        _tiled_backward(t, p, machine, plan, deterministic=p.deterministic)
-    return t
+    return _run_tiled(t, p, machine, plan, passes, deterministic=p.deterministic)
 
 
 ALGORITHMS = {
