@@ -8,11 +8,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 causal=${CAUSAL:-0}
-run_backward() {  # head_dim repetitions
-  python3 - "$1" "$causal" "$2" <<'PY'
+# The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
+workload=$OUT/ncu_backward_workload.py
+cat > "$workload" <<'PY'
 import sys
 import torch
 import cuflash
@@ -25,21 +27,18 @@ for _ in range(repetitions):
     cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
 torch.cuda.synchronize()
 PY
-}
-export -f run_backward
-export causal
 metrics=breakdown:lts__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,lts__t_sectors_op_read.sum,lts__t_sectors_op_write.sum,lts__t_sectors_op_red.sum
 metrics+=,lts__t_sectors_op_atom.sum,gpu__time_duration.sum
 metrics+=,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed
 metrics+=,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum
 for head_dim in "$@"; do
-  run_backward "$head_dim" 1 > /dev/null  # compiles outside the profile
+  python3 "$workload" "$head_dim" "$causal" 1 > /dev/null  # compiles outside the profile
   common=(--clock-control none --target-processes all --kernel-name regex:flash_backward_dkdv --launch-skip 1 --launch-count 1)
   "$NCU" "${common[@]}" --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section LaunchStats --section Occupancy \
-    bash -c "run_backward $head_dim 2" > "$OUT/ncu_sections_$head_dim.txt" 2>&1
-  "$NCU" "${common[@]}" --metrics "$metrics" bash -c "run_backward $head_dim 2" > "$OUT/ncu_l2_$head_dim.txt" 2>&1
+    python3 "$workload" "$head_dim" "$causal" 2 > "$OUT/ncu_sections_$head_dim.txt" 2>&1
+  "$NCU" "${common[@]}" --metrics "$metrics" python3 "$workload" "$head_dim" "$causal" 2 > "$OUT/ncu_l2_$head_dim.txt" 2>&1
   echo "== head_dim $head_dim (causal=$causal)"
   grep -E "Duration|Throughput|Registers Per|Eligible Warps" "$OUT/ncu_sections_$head_dim.txt"
   grep -E "^\s+(lts|gpu|sm__|l1tex)" "$OUT/ncu_l2_$head_dim.txt"
