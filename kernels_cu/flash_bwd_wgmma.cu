@@ -14,7 +14,8 @@
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
 //                                      accumulators packed), B read MN-major
 //   dQ_i += scale * dS K               dS^T staged in shared memory, both
-//                                      operands MN-major; float32 atomics
+//                                      operands MN-major; float32 reductions
+//                                      of whole lines (dq_accumulation.cuh)
 // Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the warpgroups
 // share one block of 64 keys instead: each computes S^T and dP^T for its
 // share of the query block's rows and owns its share of dK's and dV's
@@ -33,14 +34,9 @@
 #include "wgmma.cuh"
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
+#include "dq_accumulation.cuh"
 
 namespace cuflash {
-
-// Adds two adjacent float32 values to global memory with one vector
-// reduction (sm_90); `address` is 8-byte aligned.
-__device__ __forceinline__ void atomic_add_pair(float* address, float a, float b) {
-    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(a), "f"(b) : "memory");
-}
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
           bool kOrderedDq>
@@ -143,6 +139,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
     unsigned char* const ds_tile = smem + Traits::kDs;
     unsigned char* const pt_tile = smem + Traits::kPt;
+    float* const dq_staging = reinterpret_cast<float*>(smem + Traits::kDqStaging) + warp * kDqStagingFloatsPerWarp;
 
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
@@ -279,20 +276,10 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                     wait_for_turn(dq_counter(), turn());
                 }
             }
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = dq_m_tile * 64 + (warp % 4) * 16 + lane / 4 + half * 8;
-                if (m_start + row < ctx.seqlen_q) {
-#pragma unroll
-                    for (int j = 0; j < kDqChunk / 8; ++j) {
-                        const int col = chunk_col0 + 8 * j + 2 * (lane % 4);
-                        if (col < ctx.head_dim) {
-                            atomic_add_pair(dq_rows + row * dq_row_stride + col, dq[0][j][2 * half] * scale,
-                                            dq[0][j][2 * half + 1] * scale);
-                        }
-                    }
-                }
-            }
+            const int dq_row0 = dq_m_tile * 64 + (warp % 4) * 16;  // the warp's 16 rows of the fragment
+            add_dq_fragment<kDqChunk>(
+                dq_rows + dq_row0 * dq_row_stride + chunk_col0, dq_row_stride, dq, scale, dq_staging,
+                ctx.seqlen_q - m_start - dq_row0, ctx.head_dim - chunk_col0, lane);
         }
         if constexpr (kOrderedDq) {
             held.counter = dq_counter();

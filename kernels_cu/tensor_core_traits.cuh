@@ -9,6 +9,7 @@
 #include "numeric.cuh"
 #include "shared_memory.cuh"
 #include "swizzled_tile.cuh"
+#include "dq_accumulation.cuh"
 
 namespace cuflash {
 
@@ -233,8 +234,9 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kDs = kDo + 2 * QTile::kBytes;
     static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
     static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
-    static constexpr int kLayoutBytes = kStats + 2 * 2 * kBlockM * 4;
+    static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;  // per warp, dQ on its way out (dq_accumulation.cuh)
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
+    static constexpr int kLayoutBytes = kDqStaging + kWarps * kDqStagingFloatsPerWarp * 4;
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
