@@ -131,7 +131,7 @@ WGMMA_BACKWARD_TILES = {
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
 #: Shared memory each warp of the Hopper backward stages its dQ rows in
-#: (``kDqStagingBytesPerWarp``, dq_accumulation.cuh: 8 rows of 40 floats).
+#: (``kDqStagingFloatsPerWarp`` floats, dq_accumulation.cuh: 8 rows of 40).
 DQ_STAGING_BYTES_PER_WARP = 8 * 40 * 4
 #: Kernels a ``Tiling`` can describe.
 KERNELS = ("simt", "mma", "wgmma")
@@ -235,7 +235,7 @@ class Tiling:
         ``WgmmaBackwardTraits::kBytes``: K, V, two
         buffers of Q and dO, dS^T (and P^T where the head dim is split;
         16-bit, swizzled), two buffers of LSE and delta, each warp's dQ
-        staging rows (``kDqStagingBytesPerWarp``), plus the alignment slack."""
+        staging rows where ``kDqStaged``, plus the alignment slack."""
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
@@ -244,8 +244,9 @@ class Tiling:
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
-            return ((2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4
-                    + self.warps * DQ_STAGING_BYTES_PER_WARP + WGMMA_SMEM_ALIGNMENT)
+            score_cols = m // score_tiles  # S^T, dP^T queries per warpgroup
+            staging = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0  # kDqStaged
+            return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + staging + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 

@@ -276,10 +276,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                     wait_for_turn(dq_counter(), turn());
                 }
             }
-            const int dq_row0 = dq_m_tile * 64 + (warp % 4) * 16;  // the warp's 16 rows of the fragment
-            add_dq_fragment<kDqChunk>(
-                dq_rows + dq_row0 * dq_row_stride + chunk_col0, dq_row_stride, dq, scale, dq_staging,
-                ctx.seqlen_q - m_start - dq_row0, ctx.head_dim - chunk_col0, lane);
+            add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_m_tile * 64 + (warp % 4) * 16,
+                                                         chunk_col0, dq, scale, dq_staging, ctx.seqlen_q - m_start,
+                                                         ctx.head_dim, lane);
         }
         if constexpr (kOrderedDq) {
             held.counter = dq_counter();

@@ -234,9 +234,12 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kDs = kDo + 2 * QTile::kBytes;
     static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
     static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
-    static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;  // per warp, dQ on its way out (dq_accumulation.cuh)
+    // dQ leaves through each warp's staging rows (dq_accumulation.cuh) except
+    // where 128 queries of S^T and dP^T leave no registers for it.
+    static constexpr bool kDqStaged = kScoreCols <= 64;
+    static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
-    static constexpr int kLayoutBytes = kDqStaging + kWarps * kDqStagingFloatsPerWarp * 4;
+    static constexpr int kLayoutBytes = kDqStaging + (kDqStaged ? kWarps * kDqStagingFloatsPerWarp * 4 : 0);
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
