@@ -137,19 +137,6 @@ DQ_STAGING_BYTES_PER_WARP = 8 * 40 * 4
 KERNELS = ("simt", "mma", "wgmma")
 
 
-def wgmma_dq_staging_bytes(tiles_bytes: int, block_m: int, head_dim_padded: int, warps: int, score_tiles: int) -> int:
-    """Shared memory of the Hopper backward's dQ staging after ``tiles_bytes``
-    of tiles (``WgmmaBackwardTraits::kDqStagingBytes``): the whole block_m x
-    (head_dim + 8) float32 tile where it fits (``kDqBulk``), else each warp's
-    8 x 40 floats (``kDqStaged``: 64 queries of S^T per warpgroup), else none."""
-    if block_m // score_tiles > 64:  # not kDqStaged
-        return 0
-    tile = block_m * (head_dim_padded + 8) * 4
-    if tiles_bytes + tile + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES:  # kDqBulk
-        return tile
-    return warps * DQ_STAGING_BYTES_PER_WARP
-
-
 def backward_splits_head_dim(head_dim_padded: int) -> bool:
     """Whether the tensor-core backwards share their keys between warpgroups
     (Hopper, ``WgmmaBackwardTraits::kSplitHeadDim``) or pairs of warps
@@ -247,8 +234,8 @@ class Tiling:
         buffers of LSE and delta; for the wgmma backward
         ``WgmmaBackwardTraits::kBytes``: K, V, two
         buffers of Q and dO, dS^T (and P^T where the head dim is split;
-        16-bit, swizzled), two buffers of LSE and delta, dQ's staging
-        (``wgmma_dq_staging_bytes``), plus the alignment slack."""
+        16-bit, swizzled), two buffers of LSE and delta, each warp's dQ
+        staging rows where ``kDqStaged``, plus the alignment slack."""
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
@@ -257,8 +244,9 @@ class Tiling:
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
-            tiles = (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4
-            return tiles + wgmma_dq_staging_bytes(tiles, m, d, self.warps, score_tiles) + WGMMA_SMEM_ALIGNMENT
+            score_cols = m // score_tiles  # S^T, dP^T queries per warpgroup
+            staging = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0  # kDqStaged
+            return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + staging + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 

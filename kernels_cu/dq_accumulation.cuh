@@ -14,10 +14,7 @@
 // it back a row's 128 bytes per 8 lanes (kStaged). Kernels whose registers
 // are spent (the m128 tiles of head dims 32-64, which hold 128 queries of S^T
 // and dP^T: the staging's addresses made them spill) add the fragment as it
-// lies, two floats per lane. Where shared memory holds the block's whole dQ
-// tile (DqTileStaging), the warps only write it there, and one thread per row
-// hands the row to the bulk-copy engine (cp.reduce.async.bulk), which adds it
-// while the warps go on to the next query block.
+// lies, two floats per lane.
 #pragma once
 
 #include "numeric.cuh"
@@ -107,52 +104,5 @@ __device__ __forceinline__ void add_dq_fragment(float* rows, index_t row_stride,
         }
     }
 }
-
-// The block's kRows x kHeadDim float32 dQ tile in shared memory, rows padded
-// by 8 floats (the fragments' float2 writes conflict-free, as above; rows stay
-// 16-byte aligned for the bulk copies).
-template <int kRows, int kHeadDim>
-struct DqTileStaging {
-    static constexpr int kStride = kHeadDim + 8;
-    static constexpr int kBytes = kRows * kStride * 4;
-
-    // Writes scale * dq (a warp's m16 x kCols fragment) at rows row0.. and
-    // columns col0.. of the tile.
-    template <int kCols>
-    __device__ __forceinline__ static void write_fragment(float* tile, int row0, int col0,
-                                                          const float (&dq)[1][kCols / 8][4], float scale, int lane) {
-        float* const rows = tile + (row0 + lane / 4) * kStride + col0 + 2 * (lane % 4);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int j = 0; j < kCols / 8; ++j) {
-                *reinterpret_cast<float2*>(rows + half * 8 * kStride + 8 * j) =
-                    make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
-            }
-        }
-    }
-
-    // Thread `thread` (< kRows) adds tile row `thread` (its first head_dim
-    // floats) into global row `row` with one bulk reduction, if that row is
-    // below valid_rows. The tile's writes must be ordered before this by
-    // fence.proxy.async and a barrier; the thread waits with wait_read()
-    // before the tile is written again and with wait_done() before exit.
-    __device__ __forceinline__ static void reduce_row(float* global_row, const float* tile, int thread,
-                                                      int valid_rows, int head_dim) {
-        if (thread < kRows && thread < valid_rows) {
-            const u32 source = static_cast<u32>(__cvta_generic_to_shared(tile + thread * kStride));
-            asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                         ::"l"(global_row), "r"(source), "r"(head_dim * 4)
-                         : "memory");
-            asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        }
-    }
-    __device__ __forceinline__ static void wait_read() {
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    }
-    __device__ __forceinline__ static void wait_done() {
-        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-    }
-};
 
 }  // namespace cuflash

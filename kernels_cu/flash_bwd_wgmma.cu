@@ -14,9 +14,8 @@
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
 //                                      accumulators packed), B read MN-major
 //   dQ_i += scale * dS K               dS^T staged in shared memory, both
-//                                      operands MN-major; float32 reductions,
-//                                      by the bulk-copy engine or of whole
-//                                      lines (dq_accumulation.cuh)
+//                                      operands MN-major; float32 reductions
+//                                      of whole lines (dq_accumulation.cuh)
 // Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the warpgroups
 // share one block of 64 keys instead: each computes S^T and dP^T for its
 // share of the query block's rows and owns its share of dK's and dV's
@@ -140,12 +139,7 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
     unsigned char* const ds_tile = smem + Traits::kDs;
     unsigned char* const pt_tile = smem + Traits::kPt;
-    // dQ's way out (dq_accumulation.cuh): the whole tile by bulk reductions
-    // (atomic mode, where it fits), or each warp's rows by whole lines.
-    constexpr bool kDqBulk = Traits::kDqBulk && !kOrderedDq;
-    using DqTile = typename Traits::DqTile;
-    float* const dq_tile = reinterpret_cast<float*>(smem + Traits::kDqStaging);
-    float* const dq_staging = dq_tile + warp * kDqStagingFloatsPerWarp;
+    float* const dq_staging = reinterpret_cast<float*>(smem + Traits::kDqStaging) + warp * kDqStagingFloatsPerWarp;
 
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
@@ -156,9 +150,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
         // every warpgroup is done with the previous step (its buffers and dS^T).
         cp_async_wait<0>();
         fence_async_shared();
-        if constexpr (kDqBulk) {
-            DqTile::wait_read();  // the previous step's dQ tile has been read out
-        }
         __syncthreads();
         index_t next_head;
         int next_m_block;
@@ -285,19 +276,9 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
                     wait_for_turn(dq_counter(), turn());
                 }
             }
-            const int dq_row0 = dq_m_tile * 64 + (warp % 4) * 16;  // the warp's 16 rows
-            if constexpr (kDqBulk) {
-                DqTile::template write_fragment<kDqChunk>(dq_tile, dq_row0, chunk_col0, dq, scale, lane);
-            } else {
-                add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_row0, chunk_col0, dq, scale,
-                                                             dq_staging, ctx.seqlen_q - m_start, ctx.head_dim, lane);
-            }
-        }
-        if constexpr (kDqBulk) {
-            fence_async_shared();  // the tile, written by ordinary stores, is read by the bulk-copy engine
-            __syncthreads();
-            DqTile::reduce_row(dq_rows + thread * dq_row_stride, dq_tile, thread, ctx.seqlen_q - m_start,
-                               ctx.head_dim);
+            add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_m_tile * 64 + (warp % 4) * 16,
+                                                         chunk_col0, dq, scale, dq_staging, ctx.seqlen_q - m_start,
+                                                         ctx.head_dim, lane);
         }
         if constexpr (kOrderedDq) {
             held.counter = dq_counter();
@@ -311,9 +292,6 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     // stores them 16 bytes at a time. Keys past seqlen_k and padded columns
     // are not written; with no visible query the results are zeros.
     cp_async_wait<0>();
-    if constexpr (kDqBulk) {
-        DqTile::wait_done();  // the last dQ tile's reductions, before the block's shared memory goes
-    }
     __syncthreads();
     if constexpr (kOrderedDq) {
         held.hand_on(thread);  // the last step's dQ block

@@ -235,16 +235,11 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
     static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
     // dQ leaves through each warp's staging rows (dq_accumulation.cuh) except
-    // where 128 queries of S^T and dP^T leave no registers for it, and as a
-    // whole tile reduced by the bulk-copy engine where that fits (atomic mode).
+    // where 128 queries of S^T and dP^T leave no registers for it.
     static constexpr bool kDqStaged = kScoreCols <= 64;
-    using DqTile = DqTileStaging<kBlockM, kHeadDim>;
     static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
-    static constexpr bool kDqBulk = kDqStaged && kDqStaging + DqTile::kBytes + kAlignment <= kMaxSmemBytes;
-    static constexpr int kDqStagingBytes =
-        kDqBulk ? DqTile::kBytes : (kDqStaged ? kWarps * kDqStagingFloatsPerWarp * 4 : 0);
-    static constexpr int kLayoutBytes = kDqStaging + kDqStagingBytes;
+    static constexpr int kLayoutBytes = kDqStaging + (kDqStaged ? kWarps * kDqStagingFloatsPerWarp * 4 : 0);
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
