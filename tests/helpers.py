@@ -3,9 +3,15 @@ the accuracy rule of DEVELOPERS.md."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
+import pytest
 
 from cuflash._masks import MASKS
+
+#: Tests that compile CUDA with the toolkit's nvcc (no GPU needed).
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 #: Absolute floor added to the low-precision bound (2x the baseline's error).
 ABS_FLOOR = 1e-5

@@ -1,18 +1,19 @@
 """tools/dq_reduction_bench.py's kernels compile for sm_90a, one per
 pattern, for the head dims the Hopper backward stages (CPU: nvcc only)."""
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_nvcc
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@needs_nvcc
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_every_pattern_compiles(tmp_path, head_dim):
     import dq_reduction_bench

@@ -1,7 +1,6 @@
 """Every kernel variant the launcher can ask for compiles for sm_90a, and
 ptxas reports its resources (CPU: nvcc only, no GPU)."""
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +8,10 @@ from pathlib import Path
 import pytest
 
 from cuflash._masks import MASKS
+from tests.helpers import needs_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 @needs_nvcc

@@ -2,7 +2,6 @@
 the C++ side (each family's traits and the parameter structs), checked by
 compiling a host program with nvcc: no GPU."""
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -39,6 +38,7 @@ from cuflash._tiling import (
     wgmma_forward_applies,
     wgmma_forward_tiling,
 )
+from tests.helpers import needs_nvcc
 
 VARIANTS = [(dtype, padded) for dtype in ELEMENT_SIZE for padded in HEAD_DIM_BUCKETS]
 
@@ -86,9 +86,6 @@ def test_unknown_dtype_is_rejected():
     for table in (forward_tiling, backward_tiling):
         with pytest.raises(ValueError, match="dtype must be one of"):
             table("float64", 64)
-
-
-needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 
 
 def _run_host_program(tmp_path, body: str, extra_include: str | None = None) -> list[str]:
