@@ -36,7 +36,6 @@ from ._tiling import (
     mma_forward_hopper_tiling,
     mma_forward_tiling,
     wgmma_backward_applies,
-    wgmma_backward_pairs_dq,
     wgmma_forward_applies,
     wgmma_backward_tiling,
     wgmma_forward_tiling,
@@ -66,9 +65,6 @@ class KernelVariant:
     key: str  #: readable cache key, unique per instantiation
     threads: int
     smem_bytes: int
-    #: thread blocks per cluster (``__cluster_dims__`` of the instantiation):
-    #: its grid must be a multiple of it
-    cluster_blocks: int = 1
 
     @property
     def name_expression(self) -> str:
@@ -121,8 +117,6 @@ class KernelFamily:
     #: (dtype, head_dim) -> its tiles on GPUs with 99 KiB of shared memory
     #: per block (sm_86, sm_89) where ``tiles``' need more, else None
     small_smem_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
-    #: (tiling, dQ mode) -> thread blocks per cluster of that instantiation
-    cluster_blocks: Callable[[Tiling, str], int] = lambda tiling, dq_mode: 1
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -200,7 +194,6 @@ class KernelFamily:
                  f"{'' if score.is_identity else '/' + score.name}{extra_key}"),
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),
-            cluster_blocks=self.cluster_blocks(tiling, dq_mode),
         )
 
     def tiles_on(self, dtype_name: str, head_dim: int, generation: int, smem_limit: int | None = None) -> Tiling:
@@ -250,9 +243,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  "cuflash::flash_backward_dkdv_wgmma_kernel", _BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
-                 dq_modes={"atomic": "false", "ordered": "true"},
-                 # kBackwardClusterBlocks (flash_bwd_wgmma.cu): paired dQ in the atomic mode
-                 cluster_blocks=lambda t, mode: 2 if mode == "atomic" and wgmma_backward_pairs_dq(t) else 1),
+                 dq_modes={"atomic": "false", "ordered": "true"}),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
                  dtypes=MMA_DTYPES, head_dims=tuple(MMA_BACKWARD_TILES), tiles=mma_backward_tiling,

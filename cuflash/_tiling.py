@@ -133,10 +133,6 @@ WGMMA_SMEM_ALIGNMENT = 1024
 #: Shared memory each warp of the Hopper backward stages its dQ rows in
 #: (``kDqStagingFloatsPerWarp`` floats, dq_accumulation.cuh: 8 rows of 40).
 DQ_STAGING_BYTES_PER_WARP = 8 * 40 * 4
-#: Rows of a warp's dQ exchange area in the paired Hopper backward
-#: (``kDqExchangeRows``); each row holds half of the warpgroup's dQ columns
-#: plus 8 floats of padding (``kDqExchangeStride``).
-DQ_EXCHANGE_ROWS = 16
 #: Kernels a ``Tiling`` can describe.
 KERNELS = ("simt", "mma", "wgmma")
 
@@ -147,29 +143,6 @@ def backward_splits_head_dim(head_dim_padded: int) -> bool:
     (mma.sync, ``MmaBackwardTraits::kSplitHeadDim``) and split the head dim:
     above 128, dK and dV of one warp's 16 keys do not fit its registers."""
     return head_dim_padded > 128
-
-
-def widest_swizzle_bytes(cols: int) -> int:
-    """``widest_swizzle_bytes`` of kernels_cu/swizzled_tile.cuh: the widest
-    swizzle (128, 64 or 32 bytes) whose panels tile ``cols`` 16-bit columns."""
-    return 128 if cols % 64 == 0 else 64 if cols % 32 == 0 else 32
-
-
-def wgmma_backward_dq_cols(tiling: "Tiling") -> int:
-    """dQ columns per warpgroup of the Hopper backward (``kDqCols``)."""
-    return tiling.head_dim_padded * (tiling.block_m // 64) // (tiling.warps // 4)
-
-
-def wgmma_backward_pairs_dq(tiling: "Tiling") -> bool:
-    """Whether the Hopper backward's tiles allow paired dQ
-    (``WgmmaBackwardTraits::kDqPairable``): the head dim is split and each
-    warpgroup's dQ columns halve into whole K panels of at most 128 columns.
-    Its atomic mode then runs in clusters of two thread blocks on adjacent
-    key blocks that sum their dQ halves before adding them (head dim 256)."""
-    half = wgmma_backward_dq_cols(tiling) // 2
-    panel_cols = widest_swizzle_bytes(wgmma_backward_dq_cols(tiling)) // 2
-    return (backward_splits_head_dim(tiling.head_dim_padded) and half % panel_cols == 0 and half % 32 == 0
-            and half <= 128)
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -260,11 +233,9 @@ class Tiling:
         (and P^T where the head dim is split; 16-bit, rows padded), as many
         buffers of LSE and delta; for the wgmma backward
         ``WgmmaBackwardTraits::kBytes``: K, V, two
-        buffers of Q, two of dO where they fit (``kDoStages``), dS^T (and P^T
-        where the head dim is split; 16-bit, swizzled), two buffers of LSE
-        and delta, each warp's dQ exchange area where the dQ halves pair
-        (``kDqPairable``) or its staging rows where ``kDqStaged``, plus the
-        alignment slack."""
+        buffers of Q and dO, dS^T (and P^T where the head dim is split;
+        16-bit, swizzled), two buffers of LSE and delta, each warp's dQ
+        staging rows where ``kDqStaged``, plus the alignment slack."""
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
@@ -274,13 +245,8 @@ class Tiling:
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             score_cols = m // score_tiles  # S^T, dP^T queries per warpgroup
-            if wgmma_backward_pairs_dq(self):  # kDqPairable: exchange areas
-                dq_area = self.warps * DQ_EXCHANGE_ROWS * (wgmma_backward_dq_cols(self) // 2 + 8) * 4
-            else:  # kDqStaged: staging rows
-                dq_area = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0
-            beside_do = (2 * n * d + 2 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + dq_area + WGMMA_SMEM_ALIGNMENT
-            do_stages = 2 if beside_do + 2 * m * d * e <= MAX_SMEM_BYTES else 1  # kDoStages
-            return beside_do + do_stages * m * d * e
+            staging = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0  # kDqStaged
+            return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + staging + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 

@@ -538,12 +538,9 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
 
     if rows:
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
-    variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode)
-    # A clustered kernel's key blocks per head are rounded up to whole clusters
-    # (the kernel rounds its own count the same way; blocks past seqlen_k add nothing).
-    grid_n_blocks = -(-num_n_blocks // variant.cluster_blocks) * variant.cluster_blocks
-    grid = _grid_size(grid_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
+    grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
+        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query

@@ -15,17 +15,9 @@
 // are spent (the m128 tiles of head dims 32-64, which hold 128 queries of S^T
 // and dP^T: the staging's addresses made them spill) add the fragment as it
 // lies, two floats per lane.
-//
-// At head dim 256 the additions alone need about as long as the products
-// even as whole lines (8.6 GB at 3.2 TB/s against 2.9 ms without them), so
-// the atomic mode halves them: two thread blocks of a cluster, on adjacent
-// key blocks, walk the same query blocks, and each warp sends half of its dQ
-// columns to its twin in the other block (distributed shared memory) and adds
-// the sum of both blocks' other halves (send_dq_half, add_paired_dq_half).
 #pragma once
 
 #include "numeric.cuh"
-#include "cluster.cuh"
 
 namespace cuflash {
 
@@ -110,77 +102,6 @@ __device__ __forceinline__ void add_dq_fragment(float* rows, index_t row_stride,
                 }
             }
         }
-    }
-}
-
-// A warp's exchange area (paired dQ): its m16 rows of one half of its dQ
-// columns, kCols floats per row, rows padded by 8 floats as the staging rows
-// are: a half-warp's float2 fragment stores (4 rows x 8 floats) and a
-// quarter-warp's float4 reads (32 floats of one row) fall on 32 distinct
-// banks, and every address is the lane's base plus a constant (a swizzle
-// that depends on the row made the compiler keep an offset per column tile).
-constexpr int kDqExchangeRows = 16;
-
-template <int kCols>
-constexpr int kDqExchangeStride = kCols + 8;
-
-template <int kCols>
-__device__ __forceinline__ int dq_exchange_offset(int row, int col) {
-    return row * kDqExchangeStride<kCols> + col;
-}
-
-// Stores a warp's m16 x kCols dQ fragment, unscaled, into its twin's exchange
-// area in the other block of the cluster (`peer_area`: that area's cluster
-// shared address). Published by the cluster barrier the caller arrives at.
-template <int kCols>
-__device__ __forceinline__ void send_dq_half(u32 peer_area, const float (&dq)[1][kCols / 8][4], int lane) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = lane / 4 + half * 8;
-#pragma unroll
-        for (int j = 0; j < kCols / 8; ++j) {
-            const int col = 8 * j + 2 * (lane % 4);
-            store_cluster_float2(peer_area + 4 * dq_exchange_offset<kCols>(row, col), dq[0][j][2 * half],
-                                 dq[0][j][2 * half + 1]);
-        }
-    }
-}
-
-// Adds scale * (dq + the twin's half in `area`) into rows row0.. and columns
-// col0.. of the dQ block at `rows` (as add_dq_fragment): the sum goes back
-// into the area in place, then leaves as red.v4.f32 of whole lines, kCols / 4
-// lanes per row.
-template <int kCols>
-__device__ __forceinline__ void add_paired_dq_half(float* rows, index_t row_stride, int row0, int col0,
-                                                   const float (&dq)[1][kCols / 8][4], float scale, float* area,
-                                                   int valid_rows, int valid_cols, int lane) {
-    static_assert(kCols % 32 == 0 && kCols <= 128, "rows of whole lines, read by at most 32 lanes");
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = lane / 4 + half * 8;
-#pragma unroll
-        for (int j = 0; j < kCols / 8; ++j) {
-            float2* const slot = reinterpret_cast<float2*>(area + dq_exchange_offset<kCols>(row, 8 * j + 2 * (lane % 4)));
-            const float2 twin = *slot;
-            *slot = make_float2((dq[0][j][2 * half] + twin.x) * scale, (dq[0][j][2 * half + 1] + twin.y) * scale);
-        }
-    }
-    __syncwarp();
-    constexpr int kLanesPerRow = kCols / 4;
-    constexpr int kRowsPerPass = 32 / kLanesPerRow;
-    const int first_row = lane / kLanesPerRow;
-    const int col = 4 * (lane % kLanesPerRow);
-    float* target = rows + (row0 + first_row) * row_stride + col0 + col;
-#pragma unroll
-    for (int pass = 0; pass < kDqExchangeRows / kRowsPerPass; ++pass) {
-        const int row = pass * kRowsPerPass + first_row;
-        if (row0 + row < valid_rows && col0 + col < valid_cols) {
-            const float4 values = *reinterpret_cast<const float4*>(area + dq_exchange_offset<kCols>(row, col));
-            asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(target), "f"(values.x),
-                         "f"(values.y), "f"(values.z), "f"(values.w)
-                         : "memory");
-        }
-        target += kRowsPerPass * row_stride;
     }
 }
 

@@ -21,18 +21,10 @@
 // share of the query block's rows and owns its share of dK's and dV's
 // columns, so P^T is staged in shared memory next to dS^T and dV, dK take
 // both A operands from there.
-// Paired dQ (head dim 256, atomic mode; WgmmaBackwardTraits::kDqPairable):
-// the grid runs in clusters of two thread blocks on adjacent key blocks,
-// which walk the same query blocks (the union of theirs: a causal mask hides
-// the first one from the second block, whose scores there are all masked).
-// Each warpgroup computes its dQ columns in two halves; a block sends one
-// half to the other block and adds the sum of both blocks' other half, so
-// the float32 additions into dQ, which bound this head dim, halve.
 // Q, dO and their row statistics are double-buffered: the next query block
-// is copied by cp.async while this one is computed (dO only where it fits:
-// otherwise once every warp is past dV). dK is scaled once at the end.
-// Nothing of size seqlen_q x seqlen_k exists: one dS^T (and P^T) tile per
-// block.
+// is copied by cp.async while this one is computed. dK is scaled once at the
+// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T (and P^T) tile
+// per block.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -43,19 +35,13 @@
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
 #include "dq_accumulation.cuh"
-#include "cluster.cuh"
 
 namespace cuflash {
-
-// Thread blocks per cluster: two where the dQ halves are exchanged.
-template <typename Traits, bool kOrderedDq>
-constexpr int kBackwardClusterBlocks = Traits::kDqPairable && !kOrderedDq ? 2 : 1;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
           bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32, 1)
-    __cluster_dims__(kBackwardClusterBlocks<WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>, kOrderedDq>,
-                     1, 1) flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
+flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
     using KvTile = typename Traits::KvTile;
@@ -67,8 +53,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     constexpr int kAccCols = Traits::kAccCols;
     constexpr int kScoreCols = Traits::kScoreCols;
     constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
-    constexpr bool kDqPaired = kBackwardClusterBlocks<Traits, kOrderedDq> == 2;
-    constexpr int kDoStages = Traits::kDoStages;
 
     require_shared_memory<Traits>();
     unsigned char* smem;
@@ -79,12 +63,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     const u32 do_smem = base + Traits::kDo;
     float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
 
-    // Paired: the grid's key blocks per head are rounded up to even (a block
-    // past seqlen_k loads zeros and adds nothing), and each pair walks from
-    // the first query block that sees its first key.
-    const index_t grid_n_blocks = kDqPaired ? 2 * ceil_div(params.num_n_blocks, index_t(2)) : params.num_n_blocks;
     const KeyBlock block =
-        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, grid_n_blocks, kBlockN);
+        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
     const float scale = static_cast<float>(params.softmax_scale);
 
@@ -108,31 +88,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         v_smem, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
-    // Copies Q and the row statistics (or dO) of query block m_block of
-    // `head` into `buffer` (cp.async, plain stores).
-    const auto load_query_rows = [&](index_t head, int m_block, int buffer) {
+    // Copies Q, dO (cp.async) and the row statistics of query block m_block
+    // of `head` into `buffer`.
+    const auto load_query_block = [&](index_t head, int m_block, int buffer) {
         const int m_start = m_block * kBlockM;
         load_swizzled_tile_async<QTile, Traits::kThreads>(
             q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(block.batch, head, m_start),
             params.q.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
-                                                       ctx.seqlen_q, thread);
-    };
-    const auto load_dout_rows = [&](index_t head, int m_block, int buffer) {
-        const int m_start = m_block * kBlockM;
         load_swizzled_tile_async<QTile, Traits::kThreads>(
             do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(block.batch, head, m_start),
             params.dout.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
+        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
+                                                       ctx.seqlen_q, thread);
     };
-    KeyBlock walked = block;
-    if constexpr (kDqPaired) {
-        walked.n_start = (block.n_block & ~1) * kBlockN;
-    }
-    QueryBlockWalk walk(ctx.mask, walked, kDqPaired ? 2 * kBlockN : kBlockN, kBlockM,
-                        static_cast<int>(params.num_m_blocks), walk_rotation<Mask>(params, block.n_block));
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
+                        walk_rotation<Mask>(params, block.n_block));
     if (walk.steps > 0) {
-        load_query_rows(walk.head, walk.m_block, 0);
-        load_dout_rows(walk.head, walk.m_block, 0);
+        load_query_block(walk.head, walk.m_block, 0);
     }
     cp_async_commit();
 
@@ -167,18 +139,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
     unsigned char* const ds_tile = smem + Traits::kDs;
     unsigned char* const pt_tile = smem + Traits::kPt;
-    // This warp's dQ staging rows, or its exchange area (paired dQ).
-    float* const dq_area = reinterpret_cast<float*>(smem + Traits::kDqArea) + warp * Traits::kDqAreaFloatsPerWarp;
-    // Paired dQ: this block keeps half cluster_rank() of each warpgroup's dQ
-    // columns and sends the other half into its twin warp's area there.
-    const unsigned rank = kDqPaired ? cluster_rank() : 0;
-    const u32 twin_area = kDqPaired ? cluster_shared_address(static_cast<u32>(__cvta_generic_to_shared(dq_area)),
-                                                              rank ^ 1)
-                                    : 0;
-    if constexpr (kDqPaired) {
-        // The first step's sends wait for this phase: both blocks are running.
-        cluster_arrive_release();
-    }
+    float* const dq_staging = reinterpret_cast<float*>(smem + Traits::kDqStaging) + warp * kDqStagingFloatsPerWarp;
 
     // Ordered dQ: the dQ block whose turn this block holds until it hands
     // it on (one step later, once the next products are issued).
@@ -194,22 +155,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         int next_m_block;
         walk.following(next_head, next_m_block);
         if (step + 1 < walk.steps) {
-            load_query_rows(next_head, next_m_block, buffer ^ 1);
-            if constexpr (kDoStages == 2) {
-                load_dout_rows(next_head, next_m_block, buffer ^ 1);
-            }
+            load_query_block(next_head, next_m_block, buffer ^ 1);
         }
         cp_async_commit();
-        // Single dO buffer: refilled once every warp is past dV's product.
-        const auto load_next_dout = [&]() {
-            if constexpr (kDoStages == 1) {
-                if (step + 1 < walk.steps) {
-                    load_dout_rows(next_head, next_m_block, 0);
-                }
-                cp_async_commit();
-            }
-        };
-        const int do_buffer = kDoStages == 2 ? buffer : 0;
         const index_t head = walk.head;
         const int m_block = walk.m_block;
         const int m_start = m_block * kBlockM;
@@ -228,7 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             Wgmma<Element, kScoreCols>::ss(dp_flat, v_descriptor + kmajor_k_step<KvTile>(ks),
-                                        do_descriptor + do_buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
+                                        do_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
                                         ks > 0);
         }
         wgmma_commit();
@@ -270,7 +218,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            const u64 do_step = do_mn_descriptor + do_buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
+            const u64 do_step = do_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
             if constexpr (kSplitHeadDim) {
                 Wgmma<Element, kAccCols>::ss_mn_major_b(dv_flat, pt_descriptor + kmajor_k_step<DsTile>(ps), do_step, 1);
             } else {
@@ -302,81 +250,41 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
         if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
             __syncthreads();  // every warpgroup's dS^T is in shared memory
         }
-        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns), or
-        // in the two halves of the paired mode.
-        constexpr int kDqChunk = kDqPaired ? Traits::kDqHalfCols : dq_chunk_columns(kOrderedDq, kAccCols, kDqCols);
+        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns).
+        constexpr int kDqChunk = dq_chunk_columns(kOrderedDq, kAccCols, kDqCols);
         static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "chunks of whole K panels");
         float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
-        const int dq_row0 = dq_m_tile * 64 + (warp % 4) * 16;
-        // Issues the product of this warpgroup's dQ columns chunk * kDqChunk..
-        const auto dq_product = [&](int chunk, float(&dq_flat)[kDqChunk / 2]) {
-            const u64 k_chunk_descriptor =
-                k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
+#pragma unroll
+        for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
+            const int chunk_col0 = dq_col0 + chunk * kDqChunk;
+            const u64 k_chunk_descriptor = k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
+            float dq[1][kDqChunk / 8][4];
+            float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
 #pragma unroll
             for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
                 Wgmma<Element, kDqChunk>::ss_mn_major(dq_flat, ds_mn_descriptor + mn_major_k_step<DsTile>(ks),
                                                       k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
             }
             wgmma_commit();
-        };
-        if constexpr (kDqPaired) {
-            // The half for the twin block first, then this block's half,
-            // whose product runs while the twin's half arrives.
-            float dq[1][kDqChunk / 8][4];
-            float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
-            dq_product(rank ^ 1, dq_flat);
             wgmma_wait<0>();
             pin_registers(dq_flat);
             pin_registers(dv_flat);
             pin_registers(dk_flat);
-            cluster_wait_acquire();  // the twin has read what it was sent last step
-            send_dq_half<kDqChunk>(twin_area, dq, lane);
-            cluster_arrive_release();
-            wgmma_fence();  // the accumulators were read since the last product
-            dq_product(rank, dq_flat);
-            // The twin's half has landed, and every warp of both blocks is
-            // past dV's product (dO is free).
-            cluster_wait_acquire();
-            load_next_dout();
-            wgmma_wait<0>();
-            pin_registers(dq_flat);
-            add_paired_dq_half<kDqChunk>(dq_rows, dq_row_stride, dq_row0, dq_col0 + rank * kDqChunk, dq, scale,
-                                         dq_area, ctx.seqlen_q - m_start, ctx.head_dim, lane);
-            cluster_arrive_release();  // this block has read its areas
-        } else {
-#pragma unroll
-            for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
-                float dq[1][kDqChunk / 8][4];
-                float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
-                dq_product(chunk, dq_flat);
-                wgmma_wait<0>();
-                pin_registers(dq_flat);
-                pin_registers(dv_flat);
-                pin_registers(dk_flat);
+            if constexpr (kOrderedDq) {
                 if (chunk == 0) {
-                    // Past a barrier every warp is past dV's product.
-                    if constexpr (kOrderedDq) {
-                        wait_for_turn(dq_counter(), turn());
-                    } else if constexpr (kDoStages == 1) {
-                        __syncthreads();
-                    }
-                    load_next_dout();
+                    wait_for_turn(dq_counter(), turn());
                 }
-                add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_row0, dq_col0 + chunk * kDqChunk,
-                                                             dq, scale, dq_area, ctx.seqlen_q - m_start, ctx.head_dim,
-                                                             lane);
             }
+            add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_m_tile * 64 + (warp % 4) * 16,
+                                                         chunk_col0, dq, scale, dq_staging, ctx.seqlen_q - m_start,
+                                                         ctx.head_dim, lane);
         }
         if constexpr (kOrderedDq) {
             held.counter = dq_counter();
         }
         walk.head = next_head;
         walk.m_block = next_m_block;
-    }
-
-    if constexpr (kDqPaired) {
-        cluster_wait_acquire();  // the last phase: the twin has read its areas
     }
 
     // Epilogue: every warpgroup is past its last read of K and V; each warp

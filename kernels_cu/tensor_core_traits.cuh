@@ -227,37 +227,19 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     // Q, dO: rows are queries; a warpgroup's columns of dK and dV start on a panel.
     using QTile = SwizzledTile<kBlockM, kHeadDim, widest_swizzle_bytes(kAccCols)>;
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T (and P^T): rows are keys, columns queries
+    static constexpr int kK = 0;
+    static constexpr int kV = kK + KvTile::kBytes;
+    static constexpr int kQ = kV + KvTile::kBytes;     // two buffers
+    static constexpr int kDo = kQ + 2 * QTile::kBytes;  // two buffers
+    static constexpr int kDs = kDo + 2 * QTile::kBytes;
+    static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
+    static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
     // dQ leaves through each warp's staging rows (dq_accumulation.cuh) except
     // where 128 queries of S^T and dP^T leave no registers for it.
     static constexpr bool kDqStaged = kScoreCols <= 64;
-    // Where the head dim is split and each warpgroup's dQ columns halve into
-    // whole K panels (head dim 256), the atomic mode pairs key blocks in
-    // clusters of two thread blocks that sum their dQ partials before adding
-    // them (kDqPaired in flash_bwd_wgmma.cu): each warp then has an exchange
-    // area of 16 rows x kDqHalfCols floats (rows padded), which the ordered mode uses as
-    // its staging rows.
-    static constexpr int kDqHalfCols = kDqCols / 2;
-    static constexpr bool kDqPairable =
-        kSplitHeadDim && kDqHalfCols % KvTile::kPanelCols == 0 && kDqHalfCols % 32 == 0 && kDqHalfCols <= 128;
-    static constexpr int kDqAreaFloatsPerWarp =
-        kDqPairable ? kDqExchangeRows * kDqExchangeStride<kDqHalfCols> : (kDqStaged ? kDqStagingFloatsPerWarp : 0);
+    static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
-    // Q and its row statistics are double-buffered; dO too where that fits
-    // (not at head dim 256 with the exchange areas): a single dO buffer is
-    // refilled once every warp is past dV's product.
-    static constexpr int kScoreTileBytes = (kSplitHeadDim ? 2 : 1) * DsTile::kBytes;
-    static constexpr int kBytesBesideDo = 2 * KvTile::kBytes + 2 * QTile::kBytes + kScoreTileBytes +
-                                          2 * 2 * kBlockM * 4 + kWarps * kDqAreaFloatsPerWarp * 4 + kAlignment;
-    static constexpr int kDoStages = kBytesBesideDo + 2 * QTile::kBytes <= kMaxSmemBytes ? 2 : 1;
-    static constexpr int kK = 0;
-    static constexpr int kV = kK + KvTile::kBytes;
-    static constexpr int kQ = kV + KvTile::kBytes;              // two buffers
-    static constexpr int kDo = kQ + 2 * QTile::kBytes;          // kDoStages buffers
-    static constexpr int kDs = kDo + kDoStages * QTile::kBytes;
-    static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
-    static constexpr int kStats = kDs + kScoreTileBytes;  // two buffers of (LSE in log2, delta)
-    static constexpr int kDqArea = kStats + 2 * 2 * kBlockM * 4;  // each warp's staging rows or exchange area
-    static constexpr int kLayoutBytes = kDqArea + kWarps * kDqAreaFloatsPerWarp * 4;
+    static constexpr int kLayoutBytes = kDqStaging + (kDqStaged ? kWarps * kDqStagingFloatsPerWarp * 4 : 0);
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
@@ -267,9 +249,6 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
                       kDqCols % 16 == 0 && kDqCols <= 128,
                   "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per warpgroup");
     static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
-    static_assert(!kDqPairable || kDqAreaFloatsPerWarp >= kDqStagingFloatsPerWarp,
-                  "the exchange area holds the ordered mode's staging rows");
-    static_assert(kBytes == kBytesBesideDo + kDoStages * QTile::kBytes, "the layout adds up");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

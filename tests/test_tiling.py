@@ -34,7 +34,6 @@ from cuflash._tiling import (
     mma_backward_99kib_tiling,
     mma_backward_tiling,
     wgmma_backward_applies,
-    wgmma_backward_pairs_dq,
     wgmma_backward_tiling,
     wgmma_forward_applies,
     wgmma_forward_tiling,
@@ -341,36 +340,6 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
         'printf("%d\\n", cuflash::kMaxSmemBytes);',
     ]), extra_include="online_softmax.cuh")
     assert [float(x) for x in printed] == [RESCALE_SLACK, WGMMA_SMEM_ALIGNMENT, WGMMA_SMEM_ALIGNMENT, MAX_SMEM_BYTES]
-
-
-@needs_nvcc
-def test_python_and_cxx_agree_on_paired_dq(tmp_path):
-    """Which Hopper backward tilings pair their key blocks' dQ halves
-    (``kDqPairable``), as the launcher's cluster sizes assume: head dim 256
-    (each warpgroup's 128 dQ columns halve into whole 64-column K panels), not
-    192 (48-column halves would split K's 32-column panels)."""
-    family = FAMILY["backward-dkdv-wgmma"]
-    tilings = list(family.compiled_tilings())
-    body = "\n".join(f'printf("%d\\n", (int){_TRAITS[family.name].format(e=CXX_ELEMENT_TYPE[dtype], t=t)}'
-                     f'::kDqPairable);' for dtype, t in tilings)
-    printed = [bool(int(x)) for x in _run_host_program(tmp_path, body)]
-    assert printed == [wgmma_backward_pairs_dq(t) for _, t in tilings]
-    assert {t.head_dim_padded for _, t in tilings if wgmma_backward_pairs_dq(t)} == {256}
-
-
-@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 256), ("float16", 256), ("bfloat16", 192), ("float16", 128)])
-def test_paired_dq_runs_in_clusters_of_two_in_the_atomic_mode_only(dtype, head_dim):
-    """The atomic Hopper backward at head dim 256 is built with clusters of
-    two thread blocks (its grid is rounded to whole clusters, api.backward_plan);
-    its ordered (deterministic) mode and the other head dims are not."""
-    family = FAMILY["backward-dkdv-wgmma"]
-    tiling = family.tiles(dtype, head_dim)
-    atomic = family.variant(dtype, tiling, MASKS["causal"], dq_mode="atomic")
-    ordered = family.variant(dtype, tiling, MASKS["causal"], dq_mode="ordered")
-    assert atomic.cluster_blocks == (2 if head_dim == 256 else 1)
-    assert ordered.cluster_blocks == 1
-    others = [f for f in FAMILIES if f.tiles is not None and f is not family]
-    assert all(f.variant(d, t, MASKS["none"]).cluster_blocks == 1 for f in others for d, t in f.compiled_tilings())
 
 
 @needs_nvcc
