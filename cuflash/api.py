@@ -478,19 +478,31 @@ def _shared_memory_per_block(device_id: int) -> int | None:
     return int(limit) if limit else None
 
 
-def rotate_walks(problem: AttentionProblem, dq_mode: str, num_m_blocks: int, num_n_blocks: int,
-                 multiprocessors: int) -> bool:
-    """Whether the ordered dQ of a backward rotates the key blocks' walks
-    (``dq_turn`` in kernels_cu/backward_steps.cuh): for a mask that allows
-    it (``dq_turns == "rotated"``: no mask), with at least as many query
-    blocks as key blocks (each key block starts on its own query block), and
-    only where one head's key blocks fit on the GPU at once, counted as one
-    block per multiprocessor whatever the occupancy: the first key block's
-    turns wait for the last key block, so all of them must be running. Past
-    that the walks all start on the first query block and key block j waits
-    there for the j before it (a chain at the start: slower, never stuck)."""
-    return (dq_mode == "ordered" and problem.mask.dq_turns == "rotated"
-            and num_m_blocks >= num_n_blocks and num_n_blocks <= multiprocessors)
+def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blocks: int,
+                 num_n_blocks: int, multiprocessors: int) -> bool:
+    """Whether a backward rotates the key blocks' walks (key block j starts
+    on query block j: ``walk_rotation`` in kernels_cu/backward_steps.cuh),
+    for a mask that allows it (``dq_turns == "rotated"``: no mask) and with
+    at least as many query blocks as key blocks (each key block starts on its
+    own query block).
+
+    Ordered dQ (``dq_turn``): only where one head's key blocks fit on the GPU
+    at once, counted as one block per multiprocessor whatever the occupancy:
+    the first key block's turns wait for the last key block, so all of them
+    must be running. Past that the walks all start on the first query block
+    and key block j waits there for the j before it (a chain at the start:
+    slower, never stuck).
+
+    Atomic dQ on Hopper (``kernel == "wgmma"``): always. Walks that all start
+    on one query block add into the same dQ rows at the same time; spread
+    over the query blocks the backward took 3-4% less time without a mask on
+    an H100 (head dims 64-256, docs/perf-notes.md). The mma.sync and SIMT
+    kernels were not measured so and keep their walks."""
+    if problem.mask.dq_turns != "rotated" or num_m_blocks < num_n_blocks:
+        return False
+    if dq_mode == "ordered":
+        return num_n_blocks <= multiprocessors
+    return dq_mode == "atomic" and kernel == "wgmma"
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
@@ -511,7 +523,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     rows = problem.batch * problem.seqlen_q * problem.nheads
     num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
-    rotated = rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, _multiprocessor_count(problem.device))
+    rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
+                           _multiprocessor_count(problem.device))
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,

@@ -195,8 +195,8 @@ def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
     taken = {"ordered": [], "atomic": []}
     decide = api.rotate_walks
 
-    def recorded(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors):
-        rotate = decide(problem, dq_mode, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
+    def recorded(problem, dq_mode, kernel, num_m_blocks, num_n_blocks, multiprocessors):
+        rotate = decide(problem, dq_mode, kernel, num_m_blocks, num_n_blocks, 1 << 20 if rotated else 0)
         taken.setdefault(dq_mode, []).append(rotate)
         return rotate
 

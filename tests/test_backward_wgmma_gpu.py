@@ -119,6 +119,24 @@ def test_wgmma_deterministic_backward_in_both_orders(rotated, head_dim, seqlen_q
     assert orders["ordered"] and set(orders["ordered"]) == {rotated}
 
 
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads,rotates", [
+    (1000, 1000, (4, 4), True), (2049, 1000, (6, 2), True), (129, 1000, (4, 1), False)])
+def test_wgmma_atomic_backward_rotates_its_walks_without_a_mask(head_dim, seqlen_q, seqlen_k, heads, rotates,
+                                                                monkeypatch):
+    """The atomic mode without a mask starts key block j on query block j
+    (rotate_walks) where there are at least as many query blocks as key
+    blocks, and keeps the plain order where there are fewer; both against
+    the float64 reference."""
+    orders = pin_ordered_dq_order(monkeypatch, True)
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"), seed=head_dim + 7)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=False, seed=seqlen_q)
+    assert orders["atomic"] and set(orders["atomic"]) == {rotates}
+
+
 def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):
     """Ten deterministic backwards of bfloat16 q, k, v, alternating between
     the null stream and another: bitwise the same dq, dk, dv; dq of the

@@ -369,23 +369,29 @@ def test_params_pack_requires_every_field():
     assert np.dtype(FORWARD_PARAMS).isalignedstruct
 
 
-@pytest.mark.parametrize("mask,dq_mode,num_m_blocks,num_n_blocks,multiprocessors,rotated", [
-    ("none", "ordered", 32, 32, 132, True),
-    ("none", "ordered", 64, 32, 132, True),     # more query blocks than key blocks: each still starts on its own
-    ("none", "ordered", 16, 32, 132, False),    # fewer: two key blocks would start on one query block
-    ("none", "ordered", 256, 133, 132, False),  # one head's key blocks may not all be running at once
-    ("none", "ordered", 132, 132, 132, True),
-    ("none", "atomic", 32, 32, 132, False),     # no turns to order
-    ("causal", "ordered", 32, 32, 132, False),  # its own order, chain-free without rotation
+@pytest.mark.parametrize("mask,dq_mode,kernel,num_m_blocks,num_n_blocks,multiprocessors,rotated", [
+    ("none", "ordered", "wgmma", 32, 32, 132, True),
+    ("none", "ordered", "wgmma", 64, 32, 132, True),     # more query blocks than key blocks: each still starts on its own
+    ("none", "ordered", "wgmma", 16, 32, 132, False),    # fewer: two key blocks would start on one query block
+    ("none", "ordered", "wgmma", 256, 133, 132, False),  # one head's key blocks may not all be running at once
+    ("none", "ordered", "wgmma", 132, 132, 132, True),
+    ("none", "ordered", "mma", 32, 32, 132, True),
+    ("none", "atomic", "wgmma", 32, 32, 132, True),      # spreads the additions over the dQ blocks
+    ("none", "atomic", "wgmma", 256, 133, 132, True),    # no turns: no key block waits for another
+    ("none", "atomic", "wgmma", 16, 32, 132, False),
+    ("none", "atomic", "mma", 32, 32, 132, False),       # not measured on the mma.sync kernel
+    ("none", "atomic", "simt", 32, 32, 132, False),
+    ("causal", "ordered", "wgmma", 32, 32, 132, False),  # its own order, chain-free without rotation
+    ("causal", "atomic", "wgmma", 32, 32, 132, False),   # its walks start on the diagonal already
 ])
-def test_rotate_walks_only_where_every_key_block_can_run(mask, dq_mode, num_m_blocks, num_n_blocks, multiprocessors,
-                                                          rotated):
+def test_rotate_walks_where_it_pays_and_every_key_block_can_run(mask, dq_mode, kernel, num_m_blocks, num_n_blocks,
+                                                                multiprocessors, rotated):
     from types import SimpleNamespace
 
     from cuflash.api import rotate_walks
 
     problem = SimpleNamespace(mask=MASKS[mask])
-    assert rotate_walks(problem, dq_mode, num_m_blocks, num_n_blocks, multiprocessors) is rotated
+    assert rotate_walks(problem, dq_mode, kernel, num_m_blocks, num_n_blocks, multiprocessors) is rotated
 
 
 def test_masks_name_a_dq_order_their_structs_have():
