@@ -244,7 +244,9 @@ class Tiling:
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
-            score_cols = m // score_tiles  # S^T, dP^T queries per warpgroup
+            # S^T, dP^T queries per warpgroup: the block's, split between the
+            # warpgroups that share 64 keys where the head dim is split (kScoreCols)
+            score_cols = m // (self.warps // 4) if backward_splits_head_dim(d) else m
             staging = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0  # kDqStaged
             return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + staging + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)

@@ -364,14 +364,18 @@ def _check_plot_target(path: str) -> None:
     _matplotlib()
 
 
-def roofline_points(records, machine) -> dict[str, list[tuple[float, float]]]:
+def _estimated_seconds(summary: dict) -> float:
+    """A summary's time: the time model's, or the roofline's where there is none."""
+    return (summary.get("time_model") or {}).get("seconds") or summary["roofline"]["estimate_s"]
+
+
+def roofline_points(records) -> dict[str, list[tuple[float, float]]]:
     """Per algorithm, (arithmetic intensity in FLOP per DRAM byte, achieved
     TFLOP/s by the time model, or by the roofline where there is none) of
     each sweep point: where the algorithm sits under the machine's roofline."""
     points: dict[str, list[tuple[float, float]]] = {}
     for _, s in records:
-        seconds = (s.get("time_model") or {}).get("seconds") or s["roofline"]["estimate_s"]
-        points.setdefault(s["algorithm"], []).append((s["intensity_dram"], s["flops"] / seconds / 1e12))
+        points.setdefault(s["algorithm"], []).append((s["intensity_dram"], s["flops"] / _estimated_seconds(s) / 1e12))
     return points
 
 
@@ -384,11 +388,11 @@ def _plot(path: str, sweep: str, records, machine) -> None:
         line, = traffic_axis.plot(xs, [s["dram_bytes"] for s in rows], marker="o", label=f"{name} (DRAM est.)")
         traffic_axis.plot(xs, [s["requested_bytes"] for s in rows], linestyle="--", color=line.get_color(),
                           label=f"{name} (requested)")
-        time_axis.plot(xs, [(s.get("time_model") or {}).get("seconds", s["roofline"]["estimate_s"]) * 1e3
-                            for s in rows], marker="o", label=name)
-    for name, points in roofline_points(records, machine).items():
+        time_axis.plot(xs, [_estimated_seconds(s) * 1e3 for s in rows], marker="o", label=name)
+    placed = roofline_points(records)
+    for name, points in placed.items():
         roofline_axis.plot(*zip(*points), marker="o", label=name)
-    intensities = [x for points in roofline_points(records, machine).values() for x, _ in points if x > 0]
+    intensities = [x for points in placed.values() for x, _ in points if x > 0]
     if intensities:
         ridge = machine.matmul_flops / machine.hbm_bandwidth
         low, high = min(min(intensities), ridge) / 2, max(max(intensities), ridge) * 2

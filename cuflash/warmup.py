@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from . import api
 from ._cuda import gpu_access, import_cupy
-from ._tiling import ELEMENT_SIZE
+from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 from ._validation import FP32_PRECISIONS, TensorMeta, check_backward, check_forward, contiguous_strides
 
 #: Query rows and keys of the planned calls: tiles do not depend on them.
@@ -90,8 +90,8 @@ def warmup(dtypes: Iterable[str] = ("bfloat16", "float16"), head_dims: Iterable[
         if dtype not in ELEMENT_SIZE:
             raise ValueError(f"dtypes must be among {sorted(ELEMENT_SIZE)}, got {dtype!r}")
     for head_dim in head_dims:
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 1 <= head_dim <= 256:
-            raise ValueError(f"head_dims must be integers from 1 to 256, got {head_dim!r}")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dims must be integers from 1 to {MAX_HEAD_DIM}, got {head_dim!r}")
     for name, values in (("causal", causal), ("deterministic", deterministic)):
         if not values or not all(isinstance(value, bool) for value in values):
             raise TypeError(f"{name} must be a non-empty sequence of bools, got {values!r}")

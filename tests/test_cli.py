@@ -334,7 +334,7 @@ def test_roofline_points_place_each_algorithm_by_intensity_and_achieved_rate():
             traffic = run(name, problem, h100)
             model = estimate(name, problem, h100, "fwd+bwd") if name == "cuflash" else None
             records.append((n, summarize(traffic, h100, model)))
-    points = roofline_points(records, h100)
+    points = roofline_points(records)
     assert set(points) == {"standard", "cuflash"} and all(len(p) == 2 for p in points.values())
     for intensity, tflops in points["standard"] + points["cuflash"]:
         # under the roofline: neither above the tensor-core peak nor above bandwidth x intensity
