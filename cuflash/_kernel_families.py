@@ -60,7 +60,7 @@ class KernelVariant:
 
     source: str  #: file under kernels_cu/ that defines the kernel
     function: str  #: qualified C++ name of the kernel template
-    params: str  #: C++ parameter struct the kernel takes by value
+    params: str  #: C++ parameter struct the kernel takes by value (with its qualifier, if any)
     template_args: tuple[str, ...]
     key: str  #: readable cache key, unique per instantiation
     threads: int
@@ -221,11 +221,15 @@ def _any_head_dim(dtype_name: str, head_dim: int) -> bool:
 
 _ALL_DTYPES = tuple(ELEMENT_SIZE)
 _FORWARD = "cuflash::ForwardParams"
+#: The Hopper forward's: ForwardParams and the tensor maps of Q, K and V, a
+#: __grid_constant__ parameter (the copy engine reads the maps in place).
+_WGMMA_FORWARD = "__grid_constant__ cuflash::WgmmaForwardParams"
 _BACKWARD = "cuflash::BackwardParams"
 
 #: Every kernel, preferred first within a role.
 FAMILIES: tuple[KernelFamily, ...] = (
-    KernelFamily("forward-wgmma", "forward", "flash_fwd_wgmma.cu", "cuflash::flash_forward_wgmma_kernel", _FORWARD,
+    KernelFamily("forward-wgmma", "forward", "flash_fwd_wgmma.cu", "cuflash::flash_forward_wgmma_kernel",
+                 _WGMMA_FORWARD,
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
                  needs_aligned_rows=True, needs_positive_scale=True,

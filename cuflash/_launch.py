@@ -49,12 +49,15 @@ class LaunchPlan:
 
     ``slots`` names the pointer fields (``q.ptr``, ``lse``, ...) in the order
     ``launch`` receives the pointers; a slot is written into every struct.
+    ``tensor_maps`` pairs a slot with the encoder of a tensor map inside a
+    struct (``cuflash._tensor_maps.TensorMapEncoder``): the map is encoded
+    again for a call whose pointer in that slot differs from the last one's.
     Thread-safe: the structs are shared, so a lock spans writing them and
     launching (the driver has copied the arguments when the launch returns).
     """
 
     def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence[str],
-                 launches: Sequence[KernelLaunch]):
+                 launches: Sequence[KernelLaunch], tensor_maps: Sequence[tuple[str, object]] = ()):
         self.device = device
         self._structs = list(structs)
         for struct in self._structs:
@@ -75,6 +78,7 @@ class LaunchPlan:
              self._argument_arrays[launch.struct].ctypes.data)
             for launch in launches
         )
+        self._tensor_maps = tuple((list(slots).index(slot), encoder) for slot, encoder in tensor_maps)
         self._lock = threading.Lock()
         from cupy.cuda import driver
 
@@ -93,6 +97,8 @@ class LaunchPlan:
             for writes, pointer in zip(self._writes, pointers):
                 for words, index in writes:
                     words[index] = pointer
+            for slot, encoder in self._tensor_maps:
+                encoder.encode(pointers[slot])
             for function, grid, threads, smem_bytes, arguments in self._launches:
                 launch_kernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, arguments, 0)
 

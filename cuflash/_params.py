@@ -56,6 +56,22 @@ BACKWARD_PARAMS = np.dtype(
     align=True,
 )
 
+#: A CUtensorMap: 128 opaque bytes (params.cuh's TensorMap, 64-byte aligned).
+TENSOR_MAP = np.dtype((np.uint64, 16))
+#: Where WgmmaForwardParams' tensor maps start: ForwardParams rounded up to
+#: the maps' 64-byte alignment.
+_WGMMA_FORWARD_MAPS = 256
+
+#: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V.
+WGMMA_FORWARD_PARAMS = np.dtype({
+    "names": [*FORWARD_PARAMS.names, "q_map", "k_map", "v_map"],
+    "formats": [*(FORWARD_PARAMS.fields[name][0] for name in FORWARD_PARAMS.names), TENSOR_MAP, TENSOR_MAP,
+                TENSOR_MAP],
+    "offsets": [*(FORWARD_PARAMS.fields[name][1] for name in FORWARD_PARAMS.names),
+                *(_WGMMA_FORWARD_MAPS + 128 * i for i in range(3))],
+    "itemsize": _WGMMA_FORWARD_MAPS + 3 * 128,
+})
+
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8
 BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8
@@ -83,16 +99,21 @@ def flat_fields(dtype: np.dtype, prefix: str = "") -> list[tuple[str, int]]:
     return fields
 
 
-def pack(dtype: np.dtype, **fields) -> np.ndarray:
+def pack(dtype: np.dtype, alignment: int = 64, **fields) -> np.ndarray:
     """A one-element struct of ``dtype`` with every top-level field set, by
-    name (nested structs as tuples). A field left out or a name the struct
-    does not have is an error: a silently zero stride or pointer would be a
-    wrong answer, not a crash."""
-    missing = set(dtype.names) - set(fields)
+    name (nested structs as tuples), its memory ``alignment``-byte aligned
+    (tensor maps are encoded in place at 64-byte boundaries). A field left
+    out or a name the struct does not have is an error: a silently zero
+    stride or pointer would be a wrong answer, not a crash; tensor maps
+    (``TENSOR_MAP`` fields) may be left out: the launch plan encodes them."""
+    maps = {name for name in dtype.names if dtype.fields[name][0] == TENSOR_MAP}
+    missing = set(dtype.names) - set(fields) - maps
     unknown = set(fields) - set(dtype.names)
     if missing or unknown:
         raise KeyError(f"struct fields missing {sorted(missing)}, unknown {sorted(unknown)}")
-    struct = np.zeros(1, dtype=dtype)
+    storage = np.zeros(dtype.itemsize + alignment, dtype=np.uint8)
+    start = -storage.ctypes.data % alignment
+    struct = storage[start:start + dtype.itemsize].view(dtype)
     for name, value in fields.items():
         struct[name] = value
     return struct

@@ -97,21 +97,27 @@ MMA_BACKWARD_99KIB_TILES = {
     256: (32, 32, 4, 1),
 }
 #: Hopper forward tiles (wgmma, sm_90a; flash_fwd_wgmma.cu) per compiled head
-#: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). One
-#: warpgroup (4 warps) per 64 query rows; the register budget is set (launch
-#: bounds) for that many resident blocks per SM. Per thread S takes
-#: block_n / 2 registers, O head_dim / 2 and the previous P block_n / 4
-#: (<= 192 together); K and V are double-buffered, so the larger head dims
-#: take fewer keys per block. Head dims whose bucket is missing here run on
-#: the mma.sync kernel.
+#: dim (mma.sync buckets): (block_m, block_n, warps, blocks per SM). The
+#: kernel is warp-specialised: warpgroup 0 (4 warps) copies, and one
+#: consumer warpgroup per 64 query rows computes, so warps = 4 + block_m / 16.
+#: The register budget is set (launch bounds, setmaxnreg) for that many
+#: resident blocks per SM. Per consumer thread S takes block_n / 2
+#: registers, O head_dim / 2 and the previous P block_n / 4 (<= 192
+#: together); K and V go through a ring of two buffers each, so the larger
+#: head dims take fewer keys per block. Head dims whose bucket is missing
+#: here run on the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
-    32: (128, 64, 8, 2),
-    64: (128, 64, 8, 2),
-    96: (128, 128, 8, 1),
-    128: (128, 128, 8, 1),
-    192: (128, 64, 8, 1),
-    256: (128, 48, 8, 1),
+    32: (128, 64, 12, 2),
+    64: (128, 64, 12, 2),
+    96: (128, 128, 12, 1),
+    128: (128, 128, 12, 1),
+    192: (128, 64, 12, 1),
+    256: (128, 48, 12, 1),
 }
+#: Stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``)
+#: and its mbarriers: Q full, then full and empty for K and V per stage.
+WGMMA_FORWARD_STAGES = 2
+WGMMA_FORWARD_BARRIER_BYTES = 8 * (1 + 4 * WGMMA_FORWARD_STAGES)
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
 #: warps). Up to head dim 128 each warpgroup owns 64 keys: S^T and dP^T take
@@ -215,14 +221,16 @@ class Tiling:
         """``ForwardSmem::kBytes``: Q, K, V, P; for the mma.sync forward
         ``MmaForwardTraits::kBytes``: Q and ``kv_stages`` buffers of K and V,
         rows padded by 16 bytes; for the wgmma forward
-        ``WgmmaForwardTraits::kBytes``: Q and two unpadded (swizzled) buffers
-        of K and V, plus the alignment slack."""
+        ``WgmmaForwardTraits::kBytes``: Q and ``WGMMA_FORWARD_STAGES``
+        unpadded (swizzled) buffers of K and V, the mbarriers, plus the
+        alignment slack."""
         if self.kernel == "mma":
             rows = self.block_m + 2 * self.kv_stages * self.block_n
             return rows * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
         if self.kernel == "wgmma":
-            rows = self.block_m + 4 * self.block_n
-            return rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_SMEM_ALIGNMENT
+            rows = self.block_m + 2 * WGMMA_FORWARD_STAGES * self.block_n
+            return (rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_FORWARD_BARRIER_BYTES
+                    + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 

@@ -24,7 +24,8 @@ from ._cuda import import_cupy
 from ._kernel_families import FAMILIES, FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
-from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack, tensor_ref
+from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack, tensor_ref
+from ._tensor_maps import TensorMapEncoder, TileBox
 from ._tiling import ELEMENT_SIZE, Tiling
 from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
@@ -357,8 +358,10 @@ def _rows_are_16_byte_chunks(layout: Layout) -> bool:
     """Whether every 8 consecutive 16-bit elements of a row, from the row's
     start, are one aligned 16-byte load given an aligned base pointer: the
     stride of every dimension but the last (contiguous) one, where that
-    dimension has more than one entry, is a multiple of 16 bytes."""
-    return all(stride % 16 == 0 for size, stride in zip(layout.shape[:-1], layout.strides[:-1]) if size > 1)
+    dimension has more than one entry, is a positive multiple of 16 bytes
+    (positive: the Hopper forward's tensor maps take no negative strides)."""
+    return all(stride > 0 and stride % 16 == 0
+               for size, stride in zip(layout.shape[:-1], layout.strides[:-1]) if size > 1)
 
 
 def _as_layouts(arrays) -> list[Layout]:
@@ -408,8 +411,9 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
         variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score)
         grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
+    hopper = tiling.kernel == "wgmma"
     params = pack(
-        FORWARD_PARAMS,
+        WGMMA_FORWARD_PARAMS if hopper else FORWARD_PARAMS,
         **{name: tensor_ref(layouts[name]) for name in names},
         lse=0,
         lse_batch_stride=problem.nheads * problem.seqlen_q,
@@ -418,7 +422,17 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
     )
-    return LaunchPlan(problem.device, [params], FORWARD_SLOTS, launches)
+    tensor_maps = []
+    if hopper and not problem.is_empty:
+        # The Hopper forward copies Q, K and V by tensor maps (one swizzle
+        # panel of block_m or block_n rows a copy), encoded for each call's pointers.
+        for name, rows in (("q", tiling.block_m), ("k", tiling.block_n), ("v", tiling.block_n)):
+            layout = layouts[name]
+            address = params.ctypes.data + params.dtype.fields[f"{name}_map"][1]
+            box = TileBox(rows=rows, cols=tiling.head_dim_padded)
+            tensor_maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides,
+                                                                box)))
+    return LaunchPlan(problem.device, [params], FORWARD_SLOTS, launches, tensor_maps)
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,

@@ -54,7 +54,25 @@ struct ForwardParams {
     }
 };
 
+// A CUtensorMap (cuda.h): 128 opaque bytes, 64-byte aligned, written by
+// cuTensorMapEncodeTiled on the host and read by the copy engine from the
+// kernel's parameters (tma.cuh). The driver API's header is not available to
+// NVRTC, hence this copy of its size and alignment.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// The Hopper forward's parameters (flash_fwd_wgmma.cu): the common ones and
+// tensor maps of Q, K and V, whose global addresses the launcher writes per
+// call. Passed as a __grid_constant__ parameter so that the maps keep a
+// parameter-space address the copy engine can read.
+struct WgmmaForwardParams : ForwardParams {
+    TensorMap q_map, k_map, v_map;
+};
+
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
+static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
+static_assert(sizeof(WgmmaForwardParams) == 256 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8, "ForwardParams layout must match cuflash/_params.py");
 
 // Backward. delta (batch, nheads, seqlen_q) and dq_accum (batch, seqlen_q,

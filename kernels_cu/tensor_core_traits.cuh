@@ -157,36 +157,53 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
-// Hopper forward (flash_fwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups, each
-// owning 64 query rows (one wgmma m64 tile) of the kBlockM; K and V tiles of
-// kBlockN keys, double-buffered, are read by every warpgroup straight from
-// shared memory by the tensor cores. Per thread the accumulators are S
-// (kBlockN / 2 floats), O (kHeadDim / 2) and the previous block's P
-// (kBlockN / 4 registers), all live at once while P V overlaps the softmax.
+// Hopper forward (flash_fwd_wgmma.cu, sm_90a), warp-specialised: warpgroup
+// 0 is the producer (one thread issues the tensor-memory copies of Q once
+// and of K and V through a ring of kStages buffers), the other kWarps / 4 - 1
+// warpgroups are consumers, each owning 64 query rows (one wgmma m64 tile)
+// of the kBlockM. Per consumer thread the accumulators are S (kBlockN / 2
+// floats), O (kHeadDim / 2) and the previous block's P (kBlockN / 4
+// registers), all live at once while P V overlaps the softmax. After the
+// tiles come the mbarriers: Q full, then per stage K full, K empty, V full,
+// V empty.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
-    static constexpr int kWarpgroups = kWarps / 4;
+    static constexpr int kConsumerWarpgroups = kWarps / 4 - 1;
+    static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+    static constexpr int kStages = 2;
 
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KvTile = SwizzledTile<kBlockN, kHeadDim>;
     static constexpr int kQ = 0;
-    static constexpr int kK = kQ + QTile::kBytes;           // two K buffers
-    static constexpr int kV = kK + 2 * KvTile::kBytes;      // two V buffers
-    static constexpr int kLayoutBytes = kV + 2 * KvTile::kBytes;
+    static constexpr int kK = kQ + QTile::kBytes;                // kStages K buffers
+    static constexpr int kV = kK + kStages * KvTile::kBytes;     // kStages V buffers
+    static constexpr int kBarriers = kV + kStages * KvTile::kBytes;
+    static constexpr int kQFull = kBarriers;
+    static constexpr int kKFull = kQFull + 8;                    // per stage: K full, K empty, V full, V empty
+    static constexpr int kLayoutBytes = kKFull + 4 * 8 * kStages;
     // Swizzle atoms must be 1024-byte aligned; the dynamic shared memory is
     // only guaranteed 16, so the launch asks for this much more and the
     // kernel rounds its base up.
     static constexpr int kAlignment = 1024;
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
+    // Shared addresses of stage s's barriers, from the aligned base.
+    static __device__ __forceinline__ u32 k_full(u32 base, int s) { return base + kKFull + 32 * s; }
+    static __device__ __forceinline__ u32 k_empty(u32 base, int s) { return base + kKFull + 32 * s + 8; }
+    static __device__ __forceinline__ u32 v_full(u32 base, int s) { return base + kKFull + 32 * s + 16; }
+    static __device__ __forceinline__ u32 v_empty(u32 base, int s) { return base + kKFull + 32 * s + 24; }
+
     static_assert(sizeof(typename Shape::Element) == 2, "wgmma forward: float16 and bfloat16");
-    static_assert(kWarps % 4 == 0 && kBlockM == 64 * kWarpgroups, "one warpgroup per 64 query rows");
+    static_assert(kWarps % 4 == 0 && kConsumerWarpgroups >= 1 && kBlockM == 64 * kConsumerWarpgroups,
+                  "a producer warpgroup, then one consumer warpgroup per 64 query rows");
     // Whole swizzle panels (SwizzledTile picks the widest that fits); S's N
     // (kBlockN) and O's (kHeadDim) must be widths of the Wgmma table.
     static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "k16 steps over the head dim and the keys");
+    static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
     static_assert(kBlockN / 2 + kHeadDim / 2 + kBlockN / 4 <= 192, "accumulators beyond this would spill");
+    static_assert(QTile::kBytes % 1024 == 0 && KvTile::kBytes % 1024 == 0, "every tile starts on a swizzle atom");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

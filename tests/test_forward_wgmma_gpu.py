@@ -1,11 +1,12 @@
 """The Hopper forward (wgmma, sm_90a): which inputs take it, and its building
 blocks on their own.
 
-The probe kernel below runs one warpgroup through exactly the primitives
-flash_fwd_wgmma.cu composes (swizzled cp.async tiles, both descriptor kinds,
-ss and rs wgmma, the accumulator layout) and compares with NumPy, so a layout
+The probe kernel below runs one warpgroup through the matrix primitives
+flash_fwd_wgmma.cu composes (swizzled tiles, both descriptor kinds, ss and
+rs wgmma, the accumulator layout) and compares with NumPy, so a layout
 mistake shows up here as a wrong matrix product rather than only as a wrong
-attention output. The forward grid of test_forward_gpu.py runs through the
+attention output. The kernel fills the same tiles by tensor maps; the tests
+after the probe run it on the layouts and strides those maps must describe. The forward grid of test_forward_gpu.py runs through the
 kernel itself (float16/bfloat16, every head dim a multiple of 8 up to 256) on Hopper."""
 
 import numpy as np
@@ -193,3 +194,47 @@ def test_wgmma_forward_padded_head_dims(dtype, head_dim, causal):
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
     assert _chosen(q, k, v).kernel == "wgmma"
     run_and_check(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_wgmma_forward_on_packed_qkv_views(dtype, head_dim):
+    """Q, K and V as views into one packed (batch, seqlen, 3, heads, dim)
+    buffer, the layout of a fused QKV projection: every stride differs from a
+    dense array's, and the tensor maps must step by them."""
+    cupy = _cupy()
+    rng = np.random.default_rng(head_dim)
+    packed = cupy.asarray(rng.standard_normal((3, 257, 3, 4, head_dim)).astype(np.float32)).astype(dtype)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_and_check(q, k, v, causal=True)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_forward_encodes_maps_for_each_calls_arrays(head_dim):
+    """Calls of one signature share a plan and its parameter struct; each
+    call's Q, K and V must be read, not the first call's (the maps are
+    encoded again for a new pointer)."""
+    cupy = _cupy()
+    api.plans.clear()
+    first = random_qkv(cupy, 2, 200, 300, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=1)
+    second = random_qkv(cupy, 2, 200, 300, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=2)
+    run_and_check(*first, causal=False)
+    plans_after_first = len(api.plans)
+    run_and_check(*second, causal=False)
+    mixed = (first[0], second[1], first[2])  # a new K alone
+    run_and_check(*mixed, causal=False)
+    assert len(api.plans) == plans_after_first  # one signature, one plan
+
+
+@needs_hopper
+def test_negative_strides_take_a_kernel_without_tensor_maps():
+    """A reversed view has negative strides, which a tensor map cannot
+    describe: such a call runs on another kernel, with the same results."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, 130, 140, 2, 2, 64, cupy.dtype("float16"), seed=3)
+    q = q[:, ::-1]
+    assert _chosen(q, k, v).kernel != "wgmma"
+    run_and_check(q, k, v, causal=False)

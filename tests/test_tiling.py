@@ -10,7 +10,7 @@ import pytest
 from cuflash._kernel_families import CXX_ELEMENT_TYPE, FAMILIES, FAMILY, family_of, select
 from cuflash._loader import kernel_source_dir
 from cuflash._masks import MASKS
-from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, flat_fields
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_FORWARD_PARAMS, flat_fields
 from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
@@ -222,9 +222,10 @@ def test_mma_table_rejects_what_it_does_not_serve(dtype, head_dim):
 def test_wgmma_forward_table(dtype, head_dim, bucket):
     tiling = wgmma_forward_tiling(dtype, head_dim)
     assert tiling.kernel == "wgmma" and tiling.keys_last_to_first and tiling.head_dim_padded == bucket
-    # WgmmaForwardTraits: one warpgroup per 64 rows, k16 steps over keys, and
-    # S (block_n / 2), O (head_dim / 2) and P (block_n / 4) within 192 registers.
-    assert tiling.block_m == 16 * tiling.warps and tiling.block_n % 16 == 0
+    # WgmmaForwardTraits: a producer warpgroup, one consumer warpgroup per 64
+    # rows, k16 steps over keys, and S (block_n / 2), O (head_dim / 2) and
+    # P (block_n / 4) within 192 registers.
+    assert tiling.block_m == 16 * (tiling.warps - 4) and tiling.block_n % 16 == 0
     assert tiling.block_n // 2 + bucket // 2 + tiling.block_n // 4 <= 192
     assert tiling.forward_smem_bytes(dtype) <= MAX_SMEM_BYTES
     assert wgmma_forward_applies(dtype, head_dim)
@@ -335,7 +336,7 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
     printed = _run_host_program(tmp_path, "\n".join([
         'printf("%g\\n", (double)cuflash::FragmentOnlineSoftmax<1>::kRescaleSlack);',
-        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 8>::kAlignment);',
+        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12>::kAlignment);',
         'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 128, 128, 8>::kAlignment);',
         'printf("%d\\n", cuflash::kMaxSmemBytes);',
     ]), extra_include="online_softmax.cuh")
@@ -343,7 +344,8 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS)])
+@pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS),
+                                          ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS)])
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']

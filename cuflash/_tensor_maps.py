@@ -1,0 +1,145 @@
+"""Tensor maps for Hopper's Tensor Memory Accelerator (TMA).
+
+A tensor map (``CUtensorMap``, 128 opaque bytes) describes a strided global
+tensor and the box one copy moves into shared memory, in which swizzle. The
+Hopper forward (``kernels_cu/flash_fwd_wgmma.cu``) reads its maps of Q, K and
+V from its parameters. They are encoded on the host by the driver's
+``cuTensorMapEncodeTiled``, called through ctypes (no dependency beyond the
+driver CuPy already loads): once when a plan is made, and again in a call
+only for an array whose pointer differs from the one encoded last.
+
+A (batch, seqlen, heads, head_dim) array is described innermost dimension
+first: head_dim, seqlen, heads, batch; the box is one swizzle panel of
+columns by the kernel's block of rows, of one head of one batch entry.
+Elements outside the array (rows past the sequence, columns past head_dim)
+are copied as zeros.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+#: Bytes of a CUtensorMap and its alignment (cuda.h: CU_TENSOR_MAP_NUM_QWORDS * 8, alignas(64)).
+TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGNMENT = 64
+
+#: CUtensorMapDataType of each 16-bit dtype the Hopper kernels take.
+_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+#: CUtensorMapSwizzle of each swizzle width in bytes (SwizzledTile::kSwizzleBytes).
+_SWIZZLE = {32: 1, 64: 2, 128: 3}
+_INTERLEAVE_NONE = 0
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0
+#: The largest stride a map takes (bytes, exclusive) and the granule of every stride and of the base address.
+_MAX_STRIDE = 1 << 40
+_GRANULE = 16
+
+
+class TensorMapError(RuntimeError):
+    """The driver refused to encode a tensor map."""
+
+
+def swizzle_bytes(cols: int) -> int:
+    """``widest_swizzle_bytes`` of swizzled_tile.cuh: the widest swizzle
+    (128, 64 or 32 bytes a row) whose panels of 16-bit columns tile ``cols``."""
+    return 128 if cols % 64 == 0 else 64 if cols % 32 == 0 else 32
+
+
+@dataclass(frozen=True)
+class TileBox:
+    """What one map copies: a tile of ``rows`` rows by ``cols`` columns
+    (the kernel's padded head dim), one swizzle panel per copy."""
+
+    rows: int
+    cols: int
+
+    @property
+    def swizzle(self) -> int:
+        return swizzle_bytes(self.cols)
+
+    @property
+    def panel_cols(self) -> int:
+        return self.swizzle // 2
+
+
+def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox):
+    """(dims, byte strides, box dims) of the map of a (batch, seqlen, heads,
+    head_dim) array with byte ``strides``, innermost first. A dimension
+    of one entry is never stepped over, so its stride is given as one
+    granule whatever the array says (the driver checks every stride)."""
+    batch, seqlen, heads, head_dim = shape
+    dims = (head_dim, seqlen, heads, batch)
+    byte_strides = []
+    for size, stride_bytes in ((seqlen, strides[1]), (heads, strides[2]), (batch, strides[0])):
+        stride_bytes = stride_bytes if size > 1 else _GRANULE
+        if stride_bytes <= 0 or stride_bytes % _GRANULE or stride_bytes >= _MAX_STRIDE:
+            raise ValueError(f"a tensor map needs positive strides that are multiples of {_GRANULE} bytes "
+                             f"below 2^40, got {stride_bytes} bytes")
+        byte_strides.append(stride_bytes)
+    return dims, tuple(byte_strides), (box.panel_cols, box.rows, 1, 1)
+
+
+def maps_apply(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether an array of this shape and byte strides can be described by a
+    map (see ``map_geometry``)."""
+    try:
+        map_geometry(shape, strides, TileBox(rows=8, cols=64))
+    except ValueError:
+        return False
+    return True
+
+
+_encode_function = None
+
+
+def _driver_encode():
+    """cuTensorMapEncodeTiled from the CUDA driver library, loaded once."""
+    global _encode_function
+    if _encode_function is None:
+        library = ctypes.CDLL("libcuda.so.1")
+        function = library.cuTensorMapEncodeTiled
+        function.restype = ctypes.c_int
+        function.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32),
+            ctypes.POINTER(ctypes.c_uint32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+        ]
+        _encode_function = function
+    return _encode_function
+
+
+class TensorMapEncoder:
+    """Encodes the map of one array's layout (shape, byte strides) into 128
+    bytes at ``address`` (64-byte aligned, inside a plan's parameter struct)
+    for a given base pointer. The geometry is fixed at construction;
+    ``encode(pointer)`` re-encodes only when the pointer changed since the
+    last call. ``encode`` replaces the driver's function (tests)."""
+
+    def __init__(self, address: int, dtype_name: str, shape, strides, box: TileBox, encode=None):
+        if address % TENSOR_MAP_ALIGNMENT:
+            raise ValueError(f"a tensor map must be {TENSOR_MAP_ALIGNMENT}-byte aligned, got address {address:#x}")
+        dims, byte_strides, box_dims = map_geometry(tuple(shape), tuple(strides), box)
+        self.address = address
+        self._encode = encode
+        self._arguments = (
+            ctypes.c_void_p(address), _DATA_TYPE[dtype_name], len(dims),
+            (ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides), (ctypes.c_uint32 * 4)(*box_dims),
+            (ctypes.c_uint32 * 4)(1, 1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE[box.swizzle], _L2_PROMOTION_256B,
+            _OOB_FILL_ZEROS,
+        )
+        self.pointer = None
+
+    def encode(self, pointer: int) -> None:
+        if pointer == self.pointer:
+            return
+        if pointer % _GRANULE:
+            raise ValueError(f"a tensor map needs a {_GRANULE}-byte aligned base pointer, got {pointer:#x}")
+        encode = self._encode or _driver_encode()
+        address, data_type, rank, *rest = self._arguments
+        status = encode(address, data_type, rank, ctypes.c_void_p(pointer), *rest)
+        if status != 0:
+            dims, strides, box = (list(array) for array in rest[:3])
+            raise TensorMapError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for dims {dims}, "
+                                 f"byte strides {strides}, box {box}")
+        self.pointer = pointer

@@ -1,0 +1,47 @@
+// Tile copies by the Tensor Memory Accelerator (cp.async.bulk.tensor, sm_90).
+//
+// A tensor map (params.cuh's TensorMap, encoded on the host by
+// cuTensorMapEncodeTiled: cuflash/_tensor_maps.py) describes a strided
+// global tensor and the box one copy moves; one thread issues the copy, the
+// engine writes the box into shared memory in the map's swizzle and counts
+// its bytes down on an mbarrier (mbarrier.cuh). Elements outside the tensor
+// (rows past the sequence, columns past head_dim) arrive as zeros, and their
+// bytes count like the others.
+#pragma once
+
+#include "numeric.cuh"
+#include "params.cuh"
+
+namespace cuflash {
+
+// Copies the box at coordinates (c0, c1, c2, c3) (innermost dimension
+// first) of `map`, a __grid_constant__ parameter, to shared address `dst`,
+// completing on the mbarrier at `barrier`.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 barrier, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(barrier)
+        : "memory");
+}
+
+// Fetches the map's descriptor into the copy engine's cache ahead of the first copy.
+__device__ __forceinline__ void tma_prefetch_map(const TensorMap& map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
+}
+
+// Loads a kRows x Tile::kCols tile whose first row is `row` into a swizzled
+// tile (SwizzledTile, swizzled_tile.cuh) at `dst`: one box per column panel
+// (the map's box is kPanelCols wide and kRows tall, in the tile's swizzle).
+template <typename Tile>
+__device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32 barrier, int row, index_t head,
+                                              index_t batch) {
+#pragma unroll
+    for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
+        tma_load_4d(dst + panel * Tile::kPanelBytes, map, barrier, panel * Tile::kPanelCols, row,
+                    static_cast<int>(head), static_cast<int>(batch));
+    }
+}
+
+}  // namespace cuflash

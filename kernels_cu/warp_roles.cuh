@@ -1,0 +1,43 @@
+// Warp specialisation on Hopper: warpgroups with different roles in one
+// block (a producer that only issues copies, consumers that do the math),
+// the registers each role keeps, and the named barriers that order the
+// consumers among themselves without stopping the producer.
+#pragma once
+
+#include "numeric.cuh"
+
+namespace cuflash {
+
+// The register file a block may use (65536 per multiprocessor) divided
+// among kBlocksPerSm blocks; a producer warpgroup keeping kProducer
+// registers per thread leaves the rest to the consumer threads, in the steps
+// of 8 that setmaxnreg takes, at most 240 (the ISA's ceiling is 256; the
+// compiler keeps a margin for the entry code).
+__host__ __device__ constexpr int consumer_registers(int consumer_threads, int producer_registers, int blocks_per_sm) {
+    const int available = (65536 / blocks_per_sm - 128 * producer_registers) / consumer_threads / 8 * 8;
+    return available > 240 ? 240 : available;
+}
+
+// Hands registers back (producer) or takes them (consumers). Every warp of
+// the warpgroup must execute the same one; the kernel needs a register cap
+// at entry (__launch_bounds__ with a minimum of blocks per multiprocessor).
+template <int kRegisters>
+__device__ __forceinline__ void release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+template <int kRegisters>
+__device__ __forceinline__ void claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
+}
+
+// Named barriers (bar.sync / bar.arrive): `threads` threads in all take
+// part, a multiple of 32. Barrier 0 is __syncthreads'; a warp-specialised
+// kernel uses ids from 1 so that the producer never has to join.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace cuflash

@@ -1,0 +1,166 @@
+"""Tensor maps of the Hopper forward (cuflash/_tensor_maps.py): the geometry
+handed to cuTensorMapEncodeTiled, encoding in place inside a plan's struct,
+and re-encoding only for a changed pointer. The driver function is replaced
+by a recorder here; tests/test_forward_wgmma_gpu.py runs the real one."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from cuflash import api
+from cuflash._launch import KernelLaunch, LaunchPlan
+from cuflash._params import WGMMA_FORWARD_PARAMS, pack
+from cuflash._tensor_maps import TensorMapEncoder, TensorMapError, TileBox, map_geometry, maps_apply, swizzle_bytes
+
+
+def _byte_strides(shape, order, itemsize=2):
+    """Byte strides of a (batch, seqlen, heads, dim) view of a dense array
+    stored with its dimensions in ``order`` (outermost first)."""
+    strides, step = {}, itemsize
+    for axis in reversed(order):
+        strides[axis] = step
+        step *= shape[axis]
+    return tuple(strides[axis] for axis in range(4))
+
+
+def test_geometry_of_the_flash_layout_is_innermost_first():
+    shape = (3, 1000, 8, 128)  # (batch, seqlen, heads, head_dim), heads after seqlen in memory
+    strides = _byte_strides(shape, (0, 1, 2, 3))
+    dims, byte_strides, box = map_geometry(shape, strides, TileBox(rows=128, cols=128))
+    assert dims == (128, 1000, 8, 3)
+    assert byte_strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)  # seqlen, heads, batch
+    assert box == (64, 128, 1, 1)  # one 128-byte swizzle panel of 128 rows
+
+
+def test_geometry_of_an_sdpa_layout_view():
+    shape = (2, 17, 4, 96)  # viewed as (batch, seqlen, heads, dim), stored (batch, heads, seqlen, dim)
+    strides = _byte_strides(shape, (0, 2, 1, 3))
+    dims, byte_strides, box = map_geometry(shape, strides, TileBox(rows=48, cols=96))
+    assert dims == (96, 17, 4, 2)
+    assert byte_strides == (96 * 2, 17 * 96 * 2, 4 * 17 * 96 * 2)
+    assert box == (32, 48, 1, 1)  # 96 columns: 64-byte panels of 32
+
+
+@pytest.mark.parametrize("cols,expected", [(32, 64), (64, 128), (96, 64), (128, 128), (192, 128), (256, 128),
+                                           (48, 32), (16, 32)])
+def test_swizzle_widths_match_the_kernels_tiles(cols, expected):
+    assert swizzle_bytes(cols) == expected
+    assert TileBox(rows=64, cols=cols).panel_cols * 2 == expected
+
+
+def test_dimensions_of_one_entry_take_any_stride():
+    # One sequence entry and one head: their strides are never stepped over
+    # (here 8 bytes, which the driver would refuse), the map gets a granule.
+    shape = (2, 1, 1, 64)
+    dims, byte_strides, _ = map_geometry(shape, (128, 8, 8, 2), TileBox(rows=64, cols=64))
+    assert dims == (64, 1, 1, 2) and byte_strides == (16, 16, 128)
+
+
+@pytest.mark.parametrize("strides", [(4096, -256, 64, 2), (4096, 264, 8, 2), (0, 256, 64, 2)])
+def test_strides_a_map_cannot_describe_are_refused(strides):
+    shape = (2, 8, 4, 32)
+    assert not maps_apply(shape, strides)
+    with pytest.raises(ValueError, match="positive strides that are multiples of 16 bytes"):
+        map_geometry(shape, strides, TileBox(rows=64, cols=32))
+
+
+class _RecordedEncode:
+    def __init__(self, status=0):
+        self.calls = []
+        self.status = status
+
+    def __call__(self, address, data_type, rank, pointer, dims, strides, box, element_strides, interleave, swizzle,
+                 promotion, fill):
+        self.calls.append({
+            "address": address.value, "data_type": data_type, "rank": rank, "pointer": pointer.value,
+            "dims": list(dims), "strides": list(strides), "box": list(box),
+            "element_strides": list(element_strides), "interleave": interleave, "swizzle": swizzle, "fill": fill,
+        })
+        # Writes a recognisable pattern where the map goes, as the driver would write the map.
+        ctypes.memset(address.value, 0xAB, 128)
+        return self.status
+
+
+def _aligned_buffer():
+    storage = np.zeros(128 + 64, dtype=np.uint8)
+    start = -storage.ctypes.data % 64
+    return storage, storage.ctypes.data + start
+
+
+def test_encoder_passes_the_geometry_and_encodes_only_new_pointers():
+    storage, address = _aligned_buffer()
+    recorded = _RecordedEncode()
+    shape = (2, 300, 4, 128)
+    encoder = TensorMapEncoder(address, "bfloat16", shape, _byte_strides(shape, (0, 1, 2, 3)),
+                               TileBox(rows=128, cols=128), encode=recorded)
+    encoder.encode(0x7000)
+    encoder.encode(0x7000)  # same pointer: the map in place is still right
+    encoder.encode(0x9000)
+    assert [call["pointer"] for call in recorded.calls] == [0x7000, 0x9000]
+    call = recorded.calls[0]
+    assert call["address"] == address and call["rank"] == 4 and call["data_type"] == 9  # bfloat16
+    assert call["dims"] == [128, 300, 4, 2] and call["box"] == [64, 128, 1, 1]
+    assert call["strides"] == [4 * 128 * 2, 128 * 2, 300 * 4 * 128 * 2]
+    assert call["element_strides"] == [1, 1, 1, 1] and call["interleave"] == 0
+    assert call["swizzle"] == 3 and call["fill"] == 0  # 128-byte swizzle; zeros out of bounds
+    assert storage[address - storage.ctypes.data] == 0xAB
+
+
+def test_encoder_reports_a_refusal_and_tries_again_next_call():
+    _, address = _aligned_buffer()
+    recorded = _RecordedEncode(status=1)
+    encoder = TensorMapEncoder(address, "float16", (1, 64, 1, 64), (8192, 128, 128, 2),
+                               TileBox(rows=64, cols=64), encode=recorded)
+    with pytest.raises(TensorMapError, match=r"CUresult 1\) for dims \[64, 64, 1, 1\]"):
+        encoder.encode(0x1000)
+    with pytest.raises(TensorMapError):
+        encoder.encode(0x1000)  # not remembered as encoded
+    assert len(recorded.calls) == 2 and recorded.calls[0]["data_type"] == 6  # float16
+
+
+def test_encoder_refuses_misaligned_addresses():
+    storage, address = _aligned_buffer()
+    with pytest.raises(ValueError, match="64-byte aligned"):
+        TensorMapEncoder(address + 16, "float16", (1, 64, 1, 64), (8192, 128, 128, 2), TileBox(rows=64, cols=64))
+    encoder = TensorMapEncoder(address, "float16", (1, 64, 1, 64), (8192, 128, 128, 2), TileBox(rows=64, cols=64),
+                               encode=_RecordedEncode())
+    with pytest.raises(ValueError, match="16-byte aligned base pointer"):
+        encoder.encode(0x1008)
+
+
+def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
+    from cupy.cuda import driver
+
+    events = []
+    recorded = _RecordedEncode()
+
+    def encode(*arguments):
+        events.append(("encode", arguments[3].value))
+        return recorded(*arguments)
+
+    monkeypatch.setattr(driver, "launchKernel", lambda *arguments: events.append(("launch",)))
+    struct = pack(WGMMA_FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
+                  lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6), num_m_blocks=15,
+                  softmax_scale_log2=0.5)
+    assert struct.ctypes.data % 64 == 0
+    shape = (1, 64, 2, 64)
+    strides = _byte_strides(shape, (0, 1, 2, 3))
+    maps = [(f"{name}.ptr", TensorMapEncoder(struct.ctypes.data + WGMMA_FORWARD_PARAMS.fields[f"{name}_map"][1],
+                                             "float16", shape, strides, TileBox(rows=64, cols=64), encode=encode))
+            for name in ("q", "k", "v")]
+    plan = LaunchPlan(0, [struct], api.FORWARD_SLOTS,
+                      [KernelLaunch(type("K", (), {"kernel": type("F", (), {"ptr": 1})()})(), 1, 384, 0)], maps)
+    plan.launch([0x1000, 0x2000, 0x3000, 0x4000, 0x5000], stream=0)
+    plan.launch([0x1000, 0x2000, 0x3000, 0x6000, 0x7000], stream=0)  # new outputs only
+    plan.launch([0x1000, 0x8000, 0x3000, 0x6000, 0x7000], stream=0)  # a new K
+    assert events == [("encode", 0x1000), ("encode", 0x2000), ("encode", 0x3000), ("launch",), ("launch",),
+                      ("encode", 0x8000), ("launch",)]
+    # Each map landed in its own field of the struct the kernel receives.
+    written = struct.view(np.uint8)
+    for name in ("q", "k", "v"):
+        offset = WGMMA_FORWARD_PARAMS.fields[f"{name}_map"][1]
+        assert (written[offset:offset + 128] == 0xAB).all()
+    assert struct["num_m_blocks"][0] == 15 and struct["k"]["ptr"][0] == 0x8000
