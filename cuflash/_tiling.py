@@ -107,8 +107,8 @@ MMA_BACKWARD_99KIB_TILES = {
 #: head dims take fewer keys per block. Head dims whose bucket is missing
 #: here run on the mma.sync kernel.
 WGMMA_FORWARD_TILES = {
-    32: (128, 64, 12, 2),
-    64: (128, 64, 12, 2),
+    32: (192, 128, 16, 1),
+    64: (192, 128, 16, 1),
     96: (128, 128, 12, 1),
     128: (128, 128, 12, 1),
     192: (128, 64, 12, 1),

@@ -62,7 +62,10 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kConsumers = Traits::kConsumerWarpgroups;
     constexpr int kConsumerRegisters =
-        consumer_registers(Traits::kConsumerThreads, kForwardProducerRegisters, kBlocksPerSm);
+        consumer_registers(kWarps * 32, Traits::kConsumerThreads, kForwardProducerRegisters, kBlocksPerSm);
+
+    static_assert(kConsumerRegisters >= 65536 / (kBlocksPerSm * kWarps * 32) / 8 * 8,
+                  "setmaxnreg.inc may only raise the consumers' registers");
 
     require_shared_memory<Traits>();
     unsigned char* smem;

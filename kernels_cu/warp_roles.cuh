@@ -8,13 +8,17 @@
 
 namespace cuflash {
 
-// The register file a block may use (65536 per multiprocessor) divided
-// among kBlocksPerSm blocks; a producer warpgroup keeping kProducer
-// registers per thread leaves the rest to the consumer threads, in the steps
-// of 8 that setmaxnreg takes, at most 240 (the ISA's ceiling is 256; the
-// compiler keeps a margin for the entry code).
-__host__ __device__ constexpr int consumer_registers(int consumer_threads, int producer_registers, int blocks_per_sm) {
-    const int available = (65536 / blocks_per_sm - 128 * producer_registers) / consumer_threads / 8 * 8;
+// Registers per consumer thread after the producer warpgroup has handed
+// back all but kProducer of its own. A block starts with the registers its
+// launch bounds allow every thread (the file's 65536 over kBlocksPerSm
+// blocks of `threads`, rounded down to the allocation step of 8) and
+// setmaxnreg only moves registers within the block: a consumer asking for
+// more than the block holds would wait forever. At most 240 (the ISA's
+// ceiling is 256; the compiler keeps a margin for the entry code).
+__host__ __device__ constexpr int consumer_registers(int threads, int consumer_threads, int producer_registers,
+                                                     int blocks_per_sm) {
+    const int at_entry = 65536 / (blocks_per_sm * threads) / 8 * 8;
+    const int available = (at_entry * threads - 128 * producer_registers) / consumer_threads / 8 * 8;
     return available > 240 ? 240 : available;
 }
 
