@@ -73,17 +73,23 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     const u32 q_full = base + Traits::kQFull;
 
     const int thread = threadIdx.x;
-    const int warpgroup = thread / 128;
+    // Role and row indices through a shuffle from lane 0: the compiler then
+    // knows them warp-uniform, and keeps the wgmma instructions in their
+    // branches asynchronous (in a path it must treat as divergent it
+    // serialises every wgmma, C7520).
+    const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
     if (thread == 0) {
         mbarrier_init(q_full, 1);
 #pragma unroll
         for (int s = 0; s < Traits::kStages; ++s) {
-            // Full: the producer's arrival with the tile's bytes. Empty: one
-            // arrival per consumer warp, once its products no longer read the buffer.
+            // Full: the producer's arrival with the tile's bytes. Empty: every
+            // consumer thread's, once its products no longer read the buffer
+            // (all threads arrive: a lane-0 arrival would be a divergent
+            // branch among the wgmma instructions).
             mbarrier_init(Traits::k_full(base, s), 1);
-            mbarrier_init(Traits::k_empty(base, s), Traits::kConsumerThreads / 32);
+            mbarrier_init(Traits::k_empty(base, s), Traits::kConsumerThreads);
             mbarrier_init(Traits::v_full(base, s), 1);
-            mbarrier_init(Traits::v_empty(base, s), Traits::kConsumerThreads / 32);
+            mbarrier_init(Traits::v_empty(base, s), Traits::kConsumerThreads);
         }
         mbarrier_init_fence();
     }
@@ -124,7 +130,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         const QueryBlock origin = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
         const BlockContext<Mask, Score> ctx(params, origin.batch);
         const int consumer = warpgroup - 1;
-        const int warp = thread / 32 - 4;  // among the consumer warps
+        const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
         const int lane = thread % 32;
         const int warp_row0 = warp * 16;  // a warp's 16 accumulator rows: consumer * 64 + (warp % 4) * 16
         const int warp_row = origin.m_start + warp_row0;
@@ -145,12 +151,6 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 if (!(last && consumer == kConsumers - 1)) {
                     named_barrier_arrive(1 + (consumer + 1) % kConsumers, 256);
                 }
-            }
-        };
-        // One arrival per consumer warp on an empty barrier, after its wgmma wait.
-        const auto release = [&](u32 empty) {
-            if (lane == 0) {
-                mbarrier_arrive(empty);
             }
         };
 
@@ -207,7 +207,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 wgmma_wait<0>();
             }
             pin_registers(s_flat);
-            release(Traits::k_empty(base, ring.stage));
+            mbarrier_arrive(Traits::k_empty(base, ring.stage));
 
             apply_score_transform(ctx.score, s, warp_row, n_start, lane);
             if (key_block_needs_mask(ctx.mask, warp_row, 16, n_start, kBlockN)) {
@@ -219,7 +219,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed in O
             pin_registers(o_flat);
             if (i > 0) {
-                release(Traits::v_empty(base, previous.stage));
+                mbarrier_arrive(Traits::v_empty(base, previous.stage));
             }
             scale_fragment_rows(o, rescale);
             // P rounded to the element type (its float32 row sums were taken before rounding).

@@ -25,8 +25,10 @@ def test_every_variant_compiles_and_is_reported():
     for row in rows:
         assert row["registers"] > 0 and row["registers"] <= 255
         if row["variant"].startswith(kernel_report.FAST_PATH):
-            # The tensor-core forwards are the fast path: no local memory at all.
+            # The tensor-core forwards are the fast path: no local memory at all,
+            # and no wgmma made to wait for the one before it.
             assert row["spill_stores"] == row["spill_loads"] == 0, row
+            assert not row["wgmma_serialized"], row
         else:
             # The SIMT kernels are not the fast path; a few bytes of spill in a
             # few of them are tolerated here (see the closing notes), not more.

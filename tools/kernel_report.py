@@ -138,9 +138,12 @@ def compile_report(variants, arch: str) -> list[dict]:
     jobs = [[v] for v in fast] + ([rest] if rest else [])
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         log = "\n".join(pool.map(lambda group: _ptxas_log(group, arch), jobs))
-    entries, current = {}, None
+    entries, current, serialized = {}, None, set()
     for line in log.splitlines():
-        if match := re.search(r"Compiling entry function '(\w+)'", line):
+        # C7520: ptxas made every wgmma wait for the previous one (see flash_fwd_wgmma.cu).
+        if match := re.search(r"\(C7520\).*in the function '(\w+)'", line):
+            serialized.add(match.group(1))
+        elif match := re.search(r"Compiling entry function '(\w+)'", line):
             current = match.group(1)
             entries[current] = {}
         elif current and (match := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)):
@@ -151,7 +154,7 @@ def compile_report(variants, arch: str) -> list[dict]:
     by_expression = {}
     for mangled, demangled in zip(entries, _demangle(list(entries))):
         expression = demangled.removeprefix("void ").split("(")[0]
-        by_expression[_normalise(expression)] = entries[mangled]
+        by_expression[_normalise(expression)] = {**entries[mangled], "wgmma_serialized": mangled in serialized}
     rows = []
     for variant in variants:
         found = by_expression.get(_normalise(variant.name_expression))
@@ -169,7 +172,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="substring of the variant keys to report")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--fail-on-spill", action="store_true",
-                        help="exit 1 if a selected variant spills (CI: the FAST_PATH ones)")
+                        help="exit 1 if a selected variant spills or has its wgmma serialised (CI: the FAST_PATH ones)")
     args = parser.parse_args()
     variants = [v for v in all_variants() if args.only in v.key]
     if not variants:
@@ -179,15 +182,20 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'variant':58} {'arch':7} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8} {'smem':>7}")
+        print(f"{'variant':58} {'arch':7} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8} {'smem':>7} "
+              f"{'serial':>6}")
         for r in rows:
             print(f"{r['variant']:58} {r['arch']:7} {r['registers']:4d} {r['stack']:5d} {r['spill_stores']:8d} "
-                  f"{r['spill_loads']:8d} {r['dynamic_smem']:7d}")
+                  f"{r['spill_loads']:8d} {r['dynamic_smem']:7d} {'yes' if r['wgmma_serialized'] else '':>6}")
     spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     if spilling:
         print(f"{len(spilling)} variant(s) spill: " + ", ".join(f"{r['variant']} ({r['arch']})" for r in spilling),
               file=sys.stderr)
-    return 1 if args.fail_on_spill and spilling else 0
+    serial = [r for r in rows if r["wgmma_serialized"]]
+    if serial:
+        print(f"{len(serial)} variant(s) have serialised wgmma (C7520): "
+              + ", ".join(f"{r['variant']} ({r['arch']})" for r in serial), file=sys.stderr)
+    return 1 if args.fail_on_spill and (spilling or serial) else 0
 
 
 if __name__ == "__main__":
