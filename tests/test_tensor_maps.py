@@ -109,6 +109,26 @@ def test_encoder_passes_the_geometry_and_encodes_only_new_pointers():
     assert storage[address - storage.ctypes.data] == 0xAB
 
 
+def test_encoder_copies_back_the_maps_of_recent_pointers():
+    storage, address = _aligned_buffer()
+    calls = []
+
+    def encode(address_arg, data_type, rank, pointer, *rest):
+        calls.append(pointer.value)
+        # A map that depends on the pointer, as the driver's does.
+        ctypes.memset(address_arg.value, pointer.value >> 12, 128)
+        return 0
+
+    encoder = TensorMapEncoder(address, "float16", (1, 64, 1, 64), (8192, 128, 128, 2), TileBox(rows=64, cols=64),
+                               encode=encode, remembered=2)
+    offset = address - storage.ctypes.data
+    for pointer in (0x1000, 0x2000, 0x1000, 0x3000, 0x2000):
+        encoder.encode(pointer)
+        assert (storage[offset:offset + 128] == pointer >> 12).all()
+    # 0x1000 came back while remembered; 0x2000 had been pushed out by 0x1000 and 0x3000.
+    assert calls == [0x1000, 0x2000, 0x3000, 0x2000]
+
+
 def test_encoder_reports_a_refusal_and_tries_again_next_call():
     _, address = _aligned_buffer()
     recorded = _RecordedEncode(status=1)
