@@ -64,7 +64,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     constexpr int kConsumerRegisters =
         consumer_registers(kWarps * 32, Traits::kConsumerThreads, kForwardProducerRegisters, kBlocksPerSm);
 
-    static_assert(kConsumerRegisters >= 65536 / (kBlocksPerSm * kWarps * 32) / 8 * 8,
+    static_assert(kConsumerRegisters >= registers_at_entry(kWarps * 32, kBlocksPerSm),
                   "setmaxnreg.inc may only raise the consumers' registers");
 
     require_shared_memory<Traits>();

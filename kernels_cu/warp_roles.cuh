@@ -9,15 +9,19 @@
 namespace cuflash {
 
 // Registers per consumer thread after the producer warpgroup has handed
-// back all but kProducer of its own. A block starts with the registers its
-// launch bounds allow every thread (the file's 65536 over kBlocksPerSm
-// blocks of `threads`, rounded down to the allocation step of 8) and
+// back all but producer_registers of its own. A block starts with the
+// registers its launch bounds allow every thread (registers_at_entry: the
+// file's 65536 over blocks_per_sm blocks of `threads`, rounded down to the
+// allocation step of 8) and
 // setmaxnreg only moves registers within the block: a consumer asking for
 // more than the block holds would wait forever. At most 240 (the ISA's
 // ceiling is 256; the compiler keeps a margin for the entry code).
+__host__ __device__ constexpr int registers_at_entry(int threads, int blocks_per_sm) {
+    return 65536 / (blocks_per_sm * threads) / 8 * 8;
+}
 __host__ __device__ constexpr int consumer_registers(int threads, int consumer_threads, int producer_registers,
                                                      int blocks_per_sm) {
-    const int at_entry = 65536 / (blocks_per_sm * threads) / 8 * 8;
+    const int at_entry = registers_at_entry(threads, blocks_per_sm);
     const int available = (at_entry * threads - 128 * producer_registers) / consumer_threads / 8 * 8;
     return available > 240 ? 240 : available;
 }
