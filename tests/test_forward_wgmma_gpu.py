@@ -238,3 +238,41 @@ def test_negative_strides_take_a_kernel_without_tensor_maps():
     q = q[:, ::-1]
     assert _chosen(q, k, v).kernel != "wgmma"
     run_and_check(q, k, v, causal=False)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim,tile", [
+    (64, (64, 128, 8, 2)),     # one consumer warpgroup (no turns), two blocks per SM
+    (64, (128, 128, 12, 1)),   # two consumers taking turns
+    (32, (64, 128, 8, 2)),
+    (128, (64, 64, 8, 2)),     # one consumer, two blocks per SM at head dim 128
+    (256, (128, 32, 12, 1)),   # narrow key blocks: many ring passes per query block
+])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_forward_other_tiles(head_dim, tile, causal):
+    """Tiles the table may take (measured candidates, docs/perf-notes.md),
+    run through a plan made with them, against float64: the number of
+    consumer warpgroups (1 skips the turns), blocks per SM (the register
+    budget setmaxnreg moves) and key-block widths all change the pipeline."""
+    from cuflash._tiling import Tiling
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    block_m, block_n, warps, blocks_per_sm = tile
+    tiling = Tiling(head_dim_padded=head_dim, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
+                    blocks_per_sm=blocks_per_sm)
+    q, k, v = random_qkv(cupy, 2, 333, 517, 4, 2, head_dim, cupy.dtype("bfloat16"), layout="bhsd",
+                         seed=head_dim + block_m)
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=causal,
+                            softmax_scale=None)
+    out = cupy.full((2, 333, 4, head_dim), cupy.nan, dtype=q.dtype)
+    lse = cupy.full((2, 4, 333), cupy.nan, dtype=cupy.float32)
+    layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
+    plan = api.forward_plan(problem, layouts, aligned=True, tiling=tiling)
+    plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr],
+                cupy.cuda.get_current_stream().ptr)
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
+    assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, causal=causal, softmax_scale=scale))
+    assert_lse_close(lse, ref_lse)
