@@ -65,8 +65,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         consumer_registers(kWarps * 32, Traits::kConsumerThreads, kForwardProducerRegisters, kBlocksPerSm);
 
     static_assert(kConsumerRegisters >= registers_at_entry(kWarps * 32, kBlocksPerSm),
-                  "setmaxnreg.inc may only raise the consumers' registers (a block of 256 threads at one block "
-                  "per SM starts with more than the 240 it would ask for: give it a producer-free tile)");
+                  "setmaxnreg.inc may only raise the consumers' registers (a 256-thread block alone on an SM "
+                  "starts above the 240 its consumer may ask for: launch two per SM)");
 
     require_shared_memory<Traits>();
     unsigned char* smem;
