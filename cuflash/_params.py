@@ -56,20 +56,20 @@ BACKWARD_PARAMS = np.dtype(
     align=True,
 )
 
-#: A CUtensorMap: 128 opaque bytes (params.cuh's TensorMap, 64-byte aligned).
+#: A CUtensorMap (cuda.h; params.cuh's TensorMap): 128 opaque bytes, 64-byte aligned.
 TENSOR_MAP = np.dtype((np.uint64, 16))
-#: Where WgmmaForwardParams' tensor maps start: ForwardParams rounded up to
-#: the maps' 64-byte alignment.
-_WGMMA_FORWARD_MAPS = 256
+TENSOR_MAP_ALIGNMENT = 64
+#: Where WgmmaForwardParams' tensor maps start: ForwardParams rounded up to their alignment.
+_WGMMA_FORWARD_MAPS = -(-FORWARD_PARAMS.itemsize // TENSOR_MAP_ALIGNMENT) * TENSOR_MAP_ALIGNMENT
+_MAPS = ("q_map", "k_map", "v_map")
 
 #: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V.
 WGMMA_FORWARD_PARAMS = np.dtype({
-    "names": [*FORWARD_PARAMS.names, "q_map", "k_map", "v_map"],
-    "formats": [*(FORWARD_PARAMS.fields[name][0] for name in FORWARD_PARAMS.names), TENSOR_MAP, TENSOR_MAP,
-                TENSOR_MAP],
+    "names": [*FORWARD_PARAMS.names, *_MAPS],
+    "formats": [*(FORWARD_PARAMS.fields[name][0] for name in FORWARD_PARAMS.names), *(TENSOR_MAP for _ in _MAPS)],
     "offsets": [*(FORWARD_PARAMS.fields[name][1] for name in FORWARD_PARAMS.names),
-                *(_WGMMA_FORWARD_MAPS + 128 * i for i in range(3))],
-    "itemsize": _WGMMA_FORWARD_MAPS + 3 * 128,
+                *(_WGMMA_FORWARD_MAPS + TENSOR_MAP.itemsize * i for i in range(len(_MAPS)))],
+    "itemsize": _WGMMA_FORWARD_MAPS + TENSOR_MAP.itemsize * len(_MAPS),
 })
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
@@ -99,10 +99,10 @@ def flat_fields(dtype: np.dtype, prefix: str = "") -> list[tuple[str, int]]:
     return fields
 
 
-def pack(dtype: np.dtype, alignment: int = 64, **fields) -> np.ndarray:
+def pack(dtype: np.dtype, **fields) -> np.ndarray:
     """A one-element struct of ``dtype`` with every top-level field set, by
-    name (nested structs as tuples), its memory ``alignment``-byte aligned
-    (tensor maps are encoded in place at 64-byte boundaries). A field left
+    name (nested structs as tuples), its memory ``TENSOR_MAP_ALIGNMENT``-byte
+    aligned (tensor maps are encoded in place). A field left
     out or a name the struct does not have is an error: a silently zero
     stride or pointer would be a wrong answer, not a crash; tensor maps
     (``TENSOR_MAP`` fields) may be left out: the launch plan encodes them."""
@@ -111,8 +111,8 @@ def pack(dtype: np.dtype, alignment: int = 64, **fields) -> np.ndarray:
     unknown = set(fields) - set(dtype.names)
     if missing or unknown:
         raise KeyError(f"struct fields missing {sorted(missing)}, unknown {sorted(unknown)}")
-    storage = np.zeros(dtype.itemsize + alignment, dtype=np.uint8)
-    start = -storage.ctypes.data % alignment
+    storage = np.zeros(dtype.itemsize + TENSOR_MAP_ALIGNMENT, dtype=np.uint8)
+    start = -storage.ctypes.data % TENSOR_MAP_ALIGNMENT
     struct = storage[start:start + dtype.itemsize].view(dtype)
     for name, value in fields.items():
         struct[name] = value

@@ -21,9 +21,9 @@ import ctypes
 from collections import OrderedDict
 from dataclasses import dataclass
 
-#: Bytes of a CUtensorMap and its alignment (cuda.h: CU_TENSOR_MAP_NUM_QWORDS * 8, alignas(64)).
-TENSOR_MAP_BYTES = 128
-TENSOR_MAP_ALIGNMENT = 64
+from ._params import TENSOR_MAP, TENSOR_MAP_ALIGNMENT
+
+TENSOR_MAP_BYTES = TENSOR_MAP.itemsize
 
 #: CUtensorMapDataType of each 16-bit dtype the Hopper kernels take.
 _DATA_TYPE = {"float16": 6, "bfloat16": 9}
@@ -79,16 +79,6 @@ def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox)
                              f"below 2^40, got {stride_bytes} bytes")
         byte_strides.append(stride_bytes)
     return dims, tuple(byte_strides), (box.panel_cols, box.rows, 1, 1)
-
-
-def maps_apply(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether an array of this shape and byte strides can be described by a
-    map (see ``map_geometry``)."""
-    try:
-        map_geometry(shape, strides, TileBox(rows=8, cols=64))
-    except ValueError:
-        return False
-    return True
 
 
 _encode_function = None

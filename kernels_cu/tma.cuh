@@ -26,11 +26,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
         : "memory");
 }
 
-// Fetches the map's descriptor into the copy engine's cache ahead of the first copy.
-__device__ __forceinline__ void tma_prefetch_map(const TensorMap& map) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
-}
-
 // Loads a kRows x Tile::kCols tile whose first row is `row` into a swizzled
 // tile (SwizzledTile, swizzled_tile.cuh) at `dst`: one box per column panel
 // (the map's box is kPanelCols wide and kRows tall, in the tile's swizzle).
