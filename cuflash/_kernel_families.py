@@ -225,6 +225,9 @@ _FORWARD = "cuflash::ForwardParams"
 #: __grid_constant__ parameter (the copy engine reads the maps in place).
 _WGMMA_FORWARD = "__grid_constant__ cuflash::WgmmaForwardParams"
 _BACKWARD = "cuflash::BackwardParams"
+#: The Hopper backward's: BackwardParams and the tensor maps of Q, K, V, dO
+#: and the float32 dQ accumulator, a __grid_constant__ parameter.
+_WGMMA_BACKWARD = "__grid_constant__ cuflash::WgmmaBackwardParams"
 
 #: Every kernel, preferred first within a role.
 FAMILIES: tuple[KernelFamily, ...] = (
@@ -244,10 +247,11 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
                  tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),
     KernelFamily("backward-dkdv-wgmma", "backward-dkdv", "flash_bwd_wgmma.cu",
-                 "cuflash::flash_backward_dkdv_wgmma_kernel", _BACKWARD, arch="sm_90a", kernel="wgmma",
+                 "cuflash::flash_backward_dkdv_wgmma_kernel", _WGMMA_BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
-                 dq_modes={"atomic": "false", "ordered": "true"}),
+                 dq_modes={"atomic": "false", "ordered": "true"},
+                 tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
                  dtypes=MMA_DTYPES, head_dims=tuple(MMA_BACKWARD_TILES), tiles=mma_backward_tiling,

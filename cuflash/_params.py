@@ -59,18 +59,25 @@ BACKWARD_PARAMS = np.dtype(
 #: A CUtensorMap (cuda.h; params.cuh's TensorMap): 128 opaque bytes, 64-byte aligned.
 TENSOR_MAP = np.dtype((np.uint64, 16))
 TENSOR_MAP_ALIGNMENT = 64
-#: Where WgmmaForwardParams' tensor maps start: ForwardParams rounded up to their alignment.
-_WGMMA_FORWARD_MAPS = -(-FORWARD_PARAMS.itemsize // TENSOR_MAP_ALIGNMENT) * TENSOR_MAP_ALIGNMENT
-_MAPS = ("q_map", "k_map", "v_map")
+
+
+def _with_maps(base: np.dtype, maps: tuple[str, ...]) -> np.dtype:
+    """A struct deriving from ``base`` with tensor maps after it (params.cuh):
+    ``base``'s fields, then the maps from ``base`` rounded up to their alignment."""
+    start = -(-base.itemsize // TENSOR_MAP_ALIGNMENT) * TENSOR_MAP_ALIGNMENT
+    return np.dtype({
+        "names": [*base.names, *maps],
+        "formats": [*(base.fields[name][0] for name in base.names), *(TENSOR_MAP for _ in maps)],
+        "offsets": [*(base.fields[name][1] for name in base.names),
+                    *(start + TENSOR_MAP.itemsize * i for i in range(len(maps)))],
+        "itemsize": start + TENSOR_MAP.itemsize * len(maps),
+    })
+
 
 #: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V.
-WGMMA_FORWARD_PARAMS = np.dtype({
-    "names": [*FORWARD_PARAMS.names, *_MAPS],
-    "formats": [*(FORWARD_PARAMS.fields[name][0] for name in FORWARD_PARAMS.names), *(TENSOR_MAP for _ in _MAPS)],
-    "offsets": [*(FORWARD_PARAMS.fields[name][1] for name in FORWARD_PARAMS.names),
-                *(_WGMMA_FORWARD_MAPS + TENSOR_MAP.itemsize * i for i in range(len(_MAPS)))],
-    "itemsize": _WGMMA_FORWARD_MAPS + TENSOR_MAP.itemsize * len(_MAPS),
-})
+WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
+#: WgmmaBackwardParams: BackwardParams, then the maps of Q, K, V, dO and the float32 dQ accumulator.
+WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8

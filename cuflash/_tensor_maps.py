@@ -22,11 +22,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ._params import TENSOR_MAP, TENSOR_MAP_ALIGNMENT
+from ._tiling import widest_swizzle_bytes
 
 TENSOR_MAP_BYTES = TENSOR_MAP.itemsize
 
-#: CUtensorMapDataType of each 16-bit dtype the Hopper kernels take.
-_DATA_TYPE = {"float16": 6, "bfloat16": 9}
+#: CUtensorMapDataType of each dtype the Hopper kernels copy: the 16-bit
+#: inputs, and the backward's float32 dQ accumulator.
+_DATA_TYPE = {"float16": 6, "float32": 7, "bfloat16": 9}
+_ELEMENT_BYTES = {"float16": 2, "float32": 4, "bfloat16": 2}
 #: CUtensorMapSwizzle of each swizzle width in bytes (SwizzledTile::kSwizzleBytes).
 _SWIZZLE = {32: 1, 64: 2, 128: 3}
 _INTERLEAVE_NONE = 0
@@ -41,27 +44,28 @@ class TensorMapError(RuntimeError):
     """The driver refused to encode a tensor map."""
 
 
-def swizzle_bytes(cols: int) -> int:
-    """``widest_swizzle_bytes`` of swizzled_tile.cuh: the widest swizzle
-    (128, 64 or 32 bytes a row) whose panels of 16-bit columns tile ``cols``."""
-    return 128 if cols % 64 == 0 else 64 if cols % 32 == 0 else 32
-
-
 @dataclass(frozen=True)
 class TileBox:
     """What one map copies: a tile of ``rows`` rows by ``cols`` columns
-    (the kernel's padded head dim), one swizzle panel per copy."""
+    (the kernel's padded head dim) of ``element_bytes`` each, one swizzle
+    panel per copy. The swizzle (bytes a panel row) defaults to the widest
+    whose panels of 16-bit columns tile ``cols`` (``SwizzledTile``'s
+    default, ``widest_swizzle_bytes``); kernels that narrow a tile's
+    panels, and float32 tiles (``SwizzledFloatTile``: 128 bytes), give
+    theirs as ``swizzle_width``."""
 
     rows: int
     cols: int
+    swizzle_width: int | None = None
+    element_bytes: int = 2
 
     @property
     def swizzle(self) -> int:
-        return swizzle_bytes(self.cols)
+        return self.swizzle_width or widest_swizzle_bytes(self.cols)
 
     @property
     def panel_cols(self) -> int:
-        return self.swizzle // 2
+        return self.swizzle // self.element_bytes
 
 
 def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox):
@@ -112,6 +116,8 @@ class TensorMapEncoder:
 
     def __init__(self, address: int, dtype_name: str, shape, strides, box: TileBox, encode=None,
                  remembered: int = 64):
+        if box.element_bytes != _ELEMENT_BYTES[dtype_name]:
+            raise ValueError(f"a box of {box.element_bytes}-byte elements does not fit a {dtype_name} array")
         if address % TENSOR_MAP_ALIGNMENT:
             raise ValueError(f"a tensor map must be {TENSOR_MAP_ALIGNMENT}-byte aligned, got address {address:#x}")
         dims, byte_strides, box_dims = map_geometry(tuple(shape), tuple(strides), box)

@@ -105,10 +105,12 @@ MMA_BACKWARD_99KIB_TILES = {
 #: registers, O head_dim / 2 and the previous P block_n / 4 (<= 192
 #: together); K and V go through a ring of two buffers each, so the larger
 #: head dims take fewer keys per block. Head dims whose bucket is missing
-#: here run on the mma.sync kernel.
+#: here run on the mma.sync kernel. d32/d64 run one consumer per block and
+#: two blocks per SM (faster at every measured length than three consumers
+#: of 192 rows: docs/perf-notes.md).
 WGMMA_FORWARD_TILES = {
-    32: (192, 128, 16, 1),
-    64: (192, 128, 16, 1),
+    32: (64, 128, 8, 2),
+    64: (64, 128, 8, 2),
     96: (128, 128, 12, 1),
     128: (128, 128, 12, 1),
     192: (128, 64, 12, 1),
@@ -120,27 +122,45 @@ WGMMA_FORWARD_STAGES = 2
 WGMMA_FORWARD_BARRIER_BYTES = 8 * (1 + 4 * WGMMA_FORWARD_STAGES)
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
-#: warps). Up to head dim 128 each warpgroup owns 64 keys: S^T and dP^T take
-#: block_m / 2 registers each, dK and dV head_dim / 2 each, so
-#: block_m + head_dim <= 192. Above 128 the warpgroups share 64 keys and split
-#: the head dim (``backward_splits_head_dim``): head_dim / warpgroups
-#: columns of dK and dV, block_m / warpgroups queries of S^T and dP^T each.
+#: warps, Q/dO buffers). Warp-specialised like the forward: warpgroup 0
+#: loads and adds dQ, the other warps / 4 - 1 are consumers. Up to head dim
+#: 128 each consumer owns 64 keys: S^T and dP^T take block_m / 2 registers
+#: each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192 (d64 takes
+#: 64 rows: at 128 the consumers' 240 registers spilled). Above 128 the
+#: consumers share 64 keys and split the head dim
+#: (``backward_splits_head_dim``): head_dim / consumers columns of dK and
+#: dV, block_m / consumers queries of S^T and dP^T each. Head dim 256 has
+#: one Q/dO buffer: two do not fit beside the float32 dQ tile.
 WGMMA_BACKWARD_TILES = {
-    32: (128, 128, 8),
-    64: (128, 128, 8),
-    96: (64, 128, 8),
-    128: (64, 128, 8),
-    192: (64, 64, 8),
-    256: (64, 64, 8),
+    32: (128, 128, 12, 2),
+    64: (64, 128, 12, 2),
+    96: (64, 128, 12, 2),
+    128: (64, 128, 12, 2),
+    192: (64, 64, 12, 2),
+    256: (64, 64, 12, 1),
 }
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
-#: Shared memory each warp of the Hopper backward stages its dQ rows in
-#: (``kDqStagingFloatsPerWarp`` floats, dq_accumulation.cuh: 8 rows of 40).
-DQ_STAGING_BYTES_PER_WARP = 8 * 40 * 4
 #: Kernels a ``Tiling`` can describe.
 KERNELS = ("simt", "mma", "wgmma")
+
+
+def widest_swizzle_bytes(cols: int) -> int:
+    """``widest_swizzle_bytes`` of swizzled_tile.cuh: the widest swizzle
+    (128, 64 or 32 bytes a row) whose panels of 16-bit columns tile ``cols``."""
+    return 128 if cols % 64 == 0 else 64 if cols % 32 == 0 else 32
+
+
+def wgmma_backward_swizzles(tiling: "Tiling") -> tuple[int, int]:
+    """Swizzle widths (bytes a panel row) of the Hopper backward's Q/dO and
+    K/V tiles (``WgmmaBackwardTraits``' QTile, KvTile): narrowed until each
+    consumer's columns of dK and dV (Q, dO) and of dQ (K) start on a panel."""
+    d = tiling.head_dim_padded
+    consumers = tiling.warps // 4 - 1
+    acc_cols = d // consumers if backward_splits_head_dim(d) else d
+    dq_cols = d * (tiling.block_m // 64) // consumers
+    return widest_swizzle_bytes(acc_cols), widest_swizzle_bytes(dq_cols)
 
 
 def backward_splits_head_dim(head_dim_padded: int) -> bool:
@@ -184,8 +204,8 @@ class Tiling:
     #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
     #: the wgmma forward always double-buffers
     kv_stages: int = 1
-    #: Q/dO buffers of the mma.sync backward (1 or 2, see MmaBackwardTraits);
-    #: the wgmma backward always double-buffers
+    #: Q/dO buffers of the tensor-core backwards (1 or 2, see
+    #: MmaBackwardTraits, WgmmaBackwardTraits)
     q_stages: int = 2
     #: resident blocks per SM the wgmma forward's register budget is set for
     #: (its launch bounds); the other kernels leave it to the compiler
@@ -240,10 +260,10 @@ class Tiling:
         ``q_stages`` buffers of Q and dO (rows padded by 8 elements), dS^T
         (and P^T where the head dim is split; 16-bit, rows padded), as many
         buffers of LSE and delta; for the wgmma backward
-        ``WgmmaBackwardTraits::kBytes``: K, V, two
-        buffers of Q and dO, dS^T (and P^T where the head dim is split;
-        16-bit, swizzled), two buffers of LSE and delta, each warp's dQ
-        staging rows where ``kDqStaged``, plus the alignment slack."""
+        ``WgmmaBackwardTraits::kBytes``: K, V, ``q_stages`` buffers of Q and
+        dO, two of dS^T (and P^T where the head dim is split; 16-bit,
+        swizzled), the float32 dQ tile, ``q_stages`` buffers of LSE and
+        delta, the mbarriers, plus the alignment slack."""
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
@@ -252,11 +272,10 @@ class Tiling:
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
-            # S^T, dP^T queries per warpgroup: the block's, split between the
-            # warpgroups that share 64 keys where the head dim is split (kScoreCols)
-            score_cols = m // (self.warps // 4) if backward_splits_head_dim(d) else m
-            staging = self.warps * DQ_STAGING_BYTES_PER_WARP if score_cols <= 64 else 0  # kDqStaged
-            return (2 * n * d + 4 * m * d + score_tiles * n * m) * e + 2 * 2 * m * 4 + staging + WGMMA_SMEM_ALIGNMENT
+            q = self.q_stages
+            barriers = 8 * (1 + 3 * q + 2)  # K/V full; Q full, dO full, empty per stage; dQ full, empty
+            return ((2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4
+                    + barriers + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 
@@ -420,8 +439,9 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``."""
     padded = _bucket_in(WGMMA_BACKWARD_TILES, "Hopper backward", dtype_name, head_dim)
-    block_m, block_n, warps = WGMMA_BACKWARD_TILES[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma")
+    block_m, block_n, warps, q_stages = WGMMA_BACKWARD_TILES[padded]
+    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
+                    q_stages=q_stages)
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 

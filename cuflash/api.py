@@ -24,9 +24,9 @@ from ._cuda import import_cupy
 from ._kernel_families import FAMILIES, FAMILY, family_of, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
-from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack, tensor_ref
+from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack, tensor_ref
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import ELEMENT_SIZE, Tiling
+from ._tiling import ELEMENT_SIZE, Tiling, wgmma_backward_swizzles
 from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
 
 _LOG2E = math.log2(math.e)
@@ -554,7 +554,10 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
     )
-    structs = [pack(BACKWARD_PARAMS, **fields)]
+    hopper = dkdv_tiling.kernel == "wgmma"
+    # The element-wise kernels take the BackwardParams at the start of the
+    # Hopper kernel's struct.
+    structs = [pack(WGMMA_BACKWARD_PARAMS if hopper else BACKWARD_PARAMS, **fields)]
     device = problem.device
     launches = []
 
@@ -580,4 +583,32 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
                                      struct=1))
     elif rows:
         elementwise("backward-convert-dq", rows * 32)  # one warp per query row
-    return LaunchPlan(device, structs, BACKWARD_SLOTS, launches)
+    tensor_maps = _wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0]) if hopper and rows and grid else []
+    return LaunchPlan(device, structs, BACKWARD_SLOTS, launches, tensor_maps)
+
+
+def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct) -> list:
+    """(slot, encoder) of the Hopper backward's tensor maps in ``struct``: Q
+    and dO by blocks of block_m rows, K and V of block_n, in the kernel's
+    swizzles (``wgmma_backward_swizzles``), and the float32 dQ accumulator
+    (contiguous (batch, seqlen_q, heads, head_dim)) in 32-column boxes of
+    block_m rows, 128-byte swizzle, into which the kernel adds its dQ tiles."""
+    q_swizzle, kv_swizzle = wgmma_backward_swizzles(tiling)
+    d = tiling.head_dim_padded
+    maps = []
+
+    def add(slot: str, field: str, dtype_name: str, shape, strides, box: TileBox):
+        address = struct.ctypes.data + struct.dtype.fields[field][1]
+        maps.append((slot, TensorMapEncoder(address, dtype_name, shape, strides, box)))
+
+    for name, field, rows, swizzle in (("q", "q_map", tiling.block_m, q_swizzle),
+                                       ("dout", "do_map", tiling.block_m, q_swizzle),
+                                       ("k", "k_map", tiling.block_n, kv_swizzle),
+                                       ("v", "v_map", tiling.block_n, kv_swizzle)):
+        layout = layouts[name]
+        add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
+            TileBox(rows=rows, cols=d, swizzle_width=swizzle))
+    shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim)
+    add("dq_accum", "dq_map", "float32", shape, tuple(4 * stride for stride in contiguous_strides(shape)),
+        TileBox(rows=tiling.block_m, cols=d, swizzle_width=128, element_bytes=4))
+    return maps

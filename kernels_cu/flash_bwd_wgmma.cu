@@ -1,117 +1,210 @@
 // FlashAttention backward dK/dV (with atomic or ordered dQ) on Hopper's warpgroup tensor
-// cores (wgmma, sm_90a; float16, bfloat16). The algorithm is flash_bwd.cu's:
-// one thread block per key block j keeps K_j, V_j and the dK_j, dV_j
-// accumulators while it walks every query block i of every query head
-// sharing this K/V head; the preprocessing (delta) and dQ conversion kernels
-// of flash_bwd_elementwise.cu run before and after it.
+// cores (wgmma, sm_90a; float16, bfloat16), warp-specialised. The algorithm is
+// flash_bwd.cu's: one thread block per key block j keeps K_j, V_j and the
+// dK_j, dV_j accumulators while it walks every query block i of every query
+// head sharing this K/V head; the preprocessing (delta) and dQ conversion
+// kernels of flash_bwd_elementwise.cu run before and after it.
 //
-// Each warpgroup owns 64 keys; per query block, in the transposed form that
-// keeps the key-side products in registers:
+// Warpgroup 0 is the producer; it hands most of its registers back
+// (setmaxnreg) and two of its warps work:
+//  - the load warp copies K and V once and, through a ring of kStages
+//    buffers, each step's Q and dO tiles with the Tensor Memory Accelerator
+//    (tma.cuh), its lanes writing the rows' LSE and delta next to them; full
+//    and empty mbarriers hand the buffers over (mbarrier.cuh);
+//  - the dQ warp takes each step's float32 dQ tile from shared memory and
+//    has the copy engine add it into the accumulator (cp.reduce.async.bulk,
+//    tma_reduce_add_tile), waiting, in the ordered (deterministic) mode, for
+//    this key block's turn first. The consumers never wait for those
+//    additions to land, only for the tile to be read: adding dQ was the
+//    previous kernel's bound (its warps all stalled in the same window of
+//    every step, docs/perf-notes.md).
+// The other warpgroups are consumers (setmaxnreg: the producer's registers).
+// Each owns 64 keys; per query block, in the transposed form that keeps the
+// key-side products in registers:
 //   S^T  = K Q^T, dP^T = V dO^T        both operands from swizzled shared memory
 //   P^T  = exp2(S^T * scale log2(e) - LSE log2(e)),  dS^T = P^T (dP^T - delta)
 //                                      (S^T after the score transform, dS^T
 //                                      times its derivative)
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
 //                                      accumulators packed), B read MN-major
-//   dQ_i += scale * dS K               dS^T staged in shared memory, both
-//                                      operands MN-major; float32 reductions
-//                                      of whole lines (dq_accumulation.cuh)
-// Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the warpgroups
+//   dQ_i = scale * dS K                dS^T staged in shared memory, both
+//                                      operands MN-major, into the dQ tile
+// Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the consumers
 // share one block of 64 keys instead: each computes S^T and dP^T for its
 // share of the query block's rows and owns its share of dK's and dV's
 // columns, so P^T is staged in shared memory next to dS^T and dV, dK take
-// both A operands from there.
-// Q, dO and their row statistics are double-buffered: the next query block
-// is copied by cp.async while this one is computed. dK is scaled once at the
-// end. Nothing of size seqlen_q x seqlen_k exists: one dS^T (and P^T) tile
-// per block.
+// both A operands from there. The consumers meet at one named barrier per
+// step (every consumer's dS^T staged; the producer never joins), and dK is
+// scaled once at the end. Nothing of size seqlen_q x seqlen_k exists: two
+// dS^T (and P^T) tiles and one dQ tile per block.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
 #include "tensor_core_traits.cuh"
-#include "async_copy.cuh"
+#include "mbarrier.cuh"
+#include "tma.cuh"
+#include "warp_roles.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
-#include "dq_accumulation.cuh"
 
 namespace cuflash {
 
+// The producer keeps this many registers per thread (a walk, a ring
+// position, coordinates and barrier addresses).
+constexpr int kBackwardProducerRegisters = 24;
+// The consumers' named barrier (ids from 1: 0 is __syncthreads').
+constexpr int kConsumersBarrier = 1;
+
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          bool kOrderedDq>
+          int kStages, bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32, 1)
-flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
+flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
     using DsTile = typename Traits::DsTile;
+    using DqTile = typename Traits::DqTile;
+    using Ring = RingPosition<kStages>;
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
     constexpr int kAccCols = Traits::kAccCols;
     constexpr int kScoreCols = Traits::kScoreCols;
     constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
+    constexpr int kConsumerThreads = Traits::kConsumerThreads;
+    constexpr int kConsumerRegisters =
+        consumer_registers(kWarps * 32, kConsumerThreads, kBackwardProducerRegisters, 1);
+    static_assert(kConsumerRegisters >= registers_at_entry(kWarps * 32, 1),
+                  "setmaxnreg.inc may only raise the consumers' registers");
 
     require_shared_memory<Traits>();
     unsigned char* smem;
     const u32 base = aligned_shared_base<Traits::kAlignment>(smem);
-    const u32 k_smem = base + Traits::kK;
-    const u32 v_smem = base + Traits::kV;
-    const u32 q_smem = base + Traits::kQ;
-    const u32 do_smem = base + Traits::kDo;
-    float* const stats = reinterpret_cast<float*>(smem + Traits::kStats);
+    const u32 kv_full = base + Traits::kKvFull;
+    const u32 dq_full = base + Traits::kDqFull;
+    const u32 dq_empty = base + Traits::kDqEmpty;
+
+    const int thread = threadIdx.x;
+    // Role and warp indices through a shuffle from lane 0: warp-uniform to
+    // the compiler, which then keeps the wgmma instructions asynchronous
+    // (see flash_fwd_wgmma.cu).
+    const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
+    const int lane = thread % 32;
+    if (thread == 0) {
+        mbarrier_init(kv_full, 1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            // Q full: the load warp's 32 lanes (each after its statistics)
+            // and the tile's bytes; dO full: one arrival and the bytes;
+            // empty: every consumer thread, once its products are done.
+            mbarrier_init(Traits::q_full(base, s), 32);
+            mbarrier_init(Traits::do_full(base, s), 1);
+            mbarrier_init(Traits::q_empty(base, s), kConsumerThreads);
+        }
+        mbarrier_init(dq_full, kConsumerThreads);
+        mbarrier_init(dq_empty, 1);
+        mbarrier_init_fence();
+    }
+    // The only block-wide barrier: after it the producer may leave early.
+    __syncthreads();
 
     const KeyBlock block =
         key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
     const BlockContext<Mask, Score> ctx(params, block.batch);
-    const float scale = static_cast<float>(params.softmax_scale);
-
-    const int thread = threadIdx.x;
-    const int warp = thread / 32;
-    const int lane = thread % 32;
-    const int warpgroup = warp / 4;
     const int n_start = block.n_start;
-    // The warpgroup's keys, its queries of S^T and dP^T inside the query
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
+                        walk_rotation<Mask>(params, block.n_block));
+
+    if (warpgroup == 0) {
+        release_registers<kBackwardProducerRegisters>();
+        const int warp = __shfl_sync(0xffffffffu, thread / 32, 0);
+        if (warp == 0) {
+            // The load warp.
+            if (walk.steps > 0 && lane == 0) {
+                mbarrier_arrive_expect_tx(kv_full, 2 * KvTile::kBytes);
+                tma_load_tile<KvTile>(base + Traits::kK, params.k_map, kv_full, n_start, block.kv_head, block.batch);
+                tma_load_tile<KvTile>(base + Traits::kV, params.v_map, kv_full, n_start, block.kv_head, block.batch);
+            }
+            Ring ring;
+            for (int step = 0; step < walk.steps; ++step) {
+                const int m_start = walk.m_block * kBlockM;
+                const u32 q_full = Traits::q_full(base, ring.stage), do_full = Traits::do_full(base, ring.stage);
+                // The phase before the current one: on the first pass every buffer is free.
+                mbarrier_wait(Traits::q_empty(base, ring.stage), ring.phase ^ 1);
+                if (lane == 0) {
+                    mbarrier_expect_tx(q_full, QTile::kBytes);
+                    tma_load_tile<QTile>(base + Traits::kQ + ring.stage * QTile::kBytes, params.q_map, q_full,
+                                         m_start, walk.head, block.batch);
+                    mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
+                    tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map, do_full,
+                                         m_start, walk.head, block.batch);
+                }
+                load_row_statistics<kBlockM, 32>(
+                    reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
+                    block.batch, walk.head, m_start, ctx.seqlen_q, lane);
+                mbarrier_arrive(q_full);  // after this lane's statistics
+                index_t next_head;
+                int next_m_block;
+                walk.following(next_head, next_m_block);
+                walk.head = next_head;
+                walk.m_block = next_m_block;
+                ring.advance();
+            }
+        } else if (warp == 1 && lane == 0) {
+            // The dQ warp: each step's tile, once the consumers have written it.
+            u32 phase = 0;
+            for (int step = 0; step < walk.steps; ++step) {
+                const int m_start = walk.m_block * kBlockM;
+                mbarrier_wait(dq_full, phase);
+                int* counter = nullptr;
+                if constexpr (kOrderedDq) {
+                    counter = params.dq_semaphore + (block.batch * params.size.nheads + walk.head) * params.num_m_blocks +
+                              walk.m_block;
+                    poll_until_turn(counter, dq_turn(ctx.mask, params, walk.m_block, block.n_block, kBlockM, kBlockN));
+                    fence_async_global();  // the acquired turn before the copy engine's additions
+                }
+                tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, m_start, walk.head, block.batch);
+                bulk_commit();
+                bulk_wait_read<0>();
+                mbarrier_arrive(dq_empty);  // the consumers may write the next tile
+                if constexpr (kOrderedDq) {
+                    // The additions must have landed, and be visible at gpu
+                    // scope, before the next key block's turn.
+                    bulk_wait<0>();
+                    fence_async_global();
+                    hand_on_turn(counter);
+                }
+                index_t next_head;
+                int next_m_block;
+                walk.following(next_head, next_m_block);
+                walk.head = next_head;
+                walk.m_block = next_m_block;
+                phase ^= 1;
+            }
+            bulk_wait<0>();
+        }
+        return;
+    }
+
+    claim_registers<kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
+    const float scale = static_cast<float>(params.softmax_scale);
+    // The consumer's keys, its queries of S^T and dP^T inside the query
     // block, and its columns of dK and dV (see WgmmaBackwardTraits).
-    const int key_group = kSplitHeadDim ? 0 : warpgroup;
-    const int dim_group = kSplitHeadDim ? warpgroup : 0;
+    const int key_group = kSplitHeadDim ? 0 : consumer;
+    const int dim_group = kSplitHeadDim ? consumer : 0;
     const int warp_key0 = (kSplitHeadDim ? warp % 4 : warp) * 16;  // the warp's 16 accumulator rows (keys)
     const int score_col0 = dim_group * kScoreCols;
     const int acc_col0 = dim_group * kAccCols;
 
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(
-        k_smem, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
-        ctx.seqlen_k - n_start, ctx.head_dim, thread);
-    load_swizzled_tile_async<KvTile, Traits::kThreads>(
-        v_smem, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
-        ctx.seqlen_k - n_start, ctx.head_dim, thread);
-
-    // Copies Q, dO (cp.async) and the row statistics of query block m_block
-    // of `head` into `buffer`.
-    const auto load_query_block = [&](index_t head, int m_block, int buffer) {
-        const int m_start = m_block * kBlockM;
-        load_swizzled_tile_async<QTile, Traits::kThreads>(
-            q_smem + buffer * QTile::kBytes, params.q.row_ptr<const Element>(block.batch, head, m_start),
-            params.q.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        load_swizzled_tile_async<QTile, Traits::kThreads>(
-            do_smem + buffer * QTile::kBytes, params.dout.row_ptr<const Element>(block.batch, head, m_start),
-            params.dout.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
-                                                       ctx.seqlen_q, thread);
-    };
-    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
-                        walk_rotation<Mask>(params, block.n_block));
-    if (walk.steps > 0) {
-        load_query_block(walk.head, walk.m_block, 0);
-    }
-    cp_async_commit();
-
     // Descriptors (wgmma.cuh). K-major: K and V as A of S^T / dP^T (this
-    // warpgroup's 64 keys), Q and dO as their B (its queries), and, where the
+    // consumer's 64 keys), Q and dO as their B (its queries), and, where the
     // head dim is split, P^T and dS^T as A of dV / dK. MN-major: dO and Q as
-    // B of dV / dK (its columns), dS^T (this warpgroup's m64 tile of queries)
+    // B of dV / dK (its columns), dS^T (this consumer's m64 tile of queries)
     // and K (its column block of dQ) for dQ.
     const u32 key_rows = key_group * 64 * KvTile::kSwizzleBytes;
     const u32 query_rows = score_col0 * QTile::kSwizzleBytes;
@@ -122,14 +215,16 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     const u64 do_descriptor = kmajor_descriptor<QTile>(base, Traits::kDo + query_rows);
     const u64 q_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kQ + acc_panel);
     const u64 do_mn_descriptor = mn_major_descriptor<QTile>(base, Traits::kDo + acc_panel);
-    const u64 pt_descriptor = kmajor_descriptor<DsTile>(base, Traits::kPt);
     const u64 ds_descriptor = kmajor_descriptor<DsTile>(base, Traits::kDs);
+    const u64 pt_descriptor = ds_descriptor + (DsTile::kBytes >> 4);
     constexpr u64 kQBufferStep = QTile::kBytes >> 4;
-    const int dq_m_tile = warpgroup % Traits::kDqMTiles;
-    const int dq_col0 = warpgroup / Traits::kDqMTiles * kDqCols;
+    constexpr u64 kScoreBufferStep = Traits::kScoreBuffer >> 4;
+    const int dq_m_tile = consumer % Traits::kDqMTiles;
+    const int dq_col0 = consumer / Traits::kDqMTiles * kDqCols;
     const u64 ds_mn_descriptor = mn_major_descriptor<DsTile>(base, Traits::kDs + dq_m_tile * DsTile::kPanelBytes);
     const u64 k_mn_descriptor =
         mn_major_descriptor<KvTile>(base, Traits::kK + dq_col0 / KvTile::kPanelCols * KvTile::kPanelBytes);
+    const int dq_row0 = dq_m_tile * 64 + (warp % 4) * 16;  // the warp's rows of the dQ tile
 
     float dk[1][kDTiles][4];
     float dv[1][kDTiles][4];
@@ -137,63 +232,45 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
     fill_fragments(dv, 0.0f);
     float(&dk_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dk);
     float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
-    unsigned char* const ds_tile = smem + Traits::kDs;
-    unsigned char* const pt_tile = smem + Traits::kPt;
-    float* const dq_staging = reinterpret_cast<float*>(smem + Traits::kDqStaging) + warp * kDqStagingFloatsPerWarp;
 
-    // Ordered dQ: the dQ block whose turn this block holds until it hands
-    // it on (one step later, once the next products are issued).
-    HeldTurn held;
+    if (walk.steps > 0) {
+        mbarrier_wait(kv_full, 0);
+    }
+    Ring ring;
     for (int step = 0; step < walk.steps; ++step) {
-        const int buffer = step & 1;
-        // This step's Q, dO and statistics have landed for every thread;
-        // every warpgroup is done with the previous step (its buffers and dS^T).
-        cp_async_wait<0>();
-        fence_async_shared();
-        __syncthreads();
-        index_t next_head;
-        int next_m_block;
-        walk.following(next_head, next_m_block);
-        if (step + 1 < walk.steps) {
-            load_query_block(next_head, next_m_block, buffer ^ 1);
-        }
-        cp_async_commit();
-        const index_t head = walk.head;
-        const int m_block = walk.m_block;
-        const int m_start = m_block * kBlockM;
+        const int m_start = walk.m_block * kBlockM;
+        const int score_buffer = step & 1;
+        unsigned char* const ds_tile = smem + Traits::kDs + score_buffer * Traits::kScoreBuffer;
+        const u64 q_buffer = ring.stage * kQBufferStep;
 
         float s[1][kQTiles][4];
         float dp[1][kQTiles][4];
         float(&s_flat)[kScoreCols / 2] = reinterpret_cast<float(&)[kScoreCols / 2]>(s);
         float(&dp_flat)[kScoreCols / 2] = reinterpret_cast<float(&)[kScoreCols / 2]>(dp);
+        mbarrier_wait(Traits::q_full(base, ring.stage), ring.phase);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             Wgmma<Element, kScoreCols>::ss(s_flat, k_descriptor + kmajor_k_step<KvTile>(ks),
-                                        q_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
-                                        ks > 0);
+                                           q_descriptor + q_buffer + kmajor_k_step<QTile>(ks), ks > 0);
         }
+        mbarrier_wait(Traits::do_full(base, ring.stage), ring.phase);
 #pragma unroll
         for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
             Wgmma<Element, kScoreCols>::ss(dp_flat, v_descriptor + kmajor_k_step<KvTile>(ks),
-                                        do_descriptor + buffer * kQBufferStep + kmajor_k_step<QTile>(ks),
-                                        ks > 0);
+                                           do_descriptor + q_buffer + kmajor_k_step<QTile>(ks), ks > 0);
         }
         wgmma_commit();
-        if constexpr (kOrderedDq) {
-            // The previous step's dQ additions are ordered before the barrier
-            // at the top of this step; its fence waits while S^T and dP^T run.
-            held.hand_on(thread);
-        }
         wgmma_wait<0>();
         pin_registers(s_flat);
         pin_registers(dp_flat);
 
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start,
-                                                                 score_col0, n_start, n_start + warp_key0, lane);
+        const float* stats = reinterpret_cast<const float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats, m_start, score_col0, n_start,
+                                                                 n_start + warp_key0, lane_index_now());
         // P^T and dS^T rounded to the element type: dS^T to shared memory for
         // dQ (same swizzle as the tiles), and both as the A operands of dV
-        // and dK, from registers, or where the warpgroups split the head dim
+        // and dK, from registers, or where the consumers split the head dim
         // (each holding its queries' share), from shared memory too.
         u32 p_frag[kScoreCols / 16][4];
         u32 ds_frag[kScoreCols / 16][4];
@@ -203,99 +280,108 @@ flash_backward_dkdv_wgmma_kernel(const BackwardParams params) {
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
         const auto stage_transposed = [&](unsigned char* tile, const u32 (&frags)[kScoreCols / 16][4]) {
-            stage_transposed_fragments<kQTiles>(tile, frags, warp_key0, score_col0, lane,
+            stage_transposed_fragments<kQTiles>(tile, frags, warp_key0, score_col0, lane_index_now(),
                                                 [](int row, int chunk) { return DsTile::chunk_offset(row, chunk); });
         };
         stage_transposed(ds_tile, ds_frag);
         if constexpr (kSplitHeadDim) {
-            stage_transposed(pt_tile, p_frag);
+            stage_transposed(ds_tile + DsTile::kBytes, p_frag);
         }
         fence_async_shared();  // dS^T (P^T), written by ordinary stores, is read by the tensor cores
         if constexpr (kSplitHeadDim) {
-            __syncthreads();  // both warpgroups' queries of P^T and dS^T are in shared memory
+            // Every consumer's queries of P^T and dS^T are in shared memory.
+            named_barrier_sync(kConsumersBarrier, kConsumerThreads);
         }
 
         wgmma_fence();
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            const u64 do_step = do_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
+            const u64 do_step = do_mn_descriptor + q_buffer + mn_major_k_step<QTile>(ps);
             if constexpr (kSplitHeadDim) {
-                Wgmma<Element, kAccCols>::ss_mn_major_b(dv_flat, pt_descriptor + kmajor_k_step<DsTile>(ps), do_step, 1);
+                Wgmma<Element, kAccCols>::ss_mn_major_b(
+                    dv_flat, pt_descriptor + score_buffer * kScoreBufferStep + kmajor_k_step<DsTile>(ps), do_step, 1);
             } else {
                 Wgmma<Element, kAccCols>::rs(dv_flat, p_frag[ps], do_step, 1);
             }
         }
 #pragma unroll
         for (int ps = 0; ps < Traits::kRowSteps; ++ps) {
-            const u64 q_step = q_mn_descriptor + buffer * kQBufferStep + mn_major_k_step<QTile>(ps);
+            const u64 q_step = q_mn_descriptor + q_buffer + mn_major_k_step<QTile>(ps);
             if constexpr (kSplitHeadDim) {
-                Wgmma<Element, kAccCols>::ss_mn_major_b(dk_flat, ds_descriptor + kmajor_k_step<DsTile>(ps), q_step, 1);
+                Wgmma<Element, kAccCols>::ss_mn_major_b(
+                    dk_flat, ds_descriptor + score_buffer * kScoreBufferStep + kmajor_k_step<DsTile>(ps), q_step, 1);
             } else {
                 Wgmma<Element, kAccCols>::rs(dk_flat, ds_frag[ps], q_step, 1);
             }
         }
         wgmma_commit();
-
-        // Deterministic mode: the key blocks add into this dQ block one after
-        // another, in the order of dq_turn (backward_steps.cuh). A key block
-        // that waits trails the previous one by what it waits through, so
-        // the turn is awaited after dQ's product (only the additions are
-        // serialised), and handed on one step later (see hand_on_turn).
-        const auto dq_counter = [&]() {
-            return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
-        };
-        const auto turn = [&]() {
-            return dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN);
-        };
-        if constexpr (!kSplitHeadDim) {  // (split: passed before dV and dK)
-            __syncthreads();  // every warpgroup's dS^T is in shared memory
+        if constexpr (!kSplitHeadDim) {
+            // Every consumer's dS^T is in shared memory (split: passed before dV and dK).
+            named_barrier_sync(kConsumersBarrier, kConsumerThreads);
         }
-        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns).
-        constexpr int kDqChunk = dq_chunk_columns(kOrderedDq, kAccCols, kDqCols);
+        // dV and dK are done before dQ's product starts: their A fragments
+        // (P^T, dS^T) and dQ's accumulators would not fit in registers
+        // together. They have read this step's Q and dO: the load warp may
+        // refill the buffer.
+        wgmma_wait<0>();
+        pin_registers(dv_flat);
+        pin_registers(dk_flat);
+        mbarrier_arrive(Traits::q_empty(base, ring.stage));
+
+        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns), each
+        // scaled into the dQ tile once the dQ warp has read the previous one.
+        constexpr int kDqChunk = dq_chunk_columns(true, kAccCols, kDqCols);
         static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "chunks of whole K panels");
-        float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
-        const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
 #pragma unroll
         for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
             const int chunk_col0 = dq_col0 + chunk * kDqChunk;
-            const u64 k_chunk_descriptor = k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
+            const u64 k_chunk_descriptor =
+                k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
             float dq[1][kDqChunk / 8][4];
             float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
 #pragma unroll
             for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-                Wgmma<Element, kDqChunk>::ss_mn_major(dq_flat, ds_mn_descriptor + mn_major_k_step<DsTile>(ks),
-                                                      k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
+                Wgmma<Element, kDqChunk>::ss_mn_major(
+                    dq_flat, ds_mn_descriptor + score_buffer * kScoreBufferStep + mn_major_k_step<DsTile>(ks),
+                    k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
             }
             wgmma_commit();
             wgmma_wait<0>();
             pin_registers(dq_flat);
             pin_registers(dv_flat);
             pin_registers(dk_flat);
-            if constexpr (kOrderedDq) {
-                if (chunk == 0) {
-                    wait_for_turn(dq_counter(), turn());
+            if (chunk == 0) {
+                mbarrier_wait(dq_empty, (step & 1) ^ 1);
+            }
+            const int dq_lane = lane_index_now();
+#pragma unroll
+            for (int j = 0; j < kDqChunk / 8; ++j) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = dq_row0 + dq_lane / 4 + half * 8;
+                    const int col = chunk_col0 + 8 * j + 2 * (dq_lane % 4);
+                    *reinterpret_cast<float2*>(smem + Traits::kDq + DqTile::offset(row, col)) =
+                        make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
                 }
             }
-            add_dq_fragment<kDqChunk, Traits::kDqStaged>(dq_rows, dq_row_stride, dq_m_tile * 64 + (warp % 4) * 16,
-                                                         chunk_col0, dq, scale, dq_staging, ctx.seqlen_q - m_start,
-                                                         ctx.head_dim, lane);
         }
-        if constexpr (kOrderedDq) {
-            held.counter = dq_counter();
-        }
+        fence_async_shared();  // the dQ tile, written by ordinary stores, is read by the copy engine
+        mbarrier_arrive(dq_full);
+
+        index_t next_head;
+        int next_m_block;
+        walk.following(next_head, next_m_block);
         walk.head = next_head;
         walk.m_block = next_m_block;
+        ring.advance();
     }
 
-    // Epilogue: every warpgroup is past its last read of K and V; each warp
-    // stages its 16 rows of dK (scaled) and dV there (same swizzle) and
-    // stores them 16 bytes at a time. Keys past seqlen_k and padded columns
-    // are not written; with no visible query the results are zeros.
-    cp_async_wait<0>();
-    __syncthreads();
-    if constexpr (kOrderedDq) {
-        held.hand_on(thread);  // the last step's dQ block
-    }
+    // Epilogue: once every consumer is past its last read of K and V (dQ's
+    // product reads all of K), each warp stages its 16 rows of dK (scaled)
+    // and dV there (same swizzle) and stores them 16 bytes at a time. Keys
+    // past seqlen_k and padded columns are not written; with no visible
+    // query the results are zeros.
+    named_barrier_sync(kConsumersBarrier, kConsumerThreads);
     unsigned char* const tiles[2] = {smem + Traits::kK, smem + Traits::kV};
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

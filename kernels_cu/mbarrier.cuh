@@ -35,6 +35,12 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 barrier, u32 bytes
                  : "memory");
 }
 
+// Announces `bytes` that copies completing on this barrier will write,
+// without arriving (the caller's arrival comes later, with the others').
+__device__ __forceinline__ void mbarrier_expect_tx(u32 barrier, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(bytes) : "memory");
+}
+
 // Waits until the phase of parity `parity` has completed. try_wait suspends
 // the thread for a while in hardware before returning false, so the loop
 // does not spin on the issue slots the math warps need.

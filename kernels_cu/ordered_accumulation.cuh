@@ -19,21 +19,26 @@ __device__ __forceinline__ void add_release(int* address, int value) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(address), "r"(value) : "memory");
 }
 
-// Waits until *counter == turn; thread 0 polls and the whole block goes on
-// together. Progress needs the awaited block to be running or finished:
-// callers wait for blocks dispatched earlier, or (rotated walks, see
-// dq_turn) for blocks of a head whose key blocks all fit on the GPU at once.
-// A counter that never arrives (block ranges that disagree with the order)
-// traps, with an error, instead of hanging the GPU.
+// Waits until *counter == turn, polled by the calling thread alone.
+// Progress needs the awaited block to be running or finished: callers wait
+// for blocks dispatched earlier, or (rotated walks, see dq_turn) for blocks
+// of a head whose key blocks all fit on the GPU at once. A counter that
+// never arrives (block ranges that disagree with the order) traps, with an
+// error, instead of hanging the GPU.
+__device__ __forceinline__ void poll_until_turn(const int* counter, int turn) {
+    long long polls = 0;
+    while (load_acquire(counter) != turn) {
+        if (++polls > (1LL << 28)) {
+            __trap();
+        }
+        __nanosleep(32);
+    }
+}
+
+// The same for a whole block: thread 0 polls and the block goes on together.
 __device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
     if (threadIdx.x == 0) {
-        long long polls = 0;
-        while (load_acquire(counter) != turn) {
-            if (++polls > (1LL << 28)) {
-                __trap();
-            }
-            __nanosleep(32);
-        }
+        poll_until_turn(counter, turn);
     }
     __syncthreads();
 }

@@ -111,4 +111,14 @@ struct BackwardParams {
 
 static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
 
+// The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
+// parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
+// kernel's swizzled tiles) and of the float32 dQ accumulator (32-column
+// boxes, 128-byte swizzle), which the copy engine reads in place.
+struct WgmmaBackwardParams : BackwardParams {
+    TensorMap q_map, k_map, v_map, do_map, dq_map;
+};
+
+static_assert(sizeof(WgmmaBackwardParams) == 448 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
+
 }  // namespace cuflash

@@ -46,6 +46,29 @@ struct SwizzledTile {
     }
 };
 
+// A kRows x kCols tile of float32 in the 128-byte swizzle: kCols / 32 column
+// panels of kRows rows of 128 bytes, the 16-byte chunk c (4 floats) of row r
+// stored at chunk c ^ (r % 8). It is the layout a tensor map with the
+// 128-byte swizzle and a box of 32 columns reads (the Hopper backward's dQ
+// tile, reduced into global memory by the copy engine), and a warp writing
+// float2 pairs of its accumulator rows (8 rows x 32 bytes) touches every
+// bank twice: two wavefronts for 256 bytes, no more.
+template <int kRows_, int kCols_>
+struct SwizzledFloatTile {
+    static constexpr int kRows = kRows_;
+    static constexpr int kCols = kCols_;
+    static constexpr int kPanelCols = 32;
+    static constexpr int kPanelBytes = kRows * 128;
+    static constexpr int kBytes = kPanelBytes * (kCols / kPanelCols);
+    static_assert(kCols % kPanelCols == 0, "whole 128-byte panels");
+    static_assert(kRows % 8 == 0, "whole swizzle atoms");
+
+    // Byte offset of float column `col` of `row`.
+    static __device__ __forceinline__ int offset(int row, int col) {
+        return col / kPanelCols * kPanelBytes + row * 128 + (((col % kPanelCols) / 4) ^ (row % 8)) * 16 + (col % 4) * 4;
+    }
+};
+
 // Stores the 16 rows row0 .. row0 + 15, columns col0 .. col0 + kCols - 1 of a
 // swizzled tile (a warp's accumulator rows, staged there) to `out`, the
 // tile's row 0 in global memory (rows row_stride elements apart), 16 bytes

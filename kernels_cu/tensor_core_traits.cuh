@@ -9,7 +9,6 @@
 #include "numeric.cuh"
 #include "shared_memory.cuh"
 #include "swizzled_tile.cuh"
-#include "dq_accumulation.cuh"
 
 namespace cuflash {
 
@@ -207,65 +206,86 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 
-// Hopper backward dK/dV (flash_bwd_wgmma.cu, sm_90a): kWarps / 4 warpgroups
-// sharing one block of kBlockN keys, walking query blocks of kBlockM rows.
-// Up to head dim 128 each warpgroup owns 64 keys (one wgmma m64 tile of S^T,
-// dP^T, dK and dV) with every column of their dK and dV; per thread dK and
-// dV take kHeadDim / 2 floats each, S^T and dP^T kBlockM / 2 each. Above 128,
-// dK and dV of 64 keys would not fit in one warpgroup's registers, so the
-// warpgroups share the same 64 keys and split the head dim of dK and dV (and
-// the block's queries for S^T and dP^T, whose P^T and dS^T then reach both
-// warpgroups through shared memory). Then each warpgroup's share of
-// dQ_i = dS_i K_j (kDqCols / 2 floats) is added to the float32 accumulator:
-// the warpgroups split dQ's kBlockM x kHeadDim into m64 tiles first, then
-// into column blocks; K's and Q's swizzle panels are narrowed (SwizzledTile)
-// until the column blocks start on panels (head dim 96: two dQ blocks of 48
-// columns, 32-byte panels).
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+// Hopper backward dK/dV (flash_bwd_wgmma.cu, sm_90a), warp-specialised:
+// warpgroup 0 is the producer (it loads and, for dQ, stores), the other
+// kWarps / 4 - 1 are consumers sharing one block of kBlockN keys and
+// walking query blocks of kBlockM rows. Up to head dim 128 each consumer
+// owns 64 keys (one wgmma m64 tile of S^T, dP^T, dK and dV) with every
+// column of their dK and dV; per thread dK and dV take kHeadDim / 2 floats
+// each, S^T and dP^T kBlockM / 2 each. Above 128, dK and dV of 64 keys would
+// not fit in one warpgroup's registers, so the consumers share the same 64
+// keys and split the head dim of dK and dV (and the block's queries for S^T
+// and dP^T, whose P^T and dS^T then reach both through shared memory). Each
+// consumer's share of dQ_i = dS_i K_j (kDqCols / 2 floats) goes to a float32
+// tile in shared memory, which the producer adds into the accumulator: the
+// consumers split dQ's kBlockM x kHeadDim into m64 tiles first, then into
+// column blocks; K's and Q's swizzle panels are narrowed (SwizzledTile) until
+// the column blocks start on panels (head dim 96: two dQ blocks of 48
+// columns, 32-byte panels). Q and dO (with their rows' LSE and delta) come
+// through a ring of kStages buffers; dS^T (and P^T) are double-buffered by
+// step so that one consumer may stage the next step's while the other still
+// reads this one's.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_>
 struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
-    static constexpr int kWarpgroups = kWarps / 4;
+    static constexpr int kStages = kStages_;
+    static constexpr int kConsumers = kWarps / 4 - 1;  // consumer warpgroups
+    static constexpr int kConsumerThreads = 128 * kConsumers;
 
     static constexpr bool kSplitHeadDim = kHeadDim > 128;
-    static constexpr int kKeyGroups = kSplitHeadDim ? 1 : kWarpgroups;  // warpgroups with their own 64 keys
-    static constexpr int kDimGroups = kWarpgroups / kKeyGroups;         // warpgroups sharing 64 keys
-    static constexpr int kAccCols = kHeadDim / kDimGroups;              // dK, dV columns per warpgroup
-    static constexpr int kScoreCols = kBlockM / kDimGroups;             // S^T, dP^T queries per warpgroup
+    static constexpr int kKeyGroups = kSplitHeadDim ? 1 : kConsumers;  // consumers with their own 64 keys
+    static constexpr int kDimGroups = kConsumers / kKeyGroups;         // consumers sharing 64 keys
+    static constexpr int kAccCols = kHeadDim / kDimGroups;             // dK, dV columns per consumer
+    static constexpr int kScoreCols = kBlockM / kDimGroups;            // S^T, dP^T queries per consumer
 
     static constexpr int kQTiles = kScoreCols / 8;  // n8 tiles of a warp's S^T and dP^T
     static constexpr int kDTiles = kAccCols / 8;    // n8 tiles of a warp's dK and dV
     static constexpr int kDqMTiles = kBlockM / 64;  // m64 tiles of dQ
-    static constexpr int kDqCols = kHeadDim * kDqMTiles / kWarpgroups;  // dQ columns per warpgroup
+    static constexpr int kDqCols = kHeadDim * kDqMTiles / kConsumers;  // dQ columns per consumer
 
     // K, V: rows are keys; K's column blocks of dQ start on panels.
     using KvTile = SwizzledTile<kBlockN, kHeadDim, widest_swizzle_bytes(kDqCols)>;
-    // Q, dO: rows are queries; a warpgroup's columns of dK and dV start on a panel.
+    // Q, dO: rows are queries; a consumer's columns of dK and dV start on a panel.
     using QTile = SwizzledTile<kBlockM, kHeadDim, widest_swizzle_bytes(kAccCols)>;
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T (and P^T): rows are keys, columns queries
+    using DqTile = SwizzledFloatTile<kBlockM, kHeadDim>;
+    static constexpr int kScoreBuffer = DsTile::kBytes * (kSplitHeadDim ? 2 : 1);  // dS^T, then P^T where split
     static constexpr int kK = 0;
     static constexpr int kV = kK + KvTile::kBytes;
-    static constexpr int kQ = kV + KvTile::kBytes;     // two buffers
-    static constexpr int kDo = kQ + 2 * QTile::kBytes;  // two buffers
-    static constexpr int kDs = kDo + 2 * QTile::kBytes;
-    static constexpr int kPt = kDs + DsTile::kBytes;  // P^T, where the warpgroups split the head dim
-    static constexpr int kStats = kPt + (kSplitHeadDim ? DsTile::kBytes : 0);  // two buffers of (LSE in log2, delta)
-    // dQ leaves through each warp's staging rows (dq_accumulation.cuh) except
-    // where 128 queries of S^T and dP^T leave no registers for it.
-    static constexpr bool kDqStaged = kScoreCols <= 64;
-    static constexpr int kDqStaging = kStats + 2 * 2 * kBlockM * 4;
+    static constexpr int kQ = kV + KvTile::kBytes;               // kStages buffers
+    static constexpr int kDo = kQ + kStages * QTile::kBytes;     // kStages buffers
+    static constexpr int kDs = kDo + kStages * QTile::kBytes;    // two score buffers, by step parity
+    static constexpr int kDq = kDs + 2 * kScoreBuffer;
+    static constexpr int kStats = kDq + DqTile::kBytes;          // kStages buffers of (LSE in log2, delta)
+    static constexpr int kStatsBytes = 2 * kBlockM * 4;
+    static constexpr int kBarriers = kStats + kStages * kStatsBytes;
+    // K and V full; per stage Q full, dO full, Q/dO empty; dQ full, dQ empty.
+    static constexpr int kKvFull = kBarriers;
+    static constexpr int kDqFull = kKvFull + 8 + 3 * 8 * kStages;
+    static constexpr int kDqEmpty = kDqFull + 8;
+    static constexpr int kLayoutBytes = kDqEmpty + 8;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
-    static constexpr int kLayoutBytes = kDqStaging + (kDqStaged ? kWarps * kDqStagingFloatsPerWarp * 4 : 0);
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
-    static_assert(kWarps % 4 == 0 && kBlockN == 64 * kKeyGroups, "64 keys per warpgroup, or per block when split");
-    static_assert(kBlockM % 64 == 0 && kHeadDim % 16 == 0 && kScoreCols % 16 == 0,
-                  "m64 tiles of dQ; k16 steps over the head dim and the queries");
-    static_assert(kWarpgroups % kDqMTiles == 0 && kDqCols * (kWarpgroups / kDqMTiles) == kHeadDim &&
+    static __device__ __forceinline__ u32 q_full(u32 base, int s) { return base + kKvFull + 8 + 24 * s; }
+    static __device__ __forceinline__ u32 do_full(u32 base, int s) { return base + kKvFull + 16 + 24 * s; }
+    static __device__ __forceinline__ u32 q_empty(u32 base, int s) { return base + kKvFull + 24 + 24 * s; }
+
+    static_assert(kWarps % 4 == 0 && kConsumers >= 1 && kBlockN == 64 * kKeyGroups,
+                  "a producer warpgroup, then consumers of 64 keys each, or sharing 64 keys when split");
+    static_assert(kBlockM % 64 == 0 && kHeadDim % 32 == 0 && kScoreCols % 16 == 0,
+                  "m64 tiles of dQ; whole 32-column panels of it; k16 steps over the queries");
+    static_assert(kConsumers % kDqMTiles == 0 && kDqCols * (kConsumers / kDqMTiles) == kHeadDim &&
                       kDqCols % 16 == 0 && kDqCols <= 128,
-                  "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per warpgroup");
+                  "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per consumer");
+    static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
     static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(QTile::kBytes % 1024 == 0 && KvTile::kBytes % 1024 == 0 && DsTile::kBytes % 1024 == 0 &&
+                      DqTile::kBytes % 1024 == 0,
+                  "every tile starts on a swizzle atom");
+    static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -7,6 +7,11 @@
 // its bytes down on an mbarrier (mbarrier.cuh). Elements outside the tensor
 // (rows past the sequence, columns past head_dim) arrive as zeros, and their
 // bytes count like the others.
+//
+// The other direction is a reduction: the engine adds a box of shared memory
+// into global memory (float32 add), skipping elements outside the tensor,
+// and the issuing thread waits for its bulk groups (bulk_wait_read: the
+// shared source may be rewritten; bulk_wait: the additions are done).
 #pragma once
 
 #include "numeric.cuh"
@@ -37,6 +42,55 @@ __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32
         tma_load_4d(dst + panel * Tile::kPanelBytes, map, barrier, panel * Tile::kPanelCols, row,
                     static_cast<int>(head), static_cast<int>(batch));
     }
+}
+
+// Adds the box at `src` (shared) into the box at coordinates (c0, c1, c2,
+// c3) of `map`'s float32 tensor, in the bulk group of the issuing thread.
+__device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+            reinterpret_cast<unsigned long long>(&map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
+// Adds a float32 tile (SwizzledFloatTile) into rows row.. of (head, batch):
+// one box of 32 columns per panel.
+template <typename Tile>
+__device__ __forceinline__ void tma_reduce_add_tile(const TensorMap& map, u32 src, int row, index_t head,
+                                                    index_t batch) {
+#pragma unroll
+    for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
+        tma_reduce_add_4d(map, src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
+                          static_cast<int>(batch));
+    }
+}
+
+// Closes the bulk group of the copies this thread issued since the last one.
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most kPending of this thread's bulk groups still read
+// their shared sources (the sources may then be rewritten).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Waits until at most kPending of this thread's bulk groups are unfinished
+// (their writes to global memory are done).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Orders this thread's global-memory accesses through the copy engine (the
+// async proxy) with its ordinary ones, both ways: an acquired turn before
+// the reductions it allows, finished reductions before the release that
+// hands the turn on.
+__device__ __forceinline__ void fence_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 }  // namespace cuflash

@@ -38,6 +38,17 @@ __device__ __forceinline__ void claim_registers() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters));
 }
 
+// The lane index, read afresh from the hardware wherever it is called. Values
+// derived from it (swizzled shared-memory offsets of a warp's fragments)
+// cannot be hoisted out of a loop: a compiler that keeps a dozen such
+// loop-invariant offsets live in a register-tight loop spills them, where
+// recomputing each costs an instruction or two.
+__device__ __forceinline__ int lane_index_now() {
+    int lane;
+    asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+    return lane;
+}
+
 // Named barriers (bar.sync / bar.arrive): `threads` threads in all take
 // part, a multiple of 32. Barrier 0 is __syncthreads'; a warp-specialised
 // kernel uses ids from 1 so that the producer never has to join.

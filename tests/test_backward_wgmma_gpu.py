@@ -184,3 +184,39 @@ def test_wgmma_backward_padded_head_dims(dtype, head_dim, causal):
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
     assert _chosen(q, k, v).kernel == "wgmma"
     run_backward_and_check(q, k, v, causal=causal, seed=head_dim)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+def test_wgmma_backward_on_packed_qkv_views(dtype, head_dim, deterministic):
+    """Q, K and V as views into one packed (batch, seqlen, 3, heads, dim)
+    buffer (a fused QKV projection): the backward's tensor maps of Q, K, V
+    and dO step by the views' strides, and its dQ tiles are added into the
+    accumulator by its own map, whatever the inputs' layout."""
+    import numpy as np
+
+    cupy = _cupy()
+    rng = np.random.default_rng(head_dim)
+    packed = cupy.asarray(rng.standard_normal((2, 301, 3, 4, head_dim)).astype(np.float32)).astype(dtype)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_backward_and_check(q, k, v, causal=True, deterministic=deterministic, seed=head_dim)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_wgmma_backward_encodes_maps_for_each_calls_arrays(head_dim):
+    """Backward calls of one signature share a plan; each call's Q, K, V, dO
+    and work buffers must be used, not the first call's (the maps are
+    encoded again for each new pointer)."""
+    cupy = _cupy()
+    api.plans.clear()
+    first = random_qkv(cupy, 2, 200, 300, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=1)
+    second = random_qkv(cupy, 2, 200, 300, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=2)
+    run_backward_and_check(*first, causal=False, seed=1)
+    plans_after_first = len(api.plans)
+    run_backward_and_check(*second, causal=False, seed=2)
+    run_backward_and_check(first[0], second[1], first[2], causal=False, seed=3)  # a new K alone
+    assert len(api.plans) == plans_after_first  # one signature per pass, one plan each

@@ -13,7 +13,8 @@ import pytest
 from cuflash import api
 from cuflash._launch import KernelLaunch, LaunchPlan
 from cuflash._params import WGMMA_FORWARD_PARAMS, pack
-from cuflash._tensor_maps import TensorMapEncoder, TensorMapError, TileBox, map_geometry, swizzle_bytes
+from cuflash._tensor_maps import TensorMapEncoder, TensorMapError, TileBox, map_geometry
+from cuflash._tiling import widest_swizzle_bytes
 
 
 def _byte_strides(shape, order, itemsize=2):
@@ -47,7 +48,7 @@ def test_geometry_of_an_sdpa_layout_view():
 @pytest.mark.parametrize("cols,expected", [(32, 64), (64, 128), (96, 64), (128, 128), (192, 128), (256, 128),
                                            (48, 32), (16, 32)])
 def test_swizzle_widths_match_the_kernels_tiles(cols, expected):
-    assert swizzle_bytes(cols) == expected
+    assert widest_swizzle_bytes(cols) == expected
     assert TileBox(rows=64, cols=cols).panel_cols * 2 == expected
 
 
@@ -183,3 +184,48 @@ def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
         offset = WGMMA_FORWARD_PARAMS.fields[f"{name}_map"][1]
         assert (written[offset:offset + 128] == 0xAB).all()
     assert struct["num_m_blocks"][0] == 15 and struct["k"]["ptr"][0] == 0x8000
+
+
+@pytest.mark.parametrize("head_dim,q_panel,kv_panel", [
+    (64, 64, 32),    # 64 rows: each consumer's dQ columns (32) start on 32-column panels of K
+    (96, 32, 16),    # narrowed panels: dK/dV columns 96 (64-byte), dQ blocks of 48 (32-byte)
+    (128, 64, 64),
+    (256, 64, 64),   # split head dim: each consumer's 128 columns of dK/dV, 128 of dQ
+])
+def test_backward_maps_follow_the_kernels_tiles(head_dim, q_panel, kv_panel):
+    """The Hopper backward's five maps: Q and dO by block_m rows, K and V by
+    block_n, in the swizzles WgmmaBackwardTraits narrows its tiles to (a
+    wrong panel width would load columns in the wrong places), and the
+    float32 dQ accumulator as 32-column boxes of block_m rows with the
+    128-byte swizzle, over the accumulator's own (batch, seqlen_q, heads,
+    head_dim) layout and the unpadded head dim."""
+    from types import SimpleNamespace
+
+    from cuflash._params import WGMMA_BACKWARD_PARAMS
+    from cuflash._tiling import wgmma_backward_tiling
+
+    tiling = wgmma_backward_tiling("bfloat16", head_dim)
+    problem = SimpleNamespace(dtype="bfloat16", batch=2, seqlen_q=300, nheads=4, head_dim=head_dim - 8)
+    shape = (2, 300, 4, head_dim - 8)
+    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name in ("q", "k", "v", "dout")}
+    storage = np.zeros(WGMMA_BACKWARD_PARAMS.itemsize + 64, dtype=np.uint8)
+    start = -storage.ctypes.data % 64
+    struct = storage[start:start + WGMMA_BACKWARD_PARAMS.itemsize].view(WGMMA_BACKWARD_PARAMS)
+    maps = dict(api._wgmma_backward_maps(problem, layouts, tiling, struct))
+    assert set(maps) == {"q.ptr", "dout.ptr", "k.ptr", "v.ptr", "dq_accum"}
+    recorded = _RecordedEncode()
+    boxes = {}
+    for slot, encoder in maps.items():
+        encoder._encode = recorded
+        encoder.encode(0x10000)
+        call = recorded.calls[-1]
+        boxes[slot] = (call["box"][:2], call["swizzle"], call["data_type"])
+        assert call["address"] == struct.ctypes.data + WGMMA_BACKWARD_PARAMS.fields[
+            {"q.ptr": "q_map", "dout.ptr": "do_map", "k.ptr": "k_map", "v.ptr": "v_map", "dq_accum": "dq_map"}[slot]][1]
+    swizzle_mode = {32: 1, 64: 2, 128: 3}
+    assert boxes["q.ptr"] == boxes["dout.ptr"] == ([q_panel, tiling.block_m], swizzle_mode[2 * q_panel], 9)
+    assert boxes["k.ptr"] == boxes["v.ptr"] == ([kv_panel, tiling.block_n], swizzle_mode[2 * kv_panel], 9)
+    assert boxes["dq_accum"] == ([32, tiling.block_m], 3, 7)
+    dq_call = recorded.calls[-1]
+    assert dq_call["dims"] == [head_dim - 8, 300, 4, 2]
+    assert dq_call["strides"] == [4 * 4 * (head_dim - 8), 4 * (head_dim - 8), 4 * 300 * 4 * (head_dim - 8)]

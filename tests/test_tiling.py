@@ -10,7 +10,13 @@ import pytest
 from cuflash._kernel_families import CXX_ELEMENT_TYPE, FAMILIES, FAMILY, family_of, select
 from cuflash._loader import kernel_source_dir
 from cuflash._masks import MASKS
-from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_FORWARD_PARAMS, flat_fields
+from cuflash._params import (
+    BACKWARD_PARAMS,
+    FORWARD_PARAMS,
+    WGMMA_BACKWARD_PARAMS,
+    WGMMA_FORWARD_PARAMS,
+    flat_fields,
+)
 from cuflash._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
@@ -115,7 +121,7 @@ _TRAITS = {
                    "{t.kv_stages}>",
     "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
-                           "{t.warps}>",
+                           "{t.warps}, {t.q_stages}>",
     "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
                          "{t.q_stages}>",
 }
@@ -243,7 +249,8 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     # WgmmaBackwardTraits: 64 keys per warpgroup, or shared by all of them
     # where the head dim is split; dK, dV, S^T and dP^T within 192
     # registers; dQ split into column blocks of whole k16 steps.
-    warpgroups = tiling.warps // 4
+    warpgroups = tiling.warps // 4 - 1  # consumers; warpgroup 0 is the producer
+    assert warpgroups >= 1
     split = backward_splits_head_dim(bucket)
     assert split == (bucket > 128)
     assert tiling.block_n == (64 if split else 64 * warpgroups) and tiling.block_m % 64 == 0
@@ -337,7 +344,7 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
     printed = _run_host_program(tmp_path, "\n".join([
         'printf("%g\\n", (double)cuflash::FragmentOnlineSoftmax<1>::kRescaleSlack);',
         'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12>::kAlignment);',
-        'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 128, 128, 8>::kAlignment);',
+        'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 64, 128, 12, 2>::kAlignment);',
         'printf("%d\\n", cuflash::kMaxSmemBytes);',
     ]), extra_include="online_softmax.cuh")
     assert [float(x) for x in printed] == [RESCALE_SLACK, WGMMA_SMEM_ALIGNMENT, WGMMA_SMEM_ALIGNMENT, MAX_SMEM_BYTES]
@@ -345,7 +352,8 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
 @needs_nvcc
 @pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS),
-                                          ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS)])
+                                          ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS),
+                                          ("WgmmaBackwardParams", WGMMA_BACKWARD_PARAMS)])
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']

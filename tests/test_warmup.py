@@ -125,6 +125,6 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
                                               "backward-convert-dq"}
     dkdv = sorted(k for k in keys if k.startswith("backward-dkdv-wgmma/"))
     assert [k.split("/", 2)[2] for k in dkdv] == [
-        "hdim96/m64n128w8/causal/atomic-dq", "hdim96/m64n128w8/causal/ordered-dq",
-        "hdim96/m64n128w8/none/atomic-dq", "hdim96/m64n128w8/none/ordered-dq"]
+        "hdim96/m64n128w12/causal/q2/atomic-dq", "hdim96/m64n128w12/causal/q2/ordered-dq",
+        "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/ordered-dq"]
     assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 2  # none, causal

@@ -54,6 +54,21 @@ if [ "${CUFLASH_SKIP_NCU:-0}" != "1" ]; then
   tail -n 12 "$OUT/ncu_validation.log"
 fi
 
+# compute-sanitizer on the warp-specialised Hopper kernels (tools/sanitize.py):
+# memcheck, racecheck and synccheck must report nothing. Skipped with
+# CUFLASH_SKIP_SANITIZER=1 or off Hopper.
+sanitizer_rc=0
+if [ "${CUFLASH_SKIP_SANITIZER:-0}" != "1" ] && command -v compute-sanitizer > /dev/null \
+   && nvidia-smi --query-gpu=compute_cap --format=csv,noheader | grep -q "^9\.0"; then
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 1 "$PYTHON" tools/sanitize.py \
+      > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: rc $rc, $(grep -c "^========= .*[Ee]rror\|^========= .*[Hh]azard" "$OUT/sanitizer_$tool.log") reports"
+    [ $rc -ne 0 ] && sanitizer_rc=$rc && tail -n 30 "$OUT/sanitizer_$tool.log"
+  done
+fi
+
 # Forward (bf16, fp16) and backward (bf16, default and deterministic) speed against PyTorch SDPA (flash,
 # cuDNN) on the FlashAttention-2 grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
 bench_rc=0
@@ -63,10 +78,10 @@ if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
   grep -v "^#" "$OUT/bench.log" | grep -v "| float16 |" | tail -n 80
 fi
 
-"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" "$bench_rc" <<'PY'
+"$PYTHON" - "$OUT" "$COMMIT" "$pytest_rc" "$elapsed" "$ncu_rc" "$bench_rc" "$sanitizer_rc" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
 out, commit, rc, elapsed, ncu_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-bench_rc = int(sys.argv[6])
+bench_rc, sanitizer_rc = int(sys.argv[6]), int(sys.argv[7])
 counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
 root = ET.parse(f"{out}/tests.xml").getroot()
 for suite in root.iter("testsuite"):
@@ -80,19 +95,20 @@ allowed_skips = [case.get("name") for case in root.iter("testcase") for skipped 
 counts["skipped"] -= len(allowed_skips)
 env = open(f"{out}/environment.txt").read().splitlines()
 passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"] - len(allowed_skips)
-ok = (rc == 0 and ncu_rc == 0 and bench_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0
+ok = (rc == 0 and ncu_rc == 0 and bench_rc == 0 and sanitizer_rc == 0 and counts["failures"] == 0 and counts["errors"] == 0
       and counts["skipped"] == 0 and counts["tests"] > 0)
 summary = {"commit": commit, "ok": ok, "passed": passed, "failed": counts["failures"],
            "errors": counts["errors"], "skipped": counts["skipped"],
            "skipped_for_lack_of_gpus": allowed_skips,
-           "seconds": elapsed, "ncu_validation_rc": ncu_rc, "bench_rc": bench_rc, "environment": env}
+           "seconds": elapsed, "ncu_validation_rc": ncu_rc, "bench_rc": bench_rc, "sanitizer_rc": sanitizer_rc,
+           "environment": env}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print()
 print("| gpu_check | value |")
 print("|---|---|")
 for line in env[:2]:
     print(f"| env | {line} |")
-for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_rc", "bench_rc"):
+for key in ("passed", "failed", "errors", "skipped", "seconds", "ncu_validation_rc", "bench_rc", "sanitizer_rc"):
     print(f"| {key} | {summary[key]} |")
 try:
     rows = json.load(open(f"{out}/bench.json"))["rows"]

@@ -1,0 +1,59 @@
+"""Calls of the Hopper kernels for compute-sanitizer (tools/gpu_check.sh runs
+this under memcheck, racecheck and synccheck): the warp-specialised forward
+and backward (TMA copies, mbarrier rings, named barriers, the dQ warp's bulk
+reductions) at every tile shape of their tables, causal and not, atomic and
+ordered dQ, with partial blocks at both ends. Sizes are small: racecheck
+tracks every shared-memory access. Exits 1 if a result is not finite, so a
+run that the sanitizer lets through still checks the kernels ran.
+
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize.py
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cupy
+
+import cuflash
+from cuflash._tiling import WGMMA_BACKWARD_TILES, WGMMA_FORWARD_TILES
+
+
+def _inputs(head_dim: int, seqlen_q: int, seqlen_k: int, seed: int):
+    rng = cupy.random.default_rng(seed)
+    q = rng.standard_normal((1, seqlen_q, 2, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
+    k = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
+    v = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
+    return q, k, v
+
+
+def main() -> int:
+    if cupy.cuda.Device().compute_capability != "90":
+        print("needs an sm_90 GPU (the warp-specialised kernels are Hopper's)")
+        return 1
+    failures = []
+    head_dims = sorted(set(WGMMA_FORWARD_TILES) | set(WGMMA_BACKWARD_TILES))
+    for head_dim in head_dims:
+        for causal in (False, True):
+            for deterministic in (False, True):
+                # More queries than keys and the reverse: partial blocks, rows
+                # that see no key, several query blocks per key block.
+                for seqlen_q, seqlen_k in ((200, 130), (70, 260)):
+                    q, k, v = _inputs(head_dim, seqlen_q, seqlen_k, seed=head_dim + seqlen_q)
+                    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+                    dout = cupy.ones_like(out)
+                    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                       deterministic=deterministic)
+                    cupy.cuda.Device().synchronize()
+                    for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+                        if not bool(cupy.isfinite(x.astype(cupy.float32)).all()):
+                            failures.append(f"d{head_dim} causal={causal} deterministic={deterministic} "
+                                            f"{seqlen_q}x{seqlen_k}: {name} not finite")
+                print(f"head_dim {head_dim} causal={causal} deterministic={deterministic}: ran", flush=True)
+    for failure in failures:
+        print(failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
