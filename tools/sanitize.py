@@ -21,9 +21,9 @@ from cuflash._tiling import WGMMA_BACKWARD_TILES, WGMMA_FORWARD_TILES
 
 def _inputs(head_dim: int, seqlen_q: int, seqlen_k: int, seed: int):
     rng = cupy.random.default_rng(seed)
-    q = rng.standard_normal((1, seqlen_q, 2, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
-    k = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
-    v = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.bfloat16)
+    q = rng.standard_normal((1, seqlen_q, 2, head_dim), dtype=cupy.float32).astype(cupy.float16)
+    k = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.float16)
+    v = rng.standard_normal((1, seqlen_k, 1, head_dim), dtype=cupy.float32).astype(cupy.float16)
     return q, k, v
 
 
