@@ -64,7 +64,7 @@ if [ "${CUFLASH_SKIP_SANITIZER:-0}" != "1" ] && command -v compute-sanitizer > /
     compute-sanitizer --tool "$tool" --error-exitcode 1 "$PYTHON" tools/sanitize.py \
       > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
-    echo "compute-sanitizer $tool: rc $rc, $(grep -c "^========= .*[Ee]rror\|^========= .*[Hh]azard" "$OUT/sanitizer_$tool.log") reports"
+    echo "compute-sanitizer $tool: rc $rc, $(grep "SUMMARY" "$OUT/sanitizer_$tool.log" | tail -n 1)"
     [ $rc -ne 0 ] && sanitizer_rc=$rc && tail -n 30 "$OUT/sanitizer_$tool.log"
   done
 fi
