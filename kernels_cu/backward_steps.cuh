@@ -44,6 +44,12 @@ struct QueryBlockWalk {
         next_head = m_block == last ? head + 1 : head;
         next_m_block = m_block + 1 == end ? begin : m_block + 1;
     }
+
+    // Moves on to the step after this one (following reads m_block before it
+    // writes it, and writes head first from values it has already read).
+    __device__ __forceinline__ void advance() {
+        following(head, m_block);
+    }
 };
 
 // Ordered dQ (ordered_accumulation.cuh): the turn of key block n_block
@@ -119,9 +125,9 @@ __device__ __forceinline__ void stage_transposed_fragments(unsigned char* tile, 
 // Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
 // them, or, where `chunked`, 64 at a time once dK and dV (acc_cols columns
 // each: acc_cols registers together) and dQ pass 192 registers per thread
-// counted as dK + dV + 2 dQ. The Hopper kernel chunks its ordered variants
-// (the d256 one spilled waiting for the turn; its atomic ones fit), the
-// mma.sync kernel all of them (its atomic d256 variants spilled on sm_90).
+// counted as dK + dV + 2 dQ. Both tensor-core kernels chunk all their
+// variants (the mma.sync kernel's atomic d256 ones spilled unchunked on
+// sm_90; the Hopper kernel's d256 writes each chunk into its dQ tile).
 __host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, int dq_cols) {
     return chunked && acc_cols + dq_cols > 192 ? 64 : dq_cols;
 }

@@ -146,11 +146,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
                     block.batch, walk.head, m_start, ctx.seqlen_q, lane);
                 mbarrier_arrive(q_full);  // after this lane's statistics
-                index_t next_head;
-                int next_m_block;
-                walk.following(next_head, next_m_block);
-                walk.head = next_head;
-                walk.m_block = next_m_block;
+                walk.advance();
                 ring.advance();
             }
         } else if (warp == 1 && lane == 0) {
@@ -177,11 +173,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     fence_async_global();
                     hand_on_turn(counter);
                 }
-                index_t next_head;
-                int next_m_block;
-                walk.following(next_head, next_m_block);
-                walk.head = next_head;
-                walk.m_block = next_m_block;
+                walk.advance();
                 phase ^= 1;
             }
             bulk_wait<0>();
@@ -368,11 +360,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         fence_async_shared();  // the dQ tile, written by ordinary stores, is read by the copy engine
         mbarrier_arrive(dq_full);
 
-        index_t next_head;
-        int next_m_block;
-        walk.following(next_head, next_m_block);
-        walk.head = next_head;
-        walk.m_block = next_m_block;
+        walk.advance();
         ring.advance();
     }
 
