@@ -207,12 +207,17 @@ class KernelFamily:
         return tiling
 
     def compiled_tilings(self) -> list[tuple[str, Tiling]]:
-        """(dtype, tiling) of every head-dim bucket it is compiled for, the
-        Hopper and small-shared-memory tiles included."""
-        tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in self.head_dims]
-        return tilings + [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
-                          for choose in (self.hopper_tiles, self.small_smem_tiles)
-                          if (other := choose(dtype, head_dim)) is not None]
+        """(dtype, tiling) of every tile choice it is compiled for, the Hopper
+        and small-shared-memory tiles included: each head dim it serves is
+        asked, as a table may pick tiles by head dim within a bucket
+        (``WGMMA_FORWARD_PARTIAL_SECTOR_TILES``). Buckets' tiles first."""
+        head_dims = [*self.head_dims, *range(1, max(self.head_dims) + 1)]
+        tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in head_dims
+                   if self.serves(dtype, head_dim)]
+        tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
+                    for choose in (self.hopper_tiles, self.small_smem_tiles)
+                    if (other := choose(dtype, head_dim)) is not None]
+        return list(dict.fromkeys(tilings))
 
 
 def _any_head_dim(dtype_name: str, head_dim: int) -> bool:

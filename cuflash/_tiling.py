@@ -116,6 +116,18 @@ WGMMA_FORWARD_TILES = {
     192: (128, 64, 12, 1),
     256: (128, 48, 12, 1),
 }
+#: Hopper forward tiles for head dims whose rows end inside a 32-byte
+#: sector (head_dim * element bytes not a multiple of 32: 8, 24, 40, 56 in
+#: 16 bits), where they differ from ``WGMMA_FORWARD_TILES``. The 64-row tile
+#: copies K and V twice per query row as often as a 128-row one, and over
+#: such rows it ran at half speed (d40 139 against 251 TFLOP/s, d8 40
+#: against 68; padding the storage so rows start on a sector did not help,
+#: so it is the copies of rows ending mid-sector, not their alignment:
+#: docs/perf-notes.md). Head dims 16, 32, 48 and 64 keep the 64-row tile.
+WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
+    32: (128, 128, 12, 1),
+    64: (128, 128, 12, 1),
+}
 #: Stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``)
 #: and its mbarriers: Q full, then full and empty for K and V per stage.
 WGMMA_FORWARD_STAGES = 2
@@ -429,7 +441,10 @@ def wgmma_backward_applies(dtype_name: str, head_dim: int) -> bool:
 def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_forward_applies``."""
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
-    block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_TILES[padded]
+    table = WGMMA_FORWARD_TILES
+    if head_dim * ELEMENT_SIZE[dtype_name] % 32 and padded in WGMMA_FORWARD_PARTIAL_SECTOR_TILES:
+        table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES
+    block_m, block_n, warps, blocks_per_sm = table[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
                     blocks_per_sm=blocks_per_sm)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")

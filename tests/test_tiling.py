@@ -27,6 +27,7 @@ from cuflash._tiling import (
     MMA_3XTF32_FORWARD_TILES,
     MMA_FORWARD_TILES,
     WGMMA_BACKWARD_TILES,
+    WGMMA_FORWARD_PARTIAL_SECTOR_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
     backward_splits_head_dim,
@@ -237,6 +238,31 @@ def test_wgmma_forward_table(dtype, head_dim, bucket):
     assert wgmma_forward_applies(dtype, head_dim)
     assert select("forward", dtype, head_dim, 90) == tiling
     assert select("forward", dtype, head_dim, 80).kernel == "mma"
+
+
+@pytest.mark.parametrize("head_dim,partial_sector", [(8, True), (16, False), (24, True), (32, False), (40, True),
+                                                     (48, False), (56, True), (64, False), (72, False)])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_wgmma_forward_rows_ending_mid_sector_take_128_query_rows(dtype, head_dim, partial_sector):
+    """Head dims 8, 24, 40 and 56 (16-bit rows of 16, 48, 80, 112 bytes)
+    take the 128-row tile of their bucket; 16, 32, 48 and 64 keep the
+    64-row, two-blocks-per-SM one (docs/perf-notes.md); 72's bucket has one tile."""
+    tiling = wgmma_forward_tiling(dtype, head_dim)
+    table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES if partial_sector else WGMMA_FORWARD_TILES
+    assert (tiling.block_m, tiling.block_n, tiling.warps, tiling.blocks_per_sm) == table[tiling.head_dim_padded]
+    assert tiling.block_m == (128 if partial_sector or head_dim > 64 else 64)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.tiles is not None], ids=lambda f: f.name)
+def test_compiled_tilings_hold_every_head_dims_choice(family):
+    """Every tiling a served head dim may take is compiled (kernel_report,
+    warm-up and the traits' layout checks walk compiled_tilings), also
+    where a table picks tiles by head dim within a bucket."""
+    compiled = set(family.compiled_tilings())
+    for dtype in family.dtypes:
+        for head_dim in range(1, 257):
+            if family.serves(dtype, head_dim):
+                assert (dtype, family.tiles(dtype, head_dim)) in compiled, (dtype, head_dim)
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 32), (32, 32), (40, 64), (64, 64), (72, 96), (80, 96), (96, 96),

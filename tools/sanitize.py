@@ -16,7 +16,7 @@ import sys
 import cupy
 
 import cuflash
-from cuflash._tiling import WGMMA_BACKWARD_TILES, WGMMA_FORWARD_TILES
+from cuflash._tiling import WGMMA_BACKWARD_TILES, WGMMA_FORWARD_TILES, wgmma_backward_tiling, wgmma_forward_tiling
 
 
 def _inputs(head_dim: int, seqlen_q: int, seqlen_k: int, seed: int):
@@ -27,13 +27,28 @@ def _inputs(head_dim: int, seqlen_q: int, seqlen_k: int, seed: int):
     return q, k, v
 
 
+def head_dims_of_every_tiling() -> list[int]:
+    """The tables' buckets, and the smallest head dim of each (forward,
+    backward) tiling pair they miss (a table may pick tiles by head dim within
+    a bucket: WGMMA_FORWARD_PARTIAL_SECTOR_TILES)."""
+    def tilings(head_dim):
+        return wgmma_forward_tiling("float16", head_dim), wgmma_backward_tiling("float16", head_dim)
+
+    head_dims = sorted(set(WGMMA_FORWARD_TILES) | set(WGMMA_BACKWARD_TILES))
+    covered = {tilings(head_dim) for head_dim in head_dims}
+    for head_dim in range(8, max(head_dims) + 1, 8):
+        if tilings(head_dim) not in covered:
+            covered.add(tilings(head_dim))
+            head_dims.append(head_dim)
+    return head_dims
+
+
 def main() -> int:
     if cupy.cuda.Device().compute_capability != "90":
         print("needs an sm_90 GPU (the warp-specialised kernels are Hopper's)")
         return 1
     failures = []
-    head_dims = sorted(set(WGMMA_FORWARD_TILES) | set(WGMMA_BACKWARD_TILES))
-    for head_dim in head_dims:
+    for head_dim in head_dims_of_every_tiling():
         for causal in (False, True):
             for deterministic in (False, True):
                 # More queries than keys and the reverse: partial blocks, rows
