@@ -28,6 +28,7 @@ from ._tiling import (
     WGMMA_FORWARD_TILES,
     Tiling,
     backward_tiling,
+    decode_tilings,
     forward_tiling,
     mma_backward_applies,
     mma_backward_tiling,
@@ -117,6 +118,9 @@ class KernelFamily:
     #: (dtype, head_dim) -> its tiles on GPUs with 99 KiB of shared memory
     #: per block (sm_86, sm_89) where ``tiles``' need more, else None
     small_smem_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
+    #: (dtype, head_dim) -> tiles the launcher may pick for some calls
+    #: beside ``tiles`` (the mma.sync forward's decode tiles)
+    other_tiles: Callable[[str, int], tuple[Tiling, ...]] = lambda dtype_name, head_dim: ()
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -168,6 +172,8 @@ class KernelFamily:
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
                 score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic") -> KernelVariant:
         """The instantiation for these compile-time choices."""
+        if self.role == "merge":
+            raise ValueError(f"{self.name}'s variants come from merge_variant")
         if self.tiles is None:  # element-wise: no tiles, no policies
             return KernelVariant(
                 source=self.source, function=self.function, params=self.params,
@@ -217,6 +223,8 @@ class KernelFamily:
         tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
                     for choose in (self.hopper_tiles, self.small_smem_tiles)
                     if (other := choose(dtype, head_dim)) is not None]
+        tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
+                    for other in self.other_tiles(dtype, head_dim)]
         return list(dict.fromkeys(tilings))
 
 
@@ -247,7 +255,9 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,
                  serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
                  tf32x3_dtypes=(MMA_3XTF32_DTYPE,), hopper_tiles=mma_forward_hopper_tiling,
-                 tile_args=lambda t: ((str(t.kv_stages),), f"/kv{t.kv_stages}")),
+                 other_tiles=decode_tilings,
+                 tile_args=lambda t: ((str(t.kv_stages), "true" if t.split_kv else "false"),
+                                      f"/kv{t.kv_stages}" + ("/split" if t.split_kv else ""))),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
                  tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),
@@ -277,7 +287,36 @@ FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("backward-convert-dq", "backward-elementwise", "flash_bwd_elementwise.cu",
                  "cuflash::flash_backward_convert_dq_kernel", _BACKWARD, arch="any", kernel=None,
                  dtypes=_ALL_DTYPES, head_dims=(), tiles=None, smem_bytes=None, serves=_any_head_dim),
+    # Combines partial results by their log-sum-exp (split-KV decoding,
+    # cuflash.merge_attention_states): variants by merge_variant.
+    KernelFamily("merge-states", "merge", "merge_states.cu", "cuflash::merge_attention_states_kernel",
+                 "cuflash::MergeParams", arch="any", kernel=None, dtypes=_ALL_DTYPES, head_dims=(), tiles=None,
+                 smem_bytes=None, serves=lambda dtype_name, head_dim: head_dim > 0),
 )
+
+#: Rows (warps) per block of the merge kernel.
+MERGE_WARPS = 4
+
+
+def merge_variant(partial_dtype: str, out_dtype: str, vector: int) -> KernelVariant:
+    """The merge kernel for partial outputs of ``partial_dtype`` merged into
+    ``out_dtype``, each lane reading ``vector`` (1 or 4) consecutive columns
+    a step (4 needs head_dim, strides and pointers in multiples of 4 elements)."""
+    if vector not in (1, 4):
+        raise ValueError(f"vector must be 1 or 4, got {vector}")
+    family = FAMILY["merge-states"]
+    return KernelVariant(
+        source=family.source, function=family.function, params=family.params,
+        template_args=(CXX_ELEMENT_TYPE[partial_dtype], CXX_ELEMENT_TYPE[out_dtype], str(vector), str(MERGE_WARPS)),
+        key=f"{family.name}/{partial_dtype}-{out_dtype}/v{vector}/w{MERGE_WARPS}", threads=32 * MERGE_WARPS,
+        smem_bytes=0)
+
+
+def merge_variants() -> list[KernelVariant]:
+    """Every merge variant a call may take: split-KV's float32 partials into
+    16-bit outputs, and the public merge's partials of each dtype into the same dtype."""
+    pairs = [("float32", dtype) for dtype in MMA_DTYPES] + [(dtype, dtype) for dtype in _ALL_DTYPES]
+    return [merge_variant(partial, out, vector) for partial, out in dict.fromkeys(pairs) for vector in (1, 4)]
 
 FAMILY = {family.name: family for family in FAMILIES}
 

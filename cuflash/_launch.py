@@ -35,20 +35,24 @@ class KernelLaunch:
     struct: int = 0
 
 
-def _word_index(dtype: np.dtype, field: str) -> int:
-    """Index of ``field`` (a dotted path, e.g. ``q.ptr``) among the struct's 8-byte words."""
-    offsets = dict(flat_fields(dtype))
-    if field not in offsets:
-        raise KeyError(f"the parameter struct has no field {field!r}")
-    return offsets[field] // 8
+def _word_index(dtype: np.dtype, field: str) -> int | None:
+    """Index of ``field`` (a dotted path, e.g. ``q.ptr``) among the struct's
+    8-byte words; None where the struct has no such field."""
+    offset = dict(flat_fields(dtype)).get(field)
+    return None if offset is None else offset // 8
 
 
 class LaunchPlan:
     """Kernels of one call signature with their parameter structs filled in
     but for the pointers, which ``launch`` writes before each call.
 
-    ``slots`` names the pointer fields (``q.ptr``, ``lse``, ...) in the order
-    ``launch`` receives the pointers; a slot is written into every struct.
+    ``slots`` says where each pointer goes, in the order ``launch``
+    receives them: a field name (``q.ptr``, ``lse``, ...), written into
+    every struct that has it (at least one must), or a sequence of
+    (struct index, field) pairs, possibly empty (a pointer this plan does not
+    use), where one array fills different fields of different structs (a
+    split-KV forward's partial results are its forward kernel's ``out`` and
+    its merge kernel's ``partial``).
     ``tensor_maps`` pairs a slot with the encoder of a tensor map inside a
     struct (``cuflash._tensor_maps.TensorMapEncoder``): the map is encoded
     again for a call whose pointer in that slot differs from the last one's.
@@ -56,9 +60,13 @@ class LaunchPlan:
     launching (the driver has copied the arguments when the launch returns).
     """
 
-    def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence[str],
-                 launches: Sequence[KernelLaunch], tensor_maps: Sequence[tuple[str, object]] = ()):
+    def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence,
+                 launches: Sequence[KernelLaunch], tensor_maps: Sequence[tuple[str, object]] = (),
+                 work_buffers: dict | None = None):
         self.device = device
+        #: name -> (shape, dtype) of the work buffers a call allocates for
+        #: this plan (each call its own, on its stream), by slot name
+        self.work_buffers = dict(work_buffers or {})
         self._structs = list(structs)
         for struct in self._structs:
             if struct.shape != (1,) or struct.dtype.itemsize % 8:
@@ -67,10 +75,7 @@ class LaunchPlan:
         # fraction of a NumPy scalar assignment, and this is the per-call path.
         words = [(ctypes.c_uint64 * (struct.dtype.itemsize // 8)).from_address(struct.ctypes.data)
                  for struct in self._structs]
-        self._writes = tuple(
-            tuple((words[i], _word_index(struct.dtype, slot)) for i, struct in enumerate(self._structs))
-            for slot in slots
-        )
+        self._writes = tuple(tuple((words[i], index) for i, index in self._targets(slot)) for slot in slots)
         # cuLaunchKernel's kernelParams: an array of one pointer, to the struct.
         self._argument_arrays = [np.array([struct.ctypes.data], dtype=np.uint64) for struct in self._structs]
         self._launches = tuple(
@@ -83,6 +88,22 @@ class LaunchPlan:
         from cupy.cuda import driver
 
         self._launch_kernel = driver.launchKernel
+
+    def _targets(self, slot) -> list[tuple[int, int]]:
+        """(struct index, word index) of each field ``slot`` fills."""
+        if isinstance(slot, str):
+            targets = [(i, index) for i, struct in enumerate(self._structs)
+                       if (index := _word_index(struct.dtype, slot)) is not None]
+            if not targets:
+                raise KeyError(f"the parameter structs have no field {slot!r}")
+            return targets
+        targets = []
+        for i, field in slot:
+            index = _word_index(self._structs[i].dtype, field)
+            if index is None:
+                raise KeyError(f"parameter struct {i} has no field {field!r}")
+            targets.append((i, index))
+        return targets
 
     @property
     def kernel_count(self) -> int:

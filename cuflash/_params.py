@@ -33,6 +33,30 @@ FORWARD_PARAMS = np.dtype(
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("softmax_scale_log2", np.float64),
+        ("num_splits", _INDEX),
+        ("out_split_stride", _INDEX),
+        ("lse_split_stride", _INDEX),
+    ],
+    align=True,
+)
+
+#: MergeParams (params.cuh; kernels_cu/merge_states.cu).
+MERGE_PARAMS = np.dtype(
+    [
+        ("out", TENSOR_REF),
+        ("lse", _POINTER),
+        ("lse_batch_stride", _INDEX),
+        ("lse_head_stride", _INDEX),
+        ("lse_row_stride", _INDEX),
+        ("partial", TENSOR_REF),
+        ("partial_lse", _POINTER),
+        ("partial_lse_batch_stride", _INDEX),
+        ("partial_lse_head_stride", _INDEX),
+        ("partial_lse_row_stride", _INDEX),
+        ("num_states", _INDEX),
+        ("partial_state_stride", _INDEX),
+        ("partial_lse_state_stride", _INDEX),
+        ("size", PROBLEM_SIZE),
     ],
     align=True,
 )
@@ -80,9 +104,11 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8 + 3 * 8
 BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8
+MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 6 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
+assert MERGE_PARAMS.itemsize == MERGE_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
 
 

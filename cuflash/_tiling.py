@@ -41,6 +41,25 @@ MMA_FORWARD_TILES = {
     192: (64, 32, 4, 2),
     256: (64, 32, 4, 2),
 }
+#: The mma.sync forward's tiles for decoding (``decode_tiling``): calls with
+#: at most ``DECODE_MAX_ROWS`` query rows per K/V head and batch entry (one
+#: query token with grouped-query packing, a few with speculative decoding),
+#: which read K and V once and compute little, so the tile is the fewest
+#: rows the warps can hold (16 each), double-buffered key blocks small
+#: enough for two or three blocks per SM, and no Hopper variant (the
+#: wgmma forward computes 128 rows a block). (block_m, block_n, warps, K/V
+#: buffers), per compiled head dim.
+MMA_DECODE_TILES = {
+    32: (64, 64, 4, 2),
+    64: (64, 64, 4, 2),
+    96: (64, 64, 4, 2),
+    128: (64, 64, 4, 2),
+    192: (64, 32, 4, 2),
+    256: (64, 32, 4, 2),
+}
+#: Query rows per K/V head and batch entry up to which a call takes the
+#: decode tiles (one decode block's rows).
+DECODE_MAX_ROWS = 64
 #: The same kernel on float32 by 3xTF32 (opt-in: fp32_precision="3xtf32";
 #: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
 #: block_n, warps, K/V buffers). Measured on the H100 (seqlen 4096, docs/
@@ -222,6 +241,10 @@ class Tiling:
     #: resident blocks per SM the wgmma forward's register budget is set for
     #: (its launch bounds); the other kernels leave it to the compiler
     blocks_per_sm: int = 1
+    #: split-KV (the mma.sync forward's kSplitKv): the keys of each query
+    #: block are cut into ranges, one thread block each, whose float32
+    #: partial results a merge kernel combines (decoding)
+    split_kv: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -392,10 +415,21 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     return None if tiles is None else _mma_forward_tiles(dtype_name, padded, tiles)
 
 
-def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int]) -> Tiling:
+def decode_tilings(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
+    """The mma.sync forward's decode tiles (``MMA_DECODE_TILES``) for
+    (dtype, head_dim), without and with split-KV; none for float32."""
+    if dtype_name not in MMA_DTYPES:
+        return ()
+    padded = _mma_forward_bucket(dtype_name, head_dim)
+    return tuple(_mma_forward_tiles(dtype_name, padded, MMA_DECODE_TILES[padded], split_kv=split)
+                 for split in (False, True))
+
+
+def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int],
+                       split_kv: bool = False) -> Tiling:
     block_m, block_n, warps, stages = tiles
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
-                    kv_stages=stages)
+                    kv_stages=stages, split_kv=split_kv)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 

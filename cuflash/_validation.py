@@ -122,6 +122,21 @@ def check_rank(name: str, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have 4 dimensions {ATTENTION_LAYOUT}, got shape {shape}")
 
 
+#: The most key ranges a split-KV forward takes (``num_splits``).
+MAX_NUM_SPLITS = 256
+
+
+def check_num_splits(num_splits) -> int | None:
+    """``num_splits`` of a forward call: None or an int from 1 to ``MAX_NUM_SPLITS``."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be None or an int, got {type(num_splits).__name__}")
+    if not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be from 1 to {MAX_NUM_SPLITS}, got {num_splits}")
+    return int(num_splits)
+
+
 def check_sizes(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...], *,
                 max_head_dim: int | None = MAX_HEAD_DIM) -> None:
     """The size rules of an attention call on the 4-dimensional shapes of q
@@ -222,6 +237,63 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
         causal=check_causal(causal), fp32_precision=check_fp32_precision(fp32_precision),
     )
+
+
+@dataclass(frozen=True)
+class MergeProblem:
+    """Sizes of a validated ``merge_attention_states`` call."""
+
+    num_states: int
+    batch: int
+    seqlen: int
+    nheads: int
+    head_dim: int
+    dtype: str
+    device: int
+
+
+def check_merge(outs: TensorMeta, lses: TensorMeta, out: TensorMeta | None,
+                lse: TensorMeta | None) -> MergeProblem:
+    """Checks a ``merge_attention_states`` call: outs (num_states, batch,
+    seqlen, nheads, head_dim) of a supported dtype, contiguous in head_dim;
+    lses (num_states, batch, nheads, seqlen) float32; out and lse, if given,
+    shaped and typed as the results."""
+    if len(outs.shape) != 5:
+        raise ValueError(f"outs must have 5 dimensions (num_states, batch, seqlen, nheads, head_dim), "
+                         f"got shape {outs.shape}")
+    if outs.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"outs must have dtype float16, bfloat16 or float32, got {outs.dtype}")
+    num_states, batch, seqlen, nheads, head_dim = outs.shape
+    if num_states < 1:
+        raise ValueError(f"outs must hold at least one state (num_states >= 1), got shape {outs.shape}")
+    if head_dim > 1 and outs.strides[-1] != 1:
+        raise ValueError(f"outs must be contiguous in head_dim (stride 1), got strides {outs.strides}")
+    expected = (num_states, batch, nheads, seqlen)
+    if lses.dtype != "float32":
+        raise TypeError(f"lses must have dtype float32, got {lses.dtype}")
+    if lses.shape != expected:
+        raise ValueError(f"lses must have shape (num_states, batch, nheads, seqlen) = {expected}, got {lses.shape}")
+    check_same_device([outs, lses])
+    if out is not None:
+        if out.dtype != outs.dtype:
+            raise TypeError(f"out must have the dtype of outs ({outs.dtype}), got {out.dtype}")
+        if out.shape != outs.shape[1:]:
+            raise ValueError(f"out must have shape (batch, seqlen, nheads, head_dim) = {outs.shape[1:]}, "
+                             f"got {out.shape}")
+        if head_dim > 1 and out.strides[-1] != 1:
+            raise ValueError(f"out must be contiguous in head_dim (stride 1), got strides {out.strides}")
+        _check_writable(out)
+        check_same_device([outs, out])
+    if lse is not None:
+        if lse.dtype != "float32":
+            raise TypeError(f"lse must have dtype float32, got {lse.dtype}")
+        if lse.shape != (batch, nheads, seqlen):
+            raise ValueError(f"lse must have shape (batch, nheads, seqlen) = {(batch, nheads, seqlen)}, "
+                             f"got {lse.shape}")
+        check_same_device([outs, lse])
+    if batch * nheads * seqlen > _INT32_MAX:
+        raise ValueError(f"batch * nheads * seqlen must be below 2**31, got {batch * nheads * seqlen}")
+    return MergeProblem(num_states, batch, seqlen, nheads, head_dim, outs.dtype, outs.device)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ current device takes the full path, the stream is queried each time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from contextlib import contextmanager
@@ -21,22 +22,31 @@ from typing import Callable
 
 from . import _interop
 from ._cuda import import_cupy
-from ._kernel_families import FAMILIES, FAMILY, family_of, select
+from ._kernel_families import FAMILIES, FAMILY, MERGE_WARPS, family_of, merge_variant, select
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
-from ._params import BACKWARD_PARAMS, FORWARD_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack, tensor_ref
+from ._params import (BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
+                      tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import ELEMENT_SIZE, Tiling, wgmma_backward_swizzles
-from ._validation import AttentionProblem, check_backward, check_forward, contiguous_strides, meta_of
+from ._tiling import DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling, decode_tilings, wgmma_backward_swizzles
+from ._validation import (AttentionProblem, MergeProblem, check_backward, check_forward, check_merge, check_num_splits,
+                          contiguous_strides, meta_of)
+from .simulate.algorithms import wave_efficient_splits
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
 #: Blocks of the grid-stride element-wise backward kernels (preprocess, dQ conversion).
 _ELEMENTWISE_BLOCKS = 4096
 
-#: Arrays of a forward call, in the order of the plan's pointer slots.
-FORWARD_ARRAYS = ("q", "k", "v", "out", "lse")
-FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse")
+#: Arrays of a forward call, in the order of the plan's pointer slots: the
+#: split-KV work buffers (``forward_work_buffers``) last.
+FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial")
+#: Pointer slots of a forward plan without split-KV (the work buffers unused)
+#: and with it (struct 0 the forward kernel's, writing the partial results;
+#: struct 1 the merge kernel's).
+FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", (), ())
+SPLIT_FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", ((1, "out.ptr"),), ((1, "lse"),),
+                       ((0, "out.ptr"), (1, "partial.ptr")), ((0, "lse"), (1, "partial_lse")))
 #: Arrays of a backward call (the work buffers delta, dq_accum and
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
@@ -47,6 +57,7 @@ BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.p
 #: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS: the 16-byte alignment of
 #: their pointers decides the kernel, so it is part of a call's signature.
 _ALIGNED_ARRAYS = {
+    "merge": (0,),  # partial: float32 partials are read 16 bytes at a time where aligned
     "forward": (0, 1, 2, 3),  # q, k, v, out
     "backward": (0, 1, 2, 3, 7, 8),  # dout, q, k, v, dk, dv
 }
@@ -130,7 +141,7 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None,
-              fp32_precision="ieee"):
+              fp32_precision="ieee", num_splits=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -159,6 +170,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             times the speed (sm_80+, head_dim a multiple of 8, 16-byte
             aligned rows, softmax_scale > 0, tiles that fit the GPU's shared
             memory; otherwise the exact path runs). README: float32.
+        num_splits: decoding only (float16/bfloat16 on the tensor-core path,
+            at most 64 query rows per K/V head: seqlen_q, or with seqlen_q 1
+            the query heads sharing a K/V head, which run together): the
+            number of key ranges computed by separate thread blocks and
+            merged by their log-sum-exp (split-KV). None (default): chosen
+            from the device's SM count; 1: no split. Other calls take None or 1.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
@@ -166,13 +183,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    arrays = [q, k, v, out, lse]
+    arrays = [q, k, v, out, lse, None, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
-             fp32_precision)
+             fp32_precision, num_splits.__class__, num_splits)
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-                                    fp32_precision=fp32_precision,
+                                    fp32_precision=fp32_precision, num_splits=num_splits,
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
@@ -213,6 +230,97 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                                      deterministic=deterministic,
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
+
+
+#: Arrays of a merge call, in the order of its plan's pointer slots.
+MERGE_ARRAYS = ("partial", "partial_lse", "out", "lse")
+MERGE_SLOTS = ("partial.ptr", "partial_lse", "out.ptr", "lse")
+
+
+def merge_attention_states(outs, lses, *, out=None, lse=None):
+    """Combines attention results computed over disjoint parts of the same
+    keys (split-KV decoding, a prefix cache beside new tokens, context
+    parallelism) into the result over all of them, by their log-sum-exps:
+    ``lse = log(sum_s exp(lses[s]))``, ``out = sum_s exp(lses[s] - lse) * outs[s]``.
+    A state whose lse is -inf (it saw no key) weighs 0 and its output is not
+    read; a row whose every state is -inf gets output 0 and lse -inf.
+
+    Args:
+        outs: (num_states, batch, seqlen, nheads, head_dim) partial outputs,
+            each normalised by its own softmax sum (as ``attention`` returns
+            them), float16, bfloat16 or float32, contiguous in head_dim.
+        lses: (num_states, batch, nheads, seqlen) float32, their log-sum-exps
+            (``attention(..., return_lse=True)``); any strides.
+        out: optional (batch, seqlen, nheads, head_dim) array of outs' dtype
+            to write the output into (not for JAX).
+        lse: optional (batch, nheads, seqlen) float32 array for the merged
+            log-sum-exp (not for JAX).
+
+    Returns:
+        ``(out, lse)`` in outs' framework; out has outs' dtype, computed in float32.
+    """
+    arrays = [outs, lses, out, lse]
+    key, pointers = _signature("merge", arrays, ())
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _merge(outs, lses, out, lse, signature=functools.partial(_signature, "merge", arrays, ()))
+    return arrays[2], arrays[3]
+
+
+def _merge(outs, lses, out, lse, *, signature) -> list:
+    given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
+    with _call({"q": outs, "partial_lse": lses} | given, immutable_outputs=tuple(given)) as (bridge, views):
+        views["partial"] = views.pop("q")
+        metas = {name: meta_of(name, views[name]) for name in views}
+        problem = check_merge(dataclasses.replace(metas["partial"], name="outs"),
+                              dataclasses.replace(metas["partial_lse"], name="lses"), metas.get("out"),
+                              metas.get("lse"))
+        natives = {"partial": outs, "partial_lse": lses} | given
+        allocated = {}
+        for name, shape, dtype in (("out", tuple(views["partial"].shape[1:]), views["partial"].dtype),
+                                   ("lse", (problem.batch, problem.nheads, problem.seqlen), "float32")):
+            if name not in given:
+                native, views[name] = bridge.empty(shape, dtype)
+                natives[name] = None
+                allocated[name] = (shape, dtype, native)
+        plan = merge_plan(problem, {name: metas[name].strides if name in metas else
+                                    contiguous_strides(tuple(views[name].shape)) for name in MERGE_ARRAYS},
+                          _view_pointers(MERGE_ARRAYS, views))
+        return _run_planned(signature, bridge, plan, MERGE_ARRAYS, views, _view_pointers(MERGE_ARRAYS, views),
+                            natives, allocated)
+
+
+def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPlan:
+    """The launch plan of a validated merge: element ``strides`` of partial,
+    partial_lse, out and lse; four columns a lane where head_dim, the
+    strides and ``pointers`` allow 16-byte loads of float32 partials."""
+    d = problem.head_dim
+    partial = strides["partial"]
+    vector = 4 if (d % 4 == 0 and all(x % 4 == 0 for x in partial[:4]) and pointers[0] % 16 == 0
+                   and problem.dtype == "float32") else 1
+    variant = merge_variant(problem.dtype, problem.dtype, vector)
+    rows = problem.batch * problem.nheads * problem.seqlen
+    out = strides["out"]
+    params = pack(
+        MERGE_PARAMS,
+        out=(0, out[0], out[1], out[2]),
+        lse=0,
+        lse_batch_stride=strides["lse"][0],
+        lse_head_stride=strides["lse"][1],
+        lse_row_stride=strides["lse"][2],
+        partial=(0, partial[1], partial[2], partial[3]),
+        partial_lse=0,
+        partial_lse_batch_stride=strides["partial_lse"][1],
+        partial_lse_head_stride=strides["partial_lse"][2],
+        partial_lse_row_stride=strides["partial_lse"][3],
+        num_states=problem.num_states,
+        partial_state_stride=partial[0],
+        partial_lse_state_stride=strides["partial_lse"][0],
+        size=(problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, d),
+    )
+    launches = []
+    if rows and d:
+        launches.append(KernelLaunch(loader.get(variant, problem.device), -(-rows // MERGE_WARPS), variant.threads, 0))
+    return LaunchPlan(problem.device, [params], MERGE_SLOTS, launches)
 
 
 @contextmanager
@@ -272,7 +380,8 @@ def _element_strides(view) -> tuple[int, ...]:
     return tuple(stride // view.dtype.itemsize for stride in view.strides)
 
 
-def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee") -> list:
+def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee",
+                       num_splits=None) -> list:
     """The full path of a forward call: validation, plan, launch. Returns
     the arrays of ``FORWARD_ARRAYS`` in q's framework."""
     arrays = {"q": q, "k": k, "v": v}
@@ -290,9 +399,15 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
                 native, views[name] = bridge.empty(shape, dtype, like)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
-        pointers = _view_pointers(FORWARD_ARRAYS, views)
+        num_splits = check_num_splits(num_splits)
         plan = forward_plan(problem, {name: Layout.of(views[name]) for name in ("q", "k", "v", "out")},
-                            aligned=pointers_aligned("forward", pointers))
+                            aligned=pointers_aligned("forward", _view_pointers(FORWARD_ARRAYS, views)),
+                            num_splits=num_splits)
+        # Split-KV's work buffers come from the caller's framework, on the call's stream.
+        for name, (shape, dtype) in plan.work_buffers.items():
+            native, views[name] = bridge.empty(shape, dtype)
+            allocated[name] = (shape, dtype, native)
+        pointers = _view_pointers(FORWARD_ARRAYS, views)
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
 
 
@@ -397,14 +512,115 @@ def _kernel_generation(device_id: int) -> int:
     return capability
 
 
-def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
+@dataclass(frozen=True)
+class DecodeShape:
+    """How a forward runs as decoding (``decode_shape``): the problem and the
+    q/out layouts the kernels see (grouped-query packing folds the query
+    heads of a K/V head into query rows) and the log-sum-exp's head stride
+    in that problem."""
+
+    problem: AttentionProblem
+    layouts: dict
+    lse_head_stride: int
+    packed: bool
+
+
+def decode_shape(problem: AttentionProblem, layouts: dict) -> DecodeShape:
+    """Grouped-query packing for one query token: with seqlen_q 1, the
+    ``group`` query heads of each K/V head become ``group`` query rows of one
+    head (q (b, 1, h, d) viewed as (b, group, h_k, d): rows one head stride
+    apart, heads group head strides apart; out alike; the log-sum-exp
+    (b, h, 1) as (b, h_k, group)), so each K/V byte is read once per K/V
+    head instead of once per query head. Causal attention of one query row
+    sees every key (bottom-right aligned), so the packed rows run unmasked.
+    Other calls keep their shape."""
+    group = problem.nheads // problem.nheads_k
+    packable = (problem.seqlen_q == 1 and group > 1 and problem.mask.name in ("none", "causal")
+                and problem.score.is_identity)
+    if not packable:
+        return DecodeShape(problem, layouts, problem.seqlen_q, False)
+    packed = dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_k, causal=False, mask_name=None)
+    views = dict(layouts)
+    for name in ("q", "out"):
+        layout = layouts[name]
+        batch_stride, _, head_stride, column_stride = layout.strides
+        views[name] = Layout((layout.shape[0], group, problem.nheads_k, layout.shape[3]),
+                             (batch_stride, head_stride, group * head_stride, column_stride), layout.itemsize)
+    return DecodeShape(packed, views, group, True)
+
+
+def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | None) -> int:
+    """How many key ranges a decode forward (``problem`` as the kernels see
+    it) runs in: ``num_splits`` (None: ``wave_efficient_splits`` over the
+    device's SMs, two decode blocks each), never more ranges than key
+    blocks, and no range left empty."""
+    key_blocks = max(1, -(-problem.seqlen_k // tiling.block_n))
+    if num_splits is None:
+        parallel = problem.batch * problem.nheads * -(-problem.seqlen_q // tiling.block_m)
+        num_splits = wave_efficient_splits(parallel, 2 * _multiprocessor_count(problem.device), key_blocks)
+    per_split = -(-key_blocks // min(num_splits, key_blocks))
+    return -(-key_blocks // per_split)
+
+
+def forward_work_buffers(problem: AttentionProblem, num_splits: int) -> dict:
+    """The work buffers of a split-KV forward (``problem`` as its kernels see
+    it), name -> (shape, dtype), C-contiguous: the float32 partial outputs
+    (num_splits, batch, seqlen_q, nheads, head_dim) and their log-sum-exps
+    (num_splits, batch, nheads, seqlen_q); none without splits."""
+    if num_splits == 1:
+        return {}
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
+    return {"out_partial": ((num_splits, b, sq, h, d), "float32"),
+            "lse_partial": ((num_splits, b, h, sq), "float32")}
+
+
+def _decode_tiling(problem: AttentionProblem, chosen: Tiling, num_splits: int | None) -> Tiling | None:
+    """The decode tiles (``decode_tilings``) where the call may take them:
+    a tensor-core forward on 16-bit inputs with at most ``DECODE_MAX_ROWS``
+    query rows per head (after packing); None otherwise, and a ValueError
+    where ``num_splits`` asks for splits such a call cannot have."""
+    decodes = (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES
+               and problem.seqlen_q <= DECODE_MAX_ROWS)
+    if not decodes:
+        if num_splits not in (None, 1):
+            raise ValueError(
+                f"num_splits applies to decoding: float16/bfloat16 inputs on the tensor-core path with at most "
+                f"{DECODE_MAX_ROWS} query rows per K/V head (seqlen_q, or with one query token the query heads "
+                f"sharing a K/V head); this call has {problem.seqlen_q} rows of {problem.dtype} on the "
+                f"{chosen.kernel} kernel, so leave num_splits=None")
+        return None
+    plain, split = decode_tilings(problem.dtype, problem.head_dim)
+    return plain if num_splits == 1 else split
+
+
+def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None,
+                 num_splits: int | None = None) -> LaunchPlan:
     """The launch plan of a validated forward: ``layouts`` of q, k, v and
     out, ``aligned`` whether their pointers will be 16-byte aligned. Pointer
-    slots: ``FORWARD_SLOTS``; the log-sum-exp is C-contiguous. ``tiling``
-    overrides the table (benchmarks of other tile sizes); by default
-    ``forward_tiling_for`` decides."""
+    slots: ``FORWARD_SLOTS`` (``SPLIT_FORWARD_SLOTS`` with split-KV, whose
+    work buffers ``plan.work_buffers`` names); the log-sum-exp is
+    C-contiguous. ``tiling`` overrides the table (benchmarks of other tile
+    sizes); by default ``forward_tiling_for`` decides, and a call of few
+    query rows per K/V head runs as decoding (``decode_shape``; the decode
+    tiles, split-KV by ``decode_splits`` unless ``num_splits`` is 1)."""
     names = ("q", "k", "v", "out")
-    tiling = tiling or forward_tiling_for(problem, [layouts[name] for name in names], aligned)
+    lse_batch_stride = problem.nheads * problem.seqlen_q
+    splits = 1
+    if tiling is None:
+        shape = decode_shape(problem, layouts)
+        chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in names], aligned)
+        decode = _decode_tiling(shape.problem, chosen, num_splits)
+        if decode is not None:
+            problem, layouts = shape.problem, shape.layouts
+            splits = decode_splits(problem, decode, num_splits) if decode.split_kv else 1
+            tiling = decode if splits > 1 else decode_tilings(problem.dtype, problem.head_dim)[0]
+        else:
+            tiling = chosen
+        lse_head_stride = shape.lse_head_stride if decode is not None else problem.seqlen_q
+    else:
+        lse_head_stride = problem.seqlen_q
+    if splits > 1:
+        return _split_forward_plan(problem, layouts, tiling, splits, lse_batch_stride, lse_head_stride)
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     launches = []
     if not problem.is_empty:
@@ -416,11 +632,14 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
         WGMMA_FORWARD_PARAMS if hopper else FORWARD_PARAMS,
         **{name: tensor_ref(layouts[name]) for name in names},
         lse=0,
-        lse_batch_stride=problem.nheads * problem.seqlen_q,
-        lse_head_stride=problem.seqlen_q,
+        lse_batch_stride=lse_batch_stride,
+        lse_head_stride=lse_head_stride,
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
+        num_splits=1,
+        out_split_stride=0,
+        lse_split_stride=0,
     )
     tensor_maps = []
     if hopper and not problem.is_empty:
@@ -433,6 +652,57 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
             tensor_maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides,
                                                                 box)))
     return LaunchPlan(problem.device, [params], FORWARD_SLOTS, launches, tensor_maps)
+
+
+def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling, splits: int,
+                        lse_batch_stride: int, lse_head_stride: int) -> LaunchPlan:
+    """Split-KV: the decode forward writes each key range's float32 output
+    and log-sum-exp to the work buffers, and the merge kernel combines them
+    into out and lse (``problem`` and ``layouts`` as the kernels see them)."""
+    buffers = forward_work_buffers(problem, splits)
+    partial = Layout.contiguous(buffers["out_partial"][0][1:], "float32")
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
+    num_m_blocks = -(-sq // tiling.block_m)
+    variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score)
+    grid = _grid_size(num_m_blocks * splits, problem, h, "the forward pass")
+    forward = pack(
+        FORWARD_PARAMS,
+        **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v")},
+        out=tensor_ref(partial),
+        lse=0,
+        lse_batch_stride=h * sq,
+        lse_head_stride=sq,
+        size=_size_fields(problem),
+        num_m_blocks=num_m_blocks,
+        softmax_scale_log2=problem.softmax_scale * _LOG2E,
+        num_splits=splits,
+        out_split_stride=b * sq * h * d,
+        lse_split_stride=b * h * sq,
+    )
+    merge = merge_variant("float32", problem.dtype, 4 if d % 4 == 0 else 1)
+    merge_params = pack(
+        MERGE_PARAMS,
+        out=tensor_ref(layouts["out"]),
+        lse=0,
+        lse_batch_stride=lse_batch_stride,
+        lse_head_stride=lse_head_stride,
+        lse_row_stride=1,
+        partial=tensor_ref(partial),
+        partial_lse=0,
+        partial_lse_batch_stride=h * sq,
+        partial_lse_head_stride=sq,
+        partial_lse_row_stride=1,
+        num_states=splits,
+        partial_state_stride=b * sq * h * d,
+        partial_lse_state_stride=b * h * sq,
+        size=_size_fields(problem),
+    )
+    launches = [
+        KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0),
+        KernelLaunch(loader.get(merge, problem.device), -(-b * h * sq // MERGE_WARPS), merge.threads, 0, 1),
+    ]
+    return LaunchPlan(problem.device, [forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
+                      work_buffers=buffers)
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,

@@ -226,7 +226,8 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
         _, causal, scale, fp32_precision = flags
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,
                                 softmax_scale=scale, lse=metas["lse"], fp32_precision=fp32_precision)
-        return api.forward_plan(problem, layouts, aligned=aligned)
+        # No split-KV under JAX: its buffers are declared before the plan is known.
+        return api.forward_plan(problem, layouts, aligned=aligned, num_splits=1)
     _, causal, scale, deterministic = flags
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=deterministic)

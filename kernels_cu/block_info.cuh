@@ -33,25 +33,45 @@ struct DenseKvSource {
 };
 
 // The block of a query-major kernel (the forwards, the deterministic dQ
-// pass): query rows [m_start, m_start + block_m) of one head.
+// pass): query rows [m_start, m_start + block_m) of one head, and with
+// split-KV which of the num_splits key ranges (split_key_blocks).
 struct QueryBlock {
     index_t batch, head, kv_head;
     int m_start;
+    int split;
 };
 
 // This block's query tile; with kLongestFirst (a mask whose later rows see
-// more keys) the last tiles are handed out first. Like block_coordinates it
-// is recomputed wherever it is called, so a kernel can call it again in its
-// epilogue instead of keeping batch, head and first row in registers.
+// more keys) the last tiles are handed out first. The splits of one query
+// tile are neighbours in the grid (they read the same Q rows). Like
+// block_coordinates it is recomputed wherever it is called, so a kernel can
+// call it again in its epilogue instead of keeping batch, head and first row
+// in registers.
 template <bool kLongestFirst>
-__device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m) {
-    const BlockCoordinates c = block_coordinates(num_m_blocks, size.nheads);
+__device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m,
+                                                  index_t num_splits = 1) {
+    const BlockCoordinates c = block_coordinates(num_m_blocks * num_splits, size.nheads);
+    const int tile = static_cast<int>(c.tile / num_splits);
     QueryBlock block;
     block.batch = c.batch;
     block.head = c.head;
     block.kv_head = size.kv_head_of(c.head);
-    block.m_start = (kLongestFirst ? counted_from_end(c.tile, num_m_blocks) : c.tile) * block_m;
+    block.m_start = (kLongestFirst ? counted_from_end(tile, num_m_blocks) : tile) * block_m;
+    block.split = static_cast<int>(c.tile % num_splits);
     return block;
+}
+
+// Split-KV: a sequence's key blocks cut into num_splits ranges of equal
+// count (the last may be shorter or empty), the same for every query block,
+// so the ranges partition every row's keys; split `split` runs the part of
+// its range that the mask lets the block's rows see (`visible`). The
+// launcher's count (cuflash.api) leaves no range empty at seqlen_k, but a
+// causal block may see none of a range: it then writes output 0 and
+// log-sum-exp -inf, which the merge weighs 0.
+__device__ __forceinline__ BlockRange split_key_blocks(BlockRange visible, int seqlen_k, int block_n, int split,
+                                                       int num_splits) {
+    const int per_split = ceil_div(ceil_div(seqlen_k, block_n), num_splits);
+    return {max(visible.begin, split * per_split), min(visible.end, (split + 1) * per_split)};
 }
 
 // The block of a key-major kernel (the backward's dK/dV): keys

@@ -18,6 +18,11 @@
 // K_{j-1} while P_j V_j is. Key blocks are visited from the last to the
 // first, so the blocks that need masking (the partial last block, the causal
 // diagonal) come first and the rest run mask-free.
+//
+// Split-KV (kSplitKv, decoding): each query block's keys are cut into
+// params.num_splits ranges (split_key_blocks), one thread block each, which
+// writes its rows' float32 output and log-sum-exp for its range alone to
+// the partial buffers; merge_states.cu combines them.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -33,7 +38,7 @@
 namespace cuflash {
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          int kKvStages>
+          int kKvStages, bool kSplitKv>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_mma_kernel(const ForwardParams params) {
     using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages>;
@@ -54,7 +59,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // This block's query tile. Computed again for the epilogue (block_index
     // is volatile), so that batch, head and m_start do not hold registers
     // through the main loop, where the accumulators need every one.
-    const QueryBlock origin = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+    const index_t num_splits = kSplitKv ? params.num_splits : 1;
+    const QueryBlock origin =
+        query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
     const BlockContext<Mask, Score> ctx(params, origin.batch);
 
     const int thread = threadIdx.x;
@@ -66,7 +73,10 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const Element* q = params.q.row_ptr<const Element>(origin.batch, origin.head, m_start);
     const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
     const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
-    const BlockRange key_range = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange visible = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
+    const BlockRange key_range =
+        kSplitKv ? split_key_blocks(visible, ctx.seqlen_k, kBlockN, origin.split, static_cast<int>(num_splits))
+                 : visible;
     const Mask block_mask = ctx.mask.rows_from(m_start);  // rows counted from m_start, see masks.cuh
 
     // Copies key block n_block of K or V (`rows`, from the head's first key)
@@ -213,6 +223,27 @@ flash_forward_mma_kernel(const ForwardParams params) {
         stage ^= kKvStages - 1;
     }
 
+    if constexpr (kSplitKv) {
+        const QueryBlock block =
+            query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+        const int first_row = block.m_start;
+        // A split's rows are a few float32 pairs each (decoding): written from
+        // the fragments, each quad's 32 bytes of a row at once. Rows and
+        // columns past the problem are not written.
+        float* out = params.out.row_ptr<float>(block.batch, block.head, first_row) +
+                     block.split * params.out_split_stride;
+        finish_forward_rows<float>(softmax, o, params.lse_row(block.batch, block.head) +
+                                                   block.split * params.lse_split_stride,
+                                   first_row, warp_row0, ctx.seqlen_q, lane, [&](int row_in_block, int dt, float2 pair) {
+                                       const int col = dt * 8 + 2 * (lane % 4);
+                                       if (first_row + row_in_block < ctx.seqlen_q && col < ctx.head_dim) {
+                                           *reinterpret_cast<float2*>(
+                                               out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =
+                                               pair;
+                                       }
+                                   });
+        return;
+    }
     // Epilogue. Every warp read only its own rows of the Q tile, so it can
     // stage its normalised output there once its own reads are done (and no
     // copy into shared memory is still in flight).

@@ -47,6 +47,12 @@ struct ForwardParams {
     ProblemSize size;
     index_t num_m_blocks;       // ceil(seqlen_q / kBlockM): the grid is flattened over it
     double softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
+    // Split-KV (the mma.sync forward with kSplitKv): each query block's keys
+    // are cut into num_splits ranges, one thread block each; out and lse then
+    // point at float32 partial results, split s's at s * out_split_stride and
+    // s * lse_split_stride elements, which merge_states.cu combines by their
+    // log-sum-exp. 1, 0 and 0 for every other launch.
+    index_t num_splits, out_split_stride, lse_split_stride;
 
     // Log-sum-exp of (batch, head), indexed by query row.
     __device__ __forceinline__ float* lse_row(index_t batch, index_t head) const {
@@ -73,7 +79,28 @@ struct WgmmaForwardParams : ForwardParams {
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
 static_assert(sizeof(WgmmaForwardParams) == 256 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8, "ForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8 + 3 * 8,
+              "ForwardParams layout must match cuflash/_params.py");
+
+// merge_states.cu: num_states partial attention results of the same rows
+// (each normalised by its own softmax sum, with its log-sum-exp) combined
+// into one. partial is state 0's (batch, seqlen, heads, head_dim) outputs,
+// state s's at s * partial_state_stride elements; partial_lse state 0's
+// (batch, heads, seqlen) log-sum-exps, rows partial_lse_row_stride apart.
+// size.seqlen_q is the rows per (batch, head); nheads_k and seqlen_k are unused.
+struct MergeParams {
+    TensorRef out;
+    float* lse;
+    index_t lse_batch_stride, lse_head_stride, lse_row_stride;
+    TensorRef partial;
+    const float* partial_lse;
+    index_t partial_lse_batch_stride, partial_lse_head_stride, partial_lse_row_stride;
+    index_t num_states, partial_state_stride, partial_lse_state_stride;
+    ProblemSize size;
+};
+
+static_assert(sizeof(MergeParams) == 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 6 * 8,
+              "MergeParams layout must match cuflash/_params.py");
 
 // Backward. delta (batch, nheads, seqlen_q) and dq_accum (batch, seqlen_q,
 // nheads, head_dim) are float32 work buffers made by the launcher, contiguous;

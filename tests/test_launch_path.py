@@ -12,7 +12,7 @@ import pytest
 
 from cuflash import _launch, api
 from cuflash._launch import KernelLaunch, LaunchPlan, PlanCache
-from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, pack
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, pack
 from cuflash.reference import attention_backward_reference, attention_reference
 
 from tests.helpers import (
@@ -34,7 +34,7 @@ class _FakeKernel:
 def _forward_struct():
     return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                 lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6), num_m_blocks=15,
-                softmax_scale_log2=0.5)
+                softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0)
 
 
 def _read_struct(address: int, dtype: np.dtype) -> np.ndarray:
@@ -100,11 +100,36 @@ def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
             assert (written[name][field] if field else written[name]) == pointer
 
 
+def test_split_plan_sends_one_array_to_different_fields_of_different_structs(recorded_launches):
+    """Split-KV: the partial results are the forward kernel's out and lse and
+    the merge kernel's partial and partial_lse; the call's out and lse are
+    the merge kernel's alone. A plan without splits leaves the work-buffer
+    slots unused."""
+    merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
+                 partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
+                 partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
+                 size=(1, 1, 1, 1, 1, 1))
+    plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(1), 1, 32, 0), KernelLaunch(_FakeKernel(2), 1, 32, 0, struct=1)])
+    plan.launch([11, 12, 13, 14, 15, 16, 17], stream=0)
+    forward = _read_struct(recorded_launches[0]["struct_address"], FORWARD_PARAMS)[0]
+    merged = _read_struct(recorded_launches[1]["struct_address"], MERGE_PARAMS)[0]
+    assert [forward[n]["ptr"] for n in ("q", "k", "v", "out")] == [11, 12, 13, 16] and forward["lse"] == 17
+    assert merged["out"]["ptr"] == 14 and merged["lse"] == 15
+    assert merged["partial"]["ptr"] == 16 and merged["partial_lse"] == 17
+    plain = LaunchPlan(0, [_forward_struct()], api.FORWARD_SLOTS, [KernelLaunch(_FakeKernel(3), 1, 32, 0)])
+    plain.launch([1, 2, 3, 4, 5, 6, 7], stream=0)
+    written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
+    assert written["out"]["ptr"] == 4 and written["lse"] == 5
+
+
 def test_plan_rejects_a_struct_it_cannot_address():
     with pytest.raises(KeyError, match="no field 'bogus.ptr'"):
         LaunchPlan(0, [_forward_struct()], ("bogus.ptr",), [])
     with pytest.raises(ValueError, match="one element"):
         LaunchPlan(0, [np.zeros(2, dtype=FORWARD_PARAMS)], api.FORWARD_SLOTS, [])
+    with pytest.raises(KeyError, match="struct 0 has no field 'partial.ptr'"):
+        LaunchPlan(0, [_forward_struct()], (((0, "partial.ptr"),),), [])
 
 
 def test_plan_cache_is_bounded_and_least_recently_used_goes_first():

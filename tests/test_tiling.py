@@ -13,6 +13,7 @@ from cuflash._masks import MASKS
 from cuflash._params import (
     BACKWARD_PARAMS,
     FORWARD_PARAMS,
+    MERGE_PARAMS,
     WGMMA_BACKWARD_PARAMS,
     WGMMA_FORWARD_PARAMS,
     flat_fields,
@@ -379,7 +380,8 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 @needs_nvcc
 @pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS),
                                           ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS),
-                                          ("WgmmaBackwardParams", WGMMA_BACKWARD_PARAMS)])
+                                          ("WgmmaBackwardParams", WGMMA_BACKWARD_PARAMS),
+                                          ("MergeParams", MERGE_PARAMS)])
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cuflash._kernel_families import FAMILIES, KernelVariant  # noqa: E402
+from cuflash._kernel_families import FAMILIES, KernelVariant, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
 from cuflash._masks import MASKS  # noqa: E402
 
@@ -52,6 +52,9 @@ def all_variants() -> list[KernelVariant]:
     tiles with every mask (and both dQ modes of a dK/dV family that has them)."""
     variants = []
     for family in FAMILIES:
+        if family.role == "merge":
+            variants += merge_variants()
+            continue
         if family.tiles is None:
             variants += [family.variant(dtype) for dtype in family.dtypes]
             continue

@@ -1,0 +1,106 @@
+"""Decoding's planning without a GPU: grouped-query packing of one query
+token, the split count, the work buffers, and the argument checks of
+``num_splits`` and ``merge_attention_states``."""
+
+import dataclasses
+
+import pytest
+
+from cuflash import api
+from cuflash._tiling import MMA_DECODE_TILES, decode_tilings
+from cuflash._validation import AttentionProblem, TensorMeta, check_merge, check_num_splits
+
+
+def _problem(batch=2, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=8, head_dim=128, causal=True):
+    return AttentionProblem(batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+                            head_dim=head_dim, dtype="bfloat16", device=0, softmax_scale=0.1, causal=causal)
+
+
+def _layouts(problem):
+    q = api.Layout.contiguous((problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim), problem.dtype)
+    kv = api.Layout.contiguous((problem.batch, problem.seqlen_k, problem.nheads_k, problem.head_dim), problem.dtype)
+    return {"q": q, "k": kv, "v": kv, "out": q}
+
+
+def test_one_token_packs_the_query_heads_of_each_kv_head_as_rows():
+    problem = _problem()
+    shape = api.decode_shape(problem, _layouts(problem))
+    assert shape.packed and shape.lse_head_stride == 4
+    packed = shape.problem
+    assert (packed.seqlen_q, packed.nheads, packed.nheads_k, packed.causal) == (4, 8, 8, False)
+    item = 2
+    # q (2, 1, 32, 128) as (2, 4, 8, 128): row g of K/V head h is query head 4 h + g.
+    q = shape.layouts["q"]
+    assert q.shape == (2, 4, 8, 128)
+    assert q.strides == (32 * 128 * item, 128 * item, 4 * 128 * item, item)
+    for h in range(8):
+        for g in range(4):
+            assert h * q.strides[2] + g * q.strides[1] == (4 * h + g) * 128 * item
+    assert shape.layouts["k"] == _layouts(problem)["k"]
+
+
+@pytest.mark.parametrize("change", [dict(seqlen_q=2), dict(nheads_k=32)])
+def test_other_calls_keep_their_shape(change):
+    problem = dataclasses.replace(_problem(), **change)
+    shape = api.decode_shape(problem, _layouts(problem))
+    assert not shape.packed and shape.problem == problem and shape.lse_head_stride == problem.seqlen_q
+
+
+def test_decode_splits_leave_no_key_range_empty():
+    problem = _problem(seqlen_k=1000)
+    _, split = decode_tilings("bfloat16", 128)
+    key_blocks = -(-1000 // split.block_n)  # 16
+    assert api.decode_splits(problem, split, 1) == 1
+    assert api.decode_splits(problem, split, 4) == 4
+    # 6 ranges of 16 blocks would be 3 blocks each: 6 ranges, none empty; 12 -> 2 each: 8 ranges.
+    assert api.decode_splits(problem, split, 6) == 6
+    assert api.decode_splits(problem, split, 12) == 8
+    assert api.decode_splits(problem, split, 200) == key_blocks
+
+
+def test_work_buffers_of_a_split_forward():
+    problem = _problem(seqlen_q=4, nheads=8)
+    assert api.forward_work_buffers(problem, 1) == {}
+    assert api.forward_work_buffers(problem, 3) == {"out_partial": ((3, 2, 4, 8, 128), "float32"),
+                                                    "lse_partial": ((3, 2, 8, 4), "float32")}
+
+
+def test_decode_tiles_hold_a_packed_group_and_both_modes():
+    for head_dim in (8, 64, 80, 128, 200, 256):
+        plain, split = decode_tilings("float16", head_dim)
+        assert not plain.split_kv and split.split_kv and plain.block_m == split.block_m == 64
+        assert plain.kernel == "mma" and plain.head_dim_padded in MMA_DECODE_TILES
+    assert decode_tilings("float32", 64) == ()
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (0, ValueError, "from 1 to 256"), (257, ValueError, "from 1 to 256"), (2.0, TypeError, "an int"),
+    (True, TypeError, "an int")])
+def test_num_splits_is_checked(value, error, match):
+    with pytest.raises(error, match=f"num_splits must be.*{match}"):
+        check_num_splits(value)
+    assert check_num_splits(None) is None and check_num_splits(3) == 3
+
+
+def _meta(name, shape, dtype="float32"):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return TensorMeta(name, tuple(shape), tuple(reversed(strides)), dtype, 0)
+
+
+def test_merge_checks_name_the_argument():
+    outs, lses = _meta("outs", (3, 2, 5, 4, 8)), _meta("lses", (3, 2, 4, 5))
+    problem = check_merge(outs, lses, None, None)
+    assert (problem.num_states, problem.batch, problem.seqlen, problem.nheads, problem.head_dim) == (3, 2, 5, 4, 8)
+    with pytest.raises(ValueError, match=r"lses must have shape \(num_states, batch, nheads, seqlen\)"):
+        check_merge(outs, _meta("lses", (3, 2, 5, 4)), None, None)
+    with pytest.raises(ValueError, match="outs must hold at least one state"):
+        check_merge(_meta("outs", (0, 2, 5, 4, 8)), _meta("lses", (0, 2, 4, 5)), None, None)
+    with pytest.raises(TypeError, match="out must have the dtype of outs"):
+        check_merge(outs, lses, _meta("out", (2, 5, 4, 8), "float16"), None)
+    with pytest.raises(ValueError, match=r"lse must have shape \(batch, nheads, seqlen\)"):
+        check_merge(outs, lses, None, _meta("lse", (2, 5, 4)))
+    with pytest.raises(TypeError, match="outs must have dtype"):
+        check_merge(_meta("outs", (3, 2, 5, 4, 8), "int32"), lses, None, None)

@@ -1,0 +1,159 @@
+"""Decoding on the GPU against the float64 reference: grouped-query packing
+(one query token: the query heads of a K/V head run as rows of one block),
+split-KV (key ranges in separate blocks, merged by their log-sum-exp), and
+``merge_attention_states``. Outputs are poisoned with NaN before each run."""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import api
+from cuflash.reference import attention_reference
+
+from tests.helpers import assert_lse_close, assert_output_accurate, random_qkv, to_numpy64
+from tests.test_forward_gpu import _cupy, run_and_check
+
+pytestmark = pytest.mark.gpu
+
+
+def _plan_of(q, k, v, causal, num_splits=None):
+    """The launch plan cuflash makes for this call (the split count and kernels it chose)."""
+    from cuflash._validation import check_forward, meta_of
+
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=causal,
+                            softmax_scale=None)
+    cupy = _cupy()
+    out = cupy.empty_like(q)
+    layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
+    return api.forward_plan(problem, layouts, aligned=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128, 256])
+@pytest.mark.parametrize("seqlen_k", [1, 17, 1000, 4097])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (32, 4)], ids=["mha", "gqa4", "gqa8"])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 16])
+def test_decode_one_token(dtype, head_dim, seqlen_k, heads, num_splits):
+    cupy = _cupy()
+    nheads, nheads_k = heads
+    q, k, v = random_qkv(cupy, 3, 1, seqlen_k, nheads, nheads_k, head_dim, cupy.dtype(dtype),
+                         seed=seqlen_k + head_dim + nheads_k)
+    for causal in (False, True):  # one row sees every key either way
+        run_and_check(q, k, v, causal=causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k", [(5, 5), (17, 1000), (64, 3000), (3, 1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_decode_few_tokens(seqlen_q, seqlen_k, causal, num_splits):
+    """Speculative decoding and chunked prefill: a few query rows, causal
+    bottom-right; a causal block may see none of a key range (output 0,
+    log-sum-exp -inf, weighed 0 by the merge)."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, 4, 2, 128, cupy.dtype("bfloat16"), seed=seqlen_q)
+    run_and_check(q, k, v, causal=causal, num_splits=num_splits)
+
+
+def test_decode_packs_query_heads_and_splits_long_caches():
+    """One token against a long cache with GQA takes split-KV (forward and
+    merge kernels) on the decode tiles; num_splits=1 keeps one kernel."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, 1, 131072, 32, 8, 128, cupy.dtype("bfloat16"), seed=5)
+    plan = _plan_of(q, k, v, causal=True)
+    assert plan.kernel_count == 2 and set(plan.work_buffers) == {"out_partial", "lse_partial"}
+    splits = plan.work_buffers["out_partial"][0][0]
+    assert splits > 8
+    # Packed: (batch 1, 4 query heads of each of 8 K/V heads as rows).
+    assert plan.work_buffers["out_partial"][0][1:] == (1, 4, 8, 128)
+    assert _plan_of(q, k, v, causal=True, num_splits=1).kernel_count == 1
+    run_and_check(q, k, v, causal=True)
+
+
+def test_decode_split_is_deterministic_and_matches_unsplit():
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 1, 5000, 16, 4, 128, cupy.dtype("float16"), seed=9)
+    first = cuflash.attention(q, k, v, num_splits=8)
+    for _ in range(3):
+        assert bool((cuflash.attention(q, k, v, num_splits=8) == first).all())
+    unsplit = cuflash.attention(q, k, v, num_splits=1)
+    assert float(cupy.abs(unsplit.astype(cupy.float32) - first.astype(cupy.float32)).max()) < 2e-3
+
+
+def test_num_splits_for_a_call_that_does_not_decode_is_refused():
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 1, 300, 300, 2, 2, 64, cupy.dtype("bfloat16"))
+    with pytest.raises(ValueError, match="num_splits applies to decoding"):
+        cuflash.attention(q, k, v, num_splits=4)
+    cuflash.attention(q, k, v, num_splits=1)  # no split asked: fine
+
+
+def _merge_reference(outs, lses):
+    outs, lses = to_numpy64(outs), to_numpy64(lses)  # (s, b, n, h, d), (s, b, h, n)
+    lse = np.logaddexp.reduce(lses, axis=0)
+    with np.errstate(invalid="ignore"):
+        weights = np.where(np.isneginf(lses), 0.0, np.exp(lses - lse))  # (s, b, h, n)
+    weights = np.nan_to_num(weights)
+    out = np.einsum("sbhn,sbnhd->bnhd", weights, np.nan_to_num(outs))
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [1, 7, 64, 256])
+@pytest.mark.parametrize("num_states", [1, 2, 5])
+def test_merge_attention_states_matches_float64(dtype, head_dim, num_states):
+    cupy = _cupy()
+    rng = np.random.default_rng(head_dim * 10 + num_states)
+    b, n, h = 2, 17, 3
+    outs = cupy.asarray(rng.standard_normal((num_states, b, n, h, head_dim))).astype(dtype)
+    lses = rng.standard_normal((num_states, b, h, n)) * 4
+    lses[0, 0, 0, :] = -np.inf            # a state that saw no key for some rows
+    lses[:, 1, 2, 3] = -np.inf            # a row that saw no key in any state
+    outs[0, 0, :, 0, :] = cupy.nan        # never read: weight 0
+    lses = cupy.asarray(lses, dtype=cupy.float32)
+    out = cupy.full((b, n, h, head_dim), cupy.nan, dtype=dtype)
+    lse = cupy.full((b, h, n), cupy.nan, dtype=cupy.float32)
+    result, lse_result = cuflash.merge_attention_states(outs, lses, out=out, lse=lse)
+    assert result is out and lse_result is lse
+    ref_out, ref_lse = _merge_reference(outs, lses)
+    got = to_numpy64(out)
+    assert not np.isnan(got).any()
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    assert np.abs(got - ref_out).max() <= tolerance * max(1.0, np.abs(ref_out).max())
+    assert_lse_close(lse, ref_lse)
+    assert (got[1, 3, 2] == 0).all()
+
+
+def test_merge_attention_states_of_two_key_halves_is_attention_over_all():
+    """The building block of split-KV and context parallelism: attention
+    over two halves of the keys, merged, is attention over all of them."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 33, 300, 4, 2, 64, cupy.dtype("float32"), seed=3)
+    parts = [cuflash.attention(q, k[:, s], v[:, s], return_lse=True) for s in (slice(0, 120), slice(120, 300))]
+    outs = cupy.stack([p[0] for p in parts])
+    lses = cupy.stack([p[1] for p in parts])
+    out, lse = cuflash.merge_attention_states(outs, lses)
+    ref_out, ref_lse = attention_reference(q, k, v, causal=False, softmax_scale=None)
+    assert np.abs(to_numpy64(out) - to_numpy64(ref_out)).max() < 1e-5
+    assert_lse_close(lse, ref_lse)
+
+
+def test_merge_attention_states_from_torch_on_strided_lses():
+    torch = pytest.importorskip("torch")
+    outs = torch.randn(3, 2, 5, 4, 32, device="cuda")
+    lses = torch.randn(3, 2, 5, 4, device="cuda").transpose(2, 3)  # (s, b, h, n), not contiguous
+    out, lse = cuflash.merge_attention_states(outs, lses)
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 5, 4, 32) and lse.shape == (2, 4, 5)
+    ref_out, ref_lse = _merge_reference(outs.cpu().numpy(), lses.cpu().numpy())
+    assert np.abs(out.cpu().double().numpy() - ref_out).max() < 1e-5
+    assert np.abs(lse.cpu().double().numpy() - ref_lse).max() < 1e-5
+
+
+def test_merge_attention_states_rejects_bad_input():
+    cupy = _cupy()
+    outs = cupy.zeros((2, 1, 3, 4, 8), dtype=cupy.float32)
+    with pytest.raises(ValueError, match="lses must have shape"):
+        cuflash.merge_attention_states(outs, cupy.zeros((2, 1, 3, 4), dtype=cupy.float32))
+    with pytest.raises(TypeError, match="lses must have dtype float32"):
+        cuflash.merge_attention_states(outs, cupy.zeros((2, 1, 4, 3), dtype=cupy.float16))
+    with pytest.raises(ValueError, match="outs must have 5 dimensions"):
+        cuflash.merge_attention_states(outs[0], cupy.zeros((1, 4, 3), dtype=cupy.float32))
