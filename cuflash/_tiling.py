@@ -48,10 +48,11 @@ MMA_FORWARD_TILES = {
 #: rows the warps can hold (16 each), double-buffered key blocks small
 #: enough for two or three blocks per SM, and no Hopper variant (the
 #: wgmma forward computes 128 rows a block). (block_m, block_n, warps, K/V
-#: buffers), per compiled head dim.
+#: buffers), per compiled head dim. d64 takes 128 keys: with 64, ptxas
+#: spilled the unmasked variant on sm_90a (16 bytes at 128 registers).
 MMA_DECODE_TILES = {
     32: (64, 64, 4, 2),
-    64: (64, 64, 4, 2),
+    64: (64, 128, 4, 2),
     96: (64, 64, 4, 2),
     128: (64, 64, 4, 2),
     192: (64, 32, 4, 2),

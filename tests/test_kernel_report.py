@@ -33,8 +33,11 @@ def test_every_variant_compiles_and_is_reported():
             # The SIMT kernels are not the fast path; a few bytes of spill in a
             # few of them are tolerated here (see the closing notes), not more.
             assert row["spill_stores"] <= 64, row
-    # float16, bfloat16, float32 (3xTF32), and float32's Hopper tile at 256
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 38
+    # float16, bfloat16, float32 (3xTF32), and float32's Hopper tile at 256;
+    # the 16-bit decode tiles without and with split-KV (20 not already there)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 78
+    # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
+    assert sum(row["variant"].startswith("merge-states/") for row in rows) == 10
     # head dims 32/64/96/128/192/256 and the 128-row tiles of 32/64 for rows
     # ending mid-sector; two dtypes, two masks
     assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 32

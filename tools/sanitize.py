@@ -65,6 +65,15 @@ def main() -> int:
                             failures.append(f"d{head_dim} causal={causal} deterministic={deterministic} "
                                             f"{seqlen_q}x{seqlen_k}: {name} not finite")
                 print(f"head_dim {head_dim} causal={causal} deterministic={deterministic}: ran", flush=True)
+    # Decoding: one query token with grouped-query packing, split-KV and the merge.
+    for num_splits in (1, 5):
+        q, k, v = _inputs(128, 1, 3000, seed=num_splits)
+        q = cupy.concatenate([q, q], axis=2)  # 4 query heads on 1 K/V head
+        out = cuflash.attention(q, k, v, causal=True, num_splits=num_splits)
+        cupy.cuda.Device().synchronize()
+        if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
+            failures.append(f"decode num_splits={num_splits}: out not finite")
+        print(f"decode num_splits={num_splits}: ran", flush=True)
     for failure in failures:
         print(failure)
     return 1 if failures else 0
