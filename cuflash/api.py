@@ -534,7 +534,7 @@ def decode_shape(problem: AttentionProblem, layouts: dict) -> DecodeShape:
     head instead of once per query head. Causal attention of one query row
     sees every key (bottom-right aligned), so the packed rows run unmasked.
     Other calls keep their shape."""
-    group = problem.nheads // problem.nheads_k
+    group = problem.nheads // max(problem.nheads_k, 1)
     packable = (problem.seqlen_q == 1 and group > 1 and problem.mask.name in ("none", "causal")
                 and problem.score.is_identity)
     if not packable:
@@ -608,7 +608,10 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     names = ("q", "k", "v", "out")
     lse_batch_stride = problem.nheads * problem.seqlen_q
     splits = 1
-    if tiling is None:
+    if tiling is None and problem.is_empty:
+        tiling = forward_tiling_for(problem, [layouts[name] for name in names], aligned)
+        lse_head_stride = problem.seqlen_q
+    elif tiling is None:
         shape = decode_shape(problem, layouts)
         chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in names], aligned)
         decode = _decode_tiling(shape.problem, chosen, num_splits)

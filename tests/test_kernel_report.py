@@ -78,8 +78,10 @@ def test_fast_path_spill_gate_command_line(only):
     result = subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--arch", "sm_90a",
                              "--only", only, "--fail-on-spill"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    # causal and not; the backward in both dQ modes (atomic, ordered)
-    assert result.stdout.count(only) == (4 if only.startswith("backward") else 2)
+    # causal and not; the backward in both dQ modes (atomic, ordered); the
+    # mma.sync forward's decode tiles without and with split-KV beside its own
+    expected = {"forward-mma": 6, "forward-wgmma": 2, "backward-dkdv-wgmma": 4}[only.split("/")[0]]
+    assert result.stdout.count(only) == expected
 
 
 @needs_nvcc

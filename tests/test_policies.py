@@ -143,7 +143,9 @@ def _run(q, k, v, dout, *, mask, score, deterministic, forward_tiling=None):
     layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
     stream = cupy.cuda.get_current_stream().ptr
     plan = api.forward_plan(problem, layouts, aligned=True, tiling=forward_tiling)
-    plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr], stream)
+    work = [cupy.empty(shape, dtype=dtype) for shape, dtype in plan.work_buffers.values()]  # split-KV's
+    plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, *(w.data.ptr for w in work)],
+                stream)
 
     grads = [cupy.full_like(x, cupy.nan) for x in (q, k, v)]
     metas = {name: meta_of(name, x) for name, x in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
