@@ -11,6 +11,8 @@ at run time that it was given at least as much as it needs.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 #: Head dims the kernels are compiled for. A head_dim between two entries runs
@@ -414,6 +416,22 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     padded = _mma_forward_bucket(dtype_name, head_dim)
     tiles = MMA_3XTF32_HOPPER_TILES.get(padded)
     return None if tiles is None else _mma_forward_tiles(dtype_name, padded, tiles)
+
+
+def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
+    """A split count for split-KV, by the idea FlashAttention-2's launcher
+    uses: none when the grid already nearly fills the GPU (80% of its slots);
+    otherwise, of the counts that change how many key blocks each split gets,
+    the smallest whose last wave is within 85% of the best wave efficiency
+    (waves / ceil(waves)). The launcher's split-KV count (cuflash.api) and
+    the simulator's (cuflash.simulate) both come from here."""
+    if parallel_blocks >= 0.8 * slots:
+        return 1
+    candidates = [s for s in range(1, min(max_splits, slots, key_blocks) + 1)
+                  if s == 1 or -(-key_blocks // s) != -(-key_blocks // (s - 1))]
+    efficiency = {s: (parallel_blocks * s / slots) / math.ceil(parallel_blocks * s / slots) for s in candidates}
+    best = max(efficiency.values())
+    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
 
 
 def decode_tilings(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:

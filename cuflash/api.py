@@ -28,10 +28,10 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling, decode_tilings, wgmma_backward_swizzles
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling, decode_tilings, wave_efficient_splits,
+                      wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, check_backward, check_forward, check_merge, check_num_splits,
                           contiguous_strides, meta_of)
-from .simulate.algorithms import wave_efficient_splits
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -282,45 +282,62 @@ def _merge(outs, lses, out, lse, *, signature) -> list:
                 native, views[name] = bridge.empty(shape, dtype)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
+        pointers = _view_pointers(MERGE_ARRAYS, views)
         plan = merge_plan(problem, {name: metas[name].strides if name in metas else
-                                    contiguous_strides(tuple(views[name].shape)) for name in MERGE_ARRAYS},
-                          _view_pointers(MERGE_ARRAYS, views))
-        return _run_planned(signature, bridge, plan, MERGE_ARRAYS, views, _view_pointers(MERGE_ARRAYS, views),
-                            natives, allocated)
+                                    contiguous_strides(tuple(views[name].shape)) for name in MERGE_ARRAYS}, pointers)
+        return _run_planned(signature, bridge, plan, MERGE_ARRAYS, views, pointers, natives, allocated)
 
 
 def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPlan:
     """The launch plan of a validated merge: element ``strides`` of partial,
     partial_lse, out and lse; four columns a lane where head_dim, the
     strides and ``pointers`` allow 16-byte loads of float32 partials."""
-    d = problem.head_dim
     partial = strides["partial"]
-    vector = 4 if (d % 4 == 0 and all(x % 4 == 0 for x in partial[:4]) and pointers[0] % 16 == 0
-                   and problem.dtype == "float32") else 1
-    variant = merge_variant(problem.dtype, problem.dtype, vector)
-    rows = problem.batch * problem.nheads * problem.seqlen
-    out = strides["out"]
+    vector_loads = (all(x % 4 == 0 for x in partial[:4]) and pointers[0] % 16 == 0
+                    and problem.dtype == "float32")
+    params, launch = _merge_launch(
+        problem.device, problem.dtype, problem.dtype, problem.num_states,
+        (problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, problem.head_dim),
+        out=(0, *strides["out"][:3]), lse_strides=strides["lse"], partial=(0, *partial[1:4]),
+        partial_state_stride=partial[0], partial_lse_strides=strides["partial_lse"], vector_loads=vector_loads)
+    return LaunchPlan(problem.device, [params], MERGE_SLOTS, [launch] if launch else [])
+
+
+def _merge_launch(device: int, partial_dtype: str, out_dtype: str, num_states: int, size: tuple, *, out: tuple,
+                  lse_strides: tuple, partial: tuple, partial_state_stride: int, partial_lse_strides: tuple,
+                  vector_loads: bool, struct: int = 0):
+    """The merge kernel's parameter struct (MergeParams, pointers left 0)
+    and its launch (None where there is no row or column), for both callers:
+    ``merge_attention_states`` and split-KV. ``size`` is ProblemSize's
+    fields (batch, heads, heads, rows, unused, head_dim); ``out`` and
+    ``partial`` TensorRef fields; ``lse_strides`` (batch, head, row) and
+    ``partial_lse_strides`` (state, batch, head, row) in elements;
+    ``vector_loads``: whether 16-byte loads of the partials are aligned
+    (head_dim a multiple of 4 is checked here)."""
+    batch, heads, _, rows, _, head_dim = size
     params = pack(
         MERGE_PARAMS,
-        out=(0, out[0], out[1], out[2]),
+        out=out,
         lse=0,
-        lse_batch_stride=strides["lse"][0],
-        lse_head_stride=strides["lse"][1],
-        lse_row_stride=strides["lse"][2],
-        partial=(0, partial[1], partial[2], partial[3]),
+        lse_batch_stride=lse_strides[0],
+        lse_head_stride=lse_strides[1],
+        lse_row_stride=lse_strides[2],
+        partial=partial,
         partial_lse=0,
-        partial_lse_batch_stride=strides["partial_lse"][1],
-        partial_lse_head_stride=strides["partial_lse"][2],
-        partial_lse_row_stride=strides["partial_lse"][3],
-        num_states=problem.num_states,
-        partial_state_stride=partial[0],
-        partial_lse_state_stride=strides["partial_lse"][0],
-        size=(problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, d),
+        partial_lse_batch_stride=partial_lse_strides[1],
+        partial_lse_head_stride=partial_lse_strides[2],
+        partial_lse_row_stride=partial_lse_strides[3],
+        num_states=num_states,
+        partial_state_stride=partial_state_stride,
+        partial_lse_state_stride=partial_lse_strides[0],
+        size=size,
     )
-    launches = []
-    if rows and d:
-        launches.append(KernelLaunch(loader.get(variant, problem.device), -(-rows // MERGE_WARPS), variant.threads, 0))
-    return LaunchPlan(problem.device, [params], MERGE_SLOTS, launches)
+    total_rows = batch * heads * rows
+    if not total_rows or not head_dim:
+        return params, None
+    variant = merge_variant(partial_dtype, out_dtype, 4 if vector_loads and head_dim % 4 == 0 else 1)
+    return params, KernelLaunch(loader.get(variant, device), -(-total_rows // MERGE_WARPS), variant.threads, 0,
+                                struct)
 
 
 @contextmanager
@@ -576,23 +593,28 @@ def forward_work_buffers(problem: AttentionProblem, num_splits: int) -> dict:
             "lse_partial": ((num_splits, b, h, sq), "float32")}
 
 
-def _decode_tiling(problem: AttentionProblem, chosen: Tiling, num_splits: int | None) -> Tiling | None:
-    """The decode tiles (``decode_tilings``) where the call may take them:
-    a tensor-core forward on 16-bit inputs with at most ``DECODE_MAX_ROWS``
-    query rows per head (after packing); None otherwise, and a ValueError
-    where ``num_splits`` asks for splits such a call cannot have."""
-    decodes = (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES
-               and problem.seqlen_q <= DECODE_MAX_ROWS)
-    if not decodes:
+def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
+                   num_splits: int | None) -> tuple[Tiling, DecodeShape, int]:
+    """The tiles, shape and split count of a forward that ``forward_plan``
+    decides: ``forward_tiling_for``'s kernel, or where it is a tensor-core
+    one on 16-bit inputs with at most ``DECODE_MAX_ROWS`` query rows per
+    head (after ``decode_shape``'s packing) the decode tiles, split-KV by
+    ``decode_splits`` unless ``num_splits`` is 1. A ValueError where
+    ``num_splits`` asks for splits such a call cannot have."""
+    shape = decode_shape(problem, layouts)
+    rows = shape.problem.seqlen_q
+    chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
+    if not (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS):
         if num_splits not in (None, 1):
             raise ValueError(
                 f"num_splits applies to decoding: float16/bfloat16 inputs on the tensor-core path with at most "
                 f"{DECODE_MAX_ROWS} query rows per K/V head (seqlen_q, or with one query token the query heads "
-                f"sharing a K/V head); this call has {problem.seqlen_q} rows of {problem.dtype} on the "
+                f"sharing a K/V head); this call has {rows} rows of {problem.dtype} on the "
                 f"{chosen.kernel} kernel, so leave num_splits=None")
-        return None
+        return chosen, DecodeShape(problem, layouts, problem.seqlen_q, False), 1
     plain, split = decode_tilings(problem.dtype, problem.head_dim)
-    return plain if num_splits == 1 else split
+    splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
+    return (split if splits > 1 else plain), shape, splits
 
 
 def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None,
@@ -606,26 +628,15 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     query rows per K/V head runs as decoding (``decode_shape``; the decode
     tiles, split-KV by ``decode_splits`` unless ``num_splits`` is 1)."""
     names = ("q", "k", "v", "out")
-    lse_batch_stride = problem.nheads * problem.seqlen_q
-    splits = 1
+    lse_batch_stride = problem.nheads * problem.seqlen_q  # of the call's lse, packed or not
+    shape, splits = DecodeShape(problem, layouts, problem.seqlen_q, False), 1
     if tiling is None and problem.is_empty:
         tiling = forward_tiling_for(problem, [layouts[name] for name in names], aligned)
-        lse_head_stride = problem.seqlen_q
     elif tiling is None:
-        shape = decode_shape(problem, layouts)
-        chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in names], aligned)
-        decode = _decode_tiling(shape.problem, chosen, num_splits)
-        if decode is not None:
-            problem, layouts = shape.problem, shape.layouts
-            splits = decode_splits(problem, decode, num_splits) if decode.split_kv else 1
-            tiling = decode if splits > 1 else decode_tilings(problem.dtype, problem.head_dim)[0]
-        else:
-            tiling = chosen
-        lse_head_stride = shape.lse_head_stride if decode is not None else problem.seqlen_q
-    else:
-        lse_head_stride = problem.seqlen_q
+        tiling, shape, splits = _forward_tiles(problem, layouts, aligned, num_splits)
+    problem, layouts = shape.problem, shape.layouts
     if splits > 1:
-        return _split_forward_plan(problem, layouts, tiling, splits, lse_batch_stride, lse_head_stride)
+        return _split_forward_plan(problem, layouts, tiling, splits, lse_batch_stride, shape.lse_head_stride)
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     launches = []
     if not problem.is_empty:
@@ -638,7 +649,7 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
         **{name: tensor_ref(layouts[name]) for name in names},
         lse=0,
         lse_batch_stride=lse_batch_stride,
-        lse_head_stride=lse_head_stride,
+        lse_head_stride=shape.lse_head_stride,
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
@@ -684,28 +695,12 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         out_split_stride=b * sq * h * d,
         lse_split_stride=b * h * sq,
     )
-    merge = merge_variant("float32", problem.dtype, 4 if d % 4 == 0 else 1)
-    merge_params = pack(
-        MERGE_PARAMS,
-        out=tensor_ref(layouts["out"]),
-        lse=0,
-        lse_batch_stride=lse_batch_stride,
-        lse_head_stride=lse_head_stride,
-        lse_row_stride=1,
-        partial=tensor_ref(partial),
-        partial_lse=0,
-        partial_lse_batch_stride=h * sq,
-        partial_lse_head_stride=sq,
-        partial_lse_row_stride=1,
-        num_states=splits,
-        partial_state_stride=b * sq * h * d,
-        partial_lse_state_stride=b * h * sq,
-        size=_size_fields(problem),
-    )
-    launches = [
-        KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0),
-        KernelLaunch(loader.get(merge, problem.device), -(-b * h * sq // MERGE_WARPS), merge.threads, 0, 1),
-    ]
+    merge_params, merge = _merge_launch(
+        problem.device, "float32", problem.dtype, splits, _size_fields(problem), out=tensor_ref(layouts["out"]),
+        lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
+        partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
+        struct=1)
+    launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
     return LaunchPlan(problem.device, [forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
                       work_buffers=buffers)
 

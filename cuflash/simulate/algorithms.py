@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
+from .._tiling import wave_efficient_splits  # noqa: F401  (the launcher's split count, modelled here)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -108,21 +109,6 @@ def split_keys(blocks: list[QueryBlock], block_n: int, splits: int) -> list[Quer
             start = min(split * per_split, b.keys)
             out.append(QueryBlock(b.rows, min(per_split, b.keys - start), b.key_start + start))
     return out
-
-
-def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
-    """A split count for split-KV, by the idea FlashAttention-2's launcher
-    uses: none when the grid already nearly fills the GPU (80% of its slots);
-    otherwise, of the counts that change how many key blocks each split gets,
-    the smallest whose last wave is within 85% of the best wave efficiency
-    (waves / ceil(waves))."""
-    if parallel_blocks >= 0.8 * slots:
-        return 1
-    candidates = [s for s in range(1, min(max_splits, slots, key_blocks) + 1)
-                  if s == 1 or _cdiv(key_blocks, s) != _cdiv(key_blocks, s - 1)]
-    efficiency = {s: (parallel_blocks * s / slots) / math.ceil(parallel_blocks * s / slots) for s in candidates}
-    best = max(efficiency.values())
-    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
 
 
 def key_sweep(p: Problem, block_m: int, block_n: int) -> list[KeyBlock]:
