@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._masks import SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
+from ._masks import BATCH_LAYOUTS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
 from ._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
@@ -39,6 +39,7 @@ from ._tiling import (
     wgmma_backward_applies,
     wgmma_forward_applies,
     wgmma_backward_tiling,
+    wgmma_forward_short_tiling,
     wgmma_forward_tiling,
 )
 
@@ -121,6 +122,9 @@ class KernelFamily:
     #: (dtype, head_dim) -> tiles the launcher may pick for some calls
     #: beside ``tiles`` (the mma.sync forward's decode tiles)
     other_tiles: Callable[[str, int], tuple[Tiling, ...]] = lambda dtype_name, head_dim: ()
+    #: (dtype, head_dim) -> its tiles for short sequences (at most
+    #: ``SHORT_SEQUENCE_KEYS`` keys each), dense or packed, else None
+    short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -170,8 +174,9 @@ class KernelFamily:
         return self.why_not(dtype_name, head_dim, generation, **conditions) is None
 
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
-                score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic") -> KernelVariant:
-        """The instantiation for these compile-time choices."""
+                score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic", layout: str = "dense") -> KernelVariant:
+        """The instantiation for these compile-time choices (``layout``: a
+        batch layout of ``BATCH_LAYOUTS``, "dense" or "packed")."""
         if self.role == "merge":
             raise ValueError(f"{self.name}'s variants come from merge_variant")
         if self.tiles is None:  # element-wise: no tiles, no policies
@@ -193,11 +198,12 @@ class KernelFamily:
             params=self.params,
             template_args=(
                 CXX_ELEMENT_TYPE[dtype_name], str(tiling.head_dim_padded), str(tiling.block_m), str(tiling.block_n),
-                str(tiling.warps), mask.cxx, score.cxx, *extra_args,
+                str(tiling.warps), mask.cxx, score.cxx, BATCH_LAYOUTS[layout], *extra_args,
             ),
             key=(f"{self.name}/{dtype_name}/hdim{tiling.head_dim_padded}"
                  f"/m{tiling.block_m}n{tiling.block_n}w{tiling.warps}/{mask.name}"
-                 f"{'' if score.is_identity else '/' + score.name}{extra_key}"),
+                 f"{'' if score.is_identity else '/' + score.name}{'' if layout == 'dense' else '/' + layout}"
+                 f"{extra_key}"),
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),
         )
@@ -212,19 +218,21 @@ class KernelFamily:
             return self.small_smem_tiles(dtype_name, head_dim) or tiling
         return tiling
 
-    def compiled_tilings(self) -> list[tuple[str, Tiling]]:
+    def compiled_tilings(self, other_tiles: bool = True) -> list[tuple[str, Tiling]]:
         """(dtype, tiling) of every tile choice it is compiled for, the Hopper
         and small-shared-memory tiles included: each head dim it serves is
         asked, as a table may pick tiles by head dim within a bucket
-        (``WGMMA_FORWARD_PARTIAL_SECTOR_TILES``). Buckets' tiles first."""
+        (``WGMMA_FORWARD_PARTIAL_SECTOR_TILES``). Buckets' tiles first;
+        ``other_tiles`` (the decode tiles, dense batches only) last."""
         head_dims = [*self.head_dims, *range(1, max(self.head_dims) + 1)]
         tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in head_dims
                    if self.serves(dtype, head_dim)]
         tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
-                    for choose in (self.hopper_tiles, self.small_smem_tiles)
+                    for choose in (self.hopper_tiles, self.small_smem_tiles, self.short_tiles)
                     if (other := choose(dtype, head_dim)) is not None]
-        tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
-                    for other in self.other_tiles(dtype, head_dim)]
+        if other_tiles:
+            tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
+                        for other in self.other_tiles(dtype, head_dim)]
         return list(dict.fromkeys(tilings))
 
 
@@ -248,7 +256,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  _WGMMA_FORWARD,
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
-                 needs_aligned_rows=True, needs_positive_scale=True,
+                 needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiling,
                  tile_args=lambda t: ((str(t.blocks_per_sm),), f"/b{t.blocks_per_sm}")),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
                  arch="sm_80", kernel="mma", dtypes=MMA_DTYPES + (MMA_3XTF32_DTYPE,),

@@ -112,6 +112,14 @@ SCORE_TRANSFORMS: dict[str, ScoreTransform] = {
 }
 
 
+#: Batch layouts by name, the kernels' sequence policy beside the mask and
+#: score transform (kernels_cu/block_info.cuh): "dense", every batch entry
+#: holds seqlen_q queries and seqlen_k keys of its own entry of the tensors;
+#: "packed", a variable-length batch whose sequences lie at cu_seqlens offsets
+#: in one packed entry.
+BATCH_LAYOUTS: dict[str, str] = {"dense": "cuflash::DenseBatch", "packed": "cuflash::PackedBatch"}
+
+
 def _named(table: dict, what: str, name: str):
     try:
         return table[name]

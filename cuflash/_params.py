@@ -19,8 +19,12 @@ TENSOR_REF = np.dtype(
     align=True,
 )
 
+#: ProblemSize: a dense batch's sizes, or a packed (variable-length) batch's
+#: with its cu_seqlens pointers (null when dense); total_q, total_k: the rows
+#: of the q-side and k-side tensors.
 PROBLEM_SIZE = np.dtype(
-    [(name, _INDEX) for name in ("batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k", "head_dim")],
+    [*[(name, _INDEX) for name in ("batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k", "head_dim")],
+     ("cu_seqlens_q", _POINTER), ("cu_seqlens_k", _POINTER), ("total_q", _INDEX), ("total_k", _INDEX)],
     align=True,
 )
 
@@ -104,9 +108,9 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8 + 3 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8
-MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 6 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 10 * 8 + 2 * 8 + 3 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 10 * 8 + 5 * 8
+MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 10 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
 assert MERGE_PARAMS.itemsize == MERGE_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
@@ -117,7 +121,9 @@ def tensor_ref(layout) -> tuple[int, int, int, int]:
     (``.strides`` in bytes, ``.itemsize``), its pointer left 0: launch plans
     write the pointer of each call (``cuflash._launch.LaunchPlan``)."""
     batch, row, head = (stride // layout.itemsize for stride in layout.strides[:3])
-    return (0, batch, row, head)
+    # A batch of one is never stepped over; 0 also serves a packed batch, whose
+    # kernels address every sequence in entry 0 (kernels_cu/block_info.cuh).
+    return (0, batch if layout.shape[0] > 1 else 0, row, head)
 
 
 def flat_fields(dtype: np.dtype, prefix: str = "") -> list[tuple[str, int]]:

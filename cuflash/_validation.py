@@ -4,6 +4,7 @@ every rule can be tested without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -64,6 +65,11 @@ class AttentionProblem:
     #: float32 arithmetic of a float32 forward: "ieee" (exact float32 on
     #: CUDA cores) or "3xtf32" (tensor cores, see FP32_PRECISIONS)
     fp32_precision: str = "ieee"
+    #: a packed (variable-length) batch: (total_q, total_k), the rows of its
+    #: q-side and k-side tensors, which the kernels see as one batch entry;
+    #: seqlen_q and seqlen_k are then the longest sequences (max_seqlen_q,
+    #: max_seqlen_k). None: a dense batch.
+    packed_rows: tuple[int, int] | None = None
 
     @property
     def mask(self) -> MaskPolicy:
@@ -74,6 +80,33 @@ class AttentionProblem:
     def score(self) -> ScoreTransform:
         """The score transform the kernels are instantiated with."""
         return score_transform_named("identity" if self.score_name is None else self.score_name)
+
+    @property
+    def packed(self) -> bool:
+        return self.packed_rows is not None
+
+    @property
+    def layout(self) -> str:
+        """The kernels' batch layout (``cuflash._masks.BATCH_LAYOUTS``)."""
+        return "packed" if self.packed else "dense"
+
+    @property
+    def tensor_batch(self) -> int:
+        """Batch entries of the tensors: 1 for a packed batch."""
+        return 1 if self.packed else self.batch
+
+    @property
+    def tensor_seqlen_q(self) -> int:
+        """Query rows per batch entry of the q-side tensors (and of the log-sum-exp per head)."""
+        return self.packed_rows[0] if self.packed else self.seqlen_q
+
+    @property
+    def total_q(self) -> int:
+        return self.tensor_batch * self.tensor_seqlen_q
+
+    @property
+    def total_k(self) -> int:
+        return self.packed_rows[1] if self.packed else self.batch * self.seqlen_k
 
     @property
     def is_empty(self) -> bool:
@@ -344,3 +377,97 @@ def check_backward(dout: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta
             _check_writable(grad)
     check_same_device([q, dout, out, lse] + [g for g in (dq, dk, dv) if g is not None])
     return problem
+
+
+#: What each dimension of a packed (variable-length) input is.
+PACKED_LAYOUT = "(total_tokens, nheads, head_dim)"
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The sequence bounds of a variable-length call: cu_seqlens_q and
+    cu_seqlens_k (GPU arrays, ``TensorMeta``), the longest lengths."""
+
+    cu_seqlens_q: TensorMeta
+    cu_seqlens_k: TensorMeta
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def check_max_seqlen(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= _INT32_MAX:
+        raise ValueError(f"{name} must be from 0 to 2**31 - 1, got {value}")
+    return int(value)
+
+
+def check_packing(packing: Packing, q: TensorMeta, k: TensorMeta, v: TensorMeta) -> int:
+    """The rules of a variable-length call's layout: q (total_q, nheads,
+    head_dim), k and v (total_k, nheads_k, head_dim), cu_seqlens_q and
+    cu_seqlens_k contiguous int32 of one length batch + 1 on q's GPU, and
+    the longest lengths; returns the batch size. The offsets' values live
+    on the GPU and are not read here: the kernels clamp them to the
+    tensors (kernels_cu/block_info.cuh)."""
+    for meta in (q, k, v):
+        if len(meta.shape) != 3:
+            raise ValueError(f"{meta.name} must have 3 dimensions {PACKED_LAYOUT} in a variable-length call, "
+                             f"got shape {meta.shape}")
+    cu_q, cu_k = packing.cu_seqlens_q, packing.cu_seqlens_k
+    for meta in (cu_q, cu_k):
+        if meta.dtype != "int32":
+            raise TypeError(f"{meta.name} must have dtype int32, got {meta.dtype}")
+        if len(meta.shape) != 1 or meta.shape[0] < 1:
+            raise ValueError(f"{meta.name} must be 1-D (batch + 1,), got shape {meta.shape}")
+        if meta.shape[0] > 1 and meta.strides[0] != 1:
+            raise ValueError(f"{meta.name} must be contiguous, got stride {meta.strides[0]} (in elements)")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), got {cu_q.shape[0]} "
+                         f"and {cu_k.shape[0]}")
+    check_same_device([q, cu_q, cu_k])
+    for name, meta in (("max_seqlen_q", q), ("max_seqlen_k", k)):
+        if meta.shape[0] > _INT32_MAX:
+            raise ValueError(f"{meta.name} must have fewer than 2**31 tokens, got {meta.shape[0]}")
+    check_max_seqlen("max_seqlen_q", packing.max_seqlen_q)
+    check_max_seqlen("max_seqlen_k", packing.max_seqlen_k)
+    return cu_q.shape[0] - 1
+
+
+def as_batch_of_one(meta: TensorMeta) -> TensorMeta:
+    """A packed (total, nheads, head_dim) array as the one-entry
+    (1, total, nheads, head_dim) array the kernels see (a C-contiguous one
+    stays C-contiguous)."""
+    return TensorMeta(meta.name, (1, *meta.shape), (max(meta.shape[0], 1) * meta.strides[0], *meta.strides),
+                      meta.dtype, meta.device)
+
+
+def packed_problem(problem: AttentionProblem, batch: int, packing: Packing) -> AttentionProblem:
+    """A problem checked on the batch-of-one view of packed arrays, as the
+    packed batch of ``batch`` sequences it is."""
+    if batch * problem.nheads > _INT32_MAX:
+        raise ValueError(f"batch * nheads must be below 2**31, got {batch * problem.nheads}")
+    return dataclasses.replace(problem, batch=batch, seqlen_q=packing.max_seqlen_q, seqlen_k=packing.max_seqlen_k,
+                               packed_rows=(problem.seqlen_q, problem.seqlen_k))
+
+
+def check_packed_lse(lse: TensorMeta, nheads: int, total_q: int) -> TensorMeta:
+    """The log-sum-exp of a variable-length call, (nheads, total_q) float32
+    (FlashAttention-2's varlen layout), contiguous in its last dimension;
+    returned as the (1, nheads, total_q) meta the dense checks take."""
+    if len(lse.shape) != 2 or lse.shape != (nheads, total_q):
+        raise ValueError(f"lse must have shape (nheads, total_q) = {(nheads, total_q)} in a variable-length call, "
+                         f"got {lse.shape}")
+    return as_batch_of_one(lse)
+
+
+def check_packed_like(meta: TensorMeta | None, like: TensorMeta) -> None:
+    """A packed array that must have the shape and dtype of another (out,
+    dout and dq of q; dk, dv of k and v), checked before the batch-of-one
+    view so that the message shows the caller's shapes."""
+    if meta is None:
+        return
+    if meta.dtype != like.dtype:
+        raise TypeError(f"{meta.name} must have the dtype of {like.name} ({like.dtype}), got {meta.dtype}")
+    if meta.shape != like.shape:
+        raise ValueError(f"{meta.name} must have the shape of {like.name} {like.shape} {PACKED_LAYOUT}, "
+                         f"got {meta.shape}")

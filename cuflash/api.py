@@ -28,10 +28,11 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling, decode_tilings, wave_efficient_splits,
-                      wgmma_backward_swizzles)
-from ._validation import (AttentionProblem, MergeProblem, check_backward, check_forward, check_merge, check_num_splits,
-                          contiguous_strides, meta_of)
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_tilings,
+                      wave_efficient_splits, wgmma_backward_swizzles)
+from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
+                          check_merge, check_num_splits, check_packed_like, check_packed_lse, check_packing,
+                          contiguous_strides, meta_of, packed_problem)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -40,19 +41,23 @@ _ELEMENTWISE_BLOCKS = 4096
 
 #: Arrays of a forward call, in the order of the plan's pointer slots: the
 #: split-KV work buffers (``forward_work_buffers``) last.
-FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial")
+FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k")
+#: The sequence offsets of a variable-length call (0, a null pointer, in a
+#: dense one): slots of every plan, after its arrays.
+_PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k")
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
 #: and with it (struct 0 the forward kernel's, writing the partial results;
 #: struct 1 the merge kernel's).
-FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", (), ())
+FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", (), (), *_PACKING_SLOTS)
 SPLIT_FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", ((1, "out.ptr"),), ((1, "lse"),),
-                       ((0, "out.ptr"), (1, "partial.ptr")), ((0, "lse"), (1, "partial_lse")))
+                       ((0, "out.ptr"), (1, "partial.ptr")), ((0, "lse"), (1, "partial_lse")), *_PACKING_SLOTS)
 #: Arrays of a backward call (the work buffers delta, dq_accum and
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
-BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore")
+BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore",
+                   "cu_seqlens_q", "cu_seqlens_k")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
-                  "dq_accum", "dq_semaphore")
+                  "dq_accum", "dq_semaphore", *_PACKING_SLOTS)
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
 #: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS: the 16-byte alignment of
 #: their pointers decides the kernel, so it is part of a call's signature.
@@ -183,7 +188,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    arrays = [q, k, v, out, lse, None, None]
+    arrays = [q, k, v, out, lse, None, None, None, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, num_splits.__class__, num_splits)
     key, pointers = _signature("forward", arrays, flags)
@@ -221,13 +226,83 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic)
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic,
+                                     signature=functools.partial(_signature, "backward", list(arrays), flags))
+    return arrays[6], arrays[7], arrays[8]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, return_lse=False, out=None, lse=None, fp32_precision="ieee"):
+    """``attention`` of a variable-length batch: sequences of different
+    lengths packed one after another, with no padding (FlashAttention-2's
+    ``flash_attn_varlen_func`` layout). Sequence b's queries are rows
+    ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q, its keys and values rows
+    ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]`` of k and v; each sequence
+    attends only to its own keys.
+
+    Args:
+        q: (total_q, nheads, head_dim); k, v: (total_k, nheads_k, head_dim),
+            dtypes, head dims and grouped-query heads as for ``attention``.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's GPU, contiguous,
+            non-decreasing, from 0 (``cumsum`` of the lengths with a leading 0).
+            Their values stay on the GPU (reading them would synchronise):
+            offsets outside the tensors are clamped to them, so a bad offset
+            gives wrong rows, never an access outside the arrays.
+        max_seqlen_q, max_seqlen_k: ints at least the longest query and key
+            sequence (they size the grid: query rows past max_seqlen_q are not
+            computed, and a backward leaves the keys past max_seqlen_k
+            without gradients).
+        causal: bottom-right aligned within each sequence, as in ``attention``.
+        softmax_scale, fp32_precision: as for ``attention``.
+        return_lse: also return the log-sum-exp, (nheads, total_q) float32.
+        out: optional (total_q, nheads, head_dim) array of q's dtype;
+            lse: optional (nheads, total_q) C-contiguous float32 array.
+
+    Returns:
+        ``out`` (total_q, nheads, head_dim), or ``(out, lse)``. Rows of q past
+        ``cu_seqlens_q[batch]`` are not written.
+    """
+    arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k]
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
+             fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k)
+    key, pointers = _signature("forward", arrays, flags)
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
+                                    fp32_precision=fp32_precision,
+                                    packing=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+                                    signature=functools.partial(_signature, "forward", arrays, flags))
+    return (arrays[3], arrays[4]) if return_lse else arrays[3]
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of ``attention_varlen`` with respect to q, k and v.
+
+    Args:
+        dout, out: (total_q, nheads, head_dim); q, k, v, the offsets and
+            longest lengths as given to ``attention_varlen``; lse its
+            (nheads, total_q) log-sum-exp (``return_lse=True``).
+        causal, softmax_scale, deterministic: as for ``attention_backward``.
+        dq, dk, dv: optional arrays shaped and typed like q, k, v.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like q, k, v. dq is 0 on the rows past
+        ``cu_seqlens_q[batch]``; dk and dv are not written past
+        ``cu_seqlens_k[batch]``.
+    """
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k]
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
+             deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k)
+    key, pointers = _signature("backward", arrays, flags)
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
+                                     deterministic=deterministic, packing=(max_seqlen_q, max_seqlen_k),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
@@ -297,7 +372,8 @@ def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPl
                     and problem.dtype == "float32")
     params, launch = _merge_launch(
         problem.device, problem.dtype, problem.dtype, problem.num_states,
-        (problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, problem.head_dim),
+        (problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, problem.head_dim, 0, 0,
+         problem.batch * problem.seqlen, 0),
         out=(0, *strides["out"][:3]), lse_strides=strides["lse"], partial=(0, *partial[1:4]),
         partial_state_stride=partial[0], partial_lse_strides=strides["partial_lse"], vector_loads=vector_loads)
     return LaunchPlan(problem.device, [params], MERGE_SLOTS, [launch] if launch else [])
@@ -309,12 +385,12 @@ def _merge_launch(device: int, partial_dtype: str, out_dtype: str, num_states: i
     """The merge kernel's parameter struct (MergeParams, pointers left 0)
     and its launch (None where there is no row or column), for both callers:
     ``merge_attention_states`` and split-KV. ``size`` is ProblemSize's
-    fields (batch, heads, heads, rows, unused, head_dim); ``out`` and
+    fields (batch, heads, heads, rows, unused, head_dim, ...); ``out`` and
     ``partial`` TensorRef fields; ``lse_strides`` (batch, head, row) and
     ``partial_lse_strides`` (state, batch, head, row) in elements;
     ``vector_loads``: whether 16-byte loads of the partials are aligned
     (head_dim a multiple of 4 is checked here)."""
-    batch, heads, _, rows, _, head_dim = size
+    batch, heads, _, rows, _, head_dim = size[:6]
     params = pack(
         MERGE_PARAMS,
         out=out,
@@ -398,26 +474,43 @@ def _element_strides(view) -> tuple[int, ...]:
 
 
 def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee",
-                       num_splits=None) -> list:
-    """The full path of a forward call: validation, plan, launch. Returns
-    the arrays of ``FORWARD_ARRAYS`` in q's framework."""
+                       num_splits=None, packing=None) -> list:
+    """The full path of a forward call: validation, plan, launch.
+    ``packing``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    of a variable-length call. Returns the arrays of ``FORWARD_ARRAYS`` in
+    q's framework."""
     arrays = {"q": q, "k": k, "v": v}
+    if packing is not None:
+        arrays |= {"cu_seqlens_q": packing[0], "cu_seqlens_k": packing[1]}
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
+        batch = None
+        if packing is not None:
+            packed = Packing(metas.pop("cu_seqlens_q"), metas.pop("cu_seqlens_k"), *packing[2:])
+            batch = check_packing(packed, metas["q"], metas["k"], metas["v"])
+            check_packed_like(metas.get("out"), metas["q"])
+            if "lse" in metas:
+                metas["lse"] = check_packed_lse(metas["lse"], metas["q"].shape[1], metas["q"].shape[0])
+            metas = {name: meta if name == "lse" else as_batch_of_one(meta) for name, meta in metas.items()}
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
                                 causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"),
                                 fp32_precision=fp32_precision)
+        if packing is not None:
+            problem = packed_problem(problem, batch, packed)
         natives = dict(arrays) | given
         allocated = {}
-        for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, metas["q"].strides),
-                                         ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32", None)):
+        lse_shape = ((problem.nheads, problem.total_q) if problem.packed else
+                     (problem.batch, problem.nheads, problem.seqlen_q))
+        q_shape = tuple(views["q"].shape)
+        for name, shape, dtype, like in (("out", q_shape, views["q"].dtype, metas["q"].strides[-len(q_shape):]),
+                                         ("lse", lse_shape, "float32", None)):
             if name not in given:
                 native, views[name] = bridge.empty(shape, dtype, like)
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
         num_splits = check_num_splits(num_splits)
-        plan = forward_plan(problem, {name: Layout.of(views[name]) for name in ("q", "k", "v", "out")},
+        plan = forward_plan(problem, _kernel_layouts(views, ("q", "k", "v", "out"), problem.packed),
                             aligned=pointers_aligned("forward", _view_pointers(FORWARD_ARRAYS, views)),
                             num_splits=num_splits)
         # Split-KV's work buffers come from the caller's framework, on the call's stream.
@@ -428,38 +521,59 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
 
 
-def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature) -> list:
-    """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``.
+def _kernel_layouts(views: dict, names: tuple[str, ...], packed: bool) -> dict:
+    """``Layout``s of the (batch, seqlen, heads, head_dim) arrays the kernels
+    see: the views, or a packed call's (total, heads, head_dim) views as a
+    batch of one."""
+    return {name: Layout.of(views[name][None] if packed else views[name]) for name in names}
+
+
+def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature, packing=None) -> list:
+    """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``;
+    ``packing``: (max_seqlen_q, max_seqlen_k) of a variable-length call.
     Returns the arrays of ``BACKWARD_ARRAYS`` in q's framework."""
     inputs = dict(zip(BACKWARD_ARRAYS[:6], arrays[:6]))
+    if packing is not None:
+        inputs |= dict(zip(BACKWARD_ARRAYS[12:], arrays[12:]))
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
+        batch = None
+        if packing is not None:
+            packed = Packing(metas.pop("cu_seqlens_q"), metas.pop("cu_seqlens_k"), *packing)
+            batch = check_packing(packed, metas["q"], metas["k"], metas["v"])
+            for name, like in (("dout", "q"), ("out", "q"), ("dq", "q"), ("dk", "k"), ("dv", "v")):
+                check_packed_like(metas.get(name), metas[like])
+            metas["lse"] = check_packed_lse(metas["lse"], metas["q"].shape[1], metas["q"].shape[0])
+            metas = {name: meta if name == "lse" else as_batch_of_one(meta) for name, meta in metas.items()}
         problem = check_backward(
             metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
             metas.get("dq"), metas.get("dk"), metas.get("dv"),
             causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
         )
+        if packing is not None:
+            problem = packed_problem(problem, batch, packed)
         natives = inputs | given
         allocated = {}
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
             if name not in given:
                 shape, dtype = tuple(views[like].shape), views[like].dtype
-                native, views[name] = bridge.empty(shape, dtype, metas[like].strides)
+                native, views[name] = bridge.empty(shape, dtype, metas[like].strides[-len(shape):])
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
-        layouts = {name: Layout.of(views[name]) for name in ("dout", "q", "k", "v", "out", "dq", "dk", "dv")}
+        layouts = _kernel_layouts(views, ("dout", "q", "k", "v", "out", "dq", "dk", "dv"), problem.packed)
         aligned = pointers_aligned("backward", _view_pointers(BACKWARD_ARRAYS, views))
         tiling = backward_tiling_for(problem, layouts, layouts, bool(deterministic), aligned)
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
-        for name, (shape, dtype) in backward_work_buffers(*sizes, tiling, bool(deterministic)).items():
+        for name, (shape, dtype) in backward_work_buffers(*sizes, tiling, bool(deterministic),
+                                                          total_q=problem.total_q).items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
         pointers = _view_pointers(BACKWARD_ARRAYS, views)
-        plan = backward_plan(problem, layouts, Layout.of(views["lse"]), bool(deterministic), aligned=aligned,
-                             tiling=tiling)
+        lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
+        plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated)
 
 
@@ -471,7 +585,9 @@ def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> 
 
 
 def _size_fields(problem: AttentionProblem) -> tuple:
-    return (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k, problem.head_dim)
+    """ProblemSize's fields, the cu_seqlens pointers 0 (the plan's slots write a packed call's)."""
+    return (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k, problem.head_dim,
+            0, 0, problem.total_q, problem.total_k)
 
 
 @functools.lru_cache(maxsize=None)
@@ -553,9 +669,9 @@ def decode_shape(problem: AttentionProblem, layouts: dict) -> DecodeShape:
     Other calls keep their shape."""
     group = problem.nheads // max(problem.nheads_k, 1)
     packable = (problem.seqlen_q == 1 and group > 1 and problem.mask.name in ("none", "causal")
-                and problem.score.is_identity)
+                and problem.score.is_identity and not problem.packed)
     if not packable:
-        return DecodeShape(problem, layouts, problem.seqlen_q, False)
+        return DecodeShape(problem, layouts, problem.tensor_seqlen_q, False)
     packed = dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_k, causal=False, mask_name=None)
     views = dict(layouts)
     for name in ("q", "out"):
@@ -596,7 +712,9 @@ def forward_work_buffers(problem: AttentionProblem, num_splits: int) -> dict:
 def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                    num_splits: int | None) -> tuple[Tiling, DecodeShape, int]:
     """The tiles, shape and split count of a forward that ``forward_plan``
-    decides: ``forward_tiling_for``'s kernel, or where it is a tensor-core
+    decides: ``forward_tiling_for``'s kernel (its short-sequence tiles where
+    it has them and no sequence has more than ``SHORT_SEQUENCE_KEYS`` keys),
+    or where it is a tensor-core
     one on 16-bit inputs with at most ``DECODE_MAX_ROWS`` query rows per
     head (after ``decode_shape``'s packing) the decode tiles, split-KV by
     ``decode_splits`` unless ``num_splits`` is 1. A ValueError where
@@ -604,14 +722,17 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
     chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
-    if not (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS):
+    if not (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS
+            and not problem.packed):
         if num_splits not in (None, 1):
             raise ValueError(
                 f"num_splits applies to decoding: float16/bfloat16 inputs on the tensor-core path with at most "
                 f"{DECODE_MAX_ROWS} query rows per K/V head (seqlen_q, or with one query token the query heads "
                 f"sharing a K/V head); this call has {rows} rows of {problem.dtype} on the "
                 f"{chosen.kernel} kernel, so leave num_splits=None")
-        return chosen, DecodeShape(problem, layouts, problem.seqlen_q, False), 1
+        short = (family_of("forward", chosen.kernel).short_tiles(problem.dtype, problem.head_dim)
+                 if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
+        return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode_tilings(problem.dtype, problem.head_dim)
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     return (split if splits > 1 else plain), shape, splits
@@ -628,8 +749,9 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     query rows per K/V head runs as decoding (``decode_shape``; the decode
     tiles, split-KV by ``decode_splits`` unless ``num_splits`` is 1)."""
     names = ("q", "k", "v", "out")
-    lse_batch_stride = problem.nheads * problem.seqlen_q  # of the call's lse, packed or not
-    shape, splits = DecodeShape(problem, layouts, problem.seqlen_q, False), 1
+    # Of the call's lse, packed by decode_shape or not; a packed batch's is one entry.
+    lse_batch_stride = problem.nheads * problem.tensor_seqlen_q
+    shape, splits = DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     if tiling is None and problem.is_empty:
         tiling = forward_tiling_for(problem, [layouts[name] for name in names], aligned)
     elif tiling is None:
@@ -640,7 +762,8 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     launches = []
     if not problem.is_empty:
-        variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score)
+        variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
+                                                              layout=problem.layout)
         grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
     hopper = tiling.kernel == "wgmma"
@@ -721,23 +844,27 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
                   deterministic=deterministic, smem_limit=_shared_memory_per_block(problem.device))
 
 
-def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool) -> dict:
+def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
+                          total_q: int | None = None) -> dict:
     """The work buffers a backward (batch b, h query heads, seqlen_q sq,
-    head_dim d) on the dK/dV kernel of ``tiling`` needs, name -> (shape,
-    dtype), all contiguous: delta (b, h, sq) always; the float32 dQ
-    accumulator (b, sq, h, d) unless the deterministic dQ pass computes dQ;
-    the int32 turn counters (b, h, query blocks) of the ordered mode.
+    head_dim d; ``total_q`` the query rows of a packed batch, b * sq by
+    default) on the dK/dV kernel of ``tiling`` needs, name -> (shape, dtype),
+    all contiguous (params.cuh): delta (h, total_q) always; the float32 dQ
+    accumulator (total_q, h, d) unless the deterministic dQ pass computes
+    dQ; the int32 turn counters (b, h, query blocks) of the ordered mode.
     ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides its
     buffers before the kernel is known), the counters for the smallest
     query block of any ordered kernel."""
-    buffers = {"delta": ((b, h, sq), "float32")}
+    rows = b * sq if total_q is None else total_q
+    buffers = {"delta": ((h, rows), "float32")}
     if tiling is None:
         block_m = min(t.block_m for family in FAMILIES if "ordered" in family.dq_modes
                       for _, t in family.compiled_tilings())
-        return buffers | {"dq_accum": ((b, sq, h, d), "float32"), "dq_semaphore": ((b, h, -(-sq // block_m)), "int32")}
+        return buffers | {"dq_accum": ((rows, h, d), "float32"),
+                          "dq_semaphore": ((b, h, -(-sq // block_m)), "int32")}
     mode = family_of("backward-dkdv", tiling.kernel).dq_mode(deterministic)
     if mode != "separate":
-        buffers["dq_accum"] = ((b, sq, h, d), "float32")
+        buffers["dq_accum"] = ((rows, h, d), "float32")
     if mode == "ordered":
         buffers["dq_semaphore"] = ((b, h, -(-sq // tiling.block_m)), "int32")
     return buffers
@@ -782,8 +909,8 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
     over the query blocks the backward took 3-4% less time without a mask on
     an H100 (head dims 64-256, docs/perf-notes.md). The mma.sync and SIMT
     kernels were not measured so and keep their walks."""
-    if problem.mask.dq_turns != "rotated" or num_m_blocks < num_n_blocks:
-        return False
+    if problem.mask.dq_turns != "rotated" or num_m_blocks < num_n_blocks or problem.packed:
+        return False  # a packed batch's block counts are its longest sequence's, not each one's
     if dq_mode == "ordered":
         return num_n_blocks <= multiprocessors
     return dq_mode == "atomic" and kernel == "wgmma"
@@ -804,7 +931,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     dq_mode = dkdv_family.dq_mode(deterministic)
     dq_family = FAMILY["backward-dq"]
     dq_tiling = dq_family.tiles(problem.dtype, problem.head_dim)
-    rows = problem.batch * problem.seqlen_q * problem.nheads
+    rows = problem.total_q * problem.nheads
     num_m_blocks = -(-problem.seqlen_q // dkdv_tiling.block_m)
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
@@ -840,14 +967,15 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode)
+        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode,
+                                      layout=problem.layout)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query
         # blocks, so it takes a second struct with that block count.
         fields["num_m_blocks"] = -(-problem.seqlen_q // dq_tiling.block_m)
         structs.append(pack(BACKWARD_PARAMS, **fields))
-        variant = dq_family.variant(problem.dtype, dq_tiling, problem.mask, problem.score)
+        variant = dq_family.variant(problem.dtype, dq_tiling, problem.mask, problem.score, layout=problem.layout)
         grid = _grid_size(fields["num_m_blocks"], problem, problem.nheads, "the backward dQ pass")
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
                                      struct=1))
@@ -861,7 +989,7 @@ def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
     """(slot, encoder) of the Hopper backward's tensor maps in ``struct``: Q
     and dO by blocks of block_m rows, K and V of block_n, in the kernel's
     swizzles (``wgmma_backward_swizzles``), and the float32 dQ accumulator
-    (contiguous (batch, seqlen_q, heads, head_dim)) in 32-column boxes of
+    (contiguous (total_q, heads, head_dim), seen like q) in 32-column boxes of
     block_m rows, 128-byte swizzle, into which the kernel adds its dQ tiles."""
     q_swizzle, kv_swizzle = wgmma_backward_swizzles(tiling)
     d = tiling.head_dim_padded
@@ -878,7 +1006,7 @@ def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
         layout = layouts[name]
         add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
             TileBox(rows=rows, cols=d, swizzle_width=swizzle))
-    shape = (problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim)
+    shape = (*layouts["q"].shape[:2], problem.nheads, problem.head_dim)
     add("dq_accum", "dq_map", "float32", shape, tuple(4 * stride for stride in contiguous_strides(shape)),
         TileBox(rows=tiling.block_m, cols=d, swizzle_width=128, element_bytes=4))
     return maps

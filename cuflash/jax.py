@@ -187,11 +187,13 @@ def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) ->
 
 
 def _work_buffers(q_shape: tuple[int, ...]) -> dict:
-    """Every backward work buffer for q of this shape (leading vmapped axes
-    kept in front of each buffer's shape)."""
+    """Every backward work buffer for q of this shape, as the leading
+    vmapped axes and one flat axis (the kernels see contiguous memory; every
+    buffer holds a whole number of elements per batch entry)."""
     *lead, seqlen_q, nheads, head_dim = q_shape
-    buffers = api.backward_work_buffers(math.prod(lead), nheads, seqlen_q, head_dim, None, True)
-    return {name: ((*lead, *shape[1:]), dtype) for name, (shape, dtype) in buffers.items()}
+    batch = math.prod(lead)
+    buffers = api.backward_work_buffers(batch, nheads, seqlen_q, head_dim, None, True)
+    return {name: ((*lead, math.prod(shape) // max(batch, 1)), dtype) for name, (shape, dtype) in buffers.items()}
 
 
 def _device_of_pointer(pointer: int) -> int:

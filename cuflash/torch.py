@@ -24,7 +24,7 @@ from . import api
 from ._interop import dense_strides_like, torch_device_error
 from ._validation import check_causal, check_deterministic, check_fp32_precision, resolve_softmax_scale
 
-__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func"]
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func"]
 
 
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
@@ -222,3 +222,65 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if unsupported:
         raise NotImplementedError(f"cuflash.torch.flash_attn_func does not support {', '.join(unsupported)} yet")
     return _forward(q, k, v, causal, softmax_scale, deterministic)
+
+
+class _VarlenAttentionFunction(torch.autograd.Function):
+    """``cuflash.attention_varlen`` and its backward from the saved inputs,
+    output and log-sum-exp (the offsets are not differentiated)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                deterministic):
+        out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.lengths = (max_seqlen_q, max_seqlen_k)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
+            dout = dout.contiguous()  # an expanded gradient (from a .sum()); see _backward_op
+        dq, dk, dv = api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                   *ctx.lengths, causal=ctx.causal,
+                                                   softmax_scale=ctx.softmax_scale,
+                                                   deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """Drop-in for ``flash_attn.flash_attn_varlen_func`` (FlashAttention-2):
+    packed q (total_q, nheads, head_dim), k and v (total_k, nheads_k,
+    head_dim), int32 ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1) on the GPU
+    and the longest lengths, as for ``cuflash.attention_varlen``;
+    differentiable (gradients to q, k and v). Not supported yet
+    (``NotImplementedError``): dropout, sliding windows, softcapping, ALiBi,
+    ``return_attn_probs``, ``block_table``."""
+    unsupported = []
+    if dropout_p:
+        unsupported.append(f"dropout_p={dropout_p}")
+    if tuple(window_size) != (-1, -1):
+        unsupported.append(f"window_size={tuple(window_size)}")
+    if softcap:
+        unsupported.append(f"softcap={softcap}")
+    if alibi_slopes is not None:
+        unsupported.append("alibi_slopes")
+    if return_attn_probs:
+        unsupported.append("return_attn_probs=True")
+    if block_table is not None:
+        unsupported.append("block_table")
+    if unsupported:
+        raise NotImplementedError(
+            f"cuflash.torch.flash_attn_varlen_func does not support {', '.join(unsupported)} yet")
+    if deterministic.__class__ is not bool:
+        deterministic = check_deterministic(deterministic)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              causal, softmax_scale, deterministic)
+    return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale)

@@ -29,8 +29,8 @@ struct QueryBlockWalk {
     // `rotation` < the number of query blocks the key block sees (0 when it sees none).
     template <typename Mask>
     __device__ __forceinline__ QueryBlockWalk(const Mask& mask, const KeyBlock& block, int block_n, int block_m,
-                                              int num_m_blocks, int rotation) {
-        const BlockRange range = mask.query_blocks(block.n_start, block_n, block_m, num_m_blocks);
+                                              int rotation) {
+        const BlockRange range = mask.query_blocks(block.n_start, block_n, block_m);
         begin = range.begin;
         end = max(range.begin, range.end);
         m_block = begin + rotation;
@@ -84,7 +84,7 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& p
             // that reach it sooner started on the query blocks
             // (n_block, n_block + steps], counted round the circle. The
             // counts are the grid's, which are every batch entry's in a
-            // dense batch (varlen must count per entry).
+            // dense batch (the launcher does not rotate packed batches).
             const int num_m_blocks = static_cast<int>(params.num_m_blocks);
             const int last_key_block = static_cast<int>(params.num_n_blocks) - 1;
             const int steps = m_block >= n_block ? m_block - n_block : m_block - n_block + num_m_blocks;
@@ -133,16 +133,17 @@ __host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, i
 }
 
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
-// of `head` into stats[0, kBlockM) and stats[kBlockM, 2 kBlockM), by plain
-// stores; rows past seqlen_q get 0 (they are masked).
+// of `head` of the sequence at `rows` into stats[0, kBlockM) and
+// stats[kBlockM, 2 kBlockM), by plain stores; rows past its seqlen_q get 0
+// (they are masked).
 template <int kBlockM, int kThreads>
-__device__ __forceinline__ void load_row_statistics(float* stats, const BackwardParams& params, index_t batch,
-                                                    index_t head, int m_start, int seqlen_q, int thread) {
-    const float* lse_row = params.lse_row(batch, head);
-    const float* delta_row = params.delta_row(batch, head);
+__device__ __forceinline__ void load_row_statistics(float* stats, const BackwardParams& params,
+                                                    const SequenceRows& rows, index_t head, int m_start, int thread) {
+    const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
+    const float* delta_row = params.delta_row(rows.tensor_batch, head) + rows.q_row0;
     for (int i = thread; i < kBlockM; i += kThreads) {
         const int row = m_start + i;
-        const bool valid = row < seqlen_q;
+        const bool valid = row < rows.seqlen_q;
         const float lse = valid ? lse_row[row] : 0.0f;
         // A row that sees no key (LSE -inf) has every score masked to -inf;
         // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.

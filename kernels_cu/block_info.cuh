@@ -1,12 +1,13 @@
 // A thread block's place in the batch: its batch entry, query head and K/V
 // head, where its query or key tile starts, the lengths of its sequences
-// and where their K/V rows are.
+// and where their rows are (FlashAttention-2's BlockInfo).
 //
-// Dense batches now: every entry holds seqlen_q queries and seqlen_k keys
-// from row 0, and K/V rows are addressed through their tensors' strides
-// (DenseKvSource). Variable-length batches will give per-entry lengths and
-// row offsets in sequence_bounds and the row pointers, and a paged KV cache
-// a K/V source that reads a page table: kernels ask only these.
+// Dense batches: every entry holds seqlen_q queries and seqlen_k keys from
+// row 0 of its own batch entry of the tensors. Variable-length batches:
+// entry b's rows lie at cu_seqlens in one packed batch entry
+// (ProblemSize). Kernels take the layout as a policy (DenseBatch,
+// PackedBatch) and ask only its rows and SequenceRows's row addressing. A
+// paged KV cache will be a K/V source that reads a page table.
 #pragma once
 
 #include "numeric.cuh"
@@ -17,25 +18,68 @@
 
 namespace cuflash {
 
-// Lengths of batch entry `batch`'s query and key sequences.
-__device__ __forceinline__ SequenceBounds sequence_bounds(const ProblemSize& size, index_t) {
-    return {size.seqlen_q_int(), size.seqlen_k_int()};
-}
+// Where one batch entry's sequences lie: their lengths (the SequenceBounds
+// every mask is built from), the batch entry of the tensors that holds them
+// and the tensor rows of their first query and first key.
+struct SequenceRows : SequenceBounds {
+    index_t tensor_batch;
+    index_t q_row0, k_row0;
 
-// K or V rows of a dense (batch, seqlen_k, nheads_k, head_dim) tensor.
-struct DenseKvSource {
-    // Row `key` of K/V head kv_head in batch entry `batch`; the rows after it
-    // follow at t.row_stride.
+    // Row `row` (of the sequence) of head `head` of a q-side tensor (q, out,
+    // dout, dq) or a k-side one (k, v, dk, dv).
     template <typename Element>
-    __device__ __forceinline__ static const Element* rows(const TensorRef& t, index_t batch, index_t kv_head, int key) {
-        return t.row_ptr<const Element>(batch, kv_head, key);
+    __device__ __forceinline__ Element* query_row(const TensorRef& t, index_t head, index_t row) const {
+        return t.row_ptr<Element>(tensor_batch, head, q_row0 + row);
+    }
+    template <typename Element>
+    __device__ __forceinline__ Element* key_row(const TensorRef& t, index_t kv_head, index_t key) const {
+        return t.row_ptr<Element>(tensor_batch, kv_head, k_row0 + key);
+    }
+};
+
+// Batch layouts, the kernels' sequence policy beside Mask and Score:
+// rows(size, batch) says where batch entry `batch`'s sequences lie.
+// A dense batch: every entry holds seqlen_q queries and seqlen_k keys from
+// row 0 of its own entry of the tensors.
+struct DenseBatch {
+    static constexpr bool kPacked = false;
+
+    __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
+        SequenceRows rows;
+        rows.seqlen_q = size.seqlen_q_int();
+        rows.seqlen_k = size.seqlen_k_int();
+        rows.tensor_batch = batch;
+        rows.q_row0 = 0;
+        rows.k_row0 = 0;
+        return rows;
+    }
+};
+
+// A packed (variable-length) batch: entry b's rows lie at cu_seqlens in
+// the tensors' one entry. The offsets are clamped to the tensors: they live
+// on the GPU, where the launcher cannot check them without a copy, and a
+// bad one must give wrong rows, never an access outside the tensors.
+struct PackedBatch {
+    static constexpr bool kPacked = true;
+
+    __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
+        const int total_q = static_cast<int>(size.total_q), total_k = static_cast<int>(size.total_k);
+        const int q_begin = min(max(size.cu_seqlens_q[batch], 0), total_q);
+        const int k_begin = min(max(size.cu_seqlens_k[batch], 0), total_k);
+        SequenceRows rows;
+        rows.seqlen_q = min(max(size.cu_seqlens_q[batch + 1], q_begin), total_q) - q_begin;
+        rows.seqlen_k = min(max(size.cu_seqlens_k[batch + 1], k_begin), total_k) - k_begin;
+        rows.tensor_batch = 0;
+        rows.q_row0 = q_begin;
+        rows.k_row0 = k_begin;
+        return rows;
     }
 };
 
 // The block of a query-major kernel (the forwards, the deterministic dQ
 // pass): query rows [m_start, m_start + block_m) of one head, and with
 // split-KV which of the num_splits key ranges (split_key_blocks).
-struct QueryBlock {
+struct QueryBlock : SequenceRows {
     index_t batch, head, kv_head;
     int m_start;
     int split;
@@ -47,12 +91,13 @@ struct QueryBlock {
 // block_coordinates it is recomputed wherever it is called, so a kernel can
 // call it again in its epilogue instead of keeping batch, head and first row
 // in registers.
-template <bool kLongestFirst>
+template <typename Batch, bool kLongestFirst>
 __device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m,
                                                   index_t num_splits = 1) {
     const BlockCoordinates c = block_coordinates(num_m_blocks * num_splits, size.nheads);
     const int tile = static_cast<int>(c.tile / num_splits);
     QueryBlock block;
+    static_cast<SequenceRows&>(block) = Batch::rows(size, c.batch);
     block.batch = c.batch;
     block.head = c.head;
     block.kv_head = size.kv_head_of(c.head);
@@ -77,7 +122,7 @@ __device__ __forceinline__ BlockRange split_key_blocks(BlockRange visible, int s
 // The block of a key-major kernel (the backward's dK/dV): keys
 // [n_start, n_start + block_n) of one K/V head, summed over the query heads
 // [first_head, first_head + group) that share it; n_block = n_start / block_n.
-struct KeyBlock {
+struct KeyBlock : SequenceRows {
     index_t batch, kv_head, first_head, group;
     int n_block, n_start;
 };
@@ -85,10 +130,11 @@ struct KeyBlock {
 // This block's key tile; with kLastFirst the last tiles are handed out
 // first (the ordered dQ of a causal mask, where key block j waits for
 // j + 1: see dq_turn in backward_steps.cuh).
-template <bool kLastFirst = false>
+template <typename Batch, bool kLastFirst = false>
 __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t num_n_blocks, int block_n) {
     const BlockCoordinates c = block_coordinates(num_n_blocks, size.nheads_k);
     KeyBlock block;
+    static_cast<SequenceRows&>(block) = Batch::rows(size, c.batch);
     block.batch = c.batch;
     block.kv_head = c.head;
     block.group = size.nheads / size.nheads_k;
@@ -99,7 +145,7 @@ __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t n
 }
 
 // What every attention kernel derives first from its parameters and its
-// batch entry: the mask and score transform of the block's sequences, their
+// block's sequences: the mask and score transform of those sequences, their
 // lengths, the head dim and the softmax scale in the log2 domain.
 template <typename Mask, typename Score>
 struct BlockContext {
@@ -109,8 +155,8 @@ struct BlockContext {
     float scale_log2;  // softmax_scale * log2(e)
 
     template <typename Params>
-    __device__ __forceinline__ BlockContext(const Params& params, index_t batch)
-        : mask(sequence_bounds(params.size, batch)),
+    __device__ __forceinline__ BlockContext(const Params& params, const SequenceBounds& bounds)
+        : mask(bounds),
           score(params),
           seqlen_q(mask.seqlen_q),
           seqlen_k(mask.seqlen_k),

@@ -29,24 +29,23 @@
 namespace cuflash {
 
 // Loads LSE (converted to the log2 domain) and delta of the query rows
-// [m_start, m_start + kRows) into shared memory; rows past seqlen_q get 0 and
-// are masked out by the caller.
+// [m_start, m_start + kRows) of `head` of the sequence at `rows` into shared
+// memory; rows past its seqlen_q get 0 and are masked out by the caller.
 template <int kRows, int kThreads>
 __device__ __forceinline__ void load_row_stats(float* lse_log2, float* delta, const BackwardParams& params,
-                                               index_t batch, index_t head, int m_start, int thread) {
-    const index_t seqlen_q = params.size.seqlen_q;
-    const float* lse_row = params.lse_row(batch, head);
-    const float* delta_row = params.delta_row(batch, head);
+                                               const SequenceRows& rows, index_t head, int m_start, int thread) {
+    const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
+    const float* delta_row = params.delta_row(rows.tensor_batch, head) + rows.q_row0;
     for (int i = thread; i < kRows; i += kThreads) {
-        const index_t row = m_start + i;
-        const bool valid = row < seqlen_q;
+        const int row = m_start + i;
+        const bool valid = row < rows.seqlen_q;
         lse_log2[i] = valid ? lse_row[row] * kLog2e : 0.0f;
         delta[i] = valid ? delta_row[row] : 0.0f;
     }
 }
 
 template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          bool kAccumulateDq>
+          typename Batch, bool kAccumulateDq>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dkdv_kernel(const BackwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
@@ -58,8 +57,13 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     require_shared_memory<Smem>();
     const auto [k_tile, v_tile, q_tile, do_tile, pt_tile, dst_tile, lse_tile, delta_tile] = Smem::tiles();
 
-    const KeyBlock block = key_block(params.size, params.num_n_blocks, kBlockN);
-    const BlockContext<Mask, Score> ctx(params, block.batch);
+    const KeyBlock block = key_block<Batch>(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no keys.
+    if (Batch::kPacked && block.n_start >= ctx.seqlen_k) {
+        return;
+    }
     const float scale = static_cast<float>(params.softmax_scale);
 
     const int thread = threadIdx.x;
@@ -69,8 +73,8 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     const int key = n_start + key_in_block;
 
     load_tile_pair_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        k_tile, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
-        v_tile, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
+        k_tile, block.key_row<const Element>(params.k, block.kv_head, n_start), params.k.row_stride, v_tile,
+        block.key_row<const Element>(params.v, block.kv_head, n_start), params.v.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
     float dk[Smem::kColsPerLane];
@@ -81,8 +85,7 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
         dv[i] = 0.0f;
     }
 
-    const BlockRange query_range =
-        ctx.mask.query_blocks(n_start, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks));
+    const BlockRange query_range = ctx.mask.query_blocks(n_start, kBlockN, kBlockM);
     const Element* k_row = k_tile + key_in_block * kStride;
     const Element* v_row = v_tile + key_in_block * kStride;
     float* pt_row = pt_tile + key_in_block * kScoreStride;
@@ -96,10 +99,10 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
             // loaded, on the first pass, once the barrier below passes).
             __syncthreads();
             load_tile_pair_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-                q_tile, params.q.row_ptr<const Element>(block.batch, head, m_start), params.q.row_stride, do_tile,
-                params.dout.row_ptr<const Element>(block.batch, head, m_start), params.dout.row_stride,
+                q_tile, block.query_row<const Element>(params.q, head, m_start), params.q.row_stride, do_tile,
+                block.query_row<const Element>(params.dout, head, m_start), params.dout.row_stride,
                 ctx.seqlen_q - m_start, ctx.head_dim, thread);
-            load_row_stats<kBlockM, Traits::kThreads>(lse_tile, delta_tile, params, block.batch, head, m_start, thread);
+            load_row_stats<kBlockM, Traits::kThreads>(lse_tile, delta_tile, params, block, head, m_start, thread);
             __syncthreads();
 
             // This lane's query rows lane + j * kLanesPerKey against its key:
@@ -139,7 +142,7 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
                 accumulate_weighted_rows<Smem::kDqColsPerLane, kLanesPerRow, kBlockN, kStride>(
                     dq, dst_tile + row_in_block, kScoreStride, k_tile, row_lane);
                 if (row < ctx.seqlen_q) {
-                    float* acc = params.dq_accum_row(block.batch, head, row, ctx.head_dim);
+                    float* acc = params.dq_accum_row(block.tensor_batch, head, block.q_row0 + row, ctx.head_dim);
 #pragma unroll
                     for (int i = 0; i < Smem::kDqColsPerLane; ++i) {
                         const int col = row_lane + i * kLanesPerRow;
@@ -159,16 +162,17 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     stage_row<Smem::kColsPerLane, kLanesPerKey>(v_tile + key_in_block * kStride, dv, 1.0f, lane);
     __syncthreads();
     store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dk.row_stride, k_tile,
+        block.key_row<Element>(params.dk, block.kv_head, n_start), params.dk.row_stride, k_tile,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
     store_tile<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-        params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start), params.dv.row_stride, v_tile,
+        block.key_row<Element>(params.dv, block.kv_head, n_start), params.dv.row_stride, v_tile,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 }
 
 // Deterministic dQ: one block per query block sums dS K over the key blocks
 // in a fixed order, with no atomics.
-template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dq_kernel(const BackwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
@@ -180,11 +184,15 @@ flash_backward_dq_kernel(const BackwardParams params) {
     const auto [q_tile, do_tile, k_tile, v_tile, ds_tile] = Smem::tiles();
 
     const ProblemSize& size = params.size;
-    const QueryBlock block = query_block<false>(size, params.num_m_blocks, kBlockM);
+    const QueryBlock block = query_block<Batch, false>(size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
-    const index_t batch = block.batch;
-    const BlockContext<Mask, Score> ctx(params, batch);
+    const BlockContext<Mask, Score> ctx(params, block);
     const index_t kv_head = block.kv_head;
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no rows.
+    if (Batch::kPacked && block.m_start >= ctx.seqlen_q) {
+        return;
+    }
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
@@ -193,12 +201,13 @@ flash_backward_dq_kernel(const BackwardParams params) {
     const int row = m_start + row_in_block;
 
     load_tile_pair_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
-        q_tile, params.q.row_ptr<const Element>(batch, head, m_start), params.q.row_stride, do_tile,
-        params.dout.row_ptr<const Element>(batch, head, m_start), params.dout.row_stride, ctx.seqlen_q - m_start,
+        q_tile, block.query_row<const Element>(params.q, head, m_start), params.q.row_stride, do_tile,
+        block.query_row<const Element>(params.dout, head, m_start), params.dout.row_stride, ctx.seqlen_q - m_start,
         ctx.head_dim, thread);
     const bool row_valid = row < ctx.seqlen_q;
-    const float lse_log2 = row_valid ? params.lse_row(batch, head)[row] * kLog2e : 0.0f;
-    const float delta = row_valid ? params.delta_row(batch, head)[row] : 0.0f;
+    const float lse_log2 =
+        row_valid ? params.lse_row(block.tensor_batch, head)[block.q_row0 + row] * kLog2e : 0.0f;
+    const float delta = row_valid ? params.delta_row(block.tensor_batch, head)[block.q_row0 + row] : 0.0f;
 
     float dq[Smem::kColsPerLane];
 #pragma unroll
@@ -214,8 +223,8 @@ flash_backward_dq_kernel(const BackwardParams params) {
         const int n_start = n_block * kBlockN;
         __syncthreads();  // previous K/V consumed; Q/dO complete on the first pass after the next barrier
         load_tile_pair_zero_padded<kBlockN, kHeadDimPadded, kStride, Traits::kThreads>(
-            k_tile, DenseKvSource::rows<Element>(params.k, batch, kv_head, n_start), params.k.row_stride, v_tile,
-            DenseKvSource::rows<Element>(params.v, batch, kv_head, n_start), params.v.row_stride,
+            k_tile, block.key_row<const Element>(params.k, kv_head, n_start), params.k.row_stride, v_tile,
+            block.key_row<const Element>(params.v, kv_head, n_start), params.v.row_stride,
             ctx.seqlen_k - n_start, ctx.head_dim, thread);
         __syncthreads();
 
@@ -239,7 +248,7 @@ flash_backward_dq_kernel(const BackwardParams params) {
     stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, dq,
                                                 static_cast<float>(params.softmax_scale), lane);
     __syncthreads();
-    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.dq.row_ptr<Element>(batch, head, m_start),
+    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(block.query_row<Element>(params.dq, head, m_start),
                                                                    params.dq.row_stride, q_tile, ctx.seqlen_q - m_start,
                                                                    ctx.head_dim, thread);
 }

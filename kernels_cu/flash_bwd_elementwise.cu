@@ -8,19 +8,23 @@
 
 namespace cuflash {
 
-// Rows of (batch, seqlen_q, nheads) are enumerated with the head fastest,
-// which is also the layout of the float32 dQ accumulator (batch, seqlen_q,
-// nheads, head_dim): row r's accumulator starts at dq_accum + r * head_dim.
+// The rows of the q-side tensors, (batch, seqlen_q, nheads) (a packed
+// batch: one entry of total_q rows, ProblemSize), are enumerated with the
+// head fastest, which is also the layout of the float32 dQ accumulator
+// (total_q, nheads, head_dim): row r's accumulator starts at
+// dq_accum + r * head_dim. A packed batch's rows past its last sequence are
+// visited too: their dQ is 0.
 struct QueryRow {
-    index_t batch, row, head;
+    index_t batch, row, head;  // batch entry and row of the tensors
 };
 
 __device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size) {
     QueryRow q;
     q.head = r % size.nheads;
     const index_t rest = r / size.nheads;
-    q.row = rest % size.seqlen_q;
-    q.batch = rest / size.seqlen_q;
+    const index_t rows_per_entry = size.tensor_seqlen_q();
+    q.row = rest % rows_per_entry;
+    q.batch = rest / rows_per_entry;
     return q;
 }
 
@@ -29,7 +33,7 @@ __device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size
 // lanes).
 template <int kWarps, typename F>
 __device__ __forceinline__ void for_each_query_row_by_warp(const ProblemSize& size, F&& f) {
-    const index_t rows = size.batch * size.seqlen_q * size.nheads;
+    const index_t rows = size.total_q * size.nheads;
     const int lane = threadIdx.x % 32;
     const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
     const index_t step = static_cast<index_t>(gridDim.x) * kWarps;

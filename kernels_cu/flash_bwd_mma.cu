@@ -35,7 +35,7 @@
 namespace cuflash {
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          int kQStages, bool kOrderedDq>
+          typename Batch, int kQStages, bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     using Traits = MmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kQStages>;
@@ -59,8 +59,13 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     float* const stats = shared_tile<float>(Traits::kStats);
 
     const KeyBlock block =
-        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
-    const BlockContext<Mask, Score> ctx(params, block.batch);
+        key_block<Batch, kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no keys.
+    if (Batch::kPacked && block.n_start >= ctx.seqlen_k) {
+        return;
+    }
     const float scale = static_cast<float>(params.softmax_scale);
 
     const int thread = threadIdx.x;
@@ -75,10 +80,10 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     const int acc_col0 = dim_group * kAccCols;
 
     load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-        k_tile, DenseKvSource::rows<Element>(params.k, block.batch, block.kv_head, n_start), params.k.row_stride,
+        k_tile, block.key_row<const Element>(params.k, block.kv_head, n_start), params.k.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
     load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-        v_tile, DenseKvSource::rows<Element>(params.v, block.batch, block.kv_head, n_start), params.v.row_stride,
+        v_tile, block.key_row<const Element>(params.v, block.kv_head, n_start), params.v.row_stride,
         ctx.seqlen_k - n_start, ctx.head_dim, thread);
 
     // Copies Q, dO (cp.async) and the row statistics of query block m_block
@@ -87,17 +92,16 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         const int m_start = m_block * kBlockM;
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(
             q_tiles + buffer * (Traits::kQTileBytes / kElementBytes),
-            params.q.row_ptr<const Element>(block.batch, head, m_start), params.q.row_stride, ctx.seqlen_q - m_start,
+            block.query_row<const Element>(params.q, head, m_start), params.q.row_stride, ctx.seqlen_q - m_start,
             ctx.head_dim, thread);
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(
             do_tiles + buffer * (Traits::kQTileBytes / kElementBytes),
-            params.dout.row_ptr<const Element>(block.batch, head, m_start), params.dout.row_stride,
+            block.query_row<const Element>(params.dout, head, m_start), params.dout.row_stride,
             ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block.batch, head, m_start,
-                                                       ctx.seqlen_q, thread);
+        load_row_statistics<kBlockM, Traits::kThreads>(stats + buffer * 2 * kBlockM, params, block, head, m_start,
+                                                       thread);
     };
-    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
-                        walk_rotation<Mask>(params, block.n_block));
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, walk_rotation<Mask>(params, block.n_block));
     if (walk.steps > 0) {
         load_query_block(walk.head, walk.m_block, 0);
     }
@@ -257,7 +261,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         // columns (dq_chunk_columns: chunked in both dQ modes here).
         constexpr int kDqChunk = dq_chunk_columns(/*chunked=*/true, kAccCols, kDqCols);
         static_assert(kDqCols % kDqChunk == 0 && kDqChunk % 16 == 0, "chunks of whole n8 pairs");
-        float* dq_rows = params.dq_accum_row(block.batch, head, m_start, ctx.head_dim);
+        float* dq_rows = params.dq_accum_row(block.tensor_batch, head, block.q_row0 + m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;
 #pragma unroll
         for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
@@ -322,8 +326,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     __syncwarp();
     constexpr int kChunksPerRow = kAccCols / 8;
     constexpr int kWarpChunks = 16 * kChunksPerRow;
-    Element* const outputs[2] = {params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start),
-                                 params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start)};
+    Element* const outputs[2] = {block.key_row<Element>(params.dk, block.kv_head, n_start),
+                                 block.key_row<Element>(params.dv, block.kv_head, n_start)};
     const index_t row_strides[2] = {params.dk.row_stride, params.dv.row_stride};
 #pragma unroll
     for (int which = 0; which < 2; ++which) {

@@ -58,7 +58,7 @@ constexpr int kBackwardProducerRegisters = 24;
 constexpr int kConsumersBarrier = 1;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          int kStages, bool kOrderedDq>
+          typename Batch, int kStages, bool kOrderedDq>
 __global__ void __launch_bounds__(kWarps * 32, 1)
 flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -93,6 +93,14 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // (see flash_fwd_wgmma.cu).
     const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
     const int lane = thread % 32;
+    const KeyBlock block =
+        key_block<Batch, kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
+    const BlockContext<Mask, Score> ctx(params, block);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no keys (the whole block leaves, before any barrier).
+    if (Batch::kPacked && block.n_start >= ctx.seqlen_k) {
+        return;
+    }
     if (thread == 0) {
         mbarrier_init(kv_full, 1);
 #pragma unroll
@@ -111,12 +119,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // The only block-wide barrier: after it the producer may leave early.
     __syncthreads();
 
-    const KeyBlock block =
-        key_block<kOrderedDq && Mask::kDqTurns == DqTurns::kLastKeyFirst>(params.size, params.num_n_blocks, kBlockN);
-    const BlockContext<Mask, Score> ctx(params, block.batch);
     const int n_start = block.n_start;
-    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, static_cast<int>(params.num_m_blocks),
-                        walk_rotation<Mask>(params, block.n_block));
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, walk_rotation<Mask>(params, block.n_block));
 
     if (warpgroup == 0) {
         release_registers<kBackwardProducerRegisters>();
@@ -124,9 +128,15 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         if (warp == 0) {
             // The load warp.
             if (walk.steps > 0 && lane == 0) {
+                // Tensor-map coordinates are tensor rows: a packed batch's
+                // tiles that run past a sequence's end copy the next
+                // sequence's rows, which the mask hides (and its dQ rows get
+                // exact zeros added: dS is 0 there).
                 mbarrier_arrive_expect_tx(kv_full, 2 * KvTile::kBytes);
-                tma_load_tile<KvTile>(base + Traits::kK, params.k_map, kv_full, n_start, block.kv_head, block.batch);
-                tma_load_tile<KvTile>(base + Traits::kV, params.v_map, kv_full, n_start, block.kv_head, block.batch);
+                tma_load_tile<KvTile>(base + Traits::kK, params.k_map, kv_full, block.k_row0 + n_start, block.kv_head,
+                                      block.tensor_batch);
+                tma_load_tile<KvTile>(base + Traits::kV, params.v_map, kv_full, block.k_row0 + n_start, block.kv_head,
+                                      block.tensor_batch);
             }
             Ring ring;
             for (int step = 0; step < walk.steps; ++step) {
@@ -137,14 +147,14 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 if (lane == 0) {
                     mbarrier_expect_tx(q_full, QTile::kBytes);
                     tma_load_tile<QTile>(base + Traits::kQ + ring.stage * QTile::kBytes, params.q_map, q_full,
-                                         m_start, walk.head, block.batch);
+                                         block.q_row0 + m_start, walk.head, block.tensor_batch);
                     mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
                     tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map, do_full,
-                                         m_start, walk.head, block.batch);
+                                         block.q_row0 + m_start, walk.head, block.tensor_batch);
                 }
                 load_row_statistics<kBlockM, 32>(
                     reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
-                    block.batch, walk.head, m_start, ctx.seqlen_q, lane);
+                    block, walk.head, m_start, lane);
                 mbarrier_arrive(q_full);  // after this lane's statistics
                 walk.advance();
                 ring.advance();
@@ -162,7 +172,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     poll_until_turn(counter, dq_turn(ctx.mask, params, walk.m_block, block.n_block, kBlockM, kBlockN));
                     fence_async_global();  // the acquired turn before the copy engine's additions
                 }
-                tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, m_start, walk.head, block.batch);
+                tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
+                                            block.tensor_batch);
                 bulk_commit();
                 bulk_wait_read<0>();
                 mbarrier_arrive(dq_empty);  // the consumers may write the next tile
@@ -383,10 +394,10 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         }
     }
     __syncwarp();
-    store_warp_rows<KvTile, kAccCols>(params.dk.row_ptr<Element>(block.batch, block.kv_head, n_start),
+    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dk, block.kv_head, n_start),
                                       params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
                                       lane, acc_col0);
-    store_warp_rows<KvTile, kAccCols>(params.dv.row_ptr<Element>(block.batch, block.kv_head, n_start),
+    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dv, block.kv_head, n_start),
                                       params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
                                       lane, acc_col0);
 #else

@@ -23,7 +23,8 @@
 
 namespace cuflash {
 
-template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score>
+template <typename Element, int kHeadDimPadded, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_kernel(const ForwardParams params) {
     using Traits = SimtTraits<Element, kHeadDimPadded, kBlockM, kBlockN, kWarps>;
@@ -34,10 +35,14 @@ flash_forward_kernel(const ForwardParams params) {
     require_shared_memory<Smem>();
     const auto [q_tile, k_tile, v_tile, p_tile] = Smem::tiles();
 
-    const QueryBlock block = query_block<false>(params.size, params.num_m_blocks, kBlockM);
+    const QueryBlock block = query_block<Batch, false>(params.size, params.num_m_blocks, kBlockM);
     const index_t head = block.head;
-    const index_t batch = block.batch;
-    const BlockContext<Mask, Score> ctx(params, batch);
+    const BlockContext<Mask, Score> ctx(params, block);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no rows.
+    if (Batch::kPacked && block.m_start >= ctx.seqlen_q) {
+        return;
+    }
 
     const int thread = threadIdx.x;
     const int row_in_block = thread / kLanesPerRow;
@@ -45,9 +50,9 @@ flash_forward_kernel(const ForwardParams params) {
     const int m_start = block.m_start;
     const int row = m_start + row_in_block;
 
-    const Element* q = params.q.row_ptr<const Element>(batch, head, m_start);
-    const Element* k = DenseKvSource::rows<Element>(params.k, batch, block.kv_head, 0);
-    const Element* v = DenseKvSource::rows<Element>(params.v, batch, block.kv_head, 0);
+    const Element* q = block.query_row<const Element>(params.q, head, m_start);
+    const Element* k = block.key_row<const Element>(params.k, block.kv_head, 0);
+    const Element* v = block.key_row<const Element>(params.v, block.kv_head, 0);
 
     load_tile_zero_padded<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(
         q_tile, q, params.q.row_stride, ctx.seqlen_q - m_start, ctx.head_dim, thread);
@@ -110,14 +115,14 @@ flash_forward_kernel(const ForwardParams params) {
     // rather than 0 / 0.
     const float inv_sum = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
     if (lane_in_row == 0 && row < ctx.seqlen_q) {
-        params.lse_row(batch, head)[row] = softmax.log_sum_exp(row_sum);
+        params.lse_row(block.tensor_batch, head)[block.q_row0 + row] = softmax.log_sum_exp(row_sum);
     }
     // Stage the normalised output in the Q tile, free once every warp is
     // past its last read of it, and store it coalesced.
     __syncthreads();
     stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, acc, inv_sum, lane_in_row);
     __syncthreads();
-    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(params.out.row_ptr<Element>(batch, head, m_start),
+    store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(block.query_row<Element>(params.out, head, m_start),
                                                                    params.out.row_stride, q_tile,
                                                                    ctx.seqlen_q - m_start, ctx.head_dim, thread);
 }

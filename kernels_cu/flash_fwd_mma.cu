@@ -38,7 +38,7 @@
 namespace cuflash {
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          int kKvStages, bool kSplitKv>
+          typename Batch, int kKvStages, bool kSplitKv>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_mma_kernel(const ForwardParams params) {
     using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages>;
@@ -61,8 +61,13 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // through the main loop, where the accumulators need every one.
     const index_t num_splits = kSplitKv ? params.num_splits : 1;
     const QueryBlock origin =
-        query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
-    const BlockContext<Mask, Score> ctx(params, origin.batch);
+        query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+    const BlockContext<Mask, Score> ctx(params, origin);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no rows.
+    if (Batch::kPacked && origin.m_start >= ctx.seqlen_q) {
+        return;
+    }
 
     const int thread = threadIdx.x;
     const int warp = thread / 32;
@@ -70,9 +75,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int m_start = origin.m_start;
     const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
 
-    const Element* q = params.q.row_ptr<const Element>(origin.batch, origin.head, m_start);
-    const Element* k = DenseKvSource::rows<Element>(params.k, origin.batch, origin.kv_head, 0);
-    const Element* v = DenseKvSource::rows<Element>(params.v, origin.batch, origin.kv_head, 0);
+    const Element* q = origin.query_row<const Element>(params.q, origin.head, m_start);
+    const Element* k = origin.key_row<const Element>(params.k, origin.kv_head, 0);
+    const Element* v = origin.key_row<const Element>(params.v, origin.kv_head, 0);
     const BlockRange visible = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
     const BlockRange key_range =
         kSplitKv ? split_key_blocks(visible, ctx.seqlen_k, kBlockN, origin.split, static_cast<int>(num_splits))
@@ -225,14 +230,13 @@ flash_forward_mma_kernel(const ForwardParams params) {
 
     if constexpr (kSplitKv) {
         const QueryBlock block =
-            query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+            query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
         const int first_row = block.m_start;
         // A split's rows are a few float32 pairs each (decoding): written from
         // the fragments, each quad's 32 bytes of a row at once. Rows and
         // columns past the problem are not written.
-        float* out = params.out.row_ptr<float>(block.batch, block.head, first_row) +
-                     block.split * params.out_split_stride;
-        finish_forward_rows<float>(softmax, o, params.lse_row(block.batch, block.head) +
+        float* out = block.query_row<float>(params.out, block.head, first_row) + block.split * params.out_split_stride;
+        finish_forward_rows<float>(softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0 +
                                                    block.split * params.lse_split_stride,
                                    first_row, warp_row0, ctx.seqlen_q, lane, [&](int row_in_block, int dt, float2 pair) {
                                        const int col = dt * 8 + 2 * (lane % 4);
@@ -249,10 +253,10 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // copy into shared memory is still in flight).
     cp_async_wait<0>();
     __syncwarp();
-    const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+    const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
     const int first_row = block.m_start;
-    finish_forward_rows<Element>(softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0,
-                                 ctx.seqlen_q, lane, [&](int row_in_block, int dt, auto pair) {
+    finish_forward_rows<Element>(softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0, first_row,
+                                 warp_row0, ctx.seqlen_q, lane, [&](int row_in_block, int dt, auto pair) {
                                      // pair: two elements, so pair dt * 4 is element 8 dt of the row's n8 tiles
                                      reinterpret_cast<decltype(pair)*>(q_tile + row_in_block * kStride +
                                                                        2 * (lane % 4))[dt * 4] = pair;
@@ -262,7 +266,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // padded head-dim columns are not written.
     constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
     constexpr int kWarpChunks = Traits::kRowsPerWarp * kChunksPerRow;
-    Element* out = params.out.row_ptr<Element>(block.batch, block.head, first_row);
+    Element* out = block.query_row<Element>(params.out, block.head, first_row);
 #pragma unroll
     for (int i = 0; i < ceil_div(kWarpChunks, 32); ++i) {
         const int chunk = lane + i * 32;

@@ -50,7 +50,7 @@ namespace cuflash {
 constexpr int kForwardProducerRegisters = 24;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          int kBlocksPerSm>
+          typename Batch, int kBlocksPerSm>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -79,6 +79,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // branches asynchronous (in a path it must treat as divergent it
     // serialises every wgmma, C7520).
     const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
+    // A packed batch's grid covers its longest sequence; the blocks past a
+    // shorter one's end have no rows (the whole block leaves, before any barrier).
+    if (const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+        Batch::kPacked && block.m_start >= block.seqlen_q) {
+        return;
+    }
     if (thread == 0) {
         mbarrier_init(q_full, 1);
 #pragma unroll
@@ -100,12 +106,16 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     if (warpgroup == 0) {
         release_registers<kForwardProducerRegisters>();
         if (thread == 0) {
-            const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-            const Mask mask(sequence_bounds(params.size, block.batch));
+            const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+            const Mask mask(block);
             const BlockRange key_range = mask.key_blocks(block.m_start, kBlockM, kBlockN);
+            // Tensor-map coordinates are tensor rows: a packed batch's tiles
+            // that run past a sequence's end copy the next sequence's rows,
+            // which the mask hides like the zeros past a dense one.
             if (key_range.end > key_range.begin) {
                 mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-                tma_load_tile<QTile>(base + Traits::kQ, params.q_map, q_full, block.m_start, block.head, block.batch);
+                tma_load_tile<QTile>(base + Traits::kQ, params.q_map, q_full, block.q_row0 + block.m_start, block.head,
+                                     block.tensor_batch);
             }
             Ring ring;
             for (int n_block = key_range.end - 1; n_block >= key_range.begin; --n_block) {
@@ -115,12 +125,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 // pass over the ring every buffer is free at once.
                 mbarrier_wait(Traits::k_empty(base, ring.stage), ring.phase ^ 1);
                 mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
-                tma_load_tile<KvTile>(base + Traits::kK + ring.stage * KvTile::kBytes, params.k_map, k_full, n_start,
-                                      block.kv_head, block.batch);
+                tma_load_tile<KvTile>(base + Traits::kK + ring.stage * KvTile::kBytes, params.k_map, k_full,
+                                      block.k_row0 + n_start, block.kv_head, block.tensor_batch);
                 mbarrier_wait(Traits::v_empty(base, ring.stage), ring.phase ^ 1);
                 mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
-                tma_load_tile<KvTile>(base + Traits::kV + ring.stage * KvTile::kBytes, params.v_map, v_full, n_start,
-                                      block.kv_head, block.batch);
+                tma_load_tile<KvTile>(base + Traits::kV + ring.stage * KvTile::kBytes, params.v_map, v_full,
+                                      block.k_row0 + n_start, block.kv_head, block.tensor_batch);
                 ring.advance();
             }
         }
@@ -128,8 +138,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         claim_registers<kConsumerRegisters>();
         // This block's query tile, computed again for the epilogue (see
         // block_index) so that it holds no registers through the main loop.
-        const QueryBlock origin = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-        const BlockContext<Mask, Score> ctx(params, origin.batch);
+        const QueryBlock origin = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+        const BlockContext<Mask, Score> ctx(params, origin);
         const int consumer = warpgroup - 1;
         const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
         const int lane = thread % 32;
@@ -249,16 +259,17 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // its last wait, and no other warpgroup reads these rows, so each
         // warp stages its normalised output rows in its own rows of the Q
         // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
-        const QueryBlock block = query_block<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+        const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
         const int first_row = block.m_start;
         unsigned char* const q_tile = smem + Traits::kQ;
         finish_forward_rows<Element>(
-            softmax, o, params.lse_row(block.batch, block.head), first_row, warp_row0, ctx.seqlen_q, lane,
+            softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0, first_row, warp_row0,
+            ctx.seqlen_q, lane,
             [&](int row_in_block, int dt, u32 packed) {
                 *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) + 4 * (lane % 4)) = packed;
             });
         __syncwarp();
-        store_warp_rows<QTile>(params.out.row_ptr<Element>(block.batch, block.head, first_row), params.out.row_stride,
+        store_warp_rows<QTile>(block.query_row<Element>(params.out, block.head, first_row), params.out.row_stride,
                                q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
     }
 #else

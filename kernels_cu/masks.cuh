@@ -8,7 +8,7 @@
 //   key_blocks(m_start, block_m, block_n)
 //                                the key blocks some row of the query block
 //                                [m_start, m_start + block_m) sees
-//   query_blocks(n_start, block_n, block_m, num_m_blocks)
+//   query_blocks(n_start, block_n, block_m)
 //                                the query blocks with a row that sees some key
 //                                of the key block [n_start, n_start + block_n)
 //                                (the backward's dK/dV walk)
@@ -80,8 +80,8 @@ struct NoMask : SequenceBounds {
     __device__ __forceinline__ BlockRange key_blocks(int, int, int block_n) const {
         return {0, ceil_div(seqlen_k, block_n)};
     }
-    __device__ __forceinline__ BlockRange query_blocks(int, int, int, int num_m_blocks) const {
-        return {0, num_m_blocks};
+    __device__ __forceinline__ BlockRange query_blocks(int, int, int block_m) const {
+        return {0, ceil_div(seqlen_q, block_m)};
     }
     __device__ __forceinline__ bool rule_hides_keys(int, int, int, int) const { return false; }
 };
@@ -116,8 +116,8 @@ struct CausalMask : SequenceBounds {
 
     // From the block of the first row that sees key n_start: a row that sees
     // it sees every later key of the block up to its diagonal.
-    __device__ __forceinline__ BlockRange query_blocks(int n_start, int, int block_m, int num_m_blocks) const {
-        return {max(0, n_start - diagonal_offset) / block_m, num_m_blocks};
+    __device__ __forceinline__ BlockRange query_blocks(int n_start, int, int block_m) const {
+        return {max(0, n_start - diagonal_offset) / block_m, ceil_div(seqlen_q, block_m)};
     }
 
     // The group's first row sees the fewest keys: the block's last key lies

@@ -28,8 +28,21 @@ struct TensorRef {
 };
 
 // Sizes shared by the forward and backward launches.
+//
+// A dense batch: every entry holds seqlen_q queries and seqlen_k keys, and
+// the cu_seqlens pointers are null. A variable-length (packed) batch:
+// entry b's queries are rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of one
+// packed (total_q, nheads, head_dim) tensor (described as a batch of one),
+// its keys rows of cu_seqlens_k alike, and seqlen_q, seqlen_k are the
+// longest entry's lengths, which size the grid (sequence_rows in
+// block_info.cuh). total_q and total_k are the rows of the q-side and
+// k-side tensors (batch * seqlen_q and batch * seqlen_k in a dense batch);
+// the backward's work buffers have total_q rows.
 struct ProblemSize {
     index_t batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim;
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    index_t total_q, total_k;
 
     // Positions inside a sequence and head-dim columns fit in int (the
     // launcher rejects sequences of 2^31 or more); offsets stay 64-bit.
@@ -38,6 +51,9 @@ struct ProblemSize {
     __device__ __forceinline__ int head_dim_int() const { return static_cast<int>(head_dim); }
     // Grouped-query attention: nheads / nheads_k consecutive query heads share a K/V head.
     __device__ __forceinline__ index_t kv_head_of(index_t head) const { return head / (nheads / nheads_k); }
+    // The tensors' own batch and sequence sizes: a packed batch is one entry of total_q rows.
+    __device__ __forceinline__ bool packed() const { return cu_seqlens_q != nullptr; }
+    __device__ __forceinline__ index_t tensor_seqlen_q() const { return packed() ? total_q : seqlen_q; }
 };
 
 struct ForwardParams {
@@ -78,8 +94,9 @@ struct WgmmaForwardParams : ForwardParams {
 
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 256 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 6 * 8 + 2 * 8 + 3 * 8,
+static_assert(sizeof(WgmmaForwardParams) == 320 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(ProblemSize) == 10 * 8, "ProblemSize layout must match cuflash/_params.py");
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 10 * 8 + 2 * 8 + 3 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -99,14 +116,16 @@ struct MergeParams {
     ProblemSize size;
 };
 
-static_assert(sizeof(MergeParams) == 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 6 * 8,
+static_assert(sizeof(MergeParams) == 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 10 * 8,
               "MergeParams layout must match cuflash/_params.py");
 
-// Backward. delta (batch, nheads, seqlen_q) and dq_accum (batch, seqlen_q,
-// nheads, head_dim) are float32 work buffers made by the launcher, contiguous;
-// dq_semaphore (batch, nheads, num_m_blocks) int32, zeroed by the
-// preprocessing kernel, orders the dQ additions of the deterministic Hopper
-// backward.
+// Backward. delta (nheads, total_q) and dq_accum (total_q, nheads,
+// head_dim), total_q = batch * seqlen_q in a dense batch, are float32 work
+// buffers made by the launcher, contiguous; dq_semaphore (batch, nheads,
+// num_m_blocks) int32, zeroed by the preprocessing kernel, orders the dQ
+// additions of the deterministic Hopper backward. Rows are addressed as in
+// the tensors (ProblemSize): batch entry `batch` of the tensors (0 in a
+// packed batch), row `row` from that entry's first.
 struct BackwardParams {
     TensorRef q, k, v, out, dout, dq, dk, dv;
     const float* lse;  // (batch, nheads, seqlen_q), from the forward pass
@@ -120,12 +139,13 @@ struct BackwardParams {
     double softmax_scale_log2;  // softmax_scale * log2(e)
     double softmax_scale;
 
-    // The forward's log-sum-exp and delta of (batch, head), indexed by query row.
+    // The forward's log-sum-exp and delta of (batch, head) of the tensors,
+    // indexed by query row.
     __device__ __forceinline__ const float* lse_row(index_t batch, index_t head) const {
         return lse + batch * lse_batch_stride + head * lse_head_stride;
     }
     __device__ __forceinline__ float* delta_row(index_t batch, index_t head) const {
-        return delta + (batch * size.nheads + head) * size.seqlen_q;
+        return delta + head * size.total_q + batch * size.seqlen_q;
     }
     // The float32 dQ accumulator of query row `row` of (batch, head): rows
     // of head_dim floats, heads fastest. The caller passes head_dim (the
@@ -136,7 +156,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 6 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 10 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the

@@ -395,7 +395,7 @@ def test_params_pack_requires_every_field():
     from cuflash._params import pack
 
     fields = {name: 0 for name in FORWARD_PARAMS.names}
-    fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6))
+    fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5))
     struct = pack(FORWARD_PARAMS, **fields)
     assert struct.shape == (1,) and struct.dtype == FORWARD_PARAMS
     assert struct["q"]["row_stride"][0] == 3 and struct["size"]["seqlen_k"][0] == 5
@@ -428,7 +428,7 @@ def test_rotate_walks_where_it_pays_and_every_key_block_can_run(mask, dq_mode, k
 
     from cuflash.api import rotate_walks
 
-    problem = SimpleNamespace(mask=MASKS[mask])
+    problem = SimpleNamespace(mask=MASKS[mask], packed=False)
     assert rotate_walks(problem, dq_mode, kernel, num_m_blocks, num_n_blocks, multiprocessors) is rotated
 
 

@@ -362,6 +362,9 @@ def main() -> int:
     parser.add_argument("--no-user", action="store_true", help="skip the as-the-user-sees-it timings")
     parser.add_argument("--no-host", action="store_true", help="skip the host-overhead tables")
     parser.add_argument("--host-only", action="store_true", help="only the host-overhead tables")
+    parser.add_argument("--varlen", action="store_true",
+                        help="also the variable-length table (packed batches against dense, tools/bench_varlen.py)")
+    parser.add_argument("--varlen-only", action="store_true", help="only the variable-length table")
     parser.add_argument("--generation", type=int, choices=(80, 90),
                         help="pick cuflash's kernels as a GPU of this kernel generation would (80: the sm_80 "
                              "kernels, measured on a Hopper GPU)")
@@ -379,7 +382,7 @@ def main() -> int:
     env = environment()
     print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     result = {"environment": env, "matmul_tflops": MATMUL_TFLOPS.get(env["device"]), "rows": []}
-    if not args.no_host:
+    if not args.no_host and not args.varlen_only:
         import host_overhead
 
         result["host_overhead"] = host_overhead.torch_host_table()
@@ -390,7 +393,14 @@ def main() -> int:
             result["jax_jit"] = []
         print("\n".join(host_overhead.markdown(result["host_overhead"], result["jax_jit"])) + "\n", flush=True)
     rows = result["rows"]
-    if not args.host_only:
+    if args.varlen or args.varlen_only:
+        import bench_varlen
+
+        result["varlen"] = bench_varlen.varlen_table(time_gpu, args.calls, args.repeats)
+        ratios = [r["varlen_over_dense"] for r in result["varlen"]]
+        print(f"\nvarlen / dense TFLOP/s: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
+              f"points >= 0.9: {sum(r >= 0.9 for r in ratios)}/{len(ratios)}\n", flush=True)
+    if not args.host_only and not args.varlen_only:
         print(HEADER)
         rows += run_grid(args.dtype or ["bfloat16", "float16"], seqlens, head_dims, causals, args.calls, args.repeats,
                          _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),

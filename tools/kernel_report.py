@@ -29,7 +29,10 @@ sys.path.insert(0, str(REPO))
 
 from cuflash._kernel_families import FAMILIES, KernelVariant, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._masks import MASKS  # noqa: E402
+from cuflash._masks import BATCH_LAYOUTS, MASKS  # noqa: E402
+
+#: Batch layouts every tiled family is built for ("dense" first).
+LAYOUTS = tuple(BATCH_LAYOUTS)
 
 #: Key prefixes of the fast-path (tensor-core) variants, which must not spill at all.
 FAST_PATH = tuple(f"{f.name}/" for f in FAMILIES if f.kernel in ("mma", "wgmma"))
@@ -41,15 +44,18 @@ _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gen
                "sm_89": "-gencode=arch=compute_89,code=sm_89"}
 
 
-def _family_variants(family, dtype: str, tiling) -> list[KernelVariant]:
-    """``family``'s variants of one tiling: every mask, both dQ modes of a dK/dV family that has them."""
-    return [family.variant(dtype, tiling, mask, dq_mode=mode)
-            for mask in MASKS.values() for mode in family.dq_modes or ("atomic",)]
+def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[KernelVariant]:
+    """``family``'s variants of one tiling: every mask, both dQ modes of a
+    dK/dV family that has them, each of ``layouts``."""
+    return [family.variant(dtype, tiling, mask, dq_mode=mode, layout=layout)
+            for layout in layouts for mask in MASKS.values() for mode in family.dq_modes or ("atomic",)]
 
 
 def all_variants() -> list[KernelVariant]:
     """Every instantiation the launcher can request: each family's compiled
-    tiles with every mask (and both dQ modes of a dK/dV family that has them)."""
+    tiles with every mask (and both dQ modes of a dK/dV family that has
+    them), for dense batches and for packed (variable-length) ones, which
+    never take the decode tiles."""
     variants = []
     for family in FAMILIES:
         if family.role == "merge":
@@ -60,6 +66,8 @@ def all_variants() -> list[KernelVariant]:
             continue
         for dtype, tiling in family.compiled_tilings():
             variants += _family_variants(family, dtype, tiling)
+        for dtype, tiling in family.compiled_tilings(other_tiles=False):
+            variants += _family_variants(family, dtype, tiling, layouts=LAYOUTS[1:])
     return variants
 
 
@@ -76,7 +84,7 @@ def small_smem_only_keys() -> frozenset[str]:
                 small = family.small_smem_tiles(dtype, head_dim)
                 if small is not None and small not in (family.tiles(dtype, head_dim),
                                                        family.hopper_tiles(dtype, head_dim)):
-                    keys.update(v.key for v in _family_variants(family, dtype, small))
+                    keys.update(v.key for v in _family_variants(family, dtype, small, layouts=LAYOUTS))
     return frozenset(keys)
 
 

@@ -2,7 +2,8 @@
 this under memcheck, racecheck and synccheck): the warp-specialised forward
 and backward (TMA copies, mbarrier rings, named barriers, the dQ warp's bulk
 reductions) at every tile shape of their tables, causal and not, atomic and
-ordered dQ, with partial blocks at both ends. Sizes are small: racecheck
+ordered dQ, with partial blocks at both ends, dense batches and packed
+(variable-length) ones, and decoding. Sizes are small: racecheck
 tracks every shared-memory access. Exits 1 if a result is not finite, so a
 run that the sanitizer lets through still checks the kernels ran.
 
@@ -74,6 +75,28 @@ def main() -> int:
         if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
             failures.append(f"decode num_splits={num_splits}: out not finite")
         print(f"decode num_splits={num_splits}: ran", flush=True)
+    # Packed (variable-length) batches: tiles that run past a sequence's end
+    # copy the next sequence's rows (masked), the backward adds zeros into
+    # its dQ rows; an empty sequence, and rows after the last one.
+    lengths_q, lengths_k = [0, 70, 1, 200], [130, 1, 17, 260]
+    cu_q = cupy.asarray([0, *cupy.cumsum(cupy.asarray(lengths_q)).get()], dtype=cupy.int32)
+    cu_k = cupy.asarray([0, *cupy.cumsum(cupy.asarray(lengths_k)).get()], dtype=cupy.int32)
+    for head_dim in (64, 128, 256):
+        q, k, v = (x[0] for x in _inputs(head_dim, sum(lengths_q) + 5, sum(lengths_k) + 5, seed=head_dim))
+        for causal in (False, True):
+            for deterministic in (False, True):
+                out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                                    causal=causal, return_lse=True)
+                dout = cupy.ones_like(out)
+                grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lengths_q),
+                                                          max(lengths_k), causal=causal, deterministic=deterministic)
+                cupy.cuda.Device().synchronize()
+                rows = (sum(lengths_q), sum(lengths_q), sum(lengths_k), sum(lengths_k))
+                for name, x, end in zip(("out", "dq", "dk", "dv"), (out, *grads), rows):
+                    if not bool(cupy.isfinite(x[:end].astype(cupy.float32)).all()):
+                        failures.append(f"varlen d{head_dim} causal={causal} deterministic={deterministic}: "
+                                        f"{name} not finite")
+        print(f"varlen head_dim {head_dim}: ran", flush=True)
     for failure in failures:
         print(failure)
     return 1 if failures else 0
