@@ -55,7 +55,7 @@ def test_hopper_gets_sm90a_only_with_a_recent_nvrtc():
 def test_variant_name_expression_and_key_are_readable():
     variant = FAMILY["forward"].variant("bfloat16", forward_tiling("bfloat16", 100), MASKS["causal"])
     assert variant.name_expression == ("cuflash::flash_forward_kernel<__nv_bfloat16, 128, 32, 64, 4, "
-                                       "cuflash::CausalMask, cuflash::IdentityScore>")
+                                       "cuflash::CausalMask, cuflash::IdentityScore, cuflash::DenseBatch>")
     assert variant.key == "forward/bfloat16/hdim128/m32n64w4/causal"
     other = FAMILY["forward"].variant("bfloat16", forward_tiling("bfloat16", 100), MASKS["none"])
     assert other.key == "forward/bfloat16/hdim128/m32n64w4/none"
