@@ -17,7 +17,26 @@ SWEEPS = sorted((REPO / "benchmarks").glob("*_head_dims.json"))
 FLOAT32 = sorted((REPO / "benchmarks").glob("*_float32.json"))
 #: decode rows (one query token against a cache), read by ``cuflash simulate --measured``.
 DECODE = sorted((REPO / "benchmarks").glob("*_decode.json"))
-BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE))
+#: packed batches against dense ones (``tools/bench.py --varlen-only``).
+VARLEN = sorted((REPO / "benchmarks").glob("*_varlen.json"))
+BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE)
+                    - set(VARLEN))
+
+
+@pytest.mark.parametrize("path", VARLEN, ids=lambda p: p.name)
+def test_varlen_rows_are_consistent(path):
+    import bench_varlen
+
+    result = json.loads(path.read_text())
+    rows = result["varlen"]
+    assert {"device", "commit", "date"} <= set(result["environment"]) and rows
+    for r in rows:
+        batch, seqlen = map(int, r["dense"].split("x"))
+        factor = 2.5 if r["pass"] == "bwd" else 1.0
+        assert r["tflops"]["dense"] == pytest.approx(
+            factor * bench_varlen.flops([seqlen] * batch, r["causal"]) / (r["ms"]["dense"] * 1e9))
+        assert r["varlen_over_dense"] == pytest.approx(r["tflops"]["varlen"] / r["tflops"]["dense"])
+        assert r["min_length"] <= r["max_length"] and r["sequences"] >= 1
 
 
 @pytest.mark.parametrize("path", DECODE, ids=lambda p: p.name)
@@ -107,7 +126,8 @@ def test_benchmarks_md_renders_the_h100_json():
     rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
                                str(REPO / "benchmarks" / "h100.json"), "--head-dims",
                                str(REPO / "benchmarks" / "h100_head_dims.json"), "--float32",
-                               str(REPO / "benchmarks" / "h100_float32.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",
+                               str(REPO / "benchmarks" / "h100_varlen.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.

@@ -5,7 +5,8 @@ backend (needs matplotlib).
 
   python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png]
                                 [--head-dims benchmarks/h100_head_dims.json]
-                                [--float32 benchmarks/h100_float32.json] > BENCHMARKS.md
+                                [--float32 benchmarks/h100_float32.json]
+                                [--varlen benchmarks/h100_varlen.json] > BENCHMARKS.md
 
 ``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
@@ -195,12 +196,35 @@ def float32_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def varlen_markdown(result: dict) -> str:
+    """Packed batches against dense cuflash on the same tokens (``tools/bench.py --varlen-only``)."""
+    env, rows = result["environment"], result["varlen"]
+    lines = [
+        "## Variable-length batches", "",
+        f"bf16, head_dim 128, 32 query / 8 K/V heads, 16384 tokens per batch, {env['device']}, cuflash commit "
+        f"`{env['commit']}`, {env['date']}; GPU time with launches queued (CUDA events, medians). Each packed "
+        "batch (`cuflash.attention_varlen`, `attention_varlen_backward`) holds the dense batch's tokens: equal "
+        "lengths, or lengths drawn uniformly from [seqlen / 8, 15 seqlen / 8]. TFLOP/s counted on the real "
+        "tokens only (per sequence, FlashAttention-2's convention; the backward 2.5x the forward).", "",
+        "| packed lengths | dense | sequences | causal | pass | varlen TFLOP/s | dense TFLOP/s | varlen / dense |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['lengths']} {r['min_length']}-{r['max_length']} | {r['dense']} | {r['sequences']} | "
+                     f"{'yes' if r['causal'] else 'no'} | {r['pass']} | {r['tflops']['varlen']:.1f} | "
+                     f"{r['tflops']['dense']:.1f} | {r['varlen_over_dense']:.3f} |")
+    ratios = [r["varlen_over_dense"] for r in rows]
+    lines.append(f"\nvarlen / dense from {min(ratios):.3f} to {max(ratios):.3f} (>= 0.9 at "
+                 f"{sum(x >= 0.9 for x in ratios)} of {len(ratios)} points).")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plot", help="write a PNG here")
     parser.add_argument("--head-dims", help="a head-dim sweep's JSON, rendered as its own section")
     parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
+    parser.add_argument("--varlen", help="a variable-length JSON (bench.py --varlen-only), its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -210,6 +234,8 @@ def main() -> int:
         print(head_dim_markdown(json.loads(Path(args.head_dims).read_text())))
     if args.float32:
         print(float32_markdown(json.loads(Path(args.float32).read_text())))
+    if args.varlen:
+        print(varlen_markdown(json.loads(Path(args.varlen).read_text())))
     return 0
 
 
