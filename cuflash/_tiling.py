@@ -512,11 +512,7 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     table = WGMMA_FORWARD_TILES
     if head_dim * ELEMENT_SIZE[dtype_name] % 32 and padded in WGMMA_FORWARD_PARTIAL_SECTOR_TILES:
         table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES
-    block_m, block_n, warps, blocks_per_sm = table[padded]
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
-                    blocks_per_sm=blocks_per_sm)
-    _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
-    return tiling
+    return _wgmma_forward_tiles(dtype_name, padded, table[padded])
 
 
 def wgmma_forward_short_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
@@ -525,7 +521,13 @@ def wgmma_forward_short_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
         return None
-    block_m, block_n, warps, blocks_per_sm = WGMMA_FORWARD_SHORT_TILES[padded]
+    return _wgmma_forward_tiles(dtype_name, padded, WGMMA_FORWARD_SHORT_TILES[padded])
+
+
+def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, int, int]) -> Tiling:
+    """The Hopper forward's ``Tiling`` of a table entry (block_m, block_n, warps, blocks per SM), its shared
+    memory checked against the budget."""
+    block_m, block_n, warps, blocks_per_sm = entry
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
                     blocks_per_sm=blocks_per_sm)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")

@@ -485,14 +485,8 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
-        batch = None
         if packing is not None:
-            packed = Packing(metas.pop("cu_seqlens_q"), metas.pop("cu_seqlens_k"), *packing[2:])
-            batch = check_packing(packed, metas["q"], metas["k"], metas["v"])
-            check_packed_like(metas.get("out"), metas["q"])
-            if "lse" in metas:
-                metas["lse"] = check_packed_lse(metas["lse"], metas["q"].shape[1], metas["q"].shape[0])
-            metas = {name: meta if name == "lse" else as_batch_of_one(meta) for name, meta in metas.items()}
+            metas, packed, batch = _packed_metas(metas, packing[2:], {"out": "q"})
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
                                 causal=causal, softmax_scale=softmax_scale, lse=metas.get("lse"),
                                 fp32_precision=fp32_precision)
@@ -521,6 +515,22 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
 
 
+def _packed_metas(metas: dict, max_seqlens: tuple, likes: dict) -> tuple[dict, Packing, int]:
+    """A variable-length call's metas (``cu_seqlens_q``/``_k`` among them)
+    checked in the caller's packed shapes (``likes``: array -> the array
+    whose shape and dtype it must have; the log-sum-exp (nheads, total_q)),
+    then returned as the batch-of-one metas the dense checks take, with the
+    call's ``Packing`` and batch size."""
+    packing = Packing(metas.pop("cu_seqlens_q"), metas.pop("cu_seqlens_k"), *max_seqlens)
+    batch = check_packing(packing, metas["q"], metas["k"], metas["v"])
+    for name, like in likes.items():
+        check_packed_like(metas.get(name), metas[like])
+    if "lse" in metas:
+        metas["lse"] = check_packed_lse(metas["lse"], metas["q"].shape[1], metas["q"].shape[0])
+    return ({name: meta if name == "lse" else as_batch_of_one(meta) for name, meta in metas.items()}, packing,
+            batch)
+
+
 def _kernel_layouts(views: dict, names: tuple[str, ...], packed: bool) -> dict:
     """``Layout``s of the (batch, seqlen, heads, head_dim) arrays the kernels
     see: the views, or a packed call's (total, heads, head_dim) views as a
@@ -538,14 +548,9 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
-        batch = None
         if packing is not None:
-            packed = Packing(metas.pop("cu_seqlens_q"), metas.pop("cu_seqlens_k"), *packing)
-            batch = check_packing(packed, metas["q"], metas["k"], metas["v"])
-            for name, like in (("dout", "q"), ("out", "q"), ("dq", "q"), ("dk", "k"), ("dv", "v")):
-                check_packed_like(metas.get(name), metas[like])
-            metas["lse"] = check_packed_lse(metas["lse"], metas["q"].shape[1], metas["q"].shape[0])
-            metas = {name: meta if name == "lse" else as_batch_of_one(meta) for name, meta in metas.items()}
+            metas, packed, batch = _packed_metas(
+                metas, packing, {"dout": "q", "out": "q", "dq": "q", "dk": "k", "dv": "v"})
         problem = check_backward(
             metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"], metas["lse"],
             metas.get("dq"), metas.get("dk"), metas.get("dv"),

@@ -208,6 +208,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     head_dim), bottom-right causal alignment, ``deterministic`` for a
     bitwise-repeatable backward. Not supported yet (``NotImplementedError``):
     dropout, sliding windows, softcapping, ALiBi, ``return_attn_probs``."""
+    _refuse_unsupported("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _forward(q, k, v, causal, softmax_scale, deterministic)
+
+
+def _refuse_unsupported(function: str, dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
+                        block_table=None) -> None:
+    """``NotImplementedError`` naming every FlashAttention-2 option a drop-in was given that cuflash lacks."""
     unsupported = []
     if dropout_p:
         unsupported.append(f"dropout_p={dropout_p}")
@@ -219,9 +226,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         unsupported.append("alibi_slopes")
     if return_attn_probs:
         unsupported.append("return_attn_probs=True")
+    if block_table is not None:
+        unsupported.append("block_table")
     if unsupported:
-        raise NotImplementedError(f"cuflash.torch.flash_attn_func does not support {', '.join(unsupported)} yet")
-    return _forward(q, k, v, causal, softmax_scale, deterministic)
+        raise NotImplementedError(f"cuflash.torch.{function} does not support {', '.join(unsupported)} yet")
 
 
 class _VarlenAttentionFunction(torch.autograd.Function):
@@ -261,22 +269,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     differentiable (gradients to q, k and v). Not supported yet
     (``NotImplementedError``): dropout, sliding windows, softcapping, ALiBi,
     ``return_attn_probs``, ``block_table``."""
-    unsupported = []
-    if dropout_p:
-        unsupported.append(f"dropout_p={dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        unsupported.append(f"window_size={tuple(window_size)}")
-    if softcap:
-        unsupported.append(f"softcap={softcap}")
-    if alibi_slopes is not None:
-        unsupported.append("alibi_slopes")
-    if return_attn_probs:
-        unsupported.append("return_attn_probs=True")
-    if block_table is not None:
-        unsupported.append("block_table")
-    if unsupported:
-        raise NotImplementedError(
-            f"cuflash.torch.flash_attn_varlen_func does not support {', '.join(unsupported)} yet")
+    _refuse_unsupported("flash_attn_varlen_func", dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
+                        block_table)
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
