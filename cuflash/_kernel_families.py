@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ._masks import BATCH_LAYOUTS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
+from ._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform
 from ._tiling import (
     ELEMENT_SIZE,
     HEAD_DIM_BUCKETS,
@@ -125,6 +125,9 @@ class KernelFamily:
     #: (dtype, head_dim) -> its tiles for short sequences (at most
     #: ``SHORT_SEQUENCE_KEYS`` keys each), dense or packed, else None
     short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
+    #: dtypes it is also built for in the KV-cache batch layouts
+    #: (``CACHE_LAYOUTS``: a contiguous or paged cache), every tiling
+    cache_dtypes: tuple[str, ...] = ()
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -176,9 +179,12 @@ class KernelFamily:
     def variant(self, dtype_name: str, tiling: Tiling | None = None, mask: MaskPolicy | None = None,
                 score: ScoreTransform = _IDENTITY, dq_mode: str = "atomic", layout: str = "dense") -> KernelVariant:
         """The instantiation for these compile-time choices (``layout``: a
-        batch layout of ``BATCH_LAYOUTS``, "dense" or "packed")."""
-        if self.role == "merge":
-            raise ValueError(f"{self.name}'s variants come from merge_variant")
+        batch layout of ``BATCH_LAYOUTS``; the KV-cache ones where the family
+        has them for the dtype)."""
+        if layout in CACHE_LAYOUTS and dtype_name not in self.cache_dtypes:
+            raise ValueError(f"{self.name} is not built for a {layout} KV cache of {dtype_name}")
+        if self.role in _OWN_VARIANTS:
+            raise ValueError(f"{self.name}'s variants come from {_OWN_VARIANTS[self.role]}")
         if self.tiles is None:  # element-wise: no tiles, no policies
             return KernelVariant(
                 source=self.source, function=self.function, params=self.params,
@@ -263,7 +269,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,
                  serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
                  tf32x3_dtypes=(MMA_3XTF32_DTYPE,), hopper_tiles=mma_forward_hopper_tiling,
-                 other_tiles=decode_tilings,
+                 other_tiles=decode_tilings, cache_dtypes=MMA_DTYPES,
                  tile_args=lambda t: ((str(t.kv_stages), "true" if t.split_kv else "false"),
                                       f"/kv{t.kv_stages}" + ("/split" if t.split_kv else ""))),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
@@ -300,7 +306,15 @@ FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("merge-states", "merge", "merge_states.cu", "cuflash::merge_attention_states_kernel",
                  "cuflash::MergeParams", arch="any", kernel=None, dtypes=_ALL_DTYPES, head_dims=(), tiles=None,
                  smem_bytes=None, serves=lambda dtype_name, head_dim: head_dim > 0),
+    # Appends k_new / v_new to a KV cache before the attention reads it
+    # (cuflash.attention_with_kvcache): variants by cache_append_variant.
+    KernelFamily("kv-cache-append", "cache-append", "kv_cache_append.cu", "cuflash::kv_cache_append_kernel",
+                 "cuflash::CacheAppendParams", arch="any", kernel=None, dtypes=MMA_DTYPES, head_dims=(),
+                 tiles=None, smem_bytes=None, serves=lambda dtype_name, head_dim: head_dim > 0),
 )
+
+#: Roles whose variants come from their own function, not KernelFamily.variant.
+_OWN_VARIANTS = {"merge": "merge_variant", "cache-append": "cache_append_variant"}
 
 #: Rows (warps) per block of the merge kernel.
 MERGE_WARPS = 4
@@ -325,6 +339,28 @@ def merge_variants() -> list[KernelVariant]:
     16-bit outputs, and the public merge's partials of each dtype into the same dtype."""
     pairs = [("float32", dtype) for dtype in MMA_DTYPES] + [(dtype, dtype) for dtype in _ALL_DTYPES]
     return [merge_variant(partial, out, vector) for partial, out in dict.fromkeys(pairs) for vector in (1, 4)]
+
+#: Threads per block of the KV-cache append kernel.
+CACHE_APPEND_THREADS = 256
+
+
+def cache_append_variant(dtype_name: str, layout: str) -> KernelVariant:
+    """The KV-cache append kernel for a cache of ``dtype_name`` in
+    ``layout`` ("cache": contiguous, "paged")."""
+    if layout not in CACHE_LAYOUTS:
+        raise ValueError(f"layout must be one of {CACHE_LAYOUTS}, got {layout!r}")
+    family = FAMILY["kv-cache-append"]
+    return KernelVariant(
+        source=family.source, function=family.function, params=family.params,
+        template_args=(CXX_ELEMENT_TYPE[dtype_name], BATCH_LAYOUTS[layout]),
+        key=f"{family.name}/{dtype_name}/{layout}", threads=CACHE_APPEND_THREADS, smem_bytes=0)
+
+
+def cache_append_variants() -> list[KernelVariant]:
+    """Every append variant a call may take."""
+    family = FAMILY["kv-cache-append"]
+    return [cache_append_variant(dtype, layout) for dtype in family.dtypes for layout in CACHE_LAYOUTS]
+
 
 FAMILY = {family.name: family for family in FAMILIES}
 

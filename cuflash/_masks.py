@@ -116,8 +116,15 @@ SCORE_TRANSFORMS: dict[str, ScoreTransform] = {
 #: score transform (kernels_cu/block_info.cuh): "dense", every batch entry
 #: holds seqlen_q queries and seqlen_k keys of its own entry of the tensors;
 #: "packed", a variable-length batch whose sequences lie at cu_seqlens offsets
-#: in one packed entry.
-BATCH_LAYOUTS: dict[str, str] = {"dense": "cuflash::DenseBatch", "packed": "cuflash::PackedBatch"}
+#: in one packed entry; "cache", a contiguous KV cache whose entries hold
+#: their own number of keys; "paged", a paged KV cache (keys are rows of
+#: the pages a block table lists). Every tiled kernel is built for the first
+#: two; the KV-cache layouts are the mma.sync forward's
+#: (``KernelFamily.cache_layouts``).
+BATCH_LAYOUTS: dict[str, str] = {"dense": "cuflash::DenseBatch", "packed": "cuflash::PackedBatch",
+                                 "cache": "cuflash::CacheBatch", "paged": "cuflash::PagedBatch"}
+#: The KV-cache layouts among them.
+CACHE_LAYOUTS = ("cache", "paged")
 
 
 def _named(table: dict, what: str, name: str):

@@ -21,10 +21,13 @@ TENSOR_REF = np.dtype(
 
 #: ProblemSize: a dense batch's sizes, or a packed (variable-length) batch's
 #: with its cu_seqlens pointers (null when dense); total_q, total_k: the rows
-#: of the q-side and k-side tensors.
+#: of the q-side and k-side tensors; a KV cache's per-entry key counts
+#: (seqused_k, null where every entry has seqlen_k keys) and page table
+#: (block_table, null for a contiguous cache).
 PROBLEM_SIZE = np.dtype(
     [*[(name, _INDEX) for name in ("batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k", "head_dim")],
-     ("cu_seqlens_q", _POINTER), ("cu_seqlens_k", _POINTER), ("total_q", _INDEX), ("total_k", _INDEX)],
+     ("cu_seqlens_q", _POINTER), ("cu_seqlens_k", _POINTER), ("total_q", _INDEX), ("total_k", _INDEX),
+     ("seqused_k", _POINTER), ("block_table", _POINTER), ("block_table_stride", _INDEX), ("page_size", _INDEX)],
     align=True,
 )
 
@@ -60,6 +63,19 @@ MERGE_PARAMS = np.dtype(
         ("num_states", _INDEX),
         ("partial_state_stride", _INDEX),
         ("partial_lse_state_stride", _INDEX),
+        ("size", PROBLEM_SIZE),
+    ],
+    align=True,
+)
+
+#: CacheAppendParams (params.cuh; kernels_cu/kv_cache_append.cu).
+CACHE_APPEND_PARAMS = np.dtype(
+    [
+        *[(name, TENSOR_REF) for name in ("k_new", "v_new", "k_cache", "v_cache")],
+        ("cache_seqlens", _POINTER),
+        ("seqused_k", _POINTER),
+        ("cache_seqlen", _INDEX),
+        ("seqlen_new", _INDEX),
         ("size", PROBLEM_SIZE),
     ],
     align=True,
@@ -108,11 +124,13 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 10 * 8 + 2 * 8 + 3 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 10 * 8 + 5 * 8
-MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 10 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8
+MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
+CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE
 assert MERGE_PARAMS.itemsize == MERGE_PARAMS_SIZE
+assert CACHE_APPEND_PARAMS.itemsize == CACHE_APPEND_PARAMS_SIZE
 assert BACKWARD_PARAMS.itemsize == BACKWARD_PARAMS_SIZE
 
 

@@ -70,6 +70,10 @@ class AttentionProblem:
     #: seqlen_q and seqlen_k are then the longest sequences (max_seqlen_q,
     #: max_seqlen_k). None: a dense batch.
     packed_rows: tuple[int, int] | None = None
+    #: a KV cache the kernels read in its own layout (``KvCache``): paged,
+    #: or contiguous with per-entry key counts; seqlen_k is then the cache's
+    #: capacity per entry. None: K and V are dense (batch, seqlen_k) arrays.
+    kv_cache: "KvCache | None" = None
 
     @property
     def mask(self) -> MaskPolicy:
@@ -88,6 +92,8 @@ class AttentionProblem:
     @property
     def layout(self) -> str:
         """The kernels' batch layout (``cuflash._masks.BATCH_LAYOUTS``)."""
+        if self.kv_cache is not None:
+            return "paged" if self.kv_cache.paged else "cache"
         return "packed" if self.packed else "dense"
 
     @property
@@ -106,6 +112,9 @@ class AttentionProblem:
 
     @property
     def total_k(self) -> int:
+        """Rows of the k-side tensors (a paged cache's: its pages' rows)."""
+        if self.kv_cache is not None and self.kv_cache.paged:
+            return self.kv_cache.num_pages * self.kv_cache.page_size
         return self.packed_rows[1] if self.packed else self.batch * self.seqlen_k
 
     @property
@@ -471,3 +480,144 @@ def check_packed_like(meta: TensorMeta | None, like: TensorMeta) -> None:
     if meta.shape != like.shape:
         raise ValueError(f"{meta.name} must have the shape of {like.name} {like.shape} {PACKED_LAYOUT}, "
                          f"got {meta.shape}")
+
+
+#: What each dimension of a paged KV cache is.
+PAGED_CACHE_LAYOUT = "(num_pages, page_size, nheads_k, head_dim)"
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """How the kernels read a KV cache (``AttentionProblem.kv_cache``):
+    paged (``page_size`` rows a page, ``num_pages`` pages, each entry's page
+    list a row of a block table ``block_table_stride`` ints apart) or
+    contiguous; ``per_entry``: each entry's key count comes from a GPU array
+    (``cache_seqlens``, plus the appended keys)."""
+
+    paged: bool
+    per_entry: bool
+    page_size: int = 0
+    num_pages: int = 0
+    block_table_stride: int = 0
+
+
+@dataclass(frozen=True)
+class KvCacheCall:
+    """A validated ``attention_with_kvcache`` call: the problem the kernels
+    solve (seqlen_k: the keys every entry attends to where ``cache_seqlen``
+    says so, else the capacity), the cache's ``capacity`` per entry, the
+    appended rows per entry (``seqlen_new``, 0 without k_new) and the
+    cached length when given as an int (``cache_seqlen``; None for an array
+    or, with neither, a full cache)."""
+
+    problem: AttentionProblem
+    capacity: int
+    seqlen_new: int
+    cache_seqlen: int | None
+
+
+def _check_int32_vector(meta: TensorMeta, length: int, what: str) -> None:
+    if meta.dtype != "int32":
+        raise TypeError(f"{meta.name} must have dtype int32, got {meta.dtype}")
+    if meta.shape != (length,):
+        raise ValueError(f"{meta.name} must have shape {(length,)} ({what}), got {meta.shape}")
+    if length > 1 and meta.strides[0] != 1:
+        raise ValueError(f"{meta.name} must be contiguous, got stride {meta.strides[0]} (in elements)")
+
+
+def check_kv_cache(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta, k_new: TensorMeta | None,
+                   v_new: TensorMeta | None, cache_seqlens, block_table: TensorMeta | None,
+                   out: TensorMeta | None, lse: TensorMeta | None, *, causal, softmax_scale) -> KvCacheCall:
+    """Checks an ``attention_with_kvcache`` call. ``cache_seqlens``: None, an
+    int, or the ``TensorMeta`` of a (batch,) int32 GPU array. Raises
+    ``TypeError`` or ``ValueError`` naming the argument, what was expected
+    and what came."""
+    for meta in (q, k_cache, v_cache):
+        _check_layout(meta)
+    if q.dtype not in ("float16", "bfloat16"):
+        raise TypeError(f"q must have dtype float16 or bfloat16 for a KV cache (the tensor-core kernels read it), "
+                        f"got {q.dtype}")
+    for meta in (k_cache, v_cache, k_new, v_new):
+        if meta is not None and meta.dtype != q.dtype:
+            raise TypeError(f"{meta.name} must have the dtype of q ({q.dtype}), got {meta.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the shape of k_cache {k_cache.shape}, got {v_cache.shape}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    paged = block_table is not None
+    if paged:
+        if len(block_table.shape) != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch, max_pages) with batch {batch}, "
+                             f"got {block_table.shape}")
+        if block_table.dtype != "int32":
+            raise TypeError(f"block_table must have dtype int32, got {block_table.dtype}")
+        if block_table.shape[1] > 1 and block_table.strides[1] != 1:
+            raise ValueError(f"block_table must be contiguous in its last dimension, got strides "
+                             f"{block_table.strides} (in elements)")
+        num_pages, page_size = k_cache.shape[:2]
+        if num_pages == 0 or page_size == 0:
+            raise ValueError(f"k_cache must hold at least one page of one row {PAGED_CACHE_LAYOUT} with a "
+                             f"block_table, got shape {k_cache.shape}")
+        capacity = block_table.shape[1] * page_size
+        cache = KvCache(paged=True, per_entry=False, page_size=page_size, num_pages=num_pages,
+                        block_table_stride=block_table.strides[0] if batch > 1 else 0)
+    else:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have batch size {batch} like q (batch, seqlen_cache, nheads_k, head_dim), "
+                             f"or be paged {PAGED_CACHE_LAYOUT} with a block_table; got shape {k_cache.shape}")
+        capacity = k_cache.shape[1]
+        cache = KvCache(paged=False, per_entry=False)
+    as_dense = TensorMeta(k_cache.name, (batch, capacity, *k_cache.shape[2:]), k_cache.strides, k_cache.dtype,
+                          k_cache.device)
+    check_sizes(q.shape, as_dense.shape, as_dense.shape)
+    if head_dim % 8:
+        raise ValueError(f"q's head_dim must be a multiple of 8 for a KV cache (16-byte rows), got {head_dim}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: give both or neither")
+    seqlen_new = 0
+    if k_new is not None:
+        for meta in (k_new, v_new):
+            _check_layout(meta)
+            expected = (batch, k_new.shape[1], k_cache.shape[2], head_dim)
+            if meta.shape != expected:
+                raise ValueError(f"{meta.name} must have shape (batch, seqlen_new, nheads_k, head_dim) = {expected}, "
+                                 f"got {meta.shape}")
+        if cache_seqlens is None:
+            raise ValueError("k_new and v_new need cache_seqlens: the keys each entry holds, after which they are "
+                             "appended")
+        seqlen_new = k_new.shape[1]
+    cache_seqlen = None
+    if isinstance(cache_seqlens, TensorMeta):
+        _check_int32_vector(cache_seqlens, batch, "batch,")
+        cache = dataclasses.replace(cache, per_entry=True)
+        seqlen_k = capacity
+    elif cache_seqlens is None:
+        seqlen_k = capacity
+    else:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, np.integer)):
+            raise TypeError(f"cache_seqlens must be None, an int or a (batch,) int32 GPU array, got "
+                            f"{type(cache_seqlens).__name__}")
+        cache_seqlen = int(cache_seqlens)
+        if not 0 <= cache_seqlen <= capacity - seqlen_new:
+            raise ValueError(f"cache_seqlens must be from 0 to the cache's capacity {capacity} less the "
+                             f"{seqlen_new} appended keys, got {cache_seqlen}")
+        seqlen_k = cache_seqlen + seqlen_new
+    if capacity > _INT32_MAX or seqlen_q > _INT32_MAX:
+        raise ValueError(f"the cache's capacity and seqlen_q must be below 2**31, got {capacity} and {seqlen_q}")
+    if batch * nheads > _INT32_MAX:
+        raise ValueError(f"batch * nheads must be below 2**31, got {batch * nheads}")
+    if out is not None:
+        _check_like(out, q, "")
+        _check_writable(out)
+    if lse is not None:
+        _check_lse(lse, (batch, nheads, seqlen_q))
+        if 0 not in lse.shape and lse.strides != contiguous_strides(lse.shape):
+            raise ValueError(f"lse must be C-contiguous, got strides {lse.strides} (in elements)")
+    check_same_device([m for m in (q, k_cache, v_cache, k_new, v_new, block_table, out, lse,
+                                   cache_seqlens if isinstance(cache_seqlens, TensorMeta) else None)
+                       if m is not None])
+    problem = AttentionProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=k_cache.shape[2],
+        head_dim=head_dim, dtype=q.dtype, device=q.device,
+        softmax_scale=resolve_softmax_scale(softmax_scale, head_dim), causal=check_causal(causal),
+        kv_cache=cache if cache.paged or cache.per_entry else None)
+    return KvCacheCall(problem, capacity, seqlen_new, cache_seqlen)

@@ -16,23 +16,26 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 from . import _interop
 from ._cuda import import_cupy
-from ._kernel_families import FAMILIES, FAMILY, MERGE_WARPS, family_of, merge_variant, select
+from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
+                               merge_variant, select)
+from ._masks import CACHE_LAYOUTS
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
-from ._params import (BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
+from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_tilings,
                       wave_efficient_splits, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
-                          check_merge, check_num_splits, check_packed_like, check_packed_lse, check_packing,
-                          contiguous_strides, meta_of, packed_problem)
+                          check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
+                          check_packing, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -51,6 +54,12 @@ _PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k")
 FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", (), (), *_PACKING_SLOTS)
 SPLIT_FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", ((1, "out.ptr"),), ((1, "lse"),),
                        ((0, "out.ptr"), (1, "partial.ptr")), ((0, "lse"), (1, "partial_lse")), *_PACKING_SLOTS)
+#: Arrays of a KV-cache call (``attention_with_kvcache``), in the order of
+#: its plan's pointer slots (``kvcache_slots``): a forward's (k and v the
+#: caches), then the key counts the kernels read (seqused_k: a work buffer
+#: the append kernel fills, when it runs), the block table, the appended
+#: rows and the cached lengths.
+KVCACHE_ARRAYS = FORWARD_ARRAYS + ("seqused_k", "block_table", "k_new", "v_new", "cache_seqlens")
 #: Arrays of a backward call (the work buffers delta, dq_accum and
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
@@ -65,6 +74,7 @@ _ALIGNED_ARRAYS = {
     "merge": (0,),  # partial: float32 partials are read 16 bytes at a time where aligned
     "forward": (0, 1, 2, 3),  # q, k, v, out
     "backward": (0, 1, 2, 3, 7, 8),  # dout, q, k, v, dk, dv
+    "kvcache": (0, 1, 2, 3, 11, 12),  # q, k_cache, v_cache, out, k_new, v_new
 }
 
 #: Plans by call signature, for every framework.
@@ -307,6 +317,148 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return arrays[6], arrays[7], arrays[8]
 
 
+def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache_seqlens=None, block_table=None,
+                           causal=False, softmax_scale=None, return_lse=False, num_splits=None, out=None, lse=None):
+    """``attention`` of new queries against a KV cache (decoding, chunked
+    prefill, speculative decoding), optionally appending the new tokens'
+    keys and values to the cache first, in the same call.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), float16 or bfloat16, head_dim
+            a multiple of 8 up to 256, rows 16-byte aligned.
+        k_cache, v_cache: the cache, of q's dtype: contiguous
+            (batch, seqlen_cache, nheads_k, head_dim), or paged
+            (num_pages, page_size, nheads_k, head_dim) with ``block_table``;
+            any page size from 1 row. nheads_k divides nheads (GQA).
+        k_new, v_new: optional (batch, seqlen_new, nheads_k, head_dim): written
+            into the cache at keys ``cache_seqlens[b] .. + seqlen_new`` of each
+            entry b (through the block table where paged), then attended to.
+            Nothing else in the cache is written; keys that would fall past
+            the capacity are not written and not attended to.
+        cache_seqlens: the keys each entry holds before the append: None (every
+            entry is full: seqlen_cache, or max_pages * page_size), an int, or a
+            (batch,) int32 GPU array (read on the GPU, clamped to the capacity;
+            an int is checked here, and each new int value plans anew, so pass
+            an array in a decoding loop).
+        block_table: (batch, max_pages) int32 GPU array, contiguous in its last
+            dimension: entry b's keys are the rows of pages block_table[b, 0],
+            block_table[b, 1], ... in order (any order of pages, shared pages
+            allowed). Page numbers are clamped to the cache on the GPU.
+        causal: bottom-right aligned per entry: query i of entry b sees key j
+            iff j <= i + seqlen_k[b] - seqlen_q, seqlen_k[b] its keys after
+            the append.
+        softmax_scale, return_lse, out, lse: as for ``attention``.
+        num_splits: as for ``attention`` (decoding's split-KV; None chooses
+            from the device's SM count and the cache's capacity).
+
+    Returns:
+        ``out`` (batch, seqlen_q, nheads, head_dim), or ``(out, lse)`` with lse
+        (batch, nheads, seqlen_q) float32. An entry with no key gets output 0
+        and log-sum-exp -inf.
+    """
+    lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
+    arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, None, block_table, k_new, v_new, lengths]
+    flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, num_splits.__class__, num_splits,
+             "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens))
+    key, pointers = _signature("kvcache", arrays, flags)
+    if key is None or not _cached_call(key, arrays, pointers):
+        arrays = _attention_kvcache(
+            {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
+             "block_table": block_table, "cache_seqlens": lengths},
+            cache_seqlens=cache_seqlens, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+            out=out, lse=lse, signature=functools.partial(_signature, "kvcache", arrays, flags))
+    return (arrays[3], arrays[4]) if return_lse else arrays[3]
+
+
+def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, num_splits, out, lse,
+                       signature) -> list:
+    """The full path of a KV-cache call (``inputs``: its arrays by name, None
+    where not given). Returns the arrays of ``KVCACHE_ARRAYS`` in q's framework."""
+    arrays = {name: x for name, x in inputs.items() if x is not None}
+    given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
+    with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
+        metas = {name: meta_of(name, view) for name, view in views.items()}
+        call = check_kv_cache(metas["q"], metas["k_cache"], metas["v_cache"], metas.get("k_new"), metas.get("v_new"),
+                              metas.get("cache_seqlens", cache_seqlens), metas.get("block_table"), metas.get("out"),
+                              metas.get("lse"), causal=causal, softmax_scale=softmax_scale)
+        problem = call.problem
+        natives = {"k": inputs["k_cache"], "v": inputs["v_cache"]} | arrays | given
+        allocated = {}
+        for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, metas["q"].strides),
+                                         ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32", None)):
+            if name not in given:
+                native, views[name] = bridge.empty(shape, dtype, like)
+                natives[name] = None
+                allocated[name] = (shape, dtype, native)
+        # The kernels' K and V: the pages, the whole cache, or (every entry
+        # holding the same keys) its first seqlen_k keys as a dense batch.
+        dense = problem.kv_cache is None
+        views["k"], views["v"] = (views[name][:, :problem.seqlen_k] if dense else views[name]
+                                  for name in ("k_cache", "v_cache"))
+        layouts = {name: Layout.of(views[name]) for name in ("q", "k", "v", "out", "k_new", "v_new") if name in views}
+        aligned = pointers_aligned("kvcache", _view_pointers(KVCACHE_ARRAYS, views))
+        if not (aligned and all(_rows_are_16_byte_chunks(layout) for layout in layouts.values())):
+            raise ValueError("q, k_cache, v_cache, out, k_new and v_new must have 16-byte aligned pointers and row, "
+                             "head and batch strides for a KV cache (the tensor-core kernels copy 16-byte chunks)")
+        caches = {name: Layout.of(views[f"{name}_cache"]) for name in ("k", "v")}
+        plan = kvcache_plan(call, layouts, caches, num_splits=check_num_splits(num_splits))
+        for name, (shape, dtype) in plan.work_buffers.items():
+            native, views[name] = bridge.empty(shape, dtype)
+            allocated[name] = (shape, dtype, native)
+        pointers = _view_pointers(KVCACHE_ARRAYS, views)
+        return _run_planned(signature, bridge, plan, KVCACHE_ARRAYS, views, pointers, natives, allocated)
+
+
+def kvcache_plan(call: KvCacheCall, layouts: dict, caches: dict, num_splits: int | None = None) -> LaunchPlan:
+    """The launch plan of a validated KV-cache call (``layouts``: q, k, v
+    and out as the forward kernels see them, k_new and v_new where given;
+    ``caches``: "k" and "v", the caches' whole layouts): where keys are appended, the append
+    kernel (``kernels_cu/kv_cache_append.cu``), then the forward. Pointer
+    slots: ``kvcache_slots``."""
+    problem = call.problem
+    parts = _forward_parts(problem, layouts, aligned=True, num_splits=num_splits)
+    structs, launches = list(parts.structs), list(parts.launches)
+    work_buffers = dict(parts.work_buffers)
+    append = None
+    if call.seqlen_new and problem.batch:
+        append = len(structs)
+        layout = "paged" if problem.kv_cache is not None and problem.kv_cache.paged else "cache"
+        if problem.kv_cache is not None and problem.kv_cache.per_entry:
+            work_buffers["seqused_k"] = ((problem.batch,), "int32")
+        cache_size = dataclasses.replace(problem, seqlen_k=call.capacity)
+        structs.append(pack(
+            CACHE_APPEND_PARAMS,
+            k_new=tensor_ref(layouts["k_new"]), v_new=tensor_ref(layouts["v_new"]),
+            k_cache=tensor_ref(caches["k"]), v_cache=tensor_ref(caches["v"]),
+            cache_seqlens=0, seqused_k=0, cache_seqlen=call.cache_seqlen or 0, seqlen_new=call.seqlen_new,
+            size=_size_fields(cache_size)))
+        variant = cache_append_variant(problem.dtype, layout)
+        chunks = problem.batch * call.seqlen_new * problem.nheads_k * problem.head_dim * 2 // 16
+        blocks = max(1, min(-(-chunks // CACHE_APPEND_THREADS), 4096))
+        launches.insert(0, KernelLaunch(loader.get(variant, problem.device), blocks, variant.threads, 0, append))
+    slots = kvcache_slots(parts.slots, append, per_entry=problem.kv_cache is not None and problem.kv_cache.per_entry)
+    return LaunchPlan(problem.device, structs, slots, launches, parts.tensor_maps, work_buffers)
+
+
+def kvcache_slots(forward_slots: tuple, append: int | None, per_entry: bool) -> tuple:
+    """The pointer slots of a KV-cache plan (``KVCACHE_ARRAYS``) from its
+    forward's (struct 0 the forward kernel's) and the index of the append
+    kernel's struct (None: no append). The forward kernel reads the key
+    counts from the append kernel's output where it runs, else from
+    cache_seqlens directly (``per_entry``: a GPU array of them)."""
+    def both(forward_field: str, append_field: str) -> tuple:
+        return ((0, forward_field),) + (((append, append_field),) if append is not None else ())
+
+    def appended(field: str) -> tuple:
+        return ((append, field),) if append is not None else ()
+
+    q, _, _, *rest = forward_slots
+    return (q, both("k.ptr", "k_cache.ptr"), both("v.ptr", "v_cache.ptr"), *rest,
+            both("size.seqused_k", "seqused_k") if append is not None and per_entry else (),
+            both("size.block_table", "size.block_table"), appended("k_new.ptr"), appended("v_new.ptr"),
+            appended("cache_seqlens") if append is not None else ((0, "size.seqused_k"),) if per_entry else ())
+
+
 #: Arrays of a merge call, in the order of its plan's pointer slots.
 MERGE_ARRAYS = ("partial", "partial_lse", "out", "lse")
 MERGE_SLOTS = ("partial.ptr", "partial_lse", "out.ptr", "lse")
@@ -373,7 +525,7 @@ def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPl
     params, launch = _merge_launch(
         problem.device, problem.dtype, problem.dtype, problem.num_states,
         (problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, problem.head_dim, 0, 0,
-         problem.batch * problem.seqlen, 0),
+         problem.batch * problem.seqlen, 0, 0, 0, 0, 0),
         out=(0, *strides["out"][:3]), lse_strides=strides["lse"], partial=(0, *partial[1:4]),
         partial_state_stride=partial[0], partial_lse_strides=strides["partial_lse"], vector_loads=vector_loads)
     return LaunchPlan(problem.device, [params], MERGE_SLOTS, [launch] if launch else [])
@@ -590,9 +742,12 @@ def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> 
 
 
 def _size_fields(problem: AttentionProblem) -> tuple:
-    """ProblemSize's fields, the cu_seqlens pointers 0 (the plan's slots write a packed call's)."""
+    """ProblemSize's fields, its pointers (cu_seqlens, seqused_k,
+    block_table) 0: the plan's slots write those of a call that has them."""
+    cache = problem.kv_cache
+    block_table_stride, page_size = (cache.block_table_stride, cache.page_size) if cache is not None else (0, 0)
     return (problem.batch, problem.nheads, problem.nheads_k, problem.seqlen_q, problem.seqlen_k, problem.head_dim,
-            0, 0, problem.total_q, problem.total_k)
+            0, 0, problem.total_q, problem.total_k, 0, 0, block_table_stride, page_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -633,10 +788,20 @@ def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None =
     (same results, slower)."""
     if aligned is None:
         aligned = _pointers_aligned(arrays)
-    return select("forward", problem.dtype, problem.head_dim, _kernel_generation(problem.device),
-                  aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
-                  positive_scale=problem.softmax_scale > 0, tf32x3=problem.fp32_precision == "3xtf32",
-                  smem_limit=_shared_memory_per_block(problem.device))
+    conditions = dict(aligned_rows=aligned and all(map(_rows_are_16_byte_chunks, _as_layouts(arrays))),
+                      positive_scale=problem.softmax_scale > 0, tf32x3=problem.fp32_precision == "3xtf32",
+                      smem_limit=_shared_memory_per_block(problem.device))
+    generation = _kernel_generation(problem.device)
+    if problem.layout in CACHE_LAYOUTS:
+        # A KV cache's layouts are built into the mma.sync forward alone
+        # (its key tiles are gathered row by row from pages; no tensor maps).
+        family = FAMILY["forward-mma"]
+        why = family.why_not(problem.dtype, problem.head_dim, generation, **conditions)
+        if why is not None:
+            raise ValueError(f"a KV cache is read by the tensor-core (mma.sync) forward, which {why}: "
+                             f"this call has {problem.dtype}, head_dim {problem.head_dim}")
+        return family.tiles_on(problem.dtype, problem.head_dim, generation, conditions["smem_limit"])
+    return select("forward", problem.dtype, problem.head_dim, generation, **conditions)
 
 
 def _kernel_generation(device_id: int) -> int:
@@ -743,6 +908,22 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     return (split if splits > 1 else plain), shape, splits
 
 
+@dataclass(frozen=True)
+class PlanParts:
+    """What a ``LaunchPlan`` is made of (its constructor's arguments), for
+    plans built from another's: a KV-cache call's is a forward's with the
+    append kernel added."""
+
+    structs: list
+    slots: tuple
+    launches: list
+    tensor_maps: list = dataclasses.field(default_factory=list)
+    work_buffers: dict = dataclasses.field(default_factory=dict)
+
+    def plan(self, device: int) -> LaunchPlan:
+        return LaunchPlan(device, self.structs, self.slots, self.launches, self.tensor_maps, self.work_buffers)
+
+
 def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None,
                  num_splits: int | None = None) -> LaunchPlan:
     """The launch plan of a validated forward: ``layouts`` of q, k, v and
@@ -753,6 +934,12 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
     sizes); by default ``forward_tiling_for`` decides, and a call of few
     query rows per K/V head runs as decoding (``decode_shape``; the decode
     tiles, split-KV by ``decode_splits`` unless ``num_splits`` is 1)."""
+    return _forward_parts(problem, layouts, aligned, tiling, num_splits).plan(problem.device)
+
+
+def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None,
+                   num_splits: int | None = None) -> PlanParts:
+    """``forward_plan``'s parts."""
     names = ("q", "k", "v", "out")
     # Of the call's lse, packed by decode_shape or not; a packed batch's is one entry.
     lse_batch_stride = problem.nheads * problem.tensor_seqlen_q
@@ -795,11 +982,11 @@ def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling
             box = TileBox(rows=rows, cols=tiling.head_dim_padded)
             tensor_maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides,
                                                                 box)))
-    return LaunchPlan(problem.device, [params], FORWARD_SLOTS, launches, tensor_maps)
+    return PlanParts([params], FORWARD_SLOTS, launches, tensor_maps)
 
 
 def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling, splits: int,
-                        lse_batch_stride: int, lse_head_stride: int) -> LaunchPlan:
+                        lse_batch_stride: int, lse_head_stride: int) -> PlanParts:
     """Split-KV: the decode forward writes each key range's float32 output
     and log-sum-exp to the work buffers, and the merge kernel combines them
     into out and lse (``problem`` and ``layouts`` as the kernels see them)."""
@@ -807,7 +994,8 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
     partial = Layout.contiguous(buffers["out_partial"][0][1:], "float32")
     b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
     num_m_blocks = -(-sq // tiling.block_m)
-    variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score)
+    variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
+                                                          layout=problem.layout)
     grid = _grid_size(num_m_blocks * splits, problem, h, "the forward pass")
     forward = pack(
         FORWARD_PARAMS,
@@ -829,8 +1017,7 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
         struct=1)
     launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
-    return LaunchPlan(problem.device, [forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
-                      work_buffers=buffers)
+    return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches, work_buffers=buffers)
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,

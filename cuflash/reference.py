@@ -294,3 +294,41 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
                     _, dscores = probabilities_and_dscores(head, rows, keys)
                     dq[:, head, rows] += scale * np.einsum("bqk,bkd->bqd", dscores, kt[:, head // group, keys])
     return (dq.transpose(0, 2, 1, 3), dk.transpose(0, 2, 1, 3), dv.transpose(0, 2, 1, 3), visited)
+
+
+def kv_cache_keys(cache, lengths, block_table=None):
+    """The keys (or values) a KV cache holds, entry by entry: a list of
+    (length_b, nheads_k, head_dim) arrays, the first ``lengths[b]`` rows of
+    entry b of a contiguous (batch, seqlen_cache, nheads_k, head_dim) cache,
+    or of the pages ``block_table[b]`` lists in a paged (num_pages,
+    page_size, nheads_k, head_dim) one."""
+    xp = _array_module(cache)
+    keys = []
+    for b, length in enumerate(int(n) for n in lengths):
+        if block_table is None:
+            keys.append(cache[b, :length])
+            continue
+        page_size = cache.shape[1]
+        pages = [int(p) for p in block_table[b][:-(-length // page_size)]]
+        rows = xp.concatenate([cache[p] for p in pages]) if pages else cache[:0, 0]
+        keys.append(rows[:length])
+    return keys
+
+
+def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, k_new=None, v_new=None,
+                                     causal=False, softmax_scale=None):
+    """Naive float64 ``attention_with_kvcache``: entry b's queries attend to
+    the first ``lengths[b]`` keys of its cache (gathered through
+    ``block_table`` where paged), followed by its ``k_new`` rows; ``(out,
+    lse)`` as ``attention_reference``'s."""
+    xp = _array_module(q)
+    keys, values = kv_cache_keys(k_cache, lengths, block_table), kv_cache_keys(v_cache, lengths, block_table)
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        k, v = keys[b], values[b]
+        if k_new is not None:
+            k, v = xp.concatenate([k, k_new[b]]), xp.concatenate([v, v_new[b]])
+        out, lse = attention_reference(q[b:b + 1], k[None], v[None], causal=causal, softmax_scale=softmax_scale)
+        outs.append(out)
+        lses.append(lse)
+    return xp.concatenate(outs), xp.concatenate(lses)

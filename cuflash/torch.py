@@ -24,7 +24,8 @@ from . import api
 from ._interop import dense_strides_like, torch_device_error
 from ._validation import check_causal, check_deterministic, check_fp32_precision, resolve_softmax_scale
 
-__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache"]
 
 
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
@@ -278,3 +279,31 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                               causal, softmax_scale, deterministic)
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 softmax_scale=softmax_scale)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Drop-in for ``flash_attn.flash_attn_with_kvcache`` (FlashAttention-2),
+    as ``cuflash.attention_with_kvcache``: q (batch, seqlen_q, nheads,
+    head_dim); a contiguous (batch, seqlen_cache, nheads_k, head_dim) or, with
+    ``block_table`` (batch, max_pages) int32, paged (num_pages, page_size,
+    nheads_k, head_dim) cache of any page size; ``k``/``v`` (batch,
+    seqlen_new, nheads_k, head_dim) appended at ``cache_seqlens`` (an int or
+    a (batch,) int32 tensor) in place; ``num_splits`` 0 chooses. Inference
+    only (no autograd). Not supported yet (``NotImplementedError``): rotary
+    embeddings, ``cache_batch_idx``, ``cache_leftpad``, sliding windows,
+    softcapping, ALiBi."""
+    _refuse_unsupported("flash_attn_with_kvcache", 0.0, window_size, softcap, alibi_slopes, False)
+    unsupported = [name for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                                            ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
+                   if value is not None]
+    if unsupported:
+        raise NotImplementedError(f"cuflash.torch.flash_attn_with_kvcache does not support {', '.join(unsupported)} "
+                                  f"yet")
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype != torch.int32:
+        cache_seqlens = cache_seqlens.to(torch.int32)  # FlashAttention-2 takes int32 only; int64 is common
+    return api.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                      block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                      return_lse=return_softmax_lse, num_splits=num_splits or None)

@@ -77,6 +77,61 @@ __device__ __forceinline__ void load_tile_async(Element* smem, const Element* gm
     }
 }
 
+// load_tile_async for rows that are not a fixed stride apart (a paged KV
+// cache's keys): row_of(row) is row `row`'s first element, asked only for
+// rows below valid_rows. Each thread first finds all of its rows and then
+// issues their copies, so the lookups behind row_of (page numbers) are in
+// flight together rather than one after another.
+template <int kRows, int kHeadDim, int kStride, int kThreads, typename Element, typename RowOf>
+__device__ __forceinline__ void load_rows_async(Element* smem, RowOf row_of, int valid_rows, int head_dim,
+                                                int thread) {
+    constexpr int kChunkElements = 16 / int(sizeof(Element));
+    constexpr int kChunksPerRow = kHeadDim / kChunkElements;
+    static_assert(kHeadDim % kChunkElements == 0 && kStride % kChunkElements == 0,
+                  "rows are whole 16-byte chunks");
+    if constexpr (kThreads % kChunksPerRow == 0 && kRows % (kThreads / kChunksPerRow) == 0) {
+        // Each thread keeps one column of rows kRowStep apart.
+        constexpr int kRowStep = kThreads / kChunksPerRow;
+        constexpr int kRowsPerThread = kRows / kRowStep;
+        const int row0 = thread / kChunksPerRow;
+        const int col = thread % kChunksPerRow * kChunkElements;
+        const bool col_valid = col < head_dim;
+        const Element* src[kRowsPerThread];
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+            const int row = row0 + i * kRowStep;
+            src[i] = row < valid_rows ? row_of(row) + col : nullptr;
+        }
+        Element* dst = smem + row0 * kStride + col;
+#pragma unroll
+        for (int i = 0; i < kRowsPerThread; ++i) {
+            cp_async_16_or_zero(dst + i * kRowStep * kStride, src[i], col_valid && src[i] != nullptr);
+        }
+    } else {
+        // Rows whose chunks do not divide among the threads (head dims such
+        // as 96): the chunks in order, each finding its own row.
+        constexpr int kChunks = kRows * kChunksPerRow;
+        constexpr int kSteps = ceil_div(kChunks, kThreads);
+        const Element* src[kSteps];
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+            const int chunk = thread + i * kThreads;
+            const int row = chunk / kChunksPerRow;
+            const bool valid = (kChunks % kThreads == 0 || chunk < kChunks) && row < valid_rows &&
+                               chunk % kChunksPerRow * kChunkElements < head_dim;
+            src[i] = valid ? row_of(row) + chunk % kChunksPerRow * kChunkElements : nullptr;
+        }
+#pragma unroll
+        for (int i = 0; i < kSteps; ++i) {
+            const int chunk = thread + i * kThreads;
+            if (kChunks % kThreads == 0 || chunk < kChunks) {
+                cp_async_16_or_zero(smem + chunk / kChunksPerRow * kStride + chunk % kChunksPerRow * kChunkElements,
+                                    src[i], src[i] != nullptr);
+            }
+        }
+    }
+}
+
 // The same copy into a swizzled layout (SwizzledTile in wgmma.cuh, or any
 // Tile with its chunk_offset) at shared address `smem`. Consecutive threads
 // take consecutive chunks of a row: global reads stay coalesced, and the

@@ -6,8 +6,8 @@
 // row 0 of its own batch entry of the tensors. Variable-length batches:
 // entry b's rows lie at cu_seqlens in one packed batch entry
 // (ProblemSize). Kernels take the layout as a policy (DenseBatch,
-// PackedBatch) and ask only its rows and SequenceRows's row addressing. A
-// paged KV cache will be a K/V source that reads a page table.
+// PackedBatch, and for a KV cache CacheBatch and PagedBatch) and ask only
+// its rows and the row addressing of SequenceRows and the policy.
 #pragma once
 
 #include "numeric.cuh"
@@ -24,6 +24,10 @@ namespace cuflash {
 struct SequenceRows : SequenceBounds {
     index_t tensor_batch;
     index_t q_row0, k_row0;
+    // A paged KV cache's: this entry's row of the block table, the rows per
+    // page and the pages the k-side tensors hold (unset in other layouts).
+    const int* pages;
+    int page_size, num_pages;
 
     // Row `row` (of the sequence) of head `head` of a q-side tensor (q, out,
     // dout, dq) or a k-side one (k, v, dk, dv).
@@ -35,14 +39,37 @@ struct SequenceRows : SequenceBounds {
     __device__ __forceinline__ Element* key_row(const TensorRef& t, index_t kv_head, index_t key) const {
         return t.row_ptr<Element>(tensor_batch, kv_head, k_row0 + key);
     }
+    // Key `key` of a paged cache: row key % page_size of page
+    // pages[key / page_size]. The page numbers live on the GPU, where the
+    // launcher cannot check them without a copy: clamped to the cache, a bad
+    // one reads a wrong page, never memory outside the cache.
+    template <typename Element>
+    __device__ __forceinline__ Element* paged_key_row(const TensorRef& t, index_t kv_head, int key) const {
+        const int slot = key / page_size;
+        const int page = min(max(__ldg(pages + slot), 0), num_pages - 1);
+        return t.row_ptr<Element>(page, kv_head, key - slot * page_size);
+    }
 };
+
+// A KV cache's key count of entry `batch`: seqused_k[batch] (the cached
+// keys and those the call appended) clamped to the capacity seqlen_k, or
+// seqlen_k where every entry has that many (seqused_k null).
+__device__ __forceinline__ int cache_keys(const ProblemSize& size, index_t batch) {
+    const int capacity = size.seqlen_k_int();
+    return size.seqused_k == nullptr ? capacity : min(max(size.seqused_k[batch], 0), capacity);
+}
 
 // Batch layouts, the kernels' sequence policy beside Mask and Score:
 // rows(size, batch) says where batch entry `batch`'s sequences lie.
 // A dense batch: every entry holds seqlen_q queries and seqlen_k keys from
 // row 0 of its own entry of the tensors.
+// Every layout says whether its sequences share a packed entry (kPacked:
+// grid blocks past a shorter sequence's end have no rows) and whether its
+// keys are rows of pages (kPaged: key tiles are gathered row by row,
+// key_row below); key_row is a key's row in any layout.
 struct DenseBatch {
     static constexpr bool kPacked = false;
+    static constexpr bool kPaged = false;
 
     __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
         SequenceRows rows;
@@ -61,6 +88,7 @@ struct DenseBatch {
 // bad one must give wrong rows, never an access outside the tensors.
 struct PackedBatch {
     static constexpr bool kPacked = true;
+    static constexpr bool kPaged = false;
 
     __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
         const int total_q = static_cast<int>(size.total_q), total_k = static_cast<int>(size.total_k);
@@ -75,6 +103,47 @@ struct PackedBatch {
         return rows;
     }
 };
+
+// A contiguous KV cache (batch, capacity, nheads_k, head_dim): a dense
+// batch whose entries hold their own number of keys (cache_keys).
+struct CacheBatch {
+    static constexpr bool kPacked = false;
+    static constexpr bool kPaged = false;
+
+    __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
+        SequenceRows rows = DenseBatch::rows(size, batch);
+        rows.seqlen_k = cache_keys(size, batch);
+        return rows;
+    }
+};
+
+// A paged KV cache (num_pages, page_size, nheads_k, head_dim): entry b's
+// keys are the rows of the pages block_table row b lists, in order; its
+// queries as in a dense batch.
+struct PagedBatch {
+    static constexpr bool kPacked = false;
+    static constexpr bool kPaged = true;
+
+    __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
+        SequenceRows rows = DenseBatch::rows(size, batch);
+        rows.seqlen_k = cache_keys(size, batch);
+        rows.tensor_batch = batch;  // the q side's entry; keys come from pages
+        rows.pages = size.block_table + batch * size.block_table_stride;
+        rows.page_size = static_cast<int>(size.page_size);
+        rows.num_pages = static_cast<int>(size.total_k / size.page_size);
+        return rows;
+    }
+};
+
+// Key `key` of (rows' sequence, kv_head) of a k-side tensor in `Batch`'s layout.
+template <typename Batch, typename Element>
+__device__ __forceinline__ Element* key_row(const SequenceRows& rows, const TensorRef& t, index_t kv_head, int key) {
+    if constexpr (Batch::kPaged) {
+        return rows.paged_key_row<Element>(t, kv_head, key);
+    } else {
+        return rows.key_row<Element>(t, kv_head, key);
+    }
+}
 
 // The block of a query-major kernel (the forwards, the deterministic dQ
 // pass): query rows [m_start, m_start + block_m) of one head, and with

@@ -23,6 +23,10 @@
 // params.num_splits ranges (split_key_blocks), one thread block each, which
 // writes its rows' float32 output and log-sum-exp for its range alone to
 // the partial buffers; merge_states.cu combines them.
+//
+// KV caches (Batch CacheBatch or PagedBatch, block_info.cuh): each entry
+// has its own key count; a paged cache's key tiles are gathered row by row
+// through the block table (load_rows_async).
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -76,26 +80,36 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
 
     const Element* q = origin.query_row<const Element>(params.q, origin.head, m_start);
-    const Element* k = origin.key_row<const Element>(params.k, origin.kv_head, 0);
-    const Element* v = origin.key_row<const Element>(params.v, origin.kv_head, 0);
+    // The head's first key of K and V (not in a paged cache, whose rows are found per key).
+    const Element* k = Batch::kPaged ? nullptr : origin.key_row<const Element>(params.k, origin.kv_head, 0);
+    const Element* v = Batch::kPaged ? nullptr : origin.key_row<const Element>(params.v, origin.kv_head, 0);
     const BlockRange visible = ctx.mask.key_blocks(m_start, kBlockM, kBlockN);
     const BlockRange key_range =
         kSplitKv ? split_key_blocks(visible, ctx.seqlen_k, kBlockN, origin.split, static_cast<int>(num_splits))
                  : visible;
     const Mask block_mask = ctx.mask.rows_from(m_start);  // rows counted from m_start, see masks.cuh
 
-    // Copies key block n_block of K or V (`rows`, from the head's first key)
-    // into buffer `stage` of `tile`.
-    const auto load_key_block = [&](Element* tile, const Element* rows, index_t row_stride, int n_block, int stage) {
+    // Copies key block n_block of K or V (`t`, whose head's first key is
+    // `rows`) into buffer `stage` of `tile`: rows a stride apart, or in a
+    // paged cache gathered row by row through the block table (a page may
+    // hold fewer rows than a block).
+    const auto load_key_block = [&](Element* tile, const TensorRef& t, const Element* rows, int n_block,
+                                    int stage) {
         const int n_start = n_block * kBlockN;
-        load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
-            tile + stage * (Traits::kKvTileBytes / kElementBytes), rows + static_cast<index_t>(n_start) * row_stride,
-            row_stride, ctx.seqlen_k - n_start, ctx.head_dim, thread);
+        Element* buffer = tile + stage * (Traits::kKvTileBytes / kElementBytes);
+        if constexpr (Batch::kPaged) {
+            load_rows_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+                buffer,
+                [&](int row) { return key_row<Batch, const Element>(origin, t, origin.kv_head, n_start + row); },
+                ctx.seqlen_k - n_start, ctx.head_dim, thread);
+        } else {
+            load_tile_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
+                buffer, rows + static_cast<index_t>(n_start) * t.row_stride, t.row_stride,
+                ctx.seqlen_k - n_start, ctx.head_dim, thread);
+        }
     };
-    const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, k, params.k.row_stride, n_block, stage); };
-    const auto load_values = [&](int n_block, int stage) {
-        load_key_block(v_tile, v, params.v.row_stride, n_block, stage);
-    };
+    const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, params.k, k, n_block, stage); };
+    const auto load_values = [&](int n_block, int stage) { load_key_block(v_tile, params.v, v, n_block, stage); };
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing and writes zeros and -inf.
     if (key_range.end > key_range.begin) {

@@ -38,11 +38,21 @@ struct TensorRef {
 // block_info.cuh). total_q and total_k are the rows of the q-side and
 // k-side tensors (batch * seqlen_q and batch * seqlen_k in a dense batch);
 // the backward's work buffers have total_q rows.
+//
+// A KV cache (the forward only): seqused_k, where not null, holds each
+// entry's key count (cache_seqlens, plus the keys appended by the call),
+// seqlen_k being the cache's capacity; a paged cache's keys are rows of
+// pages of page_size rows (the k-side tensors' batch entries), entry b's
+// page list row b of block_table (block_table_stride ints apart), and
+// total_k is the pages' rows (num_pages * page_size). Null and 0 otherwise.
 struct ProblemSize {
     index_t batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim;
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     index_t total_q, total_k;
+    const int* seqused_k;
+    const int* block_table;
+    index_t block_table_stride, page_size;
 
     // Positions inside a sequence and head-dim columns fit in int (the
     // launcher rejects sequences of 2^31 or more); offsets stay 64-bit.
@@ -95,8 +105,8 @@ struct WgmmaForwardParams : ForwardParams {
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
 static_assert(sizeof(WgmmaForwardParams) == 320 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
-static_assert(sizeof(ProblemSize) == 10 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 10 * 8 + 2 * 8 + 3 * 8,
+static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -116,8 +126,25 @@ struct MergeParams {
     ProblemSize size;
 };
 
-static_assert(sizeof(MergeParams) == 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 10 * 8,
+static_assert(sizeof(MergeParams) == 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8,
               "MergeParams layout must match cuflash/_params.py");
+
+// kv_cache_append.cu: k_new and v_new (batch, seqlen_new, nheads_k,
+// head_dim) appended to k_cache and v_cache at each entry's cached length,
+// cache_seqlens[b] (or cache_seqlen for every entry where it is null);
+// seqused_k, where not null, receives the lengths after the append. size:
+// the cache's (seqlen_k its capacity, block_table and page_size where
+// paged; its seqused_k null).
+struct CacheAppendParams {
+    TensorRef k_new, v_new, k_cache, v_cache;
+    const int* cache_seqlens;
+    int* seqused_k;
+    index_t cache_seqlen, seqlen_new;
+    ProblemSize size;
+};
+
+static_assert(sizeof(CacheAppendParams) == 4 * 32 + 4 * 8 + 14 * 8,
+              "CacheAppendParams layout must match cuflash/_params.py");
 
 // Backward. delta (nheads, total_q) and dq_accum (total_q, nheads,
 // head_dim), total_q = batch * seqlen_q in a dense batch, are float32 work
@@ -156,7 +183,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 10 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
@@ -166,6 +193,6 @@ struct WgmmaBackwardParams : BackwardParams {
     TensorMap q_map, k_map, v_map, do_map, dq_map;
 };
 
-static_assert(sizeof(WgmmaBackwardParams) == 448 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaBackwardParams) == 512 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -24,16 +24,18 @@ def test_every_variant_compiles_and_is_reported():
     assert len(rows) == len(variants) == len({v.key for v in variants})
     for row in rows:
         assert row["registers"] > 0 and row["registers"] <= 255
-        if row["variant"].startswith(kernel_report.FAST_PATH) and "/packed" not in row["variant"]:
+        other_layout = any(layout in row["variant"] for layout in ("/packed", "/cache/", "/paged/"))
+        if row["variant"].startswith(kernel_report.FAST_PATH) and not other_layout:
             # The tensor-core forwards are the fast path: no local memory at all,
             # and no wgmma made to wait for the one before it.
             assert row["spill_stores"] == row["spill_loads"] == 0, row
             assert not row["wgmma_serialized"], row
         elif row["variant"].startswith(kernel_report.FAST_PATH):
-            # Packed batches: the Hopper kernels as clean as the dense ones;
-            # the mma.sync kernels (an A100's variable-length path) carry the
-            # sequences' row offsets, and a few of them spill up to 36 bytes
-            # (README: limits), no more.
+            # Packed batches and KV caches: the Hopper kernels as clean as the
+            # dense ones; the mma.sync kernels (an A100's variable-length
+            # path, every GPU's KV-cache path) carry the sequences' row
+            # offsets or key counts and page lookups, and a few of their
+            # register-tight tiles spill up to 36 bytes (README: limits), no more.
             assert not row["wgmma_serialized"], row
             limit = 0 if "wgmma" in row["variant"] else 64
             assert row["spill_stores"] <= limit and row["spill_loads"] <= limit, row
@@ -43,9 +45,14 @@ def test_every_variant_compiles_and_is_reported():
             assert row["spill_stores"] <= 64, row
     # float16, bfloat16, float32 (3xTF32), and float32's Hopper tile at 256;
     # the 16-bit decode tiles without and with split-KV (20 not already there);
-    # packed batches on every tile but the decode ones (38)
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 78 + 38
+    # packed batches on every tile but the decode ones (38); KV caches,
+    # contiguous and paged, on every 16-bit tile, decode ones included (2 x 64)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 78 + 38 + 2 * 64
     assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 38
+    for layout in ("/cache/", "/paged/"):
+        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 64
+    assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
+        f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
     assert sum(row["variant"].startswith("merge-states/") for row in rows) == 10
     # head dims 32/64/96/128/192/256, the 128-row tiles of 32/64 for rows

@@ -33,7 +33,7 @@ class _FakeKernel:
 
 def _forward_struct():
     return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
-                lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5), num_m_blocks=15,
+                lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
                 softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0)
 
 
@@ -75,7 +75,7 @@ def test_plan_writes_each_pointer_into_its_field_and_launches_in_order(recorded_
     assert written["lse"] == 0x5000
     # Everything else is as planned.
     assert tuple(written["q"])[1:] == (1, 2, 3) and written["num_m_blocks"] == 15
-    assert written["softmax_scale_log2"] == 0.5 and tuple(written["size"]) == (1, 2, 3, 4, 5, 6, 0, 0, 4, 5)
+    assert written["softmax_scale_log2"] == 0.5 and tuple(written["size"]) == (1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0)
     # A variable-length call's offsets go into the problem size (null in a dense call).
     plan.launch([1, 2, 3, 4, 5, 0, 0, 0x6000, 0x7000], stream=7)  # a second call overwrites every pointer
     written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
@@ -85,7 +85,7 @@ def test_plan_writes_each_pointer_into_its_field_and_launches_in_order(recorded_
 
 def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
     fields = {name: (0, 1, 2, 3) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
-    fields.update(lse=0, lse_batch_stride=1, lse_head_stride=2, delta=0, dq_accum=0, dq_semaphore=0, size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1),
+    fields.update(lse=0, lse_batch_stride=1, lse_head_stride=2, delta=0, dq_accum=0, dq_semaphore=0, size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0),
                   num_m_blocks=4, num_n_blocks=5, rotate_walks=0, softmax_scale_log2=1.0, softmax_scale=1.0)
     first = pack(BACKWARD_PARAMS, **fields)
     fields["num_m_blocks"] = 8
@@ -110,7 +110,7 @@ def test_split_plan_sends_one_array_to_different_fields_of_different_structs(rec
     merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
                  partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
                  partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
-                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1))
+                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
     plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
                       [KernelLaunch(_FakeKernel(1), 1, 32, 0), KernelLaunch(_FakeKernel(2), 1, 32, 0, struct=1)])
     plan.launch([11, 12, 13, 14, 15, 16, 17], stream=0)

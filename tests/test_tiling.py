@@ -14,6 +14,7 @@ from cuflash._params import (
     BACKWARD_PARAMS,
     FORWARD_PARAMS,
     MERGE_PARAMS,
+    CACHE_APPEND_PARAMS,
     WGMMA_BACKWARD_PARAMS,
     WGMMA_FORWARD_PARAMS,
     flat_fields,
@@ -381,7 +382,8 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 @pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS),
                                           ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS),
                                           ("WgmmaBackwardParams", WGMMA_BACKWARD_PARAMS),
-                                          ("MergeParams", MERGE_PARAMS)])
+                                          ("MergeParams", MERGE_PARAMS),
+                                          ("CacheAppendParams", CACHE_APPEND_PARAMS)])
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']
@@ -395,7 +397,7 @@ def test_params_pack_requires_every_field():
     from cuflash._params import pack
 
     fields = {name: 0 for name in FORWARD_PARAMS.names}
-    fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5))
+    fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0))
     struct = pack(FORWARD_PARAMS, **fields)
     assert struct.shape == (1,) and struct.dtype == FORWARD_PARAMS
     assert struct["q"]["row_stride"][0] == 3 and struct["size"]["seqlen_k"][0] == 5

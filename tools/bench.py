@@ -365,6 +365,9 @@ def main() -> int:
     parser.add_argument("--varlen", action="store_true",
                         help="also the variable-length table (packed batches against dense, tools/bench_varlen.py)")
     parser.add_argument("--varlen-only", action="store_true", help="only the variable-length table")
+    parser.add_argument("--decode", action="store_true",
+                        help="also the decode table (KV caches against SDPA flash/cuDNN, tools/bench_decode.py)")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode table")
     parser.add_argument("--generation", type=int, choices=(80, 90),
                         help="pick cuflash's kernels as a GPU of this kernel generation would (80: the sm_80 "
                              "kernels, measured on a Hopper GPU)")
@@ -382,7 +385,8 @@ def main() -> int:
     env = environment()
     print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     result = {"environment": env, "matmul_tflops": MATMUL_TFLOPS.get(env["device"]), "rows": []}
-    if not args.no_host and not args.varlen_only:
+    only = args.varlen_only or args.decode_only
+    if not args.no_host and not only:
         import host_overhead
 
         result["host_overhead"] = host_overhead.torch_host_table()
@@ -400,7 +404,12 @@ def main() -> int:
         ratios = [r["varlen_over_dense"] for r in result["varlen"]]
         print(f"\nvarlen / dense TFLOP/s: min {min(ratios):.3f}, median {statistics.median(ratios):.3f}; "
               f"points >= 0.9: {sum(r >= 0.9 for r in ratios)}/{len(ratios)}\n", flush=True)
-    if not args.host_only and not args.varlen_only:
+    if args.decode or args.decode_only:
+        import bench_decode
+
+        result["decode"] = bench_decode.decode_table(time_gpu, args.calls, args.repeats)
+        print("\n".join(bench_decode.summary(result["decode"])) + "\n", flush=True)
+    if not args.host_only and not only:
         print(HEADER)
         rows += run_grid(args.dtype or ["bfloat16", "float16"], seqlens, head_dims, causals, args.calls, args.repeats,
                          _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),

@@ -27,12 +27,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cuflash._kernel_families import FAMILIES, KernelVariant, merge_variants  # noqa: E402
+from cuflash._kernel_families import FAMILIES, KernelVariant, cache_append_variants, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._masks import BATCH_LAYOUTS, MASKS  # noqa: E402
+from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS  # noqa: E402
 
-#: Batch layouts every tiled family is built for ("dense" first).
-LAYOUTS = tuple(BATCH_LAYOUTS)
+#: Batch layouts every tiled family is built for ("dense" first); the
+#: KV-cache ones (CACHE_LAYOUTS) only where a family has them.
+LAYOUTS = tuple(layout for layout in BATCH_LAYOUTS if layout not in CACHE_LAYOUTS)
 
 #: Key prefixes of the fast-path (tensor-core) variants, which must not spill at all.
 FAST_PATH = tuple(f"{f.name}/" for f in FAMILIES if f.kernel in ("mma", "wgmma"))
@@ -55,11 +56,12 @@ def all_variants() -> list[KernelVariant]:
     """Every instantiation the launcher can request: each family's compiled
     tiles with every mask (and both dQ modes of a dK/dV family that has
     them), for dense batches and for packed (variable-length) ones, which
-    never take the decode tiles."""
+    never take the decode tiles, and for KV caches (contiguous and paged) in
+    the dtypes of a family that has them, every tile."""
     variants = []
     for family in FAMILIES:
-        if family.role == "merge":
-            variants += merge_variants()
+        if family.role in ("merge", "cache-append"):
+            variants += merge_variants() if family.role == "merge" else cache_append_variants()
             continue
         if family.tiles is None:
             variants += [family.variant(dtype) for dtype in family.dtypes]
@@ -68,6 +70,9 @@ def all_variants() -> list[KernelVariant]:
             variants += _family_variants(family, dtype, tiling)
         for dtype, tiling in family.compiled_tilings(other_tiles=False):
             variants += _family_variants(family, dtype, tiling, layouts=LAYOUTS[1:])
+        for dtype, tiling in family.compiled_tilings():
+            if dtype in family.cache_dtypes:
+                variants += _family_variants(family, dtype, tiling, layouts=CACHE_LAYOUTS)
     return variants
 
 

@@ -97,6 +97,30 @@ def main() -> int:
                         failures.append(f"varlen d{head_dim} causal={causal} deterministic={deterministic}: "
                                         f"{name} not finite")
         print(f"varlen head_dim {head_dim}: ran", flush=True)
+    # KV caches: paged (pages of 1, 16 and 256 rows, shuffled, out-of-range
+    # page numbers among the unused slots) and contiguous, entries of 0 to
+    # 1000 keys, rows appended; decoding (split-KV) and chunked prefill.
+    lengths = cupy.asarray([0, 17, 1000], dtype=cupy.int32)
+    for page_size in (None, 1, 16, 256):
+        for seqlen_q in (1, 80):
+            q, _, _ = _inputs(128, seqlen_q, 1, seed=seqlen_q)
+            q = cupy.concatenate([q] * 3)
+            new = q[:, :seqlen_q, :1]
+            if page_size is None:
+                k_cache = cupy.zeros((3, 1000 + seqlen_q, 1, 128), q.dtype)
+                table = None
+            else:
+                pages = -(-(1000 + seqlen_q) // page_size)
+                k_cache = cupy.zeros((3 * pages, page_size, 1, 128), q.dtype)
+                order = cupy.random.default_rng(page_size).permutation(3 * pages).astype(cupy.int32)
+                table = cupy.concatenate([order.reshape(3, pages), cupy.full((3, 2), -9, cupy.int32)], axis=1)
+            v_cache = cupy.zeros_like(k_cache)
+            out = cuflash.attention_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=lengths,
+                                                 block_table=table, causal=True)
+            cupy.cuda.Device().synchronize()
+            if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
+                failures.append(f"kv cache page_size={page_size} seqlen_q={seqlen_q}: out not finite")
+        print(f"kv cache page_size={page_size}: ran", flush=True)
     for failure in failures:
         print(failure)
     return 1 if failures else 0
