@@ -26,7 +26,8 @@
 //
 // KV caches (Batch CacheBatch or PagedBatch, block_info.cuh): each entry
 // has its own key count; a paged cache's key tiles are gathered row by row
-// through the block table (load_rows_async).
+// through the block table: with two K/V buffers, the page numbers of the
+// next tile are read while this one is computed (paged_keys.cuh).
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -38,6 +39,7 @@
 #include "score_transforms.cuh"
 #include "online_softmax.cuh"
 #include "forward_epilogue.cuh"
+#include "paged_keys.cuh"
 
 namespace cuflash {
 
@@ -89,15 +91,24 @@ flash_forward_mma_kernel(const ForwardParams params) {
                  : visible;
     const Mask block_mask = ctx.mask.rows_from(m_start);  // rows counted from m_start, see masks.cuh
 
+    // A paged cache's page numbers, read a tile ahead where the K/V
+    // buffers are two (the next tile's are fetched while this one is
+    // computed; with one buffer K and V of a tile load an iteration apart).
+    using PagedRows = PagedKeyRows<kBlockN, kHeadDim, Traits::kThreads, Element>;
+    constexpr bool kPrefetchPages = Batch::kPaged && kKvStages == 2 && PagedRows::kPrefetches;
+    PagedRows pages;
     // Copies key block n_block of K or V (`t`, whose head's first key is
     // `rows`) into buffer `stage` of `tile`: rows a stride apart, or in a
     // paged cache gathered row by row through the block table (a page may
-    // hold fewer rows than a block).
+    // hold fewer rows than a block): from the prefetched page numbers, or
+    // looked up as they are copied.
     const auto load_key_block = [&](Element* tile, const TensorRef& t, const Element* rows, int n_block,
                                     int stage) {
         const int n_start = n_block * kBlockN;
         Element* buffer = tile + stage * (Traits::kKvTileBytes / kElementBytes);
-        if constexpr (Batch::kPaged) {
+        if constexpr (kPrefetchPages) {
+            pages.template load<kStride>(buffer, t, origin.kv_head, ctx.head_dim, thread);
+        } else if constexpr (Batch::kPaged) {
             load_rows_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
                 buffer,
                 [&](int row) { return key_row<Batch, const Element>(origin, t, origin.kv_head, n_start + row); },
@@ -115,9 +126,15 @@ flash_forward_mma_kernel(const ForwardParams params) {
     if (key_range.end > key_range.begin) {
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride,
                                                                       ctx.seqlen_q - m_start, ctx.head_dim, thread);
+        if constexpr (kPrefetchPages) {
+            pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
+        }
         load_keys(key_range.end - 1, 0);
         if constexpr (kKvStages == 2) {
             load_values(key_range.end - 1, 0);
+        }
+        if constexpr (kPrefetchPages) {
+            pages.fetch(origin, (key_range.end - 2) * kBlockN, thread);  // read while block end - 1 is computed
         }
     }
     cp_async_commit();
@@ -162,6 +179,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
             if (n_block > key_range.begin) {
                 load_keys(n_block - 1, stage ^ 1);
                 load_values(n_block - 1, stage ^ 1);
+                if constexpr (kPrefetchPages) {
+                    pages.fetch(origin, (n_block - 2) * kBlockN, thread);
+                }
             }
         } else {
             load_values(n_block, 0);

@@ -252,7 +252,7 @@ def test_kvcache_rejects_what_its_kernels_cannot_read():
     q = cupy.zeros((1, 1, 2, 64), cupy.float32)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         cuflash.attention_with_kvcache(q, q, q)
-    q = cupy.zeros((1, 1, 2, 72), cupy.float16)[..., :64]  # rows 144 bytes apart: not 16-byte multiples
+    q = cupy.zeros((1, 1, 2, 68), cupy.float16)[..., :64]  # heads 136 bytes apart: not 16-byte multiples
     k = cupy.zeros((1, 8, 2, 64), cupy.float16)
     with pytest.raises(ValueError, match="16-byte aligned"):
         cuflash.attention_with_kvcache(q, k, k, cache_seqlens=cupy.zeros(1, cupy.int32))
