@@ -107,7 +107,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         const int n_start = n_block * kBlockN;
         Element* buffer = tile + stage * (Traits::kKvTileBytes / kElementBytes);
         if constexpr (kPrefetchPages) {
-            pages.template load<kStride>(buffer, origin, t, origin.kv_head, ctx.head_dim, thread);
+            pages.template load<kStride>(buffer, t, origin.kv_head, ctx.head_dim, thread);
         } else if constexpr (Batch::kPaged) {
             load_rows_async<kBlockN, kHeadDim, kStride, Traits::kThreads>(
                 buffer,

@@ -32,49 +32,44 @@ struct PagedKeyRows {
     static constexpr int kRowStep = kPrefetches ? kThreads / kChunksPerRow : 1;
     static constexpr int kRowsPerThread = kPrefetches ? kRows / kRowStep : 1;
 
-    // This thread's rows of the fetched tile: the first one's key, and each
-    // row's page number as the table holds it (clamped when used) and row
-    // in its page.
-    int key0;
+    // This thread's rows of the fetched tile: page number and row in the
+    // page, page -1 past the sequence's keys (copied as zeros).
     int page[kRowsPerThread];
     int row_in_page[kRowsPerThread];
 
     // Reads the page numbers of the tile of keys [n_start, n_start + kRows)
     // (rows: the sequence, its table and length); rows outside [0,
-    // seqlen_k) read the table's first entry, which is not used.
-    //
-    // The loads are volatile asm so that they issue here, not where their
-    // values are first used (the compiler would otherwise sink them to the
-    // copies, a memory latency later in the same iteration); nothing here
-    // uses the values, so the warp does not wait for them until load().
+    // seqlen_k) read nothing.
     __device__ __forceinline__ void fetch(const SequenceRows& rows, int n_start, int thread) {
-        key0 = n_start + thread / kChunksPerRow;
+        const int row0 = thread / kChunksPerRow;
+        // Page sizes that are powers of two (most) divide by a shift.
+        const bool power_of_two = (rows.page_size & (rows.page_size - 1)) == 0;
+        const int shift = __ffs(rows.page_size) - 1;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-            const int key = key0 + i * kRowStep;
-            const int slot = key >= 0 && key < rows.seqlen_k ? key / rows.page_size : 0;
+            // Keys before 0: the fetch after a split's first tile, never copied.
+            const int key = n_start + row0 + i * kRowStep;
+            const int slot = power_of_two ? max(key, 0) >> shift : max(key, 0) / rows.page_size;
+            page[i] = key >= 0 && key < rows.seqlen_k ? min(max(__ldg(rows.pages + slot), 0), rows.num_pages - 1)
+                                                      : -1;
             row_in_page[i] = key - slot * rows.page_size;
-            asm volatile("ld.global.nc.s32 %0, [%1];\n" : "=r"(page[i]) : "l"(rows.pages + slot));
         }
     }
 
     // Issues the copies of the fetched tile of tensor t (K or V), head
-    // kv_head, into shared rows of kStride elements; rows past the
-    // sequence's keys and head-dim padding columns become zeros.
+    // kv_head, into shared rows of kStride elements; head-dim padding
+    // columns (past head_dim) become zeros.
     template <int kStride>
-    __device__ __forceinline__ void load(Element* smem, const SequenceRows& rows, const TensorRef& t,
-                                         index_t kv_head, int head_dim, int thread) const {
+    __device__ __forceinline__ void load(Element* smem, const TensorRef& t, index_t kv_head, int head_dim,
+                                         int thread) const {
+        const int row0 = thread / kChunksPerRow;
         const int col = thread % kChunksPerRow * kChunkElements;
         const bool col_valid = col < head_dim;
-        Element* dst = smem + (thread / kChunksPerRow) * kStride + col;
+        Element* dst = smem + row0 * kStride + col;
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-            const int key = key0 + i * kRowStep;
-            const bool valid = col_valid && key >= 0 && key < rows.seqlen_k;
-            // A page number outside the cache (the launcher cannot check
-            // the table) is clamped: a wrong page, never memory outside it.
-            const int clamped = min(max(page[i], 0), rows.num_pages - 1);
-            const Element* src = t.row_ptr<const Element>(clamped, kv_head, row_in_page[i]) + col;
+            const bool valid = col_valid && page[i] >= 0;
+            const Element* src = t.row_ptr<const Element>(valid ? page[i] : 0, kv_head, row_in_page[i]) + col;
             cp_async_16_or_zero(dst + i * kRowStep * kStride, src, valid);
         }
     }
