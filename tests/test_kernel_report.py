@@ -98,8 +98,9 @@ def test_fast_path_spill_gate_command_line(only):
     assert result.returncode == 0, result.stdout + result.stderr
     # causal and not, dense and packed; the backward in both dQ modes
     # (atomic, ordered); the mma.sync forward's decode tiles without and with
-    # split-KV beside its own (dense only); the Hopper forward's short-sequence tile
-    expected = {"forward-mma": 8, "forward-wgmma": 8, "backward-dkdv-wgmma": 8}[only.split("/")[0]]
+    # split-KV beside its own (dense only), and all three for KV caches,
+    # contiguous and paged (12); the Hopper forward's short-sequence tile
+    expected = {"forward-mma": 8 + 12, "forward-wgmma": 8, "backward-dkdv-wgmma": 8}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import cupy
+import numpy as np
 
 import cuflash
 from cuflash._tiling import WGMMA_BACKWARD_TILES, WGMMA_FORWARD_TILES, wgmma_backward_tiling, wgmma_forward_tiling
@@ -112,7 +113,7 @@ def main() -> int:
             else:
                 pages = -(-(1000 + seqlen_q) // page_size)
                 k_cache = cupy.zeros((3 * pages, page_size, 1, 128), q.dtype)
-                order = cupy.random.default_rng(page_size).permutation(3 * pages).astype(cupy.int32)
+                order = cupy.asarray(np.random.default_rng(page_size).permutation(3 * pages).astype(np.int32))
                 table = cupy.concatenate([order.reshape(3, pages), cupy.full((3, 2), -9, cupy.int32)], axis=1)
             v_cache = cupy.zeros_like(k_cache)
             out = cuflash.attention_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=lengths,
