@@ -434,12 +434,16 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
 
 
 #: Decode blocks an SM runs at once, the slots split-KV fills (two of the
-#: decode tiles' 87 KB fit an H100 SM). Measured on the H100 (commit
-#: b20e290, bf16 d128): twice the SMs' count of key ranges streamed K/V
-#: faster than one range per SM: 1 x 131072 keys, GQA 32/8: contiguous 2.41
-#: -> 2.60 TB/s, paged (16-row pages) 1.62 -> 2.39; MHA 2.77 -> 2.83; three
-#: per SM lost (2.07).
+#: decode tiles' 87 KB fit an H100 SM), where each key range keeps at least
+#: DECODE_MIN_SPLIT_BLOCKS key blocks; one per SM otherwise. Measured on
+#: the H100 (commits b20e290, 2478a19; bf16 d128): twice the SMs' count of
+#: long key ranges streamed K/V faster than one range per SM: 1 x 131072
+#: keys, GQA 32/8: contiguous 2.41 -> 2.60 TB/s, paged (16-row pages) 1.62
+#: -> 2.39; MHA 2.77 -> 2.83; three per SM lost (2.07). Short ranges lost:
+#: 1 x 4096 keys, GQA 32/4, 0.40 -> 0.30 (one key block a range); 32 x
+#: 1024, 32/4, 2.10 -> 1.82 (split where one range each filled the GPU).
 DECODE_BLOCKS_PER_SM = 2
+DECODE_MIN_SPLIT_BLOCKS = 16
 
 
 def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:

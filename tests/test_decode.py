@@ -104,3 +104,21 @@ def test_merge_checks_name_the_argument():
         check_merge(outs, lses, None, _meta("lse", (2, 5, 4)))
     with pytest.raises(TypeError, match="outs must have dtype"):
         check_merge(_meta("outs", (3, 2, 5, 4, 8), "int32"), lses, None, None)
+
+
+def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
+    """Split-KV fills two decode blocks per SM while each key range keeps
+    DECODE_MIN_SPLIT_BLOCKS key blocks (measured faster on the H100), one
+    per SM otherwise (measured faster for short caches)."""
+    from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MIN_SPLIT_BLOCKS, wave_efficient_splits
+
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    _, split = decode_tilings("bfloat16", 128)
+    long = dataclasses.replace(_problem(batch=1, seqlen_k=131072), seqlen_q=4, nheads=8, causal=False)
+    blocks = 131072 // split.block_n
+    assert api.decode_splits(long, split, None) == wave_efficient_splits(8, DECODE_BLOCKS_PER_SM * 132, blocks)
+    assert api.decode_splits(long, split, None) > wave_efficient_splits(8, 132, blocks)
+    short = dataclasses.replace(long, batch=16, seqlen_k=1024)
+    two_per_sm = wave_efficient_splits(16 * 8, DECODE_BLOCKS_PER_SM * 132, 16)
+    assert two_per_sm > 1 and 16 < DECODE_MIN_SPLIT_BLOCKS * two_per_sm  # two per SM: ranges too short
+    assert api.decode_splits(short, split, None) == 1  # one per SM: one range each fills the GPU
