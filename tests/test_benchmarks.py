@@ -19,8 +19,27 @@ FLOAT32 = sorted((REPO / "benchmarks").glob("*_float32.json"))
 DECODE = sorted((REPO / "benchmarks").glob("*_decode.json"))
 #: packed batches against dense ones (``tools/bench.py --varlen-only``).
 VARLEN = sorted((REPO / "benchmarks").glob("*_varlen.json"))
+#: decoding against KV caches beside SDPA (``tools/bench.py --decode-only``).
+KVCACHE = sorted((REPO / "benchmarks").glob("*_kvcache.json"))
 BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE)
-                    - set(VARLEN))
+                    - set(VARLEN) - set(KVCACHE))
+
+
+@pytest.mark.parametrize("path", KVCACHE, ids=lambda p: p.name)
+def test_kvcache_rows_are_consistent(path):
+    import bench_decode
+
+    result = json.loads(path.read_text())
+    rows = result["decode"]
+    assert {"device", "commit", "date"} <= set(result["environment"])
+    assert [(r["kv_heads"], r["batch"], r["seqlen_k"]) for r in rows] == bench_decode.points()
+    for r in rows:
+        assert r["kv_bytes"] == bench_decode.kv_bytes(r["batch"], r["seqlen_k"], r["kv_heads"])
+        best = max(r["kv_tbps"][name] for name in ("flash", "cudnn") if name in r["kv_tbps"])
+        for label in ("contiguous", "paged16", "paged256"):
+            assert r["over_best_sdpa"][label] == pytest.approx(r["kv_tbps"][label] / best)
+        # every layout computed the dense forward's answer
+        assert max(r["max_abs_diff_vs_dense"].values()) < 0.05
 
 
 @pytest.mark.parametrize("path", VARLEN, ids=lambda p: p.name)
@@ -127,7 +146,8 @@ def test_benchmarks_md_renders_the_h100_json():
                                str(REPO / "benchmarks" / "h100.json"), "--head-dims",
                                str(REPO / "benchmarks" / "h100_head_dims.json"), "--float32",
                                str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",
-                               str(REPO / "benchmarks" / "h100_varlen.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_varlen.json"), "--kvcache",
+                               str(REPO / "benchmarks" / "h100_kvcache.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.

@@ -6,7 +6,8 @@ backend (needs matplotlib).
   python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png]
                                 [--head-dims benchmarks/h100_head_dims.json]
                                 [--float32 benchmarks/h100_float32.json]
-                                [--varlen benchmarks/h100_varlen.json] > BENCHMARKS.md
+                                [--varlen benchmarks/h100_varlen.json] [--kvcache benchmarks/h100_kvcache.json] \
+                                > BENCHMARKS.md
 
 ``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
@@ -218,6 +219,32 @@ def varlen_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kvcache_markdown(result: dict) -> str:
+    """Decoding against KV caches, contiguous and paged, beside SDPA (``tools/bench.py --decode-only``)."""
+    import bench_decode
+
+    env, rows = result["environment"], result["decode"]
+    lines = [
+        "## Decoding against a KV cache", "",
+        f"bf16, head_dim 128, 32 query heads, one query token per sequence, {env['device']}, cuflash commit "
+        f"`{env['commit']}`, {env['date']}; GPU time with launches queued (CUDA events, medians). cuflash: "
+        "`attention_with_kvcache` with per-sequence `cache_seqlens`, the cache contiguous or paged (16- and "
+        "256-row pages in shuffled order); SDPA (flash, cuDNN; `enable_gqa=True`) on the same keys, contiguous. "
+        "TB/s of K/V read (once per K/V head); ratios against the better SDPA backend.", "",
+        "| K/V heads | batch | keys | K/V MB | contiguous | paged 16 | paged 256 | SDPA flash | SDPA cuDNN | "
+        "contiguous / best | paged 16 / best | paged 256 / best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, ratio = r["kv_tbps"], r["over_best_sdpa"]
+        lines.append(f"| {r['kv_heads']} | {r['batch']} | {r['seqlen_k']} | {r['kv_bytes'] / 2**20:.0f} | "
+                     f"{t['contiguous']:.2f} | {t['paged16']:.2f} | {t['paged256']:.2f} | "
+                     f"{t.get('flash', float('nan')):.2f} | {t.get('cudnn', float('nan')):.2f} | "
+                     f"{ratio['contiguous']:.2f} | {ratio['paged16']:.2f} | {ratio['paged256']:.2f} |")
+    lines.append("")
+    lines += [f"- {line}" for line in bench_decode.summary(rows)]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
@@ -225,6 +252,7 @@ def main() -> int:
     parser.add_argument("--head-dims", help="a head-dim sweep's JSON, rendered as its own section")
     parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
     parser.add_argument("--varlen", help="a variable-length JSON (bench.py --varlen-only), its own section")
+    parser.add_argument("--kvcache", help="a decode JSON (bench.py --decode-only), its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -236,6 +264,8 @@ def main() -> int:
         print(float32_markdown(json.loads(Path(args.float32).read_text())))
     if args.varlen:
         print(varlen_markdown(json.loads(Path(args.varlen).read_text())))
+    if args.kvcache:
+        print(kvcache_markdown(json.loads(Path(args.kvcache).read_text())))
     return 0
 
 
