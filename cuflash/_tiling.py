@@ -444,22 +444,30 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
 #: 1024, 32/4, 2.10 -> 1.82 (split where one range each filled the GPU).
 DECODE_BLOCKS_PER_SM = 2
 DECODE_MIN_SPLIT_BLOCKS = 16
+#: cuflash's decode takes, among split counts that fit the slots in one
+#: wave, the one that fills it best (wave_efficient_splits' tolerance 1),
+#: not FlashAttention-2's smallest within 85% of the best: at 1 x 131072
+#: keys, GQA 32/8 on the H100, 32 ranges (256 of 264 slots) streamed 2.60
+#: TB/s, the 85% rule's 29 2.43.
+DECODE_WAVE_TOLERANCE = 1.0
 
 
-def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
+def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128,
+                          tolerance: float = 0.85) -> int:
     """A split count for split-KV, by the idea FlashAttention-2's launcher
     uses: none when the grid already nearly fills the GPU (80% of its slots);
     otherwise, of the counts that change how many key blocks each split gets,
-    the smallest whose last wave is within 85% of the best wave efficiency
-    (waves / ceil(waves)). The launcher's split-KV count (cuflash.api) and
-    the simulator's (cuflash.simulate) both come from here."""
+    the smallest whose last wave is within ``tolerance`` (FlashAttention-2:
+    85%) of the best wave efficiency (waves / ceil(waves)). The launcher's
+    split-KV count (cuflash.api, ``DECODE_WAVE_TOLERANCE``) and the
+    simulator's (cuflash.simulate) both come from here."""
     if parallel_blocks >= 0.8 * slots:
         return 1
     candidates = [s for s in range(1, min(max_splits, slots, key_blocks) + 1)
                   if s == 1 or -(-key_blocks // s) != -(-key_blocks // (s - 1))]
     efficiency = {s: (parallel_blocks * s / slots) / math.ceil(parallel_blocks * s / slots) for s in candidates}
     best = max(efficiency.values())
-    return min(s for s in candidates if efficiency[s] >= 0.85 * best)
+    return min(s for s in candidates if efficiency[s] >= tolerance * best)
 
 
 def decode_tilings(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:

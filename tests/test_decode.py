@@ -107,17 +107,20 @@ def test_merge_checks_name_the_argument():
 
 
 def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
-    """Split-KV fills two decode blocks per SM while each key range keeps
-    DECODE_MIN_SPLIT_BLOCKS key blocks (measured faster on the H100), one
-    per SM otherwise (measured faster for short caches)."""
+    """Split-KV fills one wave of two decode blocks per SM, as exactly as
+    the key blocks allow, while each key range keeps
+    DECODE_MIN_SPLIT_BLOCKS key blocks (measured faster on the H100); one
+    block per SM otherwise (measured faster for short caches)."""
     from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MIN_SPLIT_BLOCKS, wave_efficient_splits
 
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
     _, split = decode_tilings("bfloat16", 128)
+    # 1 x 131072 keys, 8 K/V heads (packed GQA): 8 x 33 blocks fill 264 slots exactly
     long = dataclasses.replace(_problem(batch=1, seqlen_k=131072), seqlen_q=4, nheads=8, causal=False)
-    blocks = 131072 // split.block_n
-    assert api.decode_splits(long, split, None) == wave_efficient_splits(8, DECODE_BLOCKS_PER_SM * 132, blocks)
-    assert api.decode_splits(long, split, None) > wave_efficient_splits(8, 132, blocks)
+    assert DECODE_BLOCKS_PER_SM * 132 == 264 and api.decode_splits(long, split, None) == 33
+    assert wave_efficient_splits(8, 264, 131072 // split.block_n) == 29  # FlashAttention-2's 85% rule
+    # 8 x 16384: 64 parallel blocks, 4 ranges (256 of 264 slots), not a second wave
+    assert api.decode_splits(dataclasses.replace(long, batch=8, seqlen_k=16384), split, None) == 4
     short = dataclasses.replace(long, batch=16, seqlen_k=1024)
     two_per_sm = wave_efficient_splits(16 * 8, DECODE_BLOCKS_PER_SM * 132, 16)
     assert two_per_sm > 1 and 16 < DECODE_MIN_SPLIT_BLOCKS * two_per_sm  # two per SM: ranges too short
