@@ -263,6 +263,20 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
     if batch * nheads > _INT32_MAX:
         raise ValueError(f"batch * nheads must be below 2**31, got {batch * nheads}")
 
+    _check_forward_outputs(q, out, lse)
+
+    return AttentionProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
+        head_dim=head_dim, dtype=q.dtype, device=q.device,
+        softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
+        causal=check_causal(causal), fp32_precision=check_fp32_precision(fp32_precision),
+    )
+
+
+def _check_forward_outputs(q: TensorMeta, out: TensorMeta | None, lse: TensorMeta | None) -> None:
+    """A forward's optional outputs: out shaped and typed like q, writable;
+    lse (batch, nheads, seqlen_q) float32, C-contiguous; both on q's GPU."""
+    batch, seqlen_q, nheads, _ = q.shape
     if out is not None:
         _check_like(out, q, "")
         _check_writable(out)
@@ -272,13 +286,6 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         if 0 not in lse.shape and lse.strides != contiguous_strides(lse.shape):
             raise ValueError(f"lse must be C-contiguous, got strides {lse.strides} (in elements)")
         check_same_device([q, lse])
-
-    return AttentionProblem(
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k,
-        head_dim=head_dim, dtype=q.dtype, device=q.device,
-        softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
-        causal=check_causal(causal), fp32_precision=check_fp32_precision(fp32_precision),
-    )
 
 
 @dataclass(frozen=True)
@@ -605,13 +612,7 @@ def check_kv_cache(q: TensorMeta, k_cache: TensorMeta, v_cache: TensorMeta, k_ne
         raise ValueError(f"the cache's capacity and seqlen_q must be below 2**31, got {capacity} and {seqlen_q}")
     if batch * nheads > _INT32_MAX:
         raise ValueError(f"batch * nheads must be below 2**31, got {batch * nheads}")
-    if out is not None:
-        _check_like(out, q, "")
-        _check_writable(out)
-    if lse is not None:
-        _check_lse(lse, (batch, nheads, seqlen_q))
-        if 0 not in lse.shape and lse.strides != contiguous_strides(lse.shape):
-            raise ValueError(f"lse must be C-contiguous, got strides {lse.strides} (in elements)")
+    _check_forward_outputs(q, out, lse)
     check_same_device([m for m in (q, k_cache, v_cache, k_new, v_new, block_table, out, lse,
                                    cache_seqlens if isinstance(cache_seqlens, TensorMeta) else None)
                        if m is not None])

@@ -125,9 +125,7 @@ struct PagedBatch {
     static constexpr bool kPaged = true;
 
     __device__ __forceinline__ static SequenceRows rows(const ProblemSize& size, index_t batch) {
-        SequenceRows rows = DenseBatch::rows(size, batch);
-        rows.seqlen_k = cache_keys(size, batch);
-        rows.tensor_batch = batch;  // the q side's entry; keys come from pages
+        SequenceRows rows = CacheBatch::rows(size, batch);  // tensor_batch: the q side's entry
         rows.pages = size.block_table + batch * size.block_table_stride;
         rows.page_size = static_cast<int>(size.page_size);
         rows.num_pages = static_cast<int>(size.total_k / size.page_size);
