@@ -470,6 +470,26 @@ def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max
     return min(s for s in candidates if efficiency[s] >= tolerance * best)
 
 
+def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
+    """The launcher's split-KV count for a decode forward of
+    ``parallel_blocks`` thread blocks without splits and ``key_blocks`` key
+    blocks per sequence on ``sms`` SMs (cuflash.api.decode_splits; the
+    simulator models cuflash with it): the count whose blocks fill one wave
+    of ``DECODE_BLOCKS_PER_SM`` blocks per SM best where every key range
+    keeps ``DECODE_MIN_SPLIT_BLOCKS`` key blocks, else of one block per SM;
+    then no more ranges than the key blocks make non-empty."""
+    def one_wave(slots: int) -> int:
+        return wave_efficient_splits(parallel_blocks, slots, key_blocks,
+                                     max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
+                                     tolerance=DECODE_WAVE_TOLERANCE)
+
+    splits = one_wave(DECODE_BLOCKS_PER_SM * sms)
+    if key_blocks < DECODE_MIN_SPLIT_BLOCKS * splits:
+        splits = one_wave(sms)
+    per_split = -(-key_blocks // min(splits, key_blocks))
+    return -(-key_blocks // per_split)
+
+
 def decode_tilings(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     """The mma.sync forward's decode tiles (``MMA_DECODE_TILES``) for
     (dtype, head_dim), without and with split-KV; none for float32."""

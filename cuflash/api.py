@@ -31,8 +31,8 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import (DECODE_BLOCKS_PER_SM, DECODE_MAX_ROWS, DECODE_MIN_SPLIT_BLOCKS, DECODE_WAVE_TOLERANCE, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_tilings,
-                      wave_efficient_splits, wgmma_backward_swizzles)
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_split_count,
+                      decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_packing, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -854,23 +854,13 @@ def decode_shape(problem: AttentionProblem, layouts: dict) -> DecodeShape:
 
 def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | None) -> int:
     """How many key ranges a decode forward (``problem`` as the kernels see
-    it) runs in: ``num_splits`` (None: ``wave_efficient_splits`` over
-    ``DECODE_BLOCKS_PER_SM`` blocks per SM of the device where every range
-    keeps ``DECODE_MIN_SPLIT_BLOCKS`` key blocks, else over one block per
-    SM; the count whose blocks fill one wave of those slots best), never
-    more ranges than key blocks, and no range left empty."""
+    it) runs in: ``num_splits``, or where None ``decode_split_count`` over
+    the device's SMs; never more ranges than key blocks, and no range left
+    empty."""
     key_blocks = max(1, -(-problem.seqlen_k // tiling.block_n))
     if num_splits is None:
         parallel = problem.batch * problem.nheads * -(-problem.seqlen_q // tiling.block_m)
-        sms = _multiprocessor_count(problem.device)
-        def one_wave(slots: int) -> int:
-            # the best last wave among the counts that fit the slots once
-            return wave_efficient_splits(parallel, slots, key_blocks, max_splits=min(128, -(-slots // parallel)),
-                                         tolerance=DECODE_WAVE_TOLERANCE)
-
-        num_splits = one_wave(DECODE_BLOCKS_PER_SM * sms)
-        if key_blocks < DECODE_MIN_SPLIT_BLOCKS * num_splits:
-            num_splits = one_wave(sms)
+        return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks)
     per_split = -(-key_blocks // min(num_splits, key_blocks))
     return -(-key_blocks // per_split)
 

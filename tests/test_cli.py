@@ -304,13 +304,16 @@ def test_decode_options_reach_the_ledger():
         assert text in result.output, text
 
 
-def test_flash_decoding_is_listed_and_beats_todays_cuflash_on_a_lone_long_sequence():
+def test_flash_decoding_is_listed_beside_cuflash_on_a_lone_long_sequence():
+    """Both decode paths pack the query heads and split the keys: both are
+    DRAM-bound in the model, within 40% of each other (measured on the
+    H100: 0.21 and 0.19 ms; before cuflash's decode path, 2.3 ms)."""
     result = invoke("simulate", "--machine", "h100", "--heads", "32", "--kv-heads", "8", "--seqlen-q", "1",
                     "--seqlen-k", "128k", "-d", "128", "--pass", "fwd", "-a", "cuflash", "-a", "flash-decoding",
                     "--json")
     assert result.exit_code == 0, result.output
     times = {r["algorithm"]: r["time_model"]["seconds"] for r in json.loads(result.output)["results"]}
-    assert times["flash-decoding"] < times["cuflash"] / 5
+    assert 0.6 < times["flash-decoding"] / times["cuflash"] < 1.6
 
 
 @pytest.mark.parametrize("splits,message", [("0", "num_splits must be a whole number of at least 1"),

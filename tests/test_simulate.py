@@ -257,7 +257,7 @@ def test_splits_beyond_the_key_blocks_still_write_their_partial_results():
 
 
 def test_gqa_packing_reads_k_v_once_per_kv_head():
-    problem = dict(nheads=8, nheads_k=2)
+    problem = dict(nheads=8, nheads_k=2, num_splits=1)
     packed = run("cuflash", _decode(pack_gqa=True, **problem), A100, "fwd").by_tensor()
     unpacked = run("cuflash", _decode(pack_gqa=False, **problem), A100, "fwd").by_tensor()
     assert packed["K"]["read"] == 2 * 1000 * ROW
@@ -318,13 +318,12 @@ def test_flash_decoding_packs_one_token_queries_and_splits_small_grids():
     assert blocks["flash-decoding packed heads"] == 4 and blocks["flash-decoding splits"] == 14
     full = Problem(batch=128, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=2048, head_dim=128)
     assert run("flash-decoding", full, MACHINES["h100"], "fwd").blocks["flash-decoding splits"] == 1
-    # cuflash's kernels today do neither; the options model what they would
+    # cuflash's kernels before their decode path did neither (cuflash_decode=False models them)
+    before = run("cuflash", Problem(**{**problem.__dict__, "cuflash_decode": False}), MACHINES["h100"], "fwd")
+    assert before.by_tensor()["K"]["read"] == 32 * 131072 * 128 * 2
     today = run("cuflash", problem, MACHINES["h100"], "fwd")
-    assert today.by_tensor()["K"]["read"] == 32 * 131072 * 128 * 2
-    what_if = run("cuflash", Problem(**{**problem.__dict__, "num_splits": "auto", "pack_gqa": True}),
-                  MACHINES["h100"], "fwd")
-    assert what_if.by_tensor()["K"]["read"] == 8 * 131072 * 128 * 2
-    assert what_if.blocks["cuflash splits"] > 1
+    assert today.by_tensor()["K"]["read"] == 8 * 131072 * 128 * 2
+    assert today.blocks["cuflash splits"] > 1
 
 
 # --- peak memory (issue 18, build 5: the paper's Figure 3) -----------------------------------------
@@ -377,3 +376,23 @@ def test_block_sparse_traffic_scales_with_the_density_of_kept_blocks():
     assert run("standard", sparse, A100).total() == run("standard", dense, A100).total()
     with pytest.raises(ValueError, match="block_density must be in"):
         Problem(block_density=0)
+
+
+def test_cuflash_decodes_as_its_launcher_does():
+    """One query token, GQA 32/8, 131072 keys on the H100: the decode tiles,
+    the query heads of a K/V head packed (K/V read once per K/V head) and
+    the launcher's split count (decode_split_count over 132 SMs)."""
+    from cuflash._tiling import decode_split_count, decode_tilings
+    from cuflash.simulate.algorithms import cuflash_plan
+
+    h100 = MACHINES["h100"]
+    problem = Problem(batch=1, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=131072, head_dim=128)
+    plan = cuflash_plan(problem, h100)
+    decode = decode_tilings("float16", 128)[1]
+    assert (plan.fwd_m, plan.fwd_n, plan.pack) == (decode.block_m, decode.block_n, 4)
+    assert plan.splits == decode_split_count(8, h100.sms, 131072 // decode.block_n) > 1
+    t = run("cuflash", problem, h100, "fwd").by_tensor()
+    assert t["K"]["read"] == 8 * 131072 * 128 * 2
+    # a prefill keeps the forward's own tiles, unsplit
+    prefill = cuflash_plan(Problem(batch=1, nheads=32, nheads_k=8, seqlen_q=4096, seqlen_k=4096, head_dim=128), h100)
+    assert plan.fwd_m != prefill.fwd_m and (prefill.splits, prefill.pack) == (1, 1)

@@ -60,14 +60,16 @@ def test_decode_rows_of_issue_15_are_explained_by_whole_tiles():
 
 
 def test_a_one_row_block_costs_a_whole_tile():
-    one = estimate("cuflash", Problem(batch=1, nheads=132, seqlen_q=1, seqlen_k=8192, head_dim=128), H100, "fwd")
+    # the kernels before cuflash's decode path (whose 64-row decode tiles now take the one-row block)
+    one = estimate("cuflash", Problem(batch=1, nheads=132, seqlen_q=1, seqlen_k=8192, head_dim=128,
+                                      cuflash_decode=False), H100, "fwd")
     full = estimate("cuflash", Problem(batch=1, nheads=132, seqlen_q=128, seqlen_k=8192, head_dim=128), H100, "fwd")
     assert one["launches"][0]["compute_s"] == pytest.approx(full["launches"][0]["compute_s"])
 
 
 def test_split_kv_adds_a_merge_launch_and_shortens_a_lone_sequence():
     problem = Problem(batch=1, nheads=8, seqlen_q=1, seqlen_k=65536, head_dim=128)
-    alone = estimate("cuflash", problem, H100, "fwd")
+    alone = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 1}), H100, "fwd")
     split = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 16}), H100, "fwd")
     assert [launch["name"] for launch in split["launches"]] == ["cuflash forward", "cuflash split-KV merge"]
     assert split["seconds"] < alone["seconds"] / 8

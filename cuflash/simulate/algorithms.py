@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
-from .._tiling import wave_efficient_splits  # noqa: F401  (the launcher's split count, modelled here)
+from .._tiling import DECODE_MAX_ROWS, MMA_DTYPES, decode_split_count, decode_tilings, wave_efficient_splits
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -415,16 +415,18 @@ class _TiledPlan:
 def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool) -> _TiledPlan:
     """The plan with the problem's split-KV and GQA-packing choices where it
     makes them (Problem.num_splits, Problem.pack_gqa), else the algorithm's
-    defaults ``splits`` (a count or "auto") and ``pack``; "auto" takes
-    wave_efficient_splits over the machine's SMs."""
+    defaults ``splits`` (a count, "auto" or "cuflash") and ``pack``; "auto"
+    takes wave_efficient_splits over the machine's SMs (FlashAttention-2's
+    rule), "cuflash" cuflash's launcher's decode_split_count."""
     pack = pack if p.pack_gqa is None else p.pack_gqa
     rows = p.group if pack and p.group > 1 else 1
     splits = splits if p.num_splits is None else p.num_splits
-    if splits == "auto":
+    if splits in ("auto", "cuflash"):
         blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
         owners = p.kv_heads if rows > 1 else p.heads
         key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
-        splits = wave_efficient_splits(owners * len(blocks), machine.sms, key_blocks)
+        choose = wave_efficient_splits if splits == "auto" else decode_split_count
+        splits = choose(owners * len(blocks), machine.sms, key_blocks)
     return replace(plan, splits=splits, pack=rows)
 
 
@@ -656,8 +658,19 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
     )
-    # Today's kernels neither split the keys nor pack query heads (issue 15);
-    # Problem.num_splits / pack_gqa model what they would do.
+    # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
+    # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS
+    # query rows per K/V head (one token's query heads packed per K/V head),
+    # the mma.sync decode tiles, split-KV by decode_split_count. Problem's
+    # num_splits / pack_gqa override.
+    pack = p.seqlen_q == 1 and p.group > 1
+    rows = p.group if (pack if p.pack_gqa is None else p.pack_gqa) else p.seqlen_q
+    if (p.cuflash_decode and dtype in MMA_DTYPES and fwd.kernel in ("mma", "wgmma") and rows <= DECODE_MAX_ROWS
+            and block_m is None and block_n is None):
+        decode = decode_tilings(dtype, p.head_dim)[1]
+        plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n,
+                       fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
+        return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack)
     return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
 

@@ -290,7 +290,8 @@ def compare_with_bench(rows: list[dict], machine: Machine) -> list[dict]:
     (cuflash and flash2 against cuflash and SDPA flash) and ``decode`` rows
     (a forward with ``seqlen_q`` query tokens against a cache of ``seqlen_k``,
     ``kv_heads`` K/V heads and optionally ``page_size``: cuflash and
-    flash-decoding). Each record has the row's shape, ``measured_ms``,
+    flash-decoding; ``cuflash_decode`` false: measured before cuflash's
+    decode path existed). Each record has the row's shape, ``measured_ms``,
     ``model_ms`` and ``error`` (model / measured - 1)."""
     records = []
     for row in rows:
@@ -302,7 +303,7 @@ def compare_with_bench(rows: list[dict], machine: Machine) -> list[dict]:
         kv_heads = row.get("kv_heads", row["heads"])
         problem = Problem(batch=row["batch"], nheads=row["heads"], nheads_k=kv_heads, seqlen_q=seqlen_q,
                           seqlen_k=seqlen_k, head_dim=row["head_dim"], element_size=2, causal=row["causal"],
-                          page_size=row.get("page_size"))
+                          page_size=row.get("page_size"), cuflash_decode=row.get("cuflash_decode", True))
         for algorithm, measured_as in _MEASURED_AS[row["pass"]]:
             if measured_as not in row["ms"]:
                 continue

@@ -55,6 +55,10 @@ class Problem:
     #: a block mask keeps, spread evenly; the tiled algorithms skip the rest,
     #: the unfused ones compute everything and mask
     block_density: float = 1.0
+    #: cuflash's decode path (its decode tiles, GQA packing and split-KV
+    #: count for few query rows per K/V head); False models the kernels
+    #: before it, which issue 15's first decode measurements ran
+    cuflash_decode: bool = True
 
     def __post_init__(self):
         if self.nheads_k is None:
