@@ -187,10 +187,13 @@ def _filled(case: KvCacheCase) -> KvCacheCase:
     return case
 
 
-def test_kvcache_decoding_loop_reuses_its_plan():
+def test_kvcache_decoding_loop_reuses_its_plan(monkeypatch):
     """Tokens appended one by one with cache_seqlens advanced on the GPU:
     one plan serves every step, and each step's output is right."""
+    from cuflash._launch import PlanCache
+
     cupy = _cupy()
+    monkeypatch.setattr(api, "plans", PlanCache())  # a worker's shared cache may be full (LRU)
     case = KvCacheCase([10, 0, 33], nheads=8, nheads_k=2, page_size=16, new=1, seed=4)
     before = len(api.plans)
     for step in range(4):
