@@ -1,0 +1,2 @@
+"""cuflash inside other libraries' attention registries
+(``cuflash.integrations.transformers``)."""

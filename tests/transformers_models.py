@@ -1,0 +1,48 @@
+"""Small random-weight transformers models (nothing downloaded) for the
+cuflash integration's tests: a Llama-style one with grouped-query attention
+and a Gemma-style one with multi-query attention and head_dim 64, each
+built twice with the same weights, on ``sdpa`` and on cuflash."""
+
+import pytest
+
+CONFIGS = {
+    "llama-gqa": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "gemma-mqa": ("GemmaConfig", "GemmaForCausalLM",
+                  dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)),
+}
+
+
+def model_pair(name: str, *, device="cpu", dtype=None, seed=0):
+    """(sdpa model, cuflash model) with the same random weights, in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import cuflash.integrations.transformers as cuflash_hf
+
+    config_name, model_name, fields = CONFIGS[name]
+    torch.manual_seed(seed)
+    models = []
+    for implementation in ("sdpa", cuflash_hf.register()):
+        config = getattr(transformers, config_name)(**fields)
+        model = getattr(transformers, model_name)._from_config(config, attn_implementation=implementation)
+        models.append(model)
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        model.to(device=device, dtype=dtype).eval()
+    return models
+
+
+def left_padded_batch(device="cpu", seed=1):
+    """input_ids (3, 12) with 0, 5 and 9 pad tokens on the left, and their mask."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 128, (3, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate((0, 5, 9)):
+        mask[row, :pads] = 0
+        ids[row, :pads] = 0
+    return ids.to(device), mask.to(device)
