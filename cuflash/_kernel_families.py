@@ -204,7 +204,7 @@ class KernelFamily:
             params=self.params,
             template_args=(
                 CXX_ELEMENT_TYPE[dtype_name], str(tiling.head_dim_padded), str(tiling.block_m), str(tiling.block_n),
-                str(tiling.warps), mask.cxx, score.cxx, BATCH_LAYOUTS[layout], *extra_args,
+                str(tiling.warps), mask.cxx, score.cxx_for(dtype_name), BATCH_LAYOUTS[layout], *extra_args,
             ),
             key=(f"{self.name}/{dtype_name}/hdim{tiling.head_dim_padded}"
                  f"/m{tiling.block_m}n{tiling.block_n}w{tiling.warps}/{mask.name}"

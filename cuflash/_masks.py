@@ -10,10 +10,17 @@ entry in ``MASKS`` or ``SCORE_TRANSFORMS`` (docs/kernel-policies.md).
 
 Positions are query rows ``i`` in ``[0, seqlen_q)`` and keys ``j`` in
 ``[0, seqlen_k)``; NumPy/CuPy arrays broadcast.
+
+Policies with run-time values (a window's sides, a soft cap, ALiBi slopes)
+are compiled once per policy; the values travel in the launch's
+``VariantParams`` (kernels_cu/params.cuh). A window's sides are bound to its
+``MaskPolicy`` (``window``); a transform's values come to its functions as
+``ScoreValues``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,29 +93,118 @@ class CausalMaskPolicy(MaskPolicy):
 
 
 @dataclass(frozen=True)
+class WindowMaskPolicy(MaskPolicy):
+    """A sliding window (FlashAttention-2's ``window_size``), bottom-right
+    aligned: row ``i`` sees key ``j`` iff ``i + off - left <= j <= i + off +
+    right``, ``off = seqlen_k - seqlen_q``; a side of -1 is unbounded.
+    ``window`` holds (left, right); C++ ``WindowMask``."""
+
+    window: tuple[int, int] = (-1, -1)
+
+    def with_window(self, left: int, right: int) -> "WindowMaskPolicy":
+        return dataclasses.replace(self, window=(int(left), int(right)))
+
+    def offsets(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+        """(first, last): row ``i`` sees keys ``[i + first, i + last]``; an
+        unbounded side reaches past every key (as the launcher sends it)."""
+        left, right = self.window
+        offset = seqlen_k - seqlen_q
+        return (offset - (seqlen_k if left < 0 else left), offset + (seqlen_q if right < 0 else right))
+
+    def rule(self, rows, keys, seqlen_q: int, seqlen_k: int):
+        first, last = self.offsets(seqlen_q, seqlen_k)
+        return (keys >= rows + first) & (keys <= rows + last)
+
+    def key_blocks(self, m_start: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> range:
+        first_offset, last_offset = self.offsets(seqlen_q, seqlen_k)
+        first = max(0, m_start + first_offset)
+        last = min(min(m_start + block_m, seqlen_q) - 1 + last_offset, seqlen_k - 1)
+        return range(0) if last < first else range(first // block_n, last // block_n + 1)
+
+    def query_blocks(self, n_start: int, block_n: int, block_m: int, seqlen_q: int, seqlen_k: int) -> range:
+        first_offset, last_offset = self.offsets(seqlen_q, seqlen_k)
+        first = max(0, n_start - last_offset)
+        last = min(seqlen_q - 1, min(n_start + block_n, seqlen_k) - 1 - first_offset)
+        return range(0) if last < first else range(first // block_m, last // block_m + 1)
+
+
+@dataclass(frozen=True)
+class ScoreValues:
+    """The run-time values of a score transform, in raw-score units (the
+    kernels' ``VariantParams``): the soft cap ``softcap / softmax_scale``, the
+    ALiBi slopes over ``softmax_scale`` (broadcastable against the scores
+    they shift: (b, h, 1, 1) against (b, h, q, k)) and ``seqlen_k -
+    seqlen_q``."""
+
+    cap: float = 0.0
+    raw_slopes: object = 0.0
+    diagonal_offset: int = 0
+
+    def alibi_bias(self, rows, keys):
+        return -self.raw_slopes * abs(rows + self.diagonal_offset - keys)
+
+
+@dataclass(frozen=True)
 class ScoreTransform:
     """A function of the raw score ``s = q . k`` (raw-score units: the
     kernels scale it by ``softmax_scale`` afterwards), applied before the mask
-    and softmax, and its derivative given the transformed value."""
+    and softmax, and its derivative given the transformed value. Both take
+    the call's ``ScoreValues`` last."""
 
     name: str
-    cxx: str  #: the C++ struct in kernels_cu/score_transforms.cuh
-    transform: Callable  #: (raw, rows, keys) -> transformed
-    gradient: Callable  #: (transformed, rows, keys) -> d transformed / d raw
+    #: the C++ struct in kernels_cu/score_transforms.cuh; ``{precise}`` is
+    #: replaced by whether the inputs are float32 (``cxx_for``)
+    cxx: str
+    transform: Callable  #: (raw, rows, keys, values) -> transformed
+    gradient: Callable  #: (transformed, rows, keys, values) -> d transformed / d raw
     is_identity: bool = False
+    #: the same function for every query head and position: grouped-query
+    #: decoding may fold heads into rows (``cuflash.api.decode_shape``)
+    position_free: bool = True
+    #: reads the ALiBi slopes (``VariantParams::alibi_slopes``)
+    reads_slopes: bool = False
+
+    def cxx_for(self, dtype_name: str) -> str:
+        """The C++ type for inputs of ``dtype_name`` (float32 takes the precise tanh)."""
+        return self.cxx.format(precise="true" if dtype_name == "float32" else "false")
 
 
-#: Masks by name; the public ``causal`` flag picks "causal" or "none".
+def _softcap(raw, values: ScoreValues):
+    # np.tanh dispatches to CuPy for CuPy arrays (__array_ufunc__).
+    return values.cap * np.tanh(raw / values.cap)
+
+
+def _softcap_gradient(transformed, values: ScoreValues):
+    return 1.0 - (transformed / values.cap) ** 2
+
+
+#: Masks by name; the public ``causal`` flag picks "causal" or "none", a
+#: ``window_size`` "window" (``mask_for``).
 MASKS: dict[str, MaskPolicy] = {
     "none": MaskPolicy("none", "cuflash::NoMask", dq_turns="rotated"),
     "causal": CausalMaskPolicy("causal", "cuflash::CausalMask", later_rows_see_more=True,
                                dq_turns="last-key-first"),
+    "window": WindowMaskPolicy("window", "cuflash::WindowMask", dq_turns="last-key-first"),
 }
 
-#: Score transforms by name.
+#: Score transforms by name; the public ``softcap`` and ``alibi_slopes`` pick
+#: one (``score_for``).
 SCORE_TRANSFORMS: dict[str, ScoreTransform] = {
-    "identity": ScoreTransform("identity", "cuflash::IdentityScore", transform=lambda s, rows, keys: s,
-                               gradient=lambda t, rows, keys: 1.0, is_identity=True),
+    "identity": ScoreTransform("identity", "cuflash::IdentityScore", transform=lambda s, rows, keys, values: s,
+                               gradient=lambda t, rows, keys, values: 1.0, is_identity=True),
+    "softcap": ScoreTransform(
+        "softcap", "cuflash::SoftcapScore<{precise}>",
+        transform=lambda s, rows, keys, values: _softcap(s, values),
+        gradient=lambda t, rows, keys, values: _softcap_gradient(t, values)),
+    "alibi": ScoreTransform(
+        "alibi", "cuflash::WithAlibi<cuflash::IdentityScore>",
+        transform=lambda s, rows, keys, values: s + values.alibi_bias(rows, keys),
+        gradient=lambda t, rows, keys, values: 1.0, position_free=False, reads_slopes=True),
+    "softcap-alibi": ScoreTransform(
+        "softcap-alibi", "cuflash::WithAlibi<cuflash::SoftcapScore<{precise}>>",
+        transform=lambda s, rows, keys, values: _softcap(s, values) + values.alibi_bias(rows, keys),
+        gradient=lambda t, rows, keys, values: _softcap_gradient(t - values.alibi_bias(rows, keys), values),
+        position_free=False, reads_slopes=True),
 }
 
 
@@ -142,6 +238,15 @@ def score_transform_named(name: str) -> ScoreTransform:
     return _named(SCORE_TRANSFORMS, "score transform", name)
 
 
-def mask_for(causal: bool) -> MaskPolicy:
-    """The policy of the public ``causal`` flag."""
-    return MASKS["causal" if causal else "none"]
+def mask_for(causal: bool, window: tuple[int, int] | None = None) -> MaskPolicy:
+    """The policy of the public ``causal`` flag, or of a window (left, right)
+    (sides of -1 unbounded; ``causal`` makes the right side 0)."""
+    if window is None:
+        return MASKS["causal" if causal else "none"]
+    return MASKS["window"].with_window(window[0], 0 if causal else window[1])
+
+
+def score_for(softcap: bool, alibi: bool) -> ScoreTransform:
+    """The transform of a call with a soft cap and / or ALiBi slopes."""
+    return SCORE_TRANSFORMS[{(False, False): "identity", (True, False): "softcap", (False, True): "alibi",
+                              (True, True): "softcap-alibi"}[bool(softcap), bool(alibi)]]

@@ -31,6 +31,17 @@ PROBLEM_SIZE = np.dtype(
     align=True,
 )
 
+#: VariantParams: the run-time values of the mask and score policies
+#: (window sides, soft cap, ALiBi slopes), 0 where a call has none.
+VARIANT_PARAMS = np.dtype(
+    [("window_left", _INDEX), ("window_right", _INDEX), ("softcap", np.float64), ("alibi_slopes", _POINTER),
+     ("alibi_batch_stride", _INDEX), ("inverse_scale", np.float64)],
+    align=True,
+)
+
+#: VariantParams of a call with no window, soft cap or ALiBi.
+NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0)
+
 FORWARD_PARAMS = np.dtype(
     [
         *[(name, TENSOR_REF) for name in ("q", "k", "v", "out")],
@@ -43,6 +54,7 @@ FORWARD_PARAMS = np.dtype(
         ("num_splits", _INDEX),
         ("out_split_stride", _INDEX),
         ("lse_split_stride", _INDEX),
+        ("variant", VARIANT_PARAMS),
     ],
     align=True,
 )
@@ -96,6 +108,7 @@ BACKWARD_PARAMS = np.dtype(
         ("rotate_walks", _INDEX),
         ("softmax_scale_log2", np.float64),
         ("softmax_scale", np.float64),
+        ("variant", VARIANT_PARAMS),
     ],
     align=True,
 )
@@ -124,8 +137,8 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 6 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 6 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._masks import MaskPolicy, ScoreTransform, mask_for, mask_named, score_transform_named
+from ._masks import MaskPolicy, ScoreTransform, mask_for, mask_named, score_for, score_transform_named
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
@@ -74,16 +74,27 @@ class AttentionProblem:
     #: or contiguous with per-entry key counts; seqlen_k is then the cache's
     #: capacity per entry. None: K and V are dense (batch, seqlen_k) arrays.
     kv_cache: "KvCache | None" = None
+    #: a sliding window (left, right) that is neither full nor causal
+    #: attention (``check_variants`` puts windows that are into ``causal``);
+    #: a side of -1 is unbounded
+    window: tuple[int, int] | None = None
+    #: the soft cap of the scaled scores; 0: none
+    softcap: float = 0.0
+    #: ALiBi: the slopes' batch stride in elements (0: one slope per head);
+    #: None: no ALiBi
+    alibi_batch_stride: int | None = None
 
     @property
     def mask(self) -> MaskPolicy:
         """The mask policy the kernels are instantiated with."""
-        return mask_for(self.causal) if self.mask_name is None else mask_named(self.mask_name)
+        return mask_for(self.causal, self.window) if self.mask_name is None else mask_named(self.mask_name)
 
     @property
     def score(self) -> ScoreTransform:
         """The score transform the kernels are instantiated with."""
-        return score_transform_named("identity" if self.score_name is None else self.score_name)
+        if self.score_name is not None:
+            return score_transform_named(self.score_name)
+        return score_for(self.softcap > 0, self.alibi_batch_stride is not None)
 
     @property
     def packed(self) -> bool:
@@ -271,6 +282,82 @@ def check_forward(q: TensorMeta, k: TensorMeta, v: TensorMeta, out: TensorMeta |
         softmax_scale=resolve_softmax_scale(softmax_scale, head_dim) if head_dim else 0.0,
         causal=check_causal(causal), fp32_precision=check_fp32_precision(fp32_precision),
     )
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """``window_size``: a pair (left, right) of ints from -1 (-1: unbounded)."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, -1 for an unbounded side, got "
+                        f"{window_size!r}")
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"window_size's {side} side must be an int, got {type(value).__name__} {value!r}")
+        if not -1 <= value <= _INT32_MAX:
+            raise ValueError(f"window_size's {side} side must be -1 (unbounded) or from 0 to 2**31 - 1, got "
+                             f"{value}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    """``softcap``: a finite real number >= 0 (0: no soft cap)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 for none), got {type(softcap).__name__} {softcap!r}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 for none), got {value}")
+    return value
+
+
+def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0.0,
+                   alibi_slopes: TensorMeta | None = None) -> AttentionProblem:
+    """``problem`` (its lengths final: a packed batch's longest) with the
+    variants of the call: a sliding window (FlashAttention-2's semantics:
+    ``causal`` makes its right side 0; a window that hides nothing becomes
+    full attention, one that is causal becomes ``causal``, whose kernels are
+    leaner), a soft cap, ALiBi slopes ((nheads,) or (batch, nheads) float32,
+    contiguous, on q's GPU). Raises ``TypeError`` or ``ValueError`` naming
+    the argument, what was expected and what came."""
+    left, right = check_window(window_size)
+    softcap = check_softcap(softcap)
+    if problem.causal:
+        right = 0
+    # A side that reaches every key of every row is unbounded.
+    if left >= problem.seqlen_k - 1:
+        left = -1
+    if right >= problem.seqlen_q - 1:
+        right = -1
+    causal, window = problem.causal, None
+    if (left, right) == (-1, 0):
+        causal = True
+    elif (left, right) != (-1, -1):
+        causal, window = False, (left, right)
+        if problem.seqlen_q + problem.seqlen_k > _INT32_MAX:
+            raise ValueError(f"a window_size needs seqlen_q + seqlen_k below 2**31, got "
+                             f"{problem.seqlen_q + problem.seqlen_k}")
+    alibi_batch_stride = None
+    if alibi_slopes is not None:
+        alibi_batch_stride = _check_alibi_slopes(alibi_slopes, problem)
+    if (softcap or alibi_slopes is not None) and problem.softmax_scale == 0:
+        raise ValueError("softcap and alibi_slopes need a softmax_scale other than 0 (they act on the scaled "
+                         "scores, which a scale of 0 makes all 0)")
+    return dataclasses.replace(problem, causal=causal, window=window, softcap=softcap,
+                               alibi_batch_stride=alibi_batch_stride)
+
+
+def _check_alibi_slopes(slopes: TensorMeta, problem: AttentionProblem) -> int:
+    """ALiBi slopes: (nheads,) or (batch, nheads) float32, contiguous, on q's
+    GPU; returns their batch stride (0 for one slope per head)."""
+    if slopes.dtype != "float32":
+        raise TypeError(f"alibi_slopes must have dtype float32, got {slopes.dtype}")
+    per_head, per_entry = (problem.nheads,), (problem.batch, problem.nheads)
+    if slopes.shape not in (per_head, per_entry):
+        raise ValueError(f"alibi_slopes must have shape (nheads,) = {per_head} or (batch, nheads) = {per_entry}, "
+                         f"got {slopes.shape}")
+    if 0 not in slopes.shape and slopes.strides != contiguous_strides(slopes.shape):
+        raise ValueError(f"alibi_slopes must be C-contiguous, got strides {slopes.strides} (in elements)")
+    if slopes.device != problem.device:
+        raise ValueError(f"alibi_slopes is on GPU {slopes.device} but q is on GPU {problem.device}")
+    return problem.nheads if len(slopes.shape) == 2 else 0
 
 
 def _check_forward_outputs(q: TensorMeta, out: TensorMeta | None, lse: TensorMeta | None) -> None:

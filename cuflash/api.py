@@ -35,7 +35,7 @@ from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_
                       decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
-                          check_packing, contiguous_strides, meta_of, packed_problem, KvCacheCall)
+                          check_packing, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -44,10 +44,12 @@ _ELEMENTWISE_BLOCKS = 4096
 
 #: Arrays of a forward call, in the order of the plan's pointer slots: the
 #: split-KV work buffers (``forward_work_buffers``) last.
-FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k")
+FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k",
+                  "alibi_slopes")
 #: The sequence offsets of a variable-length call (0, a null pointer, in a
-#: dense one): slots of every plan, after its arrays.
-_PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k")
+#: dense one) and the ALiBi slopes (0 without ALiBi): slots of every plan,
+#: after its arrays.
+_PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slopes")
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
 #: and with it (struct 0 the forward kernel's, writing the partial results;
 #: struct 1 the merge kernel's).
@@ -64,17 +66,19 @@ KVCACHE_ARRAYS = FORWARD_ARRAYS + ("seqused_k", "block_table", "k_new", "v_new",
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
 BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore",
-                   "cu_seqlens_q", "cu_seqlens_k")
+                   "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
                   "dq_accum", "dq_semaphore", *_PACKING_SLOTS)
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
-#: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS: the 16-byte alignment of
-#: their pointers decides the kernel, so it is part of a call's signature.
+#: indices into FORWARD_ARRAYS / BACKWARD_ARRAYS / KVCACHE_ARRAYS /
+#: MERGE_ARRAYS: the 16-byte alignment of their pointers decides the kernel,
+#: so it is part of a call's signature.
 _ALIGNED_ARRAYS = {
     "merge": (0,),  # partial: float32 partials are read 16 bytes at a time where aligned
-    "forward": (0, 1, 2, 3),  # q, k, v, out
-    "backward": (0, 1, 2, 3, 7, 8),  # dout, q, k, v, dk, dv
-    "kvcache": (0, 1, 2, 3, 11, 12),  # q, k_cache, v_cache, out, k_new, v_new
+    "forward": tuple(FORWARD_ARRAYS.index(name) for name in ("q", "k", "v", "out")),
+    "backward": tuple(BACKWARD_ARRAYS.index(name) for name in ("dout", "q", "k", "v", "dk", "dv")),
+    # k and v: k_cache and v_cache
+    "kvcache": tuple(KVCACHE_ARRAYS.index(name) for name in ("q", "k", "v", "out", "k_new", "v_new")),
 }
 
 #: Plans by call signature, for every framework.
@@ -120,6 +124,41 @@ class CachedCall:
         self.plan.launch(pointers, self.stream())
 
 
+@dataclass(frozen=True)
+class Variants:
+    """A call's attention variants as given (``check_variants`` validates
+    them): a sliding window, a soft cap, ALiBi slopes (an array; None where
+    the slopes travel among a call's arrays)."""
+
+    window_size: object = (-1, -1)
+    softcap: object = 0.0
+    alibi_slopes: object = None
+
+    def applied(self, problem: AttentionProblem, alibi_slopes=None) -> AttentionProblem:
+        """``problem`` with these variants, the slopes' ``TensorMeta`` given."""
+        return check_variants(problem, window_size=self.window_size, softcap=self.softcap,
+                              alibi_slopes=alibi_slopes)
+
+
+def _variant_flags(window_size, softcap) -> tuple:
+    """The variants' part of a call's plan-cache flags (the slopes are an array of the call)."""
+    return window_size.__class__, window_size, softcap.__class__, softcap
+
+
+def _variant_fields(problem: AttentionProblem) -> tuple:
+    """VariantParams (kernels_cu/params.cuh) of a validated problem, the
+    slopes' pointer 0 (a plan slot writes each call's): a window's sides as
+    the kernels take them (an unbounded side reaches past every key), the
+    soft cap and ALiBi's scale in raw-score units."""
+    left, right = problem.window or (0, 0)
+    if problem.window is not None:
+        left = problem.seqlen_k if left < 0 else left
+        right = problem.seqlen_q if right < 0 else right
+    scale = problem.softmax_scale
+    return (left, right, problem.softcap / scale if problem.softcap else 0.0, 0, problem.alibi_batch_stride or 0,
+            1.0 / scale if scale else 0.0)
+
+
 def pointers_aligned(kind: str, pointers: list) -> bool:
     """Whether the pointers the ``kind`` ("forward", "backward") kernels copy
     in 16-byte chunks are 16-byte aligned (``pointers`` in the order of
@@ -155,8 +194,8 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
     return True
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, out=None, lse=None,
-              fp32_precision="ieee", num_splits=None):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              return_lse=False, out=None, lse=None, fp32_precision="ieee", num_splits=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -172,6 +211,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
             j <= i + seqlen_k - seqlen_q. A query that sees no key gets output 0
             and log-sum-exp -inf.
         softmax_scale: scale of q.k; default 1 / sqrt(head_dim).
+        window_size: (left, right) sliding window, FlashAttention-2's: query i
+            sees key j iff i + off - left <= j <= i + off + right, with
+            off = seqlen_k - seqlen_q (bottom-right aligned); -1 leaves a side
+            unbounded; with ``causal`` the right side is 0. Key blocks outside
+            every row's window are skipped: the cost follows the window.
+        softcap: > 0 caps the scaled scores s as softcap * tanh(s / softcap)
+            (Gemma 2) before the softmax; 0 (default) none.
+        alibi_slopes: optional (nheads,) or (batch, nheads) float32 array on
+            q's GPU: ALiBi adds -slope * |i + off - j| to the scaled score of
+            query i and key j (after any soft cap).
         return_lse: also return the log-sum-exp of each query row.
         out: optional (batch, seqlen_q, nheads, head_dim) array of q's dtype to
             write the output into (not for JAX, whose arrays are immutable).
@@ -198,19 +247,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False, ou
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    arrays = [q, k, v, out, lse, None, None, None, None]
+    arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
-             fp32_precision, num_splits.__class__, num_splits)
+             fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
+                                    variants=Variants(window_size, softcap, alibi_slopes),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
-def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-                       dq=None, dk=None, dv=None):
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention`` with respect to q, k and v, recomputing the
     attention probabilities tile by tile from the forward's log-sum-exp
     (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
@@ -221,7 +271,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out: (batch, seqlen_q, nheads, head_dim) the forward's output.
         lse: (batch, nheads, seqlen_q) float32, the forward's log-sum-exp
             (``attention(..., return_lse=True)``).
-        causal, softmax_scale: as given to the forward.
+        causal, softmax_scale, window_size, softcap, alibi_slopes: as given
+            to the forward.
         deterministic: if True, dq is bitwise identical from run to run (dQ is
             summed in a fixed order instead of with float32 atomics: on the
             tensor-core backwards the key blocks add in turn, at 0.73-0.90x
@@ -236,19 +287,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-             deterministic)
+             deterministic, *_variant_flags(window_size, softcap))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
-                                     deterministic=deterministic,
+                                     deterministic=deterministic, variants=Variants(window_size, softcap),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, return_lse=False, out=None, lse=None, fp32_precision="ieee"):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
+                     out=None, lse=None, fp32_precision="ieee"):
     """``attention`` of a variable-length batch: sequences of different
     lengths packed one after another, with no padding (FlashAttention-2's
     ``flash_attn_varlen_func`` layout). Sequence b's queries are rows
@@ -269,6 +321,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             computed, and a backward leaves the keys past max_seqlen_k
             without gradients).
         causal: bottom-right aligned within each sequence, as in ``attention``.
+        window_size, softcap: as for ``attention``, within each sequence.
+        alibi_slopes: (nheads,) or (batch, nheads) float32, sequence b's
+            slopes row b.
         softmax_scale, fp32_precision: as for ``attention``.
         return_lse: also return the log-sum-exp, (nheads, total_q) float32.
         out: optional (total_q, nheads, head_dim) array of q's dtype;
@@ -278,27 +333,31 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``out`` (total_q, nheads, head_dim), or ``(out, lse)``. Rows of q past
         ``cu_seqlens_q[batch]`` are not written.
     """
-    arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k]
+    arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
-             fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k)
+             fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
+             *_variant_flags(window_size, softcap))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision,
+                                    variants=Variants(window_size, softcap, alibi_slopes),
                                     packing=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              causal=False, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None):
+                              causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention_varlen`` with respect to q, k and v.
 
     Args:
         dout, out: (total_q, nheads, head_dim); q, k, v, the offsets and
             longest lengths as given to ``attention_varlen``; lse its
             (nheads, total_q) log-sum-exp (``return_lse=True``).
-        causal, softmax_scale, deterministic: as for ``attention_backward``.
+        causal, softmax_scale, window_size, softcap, alibi_slopes,
+            deterministic: as for ``attention_backward``.
         dq, dk, dv: optional arrays shaped and typed like q, k, v.
 
     Returns:
@@ -306,19 +365,22 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         ``cu_seqlens_q[batch]``; dk and dv are not written past
         ``cu_seqlens_k[batch]``.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-             deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k)
+             deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
+             *_variant_flags(window_size, softcap))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic, packing=(max_seqlen_q, max_seqlen_k),
+                                     variants=Variants(window_size, softcap),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache_seqlens=None, block_table=None,
-                           causal=False, softmax_scale=None, return_lse=False, num_splits=None, out=None, lse=None):
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           return_lse=False, num_splits=None, out=None, lse=None):
     """``attention`` of new queries against a KV cache (decoding, chunked
     prefill, speculative decoding), optionally appending the new tokens'
     keys and values to the cache first, in the same call.
@@ -347,7 +409,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         causal: bottom-right aligned per entry: query i of entry b sees key j
             iff j <= i + seqlen_k[b] - seqlen_q, seqlen_k[b] its keys after
             the append.
-        softmax_scale, return_lse, out, lse: as for ``attention``.
+        softmax_scale, window_size, softcap, alibi_slopes, return_lse, out,
+            lse: as for ``attention``, each entry's keys those after the append.
         num_splits: as for ``attention`` (decoding's split-KV; None chooses
             from the device's SM count and the cache's capacity).
 
@@ -357,23 +420,27 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         and log-sum-exp -inf.
     """
     lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
-    arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, None, block_table, k_new, v_new, lengths]
+    arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, alibi_slopes, None, block_table, k_new, v_new,
+              lengths]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, num_splits.__class__, num_splits,
-             "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens))
+             "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens),
+             *_variant_flags(window_size, softcap))
     key, pointers = _signature("kvcache", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_kvcache(
             {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new, "v_new": v_new,
-             "block_table": block_table, "cache_seqlens": lengths},
+             "block_table": block_table, "cache_seqlens": lengths, "alibi_slopes": alibi_slopes},
             cache_seqlens=cache_seqlens, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-            out=out, lse=lse, signature=functools.partial(_signature, "kvcache", arrays, flags))
+            variants=Variants(window_size, softcap), out=out, lse=lse,
+            signature=functools.partial(_signature, "kvcache", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
-def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, num_splits, out, lse,
-                       signature) -> list:
+def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, num_splits, variants: "Variants",
+                       out, lse, signature) -> list:
     """The full path of a KV-cache call (``inputs``: its arrays by name, None
-    where not given). Returns the arrays of ``KVCACHE_ARRAYS`` in q's framework."""
+    where not given; ``variants`` without the slopes, which are among
+    ``inputs``). Returns the arrays of ``KVCACHE_ARRAYS`` in q's framework."""
     arrays = {name: x for name, x in inputs.items() if x is not None}
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
@@ -381,6 +448,7 @@ def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, nu
         call = check_kv_cache(metas["q"], metas["k_cache"], metas["v_cache"], metas.get("k_new"), metas.get("v_new"),
                               metas.get("cache_seqlens", cache_seqlens), metas.get("block_table"), metas.get("out"),
                               metas.get("lse"), causal=causal, softmax_scale=softmax_scale)
+        call = dataclasses.replace(call, problem=variants.applied(call.problem, metas.get("alibi_slopes")))
         problem = call.problem
         natives = {"k": inputs["k_cache"], "v": inputs["v_cache"]} | arrays | given
         allocated = {}
@@ -626,7 +694,7 @@ def _element_strides(view) -> tuple[int, ...]:
 
 
 def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee",
-                       num_splits=None, packing=None) -> list:
+                       num_splits=None, packing=None, variants: Variants = Variants()) -> list:
     """The full path of a forward call: validation, plan, launch.
     ``packing``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     of a variable-length call. Returns the arrays of ``FORWARD_ARRAYS`` in
@@ -634,9 +702,12 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
     arrays = {"q": q, "k": k, "v": v}
     if packing is not None:
         arrays |= {"cu_seqlens_q": packing[0], "cu_seqlens_k": packing[1]}
+    if variants.alibi_slopes is not None:
+        arrays["alibi_slopes"] = variants.alibi_slopes
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
+        slopes = metas.pop("alibi_slopes", None)
         if packing is not None:
             metas, packed, batch = _packed_metas(metas, packing[2:], {"out": "q"})
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
@@ -644,6 +715,7 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
                                 fp32_precision=fp32_precision)
         if packing is not None:
             problem = packed_problem(problem, batch, packed)
+        problem = variants.applied(problem, slopes)
         natives = dict(arrays) | given
         allocated = {}
         lse_shape = ((problem.nheads, problem.total_q) if problem.packed else
@@ -690,16 +762,21 @@ def _kernel_layouts(views: dict, names: tuple[str, ...], packed: bool) -> dict:
     return {name: Layout.of(views[name][None] if packed else views[name]) for name in names}
 
 
-def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature, packing=None) -> list:
-    """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``;
-    ``packing``: (max_seqlen_q, max_seqlen_k) of a variable-length call.
-    Returns the arrays of ``BACKWARD_ARRAYS`` in q's framework."""
+def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature, packing=None,
+                        variants: Variants = Variants()) -> list:
+    """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``
+    (the ALiBi slopes among them); ``packing``: (max_seqlen_q, max_seqlen_k)
+    of a variable-length call. Returns the arrays of ``BACKWARD_ARRAYS`` in
+    q's framework."""
     inputs = dict(zip(BACKWARD_ARRAYS[:6], arrays[:6]))
     if packing is not None:
-        inputs |= dict(zip(BACKWARD_ARRAYS[12:], arrays[12:]))
+        inputs |= dict(zip(BACKWARD_ARRAYS[12:14], arrays[12:14]))
+    if arrays[14] is not None:
+        inputs["alibi_slopes"] = arrays[14]
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
+        slopes = metas.pop("alibi_slopes", None)
         if packing is not None:
             metas, packed, batch = _packed_metas(
                 metas, packing, {"dout": "q", "out": "q", "dq": "q", "dk": "k", "dv": "v"})
@@ -710,6 +787,7 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         )
         if packing is not None:
             problem = packed_problem(problem, batch, packed)
+        problem = variants.applied(problem, slopes)
         natives = inputs | given
         allocated = {}
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
@@ -839,7 +917,7 @@ def decode_shape(problem: AttentionProblem, layouts: dict) -> DecodeShape:
     Other calls keep their shape."""
     group = problem.nheads // max(problem.nheads_k, 1)
     packable = (problem.seqlen_q == 1 and group > 1 and problem.mask.name in ("none", "causal")
-                and problem.score.is_identity and not problem.packed)
+                and problem.score.position_free and not problem.packed)
     if not packable:
         return DecodeShape(problem, layouts, problem.tensor_seqlen_q, False)
     packed = dataclasses.replace(problem, seqlen_q=group, nheads=problem.nheads_k, causal=False, mask_name=None)
@@ -969,6 +1047,7 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         num_splits=1,
         out_split_stride=0,
         lse_split_stride=0,
+        variant=_variant_fields(problem),
     )
     tensor_maps = []
     if hopper and not problem.is_empty:
@@ -1008,6 +1087,7 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         num_splits=splits,
         out_split_stride=b * sq * h * d,
         lse_split_stride=b * h * sq,
+        variant=_variant_fields(problem),
     )
     merge_params, merge = _merge_launch(
         problem.device, "float32", problem.dtype, splits, _size_fields(problem), out=tensor_ref(layouts["out"]),
@@ -1140,6 +1220,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         rotate_walks=int(rotated),
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
+        variant=_variant_fields(problem),
     )
     hopper = dkdv_tiling.kernel == "wgmma"
     # The element-wise kernels take the BackwardParams at the start of the

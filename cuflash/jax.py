@@ -34,6 +34,9 @@ from ._validation import (
     check_deterministic,
     check_forward,
     check_fp32_precision,
+    check_softcap,
+    check_variants,
+    check_window,
     contiguous_strides,
 )
 
@@ -48,12 +51,15 @@ __all__ = ["attention", "JIT_SUPPORTED"]
 JIT_SUPPORTED = buffer_callback is not None
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False, fp32_precision="ieee"):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              deterministic=False, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for JAX arrays, eager or traced.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
     head_dim), nheads_k dividing nheads; float16, bfloat16 or float32 on a
-    CUDA GPU. Causal masking is bottom-right aligned. ``deterministic``: the
+    CUDA GPU. Causal masking is bottom-right aligned. ``window_size``,
+    ``softcap`` and ``alibi_slopes`` ((nheads,) or (batch, nheads) float32,
+    not differentiated) as for ``cuflash.attention``. ``deterministic``: the
     backward's dq is bitwise repeatable (as ``cuflash.attention_backward``).
     ``fp32_precision``: as for ``cuflash.attention`` (float32 forward; the
     backward is exact float32).
@@ -62,11 +68,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, deterministic=False,
     """
     causal, deterministic = check_causal(causal), check_deterministic(deterministic)
     fp32_precision = check_fp32_precision(fp32_precision)
+    flags = (causal, check_window(window_size), check_softcap(softcap))
     if not JIT_SUPPORTED:
-        return _eager(q, k, v, causal, softmax_scale, deterministic, fp32_precision)
+        return _eager(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision)
     problem = check_forward(*(_meta(name, x) for name, x in (("q", q), ("k", k), ("v", v))), None,
                             causal=causal, softmax_scale=softmax_scale)
-    return _attention(q, k, v, causal, problem.softmax_scale, deterministic, fp32_precision)
+    if alibi_slopes is not None:
+        check_variants(problem, alibi_slopes=_meta("alibi_slopes", alibi_slopes))
+        # One slope per (batch entry, head): vmapped axes then fold into the batch like q's.
+        alibi_slopes = jax.numpy.broadcast_to(alibi_slopes, (problem.batch, problem.nheads))
+    check_variants(problem, window_size=flags[1], softcap=flags[2])
+    return _attention(q, k, v, alibi_slopes, flags, problem.softmax_scale, deterministic, fp32_precision)
 
 
 def _meta(name: str, x) -> TensorMeta:
@@ -92,20 +104,23 @@ def _check_platform(name: str, x) -> None:
 
 # --- traced route: buffer_callback ---
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _attention(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
-    return _forward_call(q, k, v, causal, softmax_scale, fp32_precision)[0]
+# ``flags``: (causal, window_size, softcap); the ALiBi slopes (or None) are
+# an argument without a gradient (custom_vjp gives it a zero one).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _attention(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+    return _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision)[0]
 
 
-def _attention_fwd(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
-    out, lse = _forward_call(q, k, v, causal, softmax_scale, fp32_precision)
-    return out, (q, k, v, out, lse)
+def _attention_fwd(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+    out, lse = _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision)
+    return out, (q, k, v, alibi_slopes, out, lse)
 
 
-def _attention_bwd(causal, softmax_scale, deterministic, fp32_precision, residuals, dout):
-    q, k, v, out, lse = residuals
-    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)[:3]
-    return dq, dk, dv
+def _attention_bwd(flags, softmax_scale, deterministic, fp32_precision, residuals, dout):
+    q, k, v, alibi_slopes, out, lse = residuals
+    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, flags, softmax_scale, deterministic)[:3]
+    return dq, dk, dv, None if alibi_slopes is None else jax.numpy.zeros_like(alibi_slopes)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -115,49 +130,57 @@ def _shape_dtype(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _forward_call(q, k, v, causal, softmax_scale, fp32_precision):
+def _with_slopes(arrays: tuple, alibi_slopes) -> tuple:
+    return arrays if alibi_slopes is None else (*arrays, alibi_slopes)
+
+
+def _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     results = (_shape_dtype(q.shape, q.dtype), _shape_dtype((batch, nheads, seqlen_q), np.float32))
-    callback = _forward_callback(causal, softmax_scale, fp32_precision)
-    return buffer_callback(callback, results, vmap_method="broadcast_all")(q, k, v)
+    callback = _forward_callback(flags, softmax_scale, fp32_precision)
+    return buffer_callback(callback, results, vmap_method="broadcast_all")(*_with_slopes((q, k, v), alibi_slopes))
 
 
-def _backward_call(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _backward_call(dout, q, k, v, out, lse, alibi_slopes, flags, softmax_scale, deterministic):
     # The work buffers (api.backward_work_buffers) are extra outputs that
     # XLA allocates and nothing reads afterwards. Which dK/dV kernel runs is
     # known only at launch (it depends on the buffers' alignment), so every
     # buffer any of them could need is made.
     results = [_shape_dtype(x.shape, x.dtype) for x in (q, k, v)]
     results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in _work_buffers(q.shape).values()]
-    callback = _backward_callback(causal, softmax_scale, deterministic)
-    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(dout, q, k, v, out, lse)
+    callback = _backward_callback(flags, softmax_scale, deterministic)
+    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(
+        *_with_slopes((dout, q, k, v, out, lse), alibi_slopes))
 
 
 # One callback object per set of flags: the callback is a static parameter of
 # the primitive, so a fresh closure per call would recompile every eager call.
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(causal: bool, softmax_scale: float, fp32_precision: str):
-    def callback(ctx, outputs, q, k, v):
+def _forward_callback(flags: tuple, softmax_scale: float, fp32_precision: str):
+    def callback(ctx, outputs, q, k, v, alibi_slopes=None):
         out, lse = outputs
-        _launch(("forward", causal, softmax_scale, fp32_precision), ctx.stream, [q, k, v, out, lse],
-                api.FORWARD_ARRAYS)
+        _launch(("forward", flags, softmax_scale, fp32_precision), ctx.stream,
+                dict(q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes), api.FORWARD_ARRAYS)
     return callback
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(causal: bool, softmax_scale: float, deterministic: bool):
-    def callback(ctx, outputs, dout, q, k, v, out, lse):
-        buffers = [dout, q, k, v, out, lse, *outputs]
-        _launch(("backward", causal, softmax_scale, deterministic), ctx.stream, buffers, api.BACKWARD_ARRAYS)
+def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool):
+    def callback(ctx, outputs, dout, q, k, v, out, lse, alibi_slopes=None):
+        buffers = dict(zip(api.BACKWARD_ARRAYS, (dout, q, k, v, out, lse, *outputs)))
+        _launch(("backward", flags, softmax_scale, deterministic), ctx.stream,
+                buffers | {"alibi_slopes": alibi_slopes}, api.BACKWARD_ARRAYS)
     return callback
 
 
-def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) -> None:
+def _launch(flags: tuple, stream: int, buffers: dict, names: tuple[str, ...]) -> None:
     """Runs the plan of these buffers (XLA's, C-contiguous; any leading
-    vmapped axes fold into the batch) on XLA's ``stream``."""
+    vmapped axes fold into the batch; by name, any of ``names`` absent) on
+    XLA's ``stream``."""
     pointers, shapes = [], []
-    for name, buffer in zip(names, buffers):
+    for name in names:
+        buffer = buffers.get(name)
         if buffer is None:
             pointers.append(0)
             shapes.append(None)
@@ -167,10 +190,9 @@ def _launch(flags: tuple, stream: int, buffers: list, names: tuple[str, ...]) ->
             raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
         pointers.append(interface["data"][0])
         shapes.append(tuple(buffer.shape))
-    q = names.index("q")
-    dtype = np.dtype(buffers[q].dtype).name
+    dtype = np.dtype(buffers["q"].dtype).name
     with gpu_access():  # JAX runs here; the CuPy build may not
-        device = _device_of_pointer(pointers[q])
+        device = _device_of_pointer(pointers[names.index("q")])
     aligned = api.pointers_aligned(flags[0], pointers)
     key = ("jax", flags, tuple(shapes), dtype, device, aligned)
     plan = api.plans.get(key)
@@ -216,43 +238,52 @@ _WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):
     """The launch plan of one buffer signature (validated again, now with
     the folded shapes and the device)."""
-    trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2}
+    trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1}
     metas = {}
     for name, shape in zip(names, shapes):
         if shape is not None:
             folded = _folded(shape, trailing.get(name, 3))
             metas[name] = TensorMeta(name, folded, contiguous_strides(folded), _WORK_DTYPES.get(name, dtype), device)
+    slopes = metas.pop("alibi_slopes", None)
     layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()
                if name != "dq_semaphore"}
-    if flags[0] == "forward":
-        _, causal, scale, fp32_precision = flags
+    kind, (causal, window_size, softcap), scale, option = flags
+    if kind == "forward":
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,
-                                softmax_scale=scale, lse=metas["lse"], fp32_precision=fp32_precision)
+                                softmax_scale=scale, lse=metas["lse"], fp32_precision=option)
+        problem = check_variants(problem, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
         # No split-KV under JAX: its buffers are declared before the plan is known.
         return api.forward_plan(problem, layouts, aligned=aligned, num_splits=1)
-    _, causal, scale, deterministic = flags
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
-                             causal=causal, softmax_scale=scale, deterministic=deterministic)
-    return api.backward_plan(problem, layouts, layouts["lse"], deterministic, aligned=aligned)
+                             causal=causal, softmax_scale=scale, deterministic=option)
+    problem = check_variants(problem, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned)
 
 
 # --- eager route for a JAX without buffer_callback ---
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _eager(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, fp32_precision=fp32_precision)
+def _variant_kwargs(flags: tuple, alibi_slopes) -> dict:
+    causal, window_size, softcap = flags
+    return dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def _eager_fwd(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
-    out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                             fp32_precision=fp32_precision)
-    return out, (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _eager(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+    return api.attention(q, k, v, softmax_scale=softmax_scale, fp32_precision=fp32_precision,
+                         **_variant_kwargs(flags, alibi_slopes))
 
 
-def _eager_bwd(causal, softmax_scale, deterministic, fp32_precision, residuals, dout):
-    q, k, v, out, lse = residuals
-    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                  deterministic=deterministic)
+def _eager_fwd(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+    out, lse = api.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, fp32_precision=fp32_precision,
+                             **_variant_kwargs(flags, alibi_slopes))
+    return out, (q, k, v, alibi_slopes, out, lse)
+
+
+def _eager_bwd(flags, softmax_scale, deterministic, fp32_precision, residuals, dout):
+    q, k, v, alibi_slopes, out, lse = residuals
+    dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
+                                        deterministic=deterministic, **_variant_kwargs(flags, alibi_slopes))
+    return dq, dk, dv, None if alibi_slopes is None else jax.numpy.zeros_like(alibi_slopes)
 
 
 _eager.defvjp(_eager_fwd, _eager_bwd)

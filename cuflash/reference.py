@@ -10,8 +10,9 @@ skipping), so the tiled algorithms themselves are checked on the CPU. All take
 arrays alike.
 
 Masks and score transforms are the policies of ``cuflash._masks``: every
-function takes ``causal`` (the public flag) or a ``mask`` policy, and a
-``score`` transform (identity by default).
+function takes the public arguments (``causal``, ``window_size``,
+``softcap``, ``alibi_slopes``: the same semantics as ``cuflash.attention``)
+or a ``mask`` policy and a ``score`` transform directly.
 
 Bad input raises the ``TypeError`` or ``ValueError`` that ``cuflash.attention``
 raises for it (wrong rank, mismatched sizes or heads, head_dim 0, a
@@ -27,9 +28,9 @@ import math
 import numpy as np
 
 from ._kernel_families import select
-from ._masks import MASKS, SCORE_TRANSFORMS, MaskPolicy, ScoreTransform, mask_for
+from ._masks import MASKS, MaskPolicy, ScoreTransform, ScoreValues, mask_for, score_for
 from ._tiling import MAX_HEAD_DIM, Tiling, backward_tiling, forward_tiling
-from ._validation import check_causal, check_rank, check_sizes, resolve_softmax_scale
+from ._validation import check_causal, check_rank, check_sizes, check_softcap, check_window, resolve_softmax_scale
 
 _LOG2E = math.log2(math.e)
 #: FragmentOnlineSoftmax::kRescaleSlack (kernels_cu/online_softmax.cuh), log2 units.
@@ -68,19 +69,39 @@ def causal_mask(seqlen_q: int, seqlen_k: int, xp=np):
     return MASKS["causal"].matrix(seqlen_q, seqlen_k, xp)
 
 
-def _policies(causal: bool, mask: MaskPolicy | None, score: ScoreTransform | None):
-    """The mask (``mask`` if given, else the one of ``causal``) and score transform of a call."""
-    return (mask_for(causal) if mask is None else mask), (SCORE_TRANSFORMS["identity"] if score is None else score)
+class _Variants:
+    """A reference call's mask, score transform and the transform's values:
+    from the public arguments, or the ``mask`` / ``score`` policies given."""
+
+    def __init__(self, q, k, *, causal, scale, window_size, softcap, alibi_slopes, mask, score, xp):
+        window = check_window(window_size)
+        softcap = check_softcap(softcap)
+        self.mask = mask if mask is not None else mask_for(causal, None if window == (-1, -1) else window)
+        self.score = score if score is not None else score_for(softcap > 0, alibi_slopes is not None)
+        batch, nheads = q.shape[0], q.shape[2]
+        slopes = 0.0
+        if alibi_slopes is not None:
+            slopes = xp.broadcast_to(xp.asarray(alibi_slopes, dtype=xp.float64), (batch, nheads)) / scale
+        self._slopes = slopes  # (b, h) in raw-score units
+        self._cap = softcap / scale if softcap else 0.0
+        self._offset = k.shape[1] - q.shape[1]
+
+    def values(self, head: int | None = None) -> ScoreValues:
+        """The transform's values against scores (b, h, q, k), or (b, q, k) of one head."""
+        slopes = self._slopes
+        if not isinstance(slopes, float):
+            slopes = slopes[:, :, None, None] if head is None else slopes[:, head, None, None]
+        return ScoreValues(cap=self._cap, raw_slopes=slopes, diagonal_offset=self._offset)
 
 
-def _transformed_scores(q, k_all, score: ScoreTransform, xp):
+def _transformed_scores(q, k_all, variants: _Variants, xp):
     """Scores q.k (b, h, q, k) after the score transform, raw-score units."""
     raw = xp.einsum("bqhd,bkhd->bhqk", q, k_all)
-    if score.is_identity:
+    if variants.score.is_identity:
         return raw
     rows = xp.arange(q.shape[1])[:, None]
     keys = xp.arange(k_all.shape[1])[None, :]
-    return score.transform(raw, rows, keys)
+    return variants.score.transform(raw, rows, keys, variants.values())
 
 
 def _expand_kv_heads(x, nheads: int, xp):
@@ -88,13 +109,13 @@ def _expand_kv_heads(x, nheads: int, xp):
     return xp.repeat(x, nheads // x.shape[2], axis=2)
 
 
-def _softmax_probabilities(q, k_all, *, mask: MaskPolicy, score: ScoreTransform, scale, xp):
+def _softmax_probabilities(q, k_all, *, variants: _Variants, scale, xp):
     """Normalised probabilities (b, h, q, k) of the naive formula, and the
     row max and sum behind them. Rows that see no key have max -inf and
     sum 0: their probabilities are all zero, not NaN."""
     seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
-    scores = _transformed_scores(q, k_all, score, xp) * scale
-    scores = xp.where(mask.matrix(seqlen_q, seqlen_k, xp), scores, -xp.inf)
+    scores = _transformed_scores(q, k_all, variants, xp) * scale
+    scores = xp.where(variants.mask.matrix(seqlen_q, seqlen_k, xp), scores, -xp.inf)
     if seqlen_k:
         row_max = scores.max(axis=-1, keepdims=True)
     else:
@@ -106,8 +127,8 @@ def _softmax_probabilities(q, k_all, *, mask: MaskPolicy, score: ScoreTransform,
     return probs / xp.where(row_sum > 0, row_sum, 1.0), safe_max, row_sum
 
 
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None, mask: MaskPolicy | None = None,
-                        score: ScoreTransform | None = None):
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                        alibi_slopes=None, mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
     """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
     nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
     key gets output 0 and lse -inf."""
@@ -115,9 +136,10 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, mask: Mask
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     nheads = q.shape[2]
-    mask, score = _policies(causal, mask, score)
+    variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp)
     probs, safe_max, row_sum = _softmax_probabilities(
-        q, _expand_kv_heads(k, nheads, xp), mask=mask, score=score, scale=scale, xp=xp)
+        q, _expand_kv_heads(k, nheads, xp), variants=variants, scale=scale, xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, _expand_kv_heads(v, nheads, xp))
     nonempty = row_sum > 0
     lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
@@ -125,7 +147,8 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, mask: Mask
 
 
 def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling | None = None,
-                    dtype_name: str = "float16", mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
+                    dtype_name: str = "float16", window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
     """NumPy float64 emulation of cuflash's forward kernel.
 
     Walks the same query blocks and key blocks as the kernel (tiles of
@@ -145,7 +168,9 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     seqlen_k = k.shape[1]
     if tiling is None:
         tiling = select("forward", dtype_name, head_dim)
-    mask, score = _policies(causal, mask, score)
+    variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=np)
+    mask, score, values = variants.mask, variants.score, variants.values()
     scale_log2 = scale * _LOG2E
     k = _expand_kv_heads(k, nheads, np).transpose(0, 2, 1, 3)  # (b, h, sk, d)
     v = _expand_kv_heads(v, nheads, np).transpose(0, 2, 1, 3)
@@ -167,7 +192,7 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
             keys = np.arange(n_block * block_n, min((n_block + 1) * block_n, seqlen_k))
             scores = np.einsum("bhqd,bhkd->bhqk", q_block, k[:, :, keys])
             if not score.is_identity:
-                scores = score.transform(scores, rows[:, None], keys[None, :])
+                scores = score.transform(scores, rows[:, None], keys[None, :], values)
             visible = mask.rule(rows[:, None], keys[None, :], seqlen_q, seqlen_k)
             scores = np.where(visible, scores * scale_log2, -np.inf)
             # The reference (kept in row_max) moves only when the block's max
@@ -190,7 +215,8 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
     return out.transpose(0, 2, 1, 3), lse, visited
 
 
-def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, mask: MaskPolicy | None = None,
+def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                                 softcap=0.0, alibi_slopes=None, mask: MaskPolicy | None = None,
                                  score: ScoreTransform | None = None):
     """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
     With grouped-query attention dk and dv are summed over the query heads
@@ -202,8 +228,10 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     k_all = _expand_kv_heads(k, nheads, xp)
     v_all = _expand_kv_heads(v, nheads, xp)
-    mask, score = _policies(causal, mask, score)
-    probs, _, _ = _softmax_probabilities(q, k_all, mask=mask, score=score, scale=scale, xp=xp)
+    variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp)
+    score = variants.score
+    probs, _, _ = _softmax_probabilities(q, k_all, variants=variants, scale=scale, xp=xp)
     out = xp.einsum("bhqk,bkhd->bqhd", probs, v_all)
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (b, h, q, 1)
     dprobs = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)
@@ -211,7 +239,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     if not score.is_identity:  # chain rule through the transform
         rows = xp.arange(seqlen_q)[:, None]
         keys = xp.arange(seqlen_k)[None, :]
-        dscores = dscores * score.gradient(_transformed_scores(q, k_all, score, xp), rows, keys)
+        dscores = dscores * score.gradient(_transformed_scores(q, k_all, variants, xp), rows, keys, variants.values())
     dq = scale * xp.einsum("bhqk,bkhd->bqhd", dscores, k_all)
     group = nheads // nheads_k if nheads_k else 1
     dk = scale * xp.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
@@ -220,8 +248,8 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
 
 
 def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None, dtype_name: str = "float16",
-                             deterministic: bool = False, mask: MaskPolicy | None = None,
-                             score: ScoreTransform | None = None):
+                             deterministic: bool = False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
     """NumPy float64 emulation of cuflash's backward kernels.
 
     Runs ``attention_tiled`` for the output and LSE, then: delta =
@@ -241,9 +269,11 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     scale_log2 = scale * _LOG2E
-    mask, score = _policies(causal, mask, score)
+    variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=np)
+    mask, score = variants.mask, variants.score
     out, lse, _ = attention_tiled(q, k, v, softmax_scale=softmax_scale, dtype_name=dtype_name, mask=mask,
-                                  score=score)
+                                  score=score, softcap=softcap, alibi_slopes=alibi_slopes)
     lse_log2 = lse * _LOG2E  # (b, h, q); -inf for rows that see no key
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)  # (b, h, q)
     # (b, h, s, d) views
@@ -256,8 +286,9 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
     def probabilities_and_dscores(head, rows, keys):
         """Recomputed P and dS of a (rows x keys) tile, every batch entry at once."""
         scores = np.einsum("bqd,bkd->bqk", qt[:, head, rows], kt[:, head // group, keys])
+        values = variants.values(head)
         if not score.is_identity:
-            scores = score.transform(scores, rows[:, None], keys[None, :])
+            scores = score.transform(scores, rows[:, None], keys[None, :], values)
         visible = mask.rule(rows[:, None], keys[None, :], seqlen_q, seqlen_k)
         # masked entries are 0 explicitly: for a row that sees no key the
         # exponent would be -inf - -inf
@@ -266,7 +297,7 @@ def attention_backward_tiled(dout, q, k, v, *, causal=False, softmax_scale=None,
         dprobs = np.einsum("bqd,bkd->bqk", dot[:, head, rows], vt[:, head // group, keys])
         dscores = probs * (dprobs - delta[:, head, rows][..., None])
         if not score.is_identity:
-            dscores = dscores * score.gradient(scores, rows[:, None], keys[None, :])
+            dscores = dscores * score.gradient(scores, rows[:, None], keys[None, :], values)
         return probs, dscores
 
     tiling = backward_tiling(dtype_name, head_dim)
@@ -316,7 +347,8 @@ def kv_cache_keys(cache, lengths, block_table=None):
 
 
 def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_table=None, k_new=None, v_new=None,
-                                     causal=False, softmax_scale=None):
+                                     causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None):
     """Naive float64 ``attention_with_kvcache``: entry b's queries attend to
     the first ``lengths[b]`` keys of its cache (gathered through
     ``block_table`` where paged), followed by its ``k_new`` rows; ``(out,
@@ -328,7 +360,11 @@ def attention_with_kvcache_reference(q, k_cache, v_cache, lengths, *, block_tabl
         k, v = keys[b], values[b]
         if k_new is not None:
             k, v = xp.concatenate([k, k_new[b]]), xp.concatenate([v, v_new[b]])
-        out, lse = attention_reference(q[b:b + 1], k[None], v[None], causal=causal, softmax_scale=softmax_scale)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b:b + 1]
+        out, lse = attention_reference(q[b:b + 1], k[None], v[None], causal=causal, softmax_scale=softmax_scale,
+                                       window_size=window_size, softcap=softcap, alibi_slopes=slopes)
         outs.append(out)
         lses.append(lse)
     return xp.concatenate(outs), xp.concatenate(lses)

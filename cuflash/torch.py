@@ -18,26 +18,34 @@ call has compiled the kernels).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import api
 from ._interop import dense_strides_like, torch_device_error
-from ._validation import check_causal, check_deterministic, check_fp32_precision, resolve_softmax_scale
+from ._validation import (check_causal, check_deterministic, check_fp32_precision, check_softcap, check_window,
+                          resolve_softmax_scale)
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache"]
 
 
+# The variants travel through the custom ops as plain values (the schema
+# takes no tuples of mixed types): the window's sides, the soft cap, the
+# slopes or None.
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
                 deterministic: bool, fp32_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``deterministic`` is only carried to the backward."""
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                         fp32_precision=fp32_precision)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                         softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True, fp32_precision=fp32_precision)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, causal, softmax_scale, deterministic, fp32_precision):
+def _forward_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
+                  fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     # The real op lays out out like q (see cuflash._interop.dense_strides_like)
     # and returns a C-contiguous log-sum-exp.
@@ -48,39 +56,42 @@ def _empty_like_layout(x):
     return x.new_empty_strided(x.shape, dense_strides_like(tuple(x.shape), tuple(x.stride())))
 
 
+def _contiguous_gradient(dout):
+    # Autograd can hand over an expanded gradient (stride 0 everywhere, from
+    # a .sum()); the kernels need a contiguous last dimension.
+    return dout.contiguous() if dout.shape[-1] > 1 and dout.stride(-1) != 1 else dout
+
+
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, causal: bool, softmax_scale: float,
+                 lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                 softcap: float, alibi_slopes: Optional[torch.Tensor],
                  deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-        # Autograd can hand over an expanded gradient (stride 0 everywhere,
-        # from a .sum()); the kernels need a contiguous last dimension.
-        dout = dout.contiguous()
-    return api.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                  deterministic=deterministic)
+    return api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=causal,
+                                  softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                                  softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 @_backward_op.register_fake
-def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
+                   deterministic):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic, _ = inputs
+    q, k, v, *flags, alibi_slopes, deterministic, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.softmax_scale = softmax_scale
-    ctx.deterministic = deterministic
+    ctx.flags, ctx.alibi_slopes, ctx.deterministic = tuple(flags), alibi_slopes, deterministic
 
 
 def _backward(ctx, dout, dlse):
     # The log-sum-exp is an auxiliary output that the public functions never
     # return, so no gradient flows into it (dlse is None or zero).
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+    dq, dk, dv = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, *ctx.flags, ctx.alibi_slopes,
                                                       ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, *(None,) * 8
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -88,25 +99,30 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _AttentionFunction(torch.autograd.Function):
     """The eager route: cuflash's forward, and its backward from the saved
-    inputs, output and log-sum-exp."""
+    inputs, output and log-sum-exp. ``variants``: window_size, softcap and
+    alibi_slopes (not differentiated)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic, fp32_precision):
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+    def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision):
+        window_size, softcap, alibi_slopes = variants
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
                                  fp32_precision=fp32_precision)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.variants = variants
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()  # an expanded gradient (from a .sum()); see _backward_op
-        dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, causal=ctx.causal,
-                                            softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        window_size, softcap, alibi_slopes = ctx.variants
+        dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
+                                            softmax_scale=ctx.softmax_scale, window_size=window_size,
+                                            softcap=softcap, alibi_slopes=alibi_slopes,
+                                            deterministic=ctx.deterministic)
+        return dq, dk, dv, None, None, None, None, None
 
 
 #: How eager calls reach the kernels: "function" (``torch.autograd.Function``)
@@ -116,18 +132,27 @@ class _AttentionFunction(torch.autograd.Function):
 EAGER_ROUTE = "function"
 
 
-def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp32_precision="ieee"):
+#: No window, soft cap or ALiBi: (window_size, softcap, alibi_slopes).
+_NO_VARIANTS = ((-1, -1), 0.0, None)
+
+
+def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp32_precision="ieee",
+             variants=_NO_VARIANTS):
+    """``variants``: (window_size, softcap, alibi_slopes)."""
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
+    window_size, softcap, alibi_slopes = variants
     if route == "custom_op" or torch.compiler.is_compiling():
-        _check_cuda_tensors(("q", "k", "v"), (q, k, v))
+        _check_cuda_tensors(("q", "k", "v", "alibi_slopes"), (q, k, v, alibi_slopes))
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
-        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, deterministic,
+        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, *check_window(window_size),
+                                                   check_softcap(softcap), alibi_slopes, deterministic,
                                                    check_fp32_precision(fp32_precision))[0]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, deterministic, fp32_precision)
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, fp32_precision=fp32_precision)
+        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                         softcap=softcap, alibi_slopes=alibi_slopes, fp32_precision=fp32_precision)
 
 
 def _float32_precision_of_torch() -> str:
@@ -148,17 +173,22 @@ def _check_cuda_tensors(names: tuple[str, ...], tensors: tuple) -> None:
             raise torch_device_error(name, tensor)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, fp32_precision="ieee"):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              deterministic=False, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for PyTorch tensors.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
     head_dim), nheads_k dividing nheads. Causal masking is bottom-right
-    aligned (FlashAttention-2). ``fp32_precision`` as for ``cuflash.attention``
-    (float32 forward; the backward is exact float32). Returns the output
-    (batch, seqlen_q, nheads, head_dim); gradients flow to q, k and v through
-    cuflash's backward.
+    aligned (FlashAttention-2). ``window_size``, ``softcap``,
+    ``alibi_slopes`` ((nheads,) or (batch, nheads) float32 CUDA tensor, not
+    differentiated) and ``fp32_precision`` as for ``cuflash.attention``
+    (float32 forward; the backward is exact float32); ``deterministic`` as
+    for ``cuflash.attention_backward``. Returns the output (batch, seqlen_q,
+    nheads, head_dim); gradients flow to q, k and v through cuflash's
+    backward.
     """
-    return _forward(q, k, v, causal, softmax_scale, fp32_precision=fp32_precision)
+    return _forward(q, k, v, causal, softmax_scale, deterministic, fp32_precision=fp32_precision,
+                    variants=(window_size, softcap, alibi_slopes))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -207,24 +237,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """Drop-in for ``flash_attn.flash_attn_func`` (FlashAttention-2): q
     (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k,
     head_dim), bottom-right causal alignment, ``deterministic`` for a
-    bitwise-repeatable backward. Not supported yet (``NotImplementedError``):
-    dropout, sliding windows, softcapping, ALiBi, ``return_attn_probs``."""
-    _refuse_unsupported("flash_attn_func", dropout_p, window_size, softcap, alibi_slopes, return_attn_probs)
-    return _forward(q, k, v, causal, softmax_scale, deterministic)
+    bitwise-repeatable backward, sliding windows (``window_size``), soft
+    capping (``softcap``) and ALiBi (``alibi_slopes``) with FlashAttention-2's
+    semantics. Not supported yet (``NotImplementedError``): dropout,
+    ``return_attn_probs``."""
+    _refuse_unsupported("flash_attn_func", dropout_p, return_attn_probs)
+    return _forward(q, k, v, causal, softmax_scale, deterministic, variants=(window_size, softcap, alibi_slopes))
 
 
-def _refuse_unsupported(function: str, dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
-                        block_table=None) -> None:
+def _refuse_unsupported(function: str, dropout_p, return_attn_probs, block_table=None) -> None:
     """``NotImplementedError`` naming every FlashAttention-2 option a drop-in was given that cuflash lacks."""
     unsupported = []
     if dropout_p:
         unsupported.append(f"dropout_p={dropout_p}")
-    if tuple(window_size) != (-1, -1):
-        unsupported.append(f"window_size={tuple(window_size)}")
-    if softcap:
-        unsupported.append(f"softcap={softcap}")
-    if alibi_slopes is not None:
-        unsupported.append("alibi_slopes")
     if return_attn_probs:
         unsupported.append("return_attn_probs=True")
     if block_table is not None:
@@ -239,25 +264,28 @@ class _VarlenAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                deterministic):
+                variants, deterministic):
+        window_size, softcap, alibi_slopes = variants
         out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        causal=causal, softmax_scale=softmax_scale, return_lse=True)
+                                        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                        softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.lengths = (max_seqlen_q, max_seqlen_k)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.variants = variants
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        if dout.shape[-1] > 1 and dout.stride(-1) != 1:
-            dout = dout.contiguous()  # an expanded gradient (from a .sum()); see _backward_op
-        dq, dk, dv = api.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                   *ctx.lengths, causal=ctx.causal,
-                                                   softmax_scale=ctx.softmax_scale,
+        window_size, softcap, alibi_slopes = ctx.variants
+        dq, dk, dv = api.attention_varlen_backward(_contiguous_gradient(dout), q, k, v, out, lse, cu_seqlens_q,
+                                                   cu_seqlens_k, *ctx.lengths, causal=ctx.causal,
+                                                   softmax_scale=ctx.softmax_scale, window_size=window_size,
+                                                   softcap=softcap, alibi_slopes=alibi_slopes,
                                                    deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, *(None,) * 8
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -267,18 +295,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     packed q (total_q, nheads, head_dim), k and v (total_k, nheads_k,
     head_dim), int32 ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1) on the GPU
     and the longest lengths, as for ``cuflash.attention_varlen``;
-    differentiable (gradients to q, k and v). Not supported yet
-    (``NotImplementedError``): dropout, sliding windows, softcapping, ALiBi,
-    ``return_attn_probs``, ``block_table``."""
-    _refuse_unsupported("flash_attn_varlen_func", dropout_p, window_size, softcap, alibi_slopes, return_attn_probs,
-                        block_table)
+    differentiable (gradients to q, k and v); windows, soft capping and ALiBi
+    as in ``flash_attn_func``. Not supported yet (``NotImplementedError``):
+    dropout, ``return_attn_probs``, ``block_table``."""
+    _refuse_unsupported("flash_attn_varlen_func", dropout_p, return_attn_probs, block_table)
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              causal, softmax_scale, deterministic)
+                                              causal, softmax_scale, (window_size, softcap, alibi_slopes),
+                                              deterministic)
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                softmax_scale=softmax_scale)
+                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                                alibi_slopes=alibi_slopes)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -292,10 +321,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     nheads_k, head_dim) cache of any page size; ``k``/``v`` (batch,
     seqlen_new, nheads_k, head_dim) appended at ``cache_seqlens`` (an int or
     a (batch,) int32 tensor) in place; ``num_splits`` 0 chooses. Inference
-    only (no autograd). Not supported yet (``NotImplementedError``): rotary
-    embeddings, ``cache_batch_idx``, ``cache_leftpad``, sliding windows,
-    softcapping, ALiBi."""
-    _refuse_unsupported("flash_attn_with_kvcache", 0.0, window_size, softcap, alibi_slopes, False)
+    only (no autograd); windows, soft capping and ALiBi as in
+    ``flash_attn_func``. Not supported yet (``NotImplementedError``): rotary
+    embeddings, ``cache_batch_idx``, ``cache_leftpad``."""
     unsupported = [name for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
                                             ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad))
                    if value is not None]
@@ -306,4 +334,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = cache_seqlens.to(torch.int32)  # FlashAttention-2 takes int32 only; int64 is common
     return api.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                                       block_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                       return_lse=return_softmax_lse, num_splits=num_splits or None)

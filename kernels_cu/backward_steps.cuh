@@ -159,14 +159,16 @@ __device__ __forceinline__ void load_row_statistics(float* stats, const Backward
 // (load_row_statistics). S^T gets the score transform, then the mask, but
 // only in blocks that cross the causal diagonal or the end of either
 // sequence (scores to -inf, so P^T = 0 there); dS^T = P^T (dP^T - delta)
-// times the transform's derivative.
+// times the transform's derivative. `score`: the transform of the query
+// head of this step (BlockContext::score_of_head).
 template <int kBlockM, int kBlockN, typename Mask, typename Score, int kQTiles>
 __device__ __forceinline__ void transposed_probabilities_and_gradients(const BlockContext<Mask, Score>& ctx,
+                                                                       const Score& score,
                                                                        float (&s)[1][kQTiles][4],
                                                                        float (&dp)[1][kQTiles][4], const float* stats,
                                                                        int m_start, int query0, int n_start, int key0,
                                                                        int lane) {
-    apply_score_transform_transposed(ctx.score, s, key0, m_start + query0, lane);
+    apply_score_transform_transposed(score, s, key0, m_start + query0, lane);
     if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
         apply_mask_to_transposed_fragments(ctx.mask, s, key0, m_start + query0, lane);
     }
@@ -182,7 +184,7 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
             const float transformed = s[0][j][e];
             const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
             s[0][j][e] = p;
-            dp[0][j][e] = score_gradient(ctx.score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
+            dp[0][j][e] = score_gradient(score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
                                          m_start + col + e % 2, key0 + lane / 4 + (e / 2) * 8);
         }
     }

@@ -212,7 +212,8 @@ __device__ __forceinline__ KeyBlock key_block(const ProblemSize& size, index_t n
 }
 
 // What every attention kernel derives first from its parameters and its
-// block's sequences: the mask and score transform of those sequences, their
+// block's sequences: the mask and score transform of those sequences (the
+// score's for the block's query head, the first of a key block's), their
 // lengths, the head dim and the softmax scale in the log2 domain.
 template <typename Mask, typename Score>
 struct BlockContext {
@@ -222,13 +223,27 @@ struct BlockContext {
     float scale_log2;  // softmax_scale * log2(e)
 
     template <typename Params>
-    __device__ __forceinline__ BlockContext(const Params& params, const SequenceBounds& bounds)
-        : mask(bounds),
-          score(params),
+    __device__ __forceinline__ BlockContext(const Params& params, const QueryBlock& block)
+        : BlockContext(params, block, block.batch, block.head) {}
+    template <typename Params>
+    __device__ __forceinline__ BlockContext(const Params& params, const KeyBlock& block)
+        : BlockContext(params, block, block.batch, block.first_head) {}
+    template <typename Params>
+    __device__ __forceinline__ BlockContext(const Params& params, const SequenceBounds& bounds, index_t batch,
+                                            index_t head)
+        : mask(bounds, params.variant),
+          score(params.variant, bounds, batch, head),
           seqlen_q(mask.seqlen_q),
           seqlen_k(mask.seqlen_k),
           head_dim(params.size.head_dim_int()),
           scale_log2(static_cast<float>(params.softmax_scale_log2)) {}
+
+    // The score transform of query head `head` of the block's batch entry
+    // (a key block's walk visits every head of its K/V head).
+    template <typename Params>
+    __device__ __forceinline__ Score score_of_head(const Params& params, index_t batch, index_t head) const {
+        return Score(params.variant, mask, batch, head);
+    }
 };
 
 }  // namespace cuflash

@@ -191,7 +191,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             held.hand_on(thread);
         }
 
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats + buffer * 2 * kBlockM, m_start,
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.score_of_head(params, block.batch, head), s,
+                                                                 dp, stats + buffer * 2 * kBlockM, m_start,
                                                                  score_col0, n_start, n_start + warp_key0, lane);
         // P^T and dS^T rounded to the element type: dS^T to shared memory for
         // dQ, and both as the A operands of dV and dK, from registers, or

@@ -269,7 +269,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         pin_registers(dp_flat);
 
         const float* stats = reinterpret_cast<const float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, s, dp, stats, m_start, score_col0, n_start,
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.score_of_head(params, block.batch, walk.head),
+                                                                 s, dp, stats, m_start, score_col0, n_start,
                                                                  n_start + warp_key0, lane_index_now());
         // P^T and dS^T rounded to the element type: dS^T to shared memory for
         // dQ (same swizzle as the tiles), and both as the A operands of dV

@@ -107,7 +107,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         release_registers<kForwardProducerRegisters>();
         if (thread == 0) {
             const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-            const Mask mask(block);
+            const Mask mask(block, params.variant);
             const BlockRange key_range = mask.key_blocks(block.m_start, kBlockM, kBlockN);
             // Tensor-map coordinates are tensor rows: a packed batch's tiles
             // that run past a sequence's end copy the next sequence's rows,

@@ -2,7 +2,8 @@
 // the score matrix can be skipped or need no element masking.
 //
 // A mask is a small struct built per thread block from the two sequence
-// lengths (SequenceBounds, see block_info.cuh). Every kernel asks it the same questions:
+// lengths (SequenceBounds, see block_info.cuh) and the launch's run-time
+// policy values (VariantParams, params.cuh). Every kernel asks it the same questions:
 //   rule(row, key)               the mask's own rule, for a row and key inside
 //                                their sequences (bounds are checked apart)
 //   key_blocks(m_start, block_m, block_n)
@@ -36,6 +37,7 @@
 #pragma once
 
 #include "numeric.cuh"
+#include "params.cuh"
 
 namespace cuflash {
 
@@ -70,7 +72,7 @@ struct NoMask : SequenceBounds {
     static constexpr bool kLaterRowsSeeMore = false;
     static constexpr DqTurns kDqTurns = DqTurns::kRotated;
 
-    __device__ __forceinline__ explicit NoMask(SequenceBounds bounds) : SequenceBounds(bounds) {}
+    __device__ __forceinline__ NoMask(SequenceBounds bounds, const VariantParams&) : SequenceBounds(bounds) {}
     __device__ __forceinline__ bool rule(int, int) const { return true; }
     __device__ __forceinline__ NoMask rows_from(int first_row) const {
         NoMask shifted = *this;
@@ -95,7 +97,7 @@ struct CausalMask : SequenceBounds {
     static constexpr DqTurns kDqTurns = DqTurns::kLastKeyFirst;
     int diagonal_offset;  // row i sees keys up to i + diagonal_offset
 
-    __device__ __forceinline__ explicit CausalMask(SequenceBounds bounds)
+    __device__ __forceinline__ CausalMask(SequenceBounds bounds, const VariantParams&)
         : SequenceBounds(bounds), diagonal_offset(bounds.seqlen_k - bounds.seqlen_q) {}
 
     __device__ __forceinline__ bool rule(int row, int key) const { return key <= row + diagonal_offset; }
@@ -124,6 +126,57 @@ struct CausalMask : SequenceBounds {
     // beyond its diagonal.
     __device__ __forceinline__ bool rule_hides_keys(int first_row, int, int n_start, int block_n) const {
         return n_start + block_n - 1 > first_row + diagonal_offset;
+    }
+};
+
+// A sliding window (FlashAttention-2's window_size, causal being the window
+// (left, 0)), aligned to the bottom-right corner like CausalMask: with
+// off = seqlen_k - seqlen_q, row i sees key j iff
+// i + off - window_left <= j <= i + off + window_right. The launcher turns
+// an unbounded side (-1) into one that reaches past every key, so the sums
+// below stay far from int overflow. Rows whose window holds no key (it can
+// lie past either end) see nothing: output 0, log-sum-exp -inf.
+struct WindowMask : SequenceBounds {
+    static constexpr bool kLaterRowsSeeMore = false;
+    // Each row's keys are an interval whose ends move down with the row.
+    static constexpr DqTurns kDqTurns = DqTurns::kLastKeyFirst;
+    int first_offset;  // row i sees keys from i + first_offset
+    int last_offset;   // to i + last_offset
+
+    __device__ __forceinline__ WindowMask(SequenceBounds bounds, const VariantParams& variant)
+        : SequenceBounds(bounds),
+          first_offset(bounds.seqlen_k - bounds.seqlen_q - static_cast<int>(variant.window_left)),
+          last_offset(bounds.seqlen_k - bounds.seqlen_q + static_cast<int>(variant.window_right)) {}
+
+    __device__ __forceinline__ bool rule(int row, int key) const {
+        return key >= row + first_offset && key <= row + last_offset;
+    }
+    __device__ __forceinline__ WindowMask rows_from(int first_row) const {
+        WindowMask shifted = *this;
+        shifted.seqlen_q -= first_row;
+        shifted.first_offset += first_row;
+        shifted.last_offset += first_row;
+        return shifted;
+    }
+    // From the first row's first key to the last row's last key: the
+    // blocks outside every row's window are skipped, so the cost follows
+    // the window, not the sequence.
+    __device__ __forceinline__ BlockRange key_blocks(int m_start, int block_m, int block_n) const {
+        const int first = max(0, m_start + first_offset);
+        const int last = min(min(m_start + block_m, seqlen_q) - 1 + last_offset, seqlen_k - 1);
+        return last < first ? BlockRange{0, 0} : BlockRange{first / block_n, last / block_n + 1};
+    }
+    // From the first row that sees the block's first key to the last row
+    // that sees its last key.
+    __device__ __forceinline__ BlockRange query_blocks(int n_start, int block_n, int block_m) const {
+        const int first = max(0, n_start - last_offset);
+        const int last = min(seqlen_q - 1, min(n_start + block_n, seqlen_k) - 1 - first_offset);
+        return last < first ? BlockRange{0, 0} : BlockRange{first / block_m, last / block_m + 1};
+    }
+    // The group's first row sees the fewest late keys, its last row the
+    // fewest early ones.
+    __device__ __forceinline__ bool rule_hides_keys(int first_row, int rows, int n_start, int block_n) const {
+        return n_start + block_n - 1 > first_row + last_offset || n_start < first_row + rows - 1 + first_offset;
     }
 };
 

@@ -108,6 +108,16 @@ __device__ __forceinline__ float exp2_fast(float x) {
     return y;
 }
 
+// tanh with one MUFU.TANH (tanh.approx.f32, sm_75+, relative error about
+// 2^-11): the soft cap of 16-bit attention, whose scores a framework's own
+// implementation rounds to 2^-8 or 2^-11 anyway; one special-function op per
+// score beside the softmax's exp2 keeps the cap off the critical path.
+__device__ __forceinline__ float tanh_fast(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {
     return (a + b - 1) / b;

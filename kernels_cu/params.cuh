@@ -66,6 +66,28 @@ struct ProblemSize {
     __device__ __forceinline__ index_t tensor_seqlen_q() const { return packed() ? total_q : seqlen_q; }
 };
 
+// The run-time values of the mask and score policies (masks.cuh,
+// score_transforms.cuh), shared by the forward and backward parameters;
+// fields a call's policies do not read are 0.
+//   window_left, window_right  WindowMask: row i sees keys
+//                              [i + off - window_left, i + off + window_right],
+//                              off = seqlen_k - seqlen_q (the launcher turns an
+//                              unbounded side into one past every key)
+//   softcap                    SoftcapScore: the cap in raw-score units,
+//                              softcap / softmax_scale
+//   alibi_slopes               WithAlibi: float32 slopes, head h of batch
+//                              entry b at b * alibi_batch_stride + h
+//                              (stride 0: one slope per head)
+//   inverse_scale              1 / softmax_scale: WithAlibi's bias in
+//                              raw-score units
+struct VariantParams {
+    index_t window_left, window_right;
+    double softcap;
+    const float* alibi_slopes;
+    index_t alibi_batch_stride;
+    double inverse_scale;
+};
+
 struct ForwardParams {
     TensorRef q, k, v, out;
     float* lse;  // (batch, nheads, seqlen_q)
@@ -79,6 +101,7 @@ struct ForwardParams {
     // s * lse_split_stride elements, which merge_states.cu combines by their
     // log-sum-exp. 1, 0 and 0 for every other launch.
     index_t num_splits, out_split_stride, lse_split_stride;
+    VariantParams variant;
 
     // Log-sum-exp of (batch, head), indexed by query row.
     __device__ __forceinline__ float* lse_row(index_t batch, index_t head) const {
@@ -102,11 +125,12 @@ struct WgmmaForwardParams : ForwardParams {
     TensorMap q_map, k_map, v_map;
 };
 
+static_assert(sizeof(VariantParams) == 6 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 320 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 384 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8,
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 6 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -165,6 +189,7 @@ struct BackwardParams {
     index_t rotate_walks;  // 1: key block j walks a head's query blocks from j (QueryBlockWalk, dq_turn)
     double softmax_scale_log2;  // softmax_scale * log2(e)
     double softmax_scale;
+    VariantParams variant;
 
     // The forward's log-sum-exp and delta of (batch, head) of the tensors,
     // indexed by query row.
@@ -183,7 +208,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 6 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the

@@ -36,19 +36,20 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
 
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
 // key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
-// the row exists.
+// the row exists; `score` the transform of the row's head.
 struct ScoreGradient {
     float p, ds;
 };
 
 template <typename Mask, typename Score>
-__device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockContext<Mask, Score>& ctx, float qk,
-                                                                  float dp, int row, int key, bool row_valid,
-                                                                  float lse_log2, float delta) {
+__device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockContext<Mask, Score>& ctx,
+                                                                  const Score& score, float qk, float dp, int row,
+                                                                  int key, bool row_valid, float lse_log2,
+                                                                  float delta) {
     const bool visible = row_valid && key_visible(ctx.mask, row, key);
-    const float s = transformed_score(ctx.score, qk, row, key);
+    const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
-    return {p, score_gradient(ctx.score, p, dp, delta, s, row, key)};
+    return {p, score_gradient(score, p, dp, delta, s, row, key)};
 }
 
 }  // namespace cuflash

@@ -2,8 +2,10 @@
 // visible part of the score matrix before the mask and the softmax, and its
 // derivative, which every backward multiplies into dS.
 //
-// A transform is a small struct built per thread block from the launch's
-// parameters, with
+// A transform is a small struct built from the launch's run-time policy
+// values (VariantParams, params.cuh), the block's sequence lengths and the
+// batch entry and query head it scores (the backward's key blocks, which
+// walk every query head of a K/V head, build one per head), with
 //   kIsIdentity                      true only for IdentityScore: the kernels
 //                                    then skip both hooks at compile time
 //   transform(raw, row, key)         the transformed score, in raw-score units:
@@ -25,10 +27,66 @@ namespace cuflash {
 struct IdentityScore {
     static constexpr bool kIsIdentity = true;
 
-    template <typename Params>
-    __device__ __forceinline__ explicit IdentityScore(const Params&) {}
+    __device__ __forceinline__ IdentityScore(const VariantParams&, SequenceBounds, index_t, index_t) {}
     __device__ __forceinline__ float transform(float raw, int, int) const { return raw; }
     __device__ __forceinline__ float gradient(float, int, int) const { return 1.0f; }
+};
+
+// Soft capping (Gemma 2, Grok): the scaled score s becomes
+// softcap * tanh(s / softcap), bounded by the cap. In raw-score units, with
+// cap = softcap / softmax_scale (VariantParams::softcap): t = cap * tanh(raw / cap),
+// whose derivative 1 - tanh^2 = 1 - (t / cap)^2 comes from t alone.
+// kPreciseTanh: float32 inputs take tanhf, as exact as their float32
+// baseline asks; 16-bit ones one MUFU.TANH (tanh_fast).
+template <bool kPreciseTanh>
+struct SoftcapScore {
+    static constexpr bool kIsIdentity = false;
+    float cap, inverse_cap;
+
+    __device__ __forceinline__ SoftcapScore(const VariantParams& variant, SequenceBounds, index_t, index_t)
+        : cap(static_cast<float>(variant.softcap)), inverse_cap(static_cast<float>(1.0 / variant.softcap)) {}
+    __device__ __forceinline__ float transform(float raw, int, int) const {
+        return cap * (kPreciseTanh ? tanhf(raw * inverse_cap) : tanh_fast(raw * inverse_cap));
+    }
+    __device__ __forceinline__ float gradient(float transformed, int, int) const {
+        const float t = transformed * inverse_cap;
+        return fmaf(-t, t, 1.0f);
+    }
+};
+
+// ALiBi (Press et al.) after the `Inner` transform: the scaled score gains
+// -slope * |i + seqlen_k - seqlen_q - j| (FlashAttention-2's bias, aligned
+// to the bottom-right corner like the masks; under a causal mask the
+// distance is the one to the diagonal), the slope that of the block's
+// batch entry and head. The bias is added in raw-score units (divided by
+// softmax_scale), and the inner transform's derivative is taken at the
+// value before it.
+template <typename Inner>
+struct WithAlibi {
+    static constexpr bool kIsIdentity = false;
+    Inner inner;
+    float raw_slope;       // slope / softmax_scale, the bias per key of distance
+    int diagonal_offset;   // seqlen_k - seqlen_q
+
+    __device__ __forceinline__ WithAlibi(const VariantParams& variant, SequenceBounds bounds, index_t batch,
+                                         index_t head)
+        : inner(variant, bounds, batch, head),
+          raw_slope(variant.alibi_slopes[batch * variant.alibi_batch_stride + head] *
+                    static_cast<float>(variant.inverse_scale)),
+          diagonal_offset(bounds.seqlen_k - bounds.seqlen_q) {}
+    __device__ __forceinline__ float bias(int row, int key) const {
+        return -raw_slope * static_cast<float>(abs(row + diagonal_offset - key));
+    }
+    __device__ __forceinline__ float transform(float raw, int row, int key) const {
+        return inner.transform(raw, row, key) + bias(row, key);
+    }
+    __device__ __forceinline__ float gradient(float transformed, int row, int key) const {
+        if constexpr (Inner::kIsIdentity) {
+            return 1.0f;
+        } else {
+            return inner.gradient(transformed - bias(row, key), row, key);
+        }
+    }
 };
 
 // Transforms a warp's raw S fragments in place (rows from row0, keys from key0).

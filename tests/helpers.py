@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cuflash._masks import MASKS
+from cuflash._masks import mask_for
 
 #: Tests that compile CUDA with the toolkit's nvcc (no GPU needed).
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -48,19 +48,44 @@ def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype,
     return make(seqlen_q, nheads), make(seqlen_k, nheads_k), make(seqlen_k, nheads_k)
 
 
-def _same_precision_probabilities(q, k_all, *, causal, softmax_scale):
-    """Probabilities as a framework's unfused low-precision attention makes
-    them: scores accumulated in float32 and rounded to the input dtype, the
-    softmax in float32, the result rounded to the input dtype (returned as
-    float32 holding those rounded values)."""
+def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None):
+    """Scaled scores (b, h, q, k) as a framework's unfused low-precision
+    attention makes them, and the soft-capped ones' tanh (None without a cap):
+    q.k accumulated in float32 and rounded to the input dtype, scaled, each
+    variant applied in float32 and rounded to the input dtype (Gemma 2's
+    cap, ALiBi's bias), then the mask."""
     import cupy
 
     dtype = q.dtype
+    rnd = lambda x: x.astype(dtype).astype(cupy.float32)  # noqa: E731
     scores = cupy.einsum("bqhd,bkhd->bhqk", q.astype(cupy.float32), k_all.astype(cupy.float32))
-    scores = scores.astype(dtype).astype(cupy.float32) * softmax_scale
+    scores = rnd(scores) * softmax_scale
     seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
-    if causal:
-        scores = cupy.where(MASKS["causal"].matrix(seqlen_q, seqlen_k, cupy), scores, -cupy.inf)
+    tanh = None
+    if softcap:
+        tanh = rnd(cupy.tanh(scores / softcap))
+        scores = rnd(softcap * tanh)
+    if alibi_slopes is not None:
+        slopes = cupy.broadcast_to(cupy.asarray(alibi_slopes, dtype=cupy.float32), scores.shape[:2])
+        distance = cupy.abs(cupy.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - cupy.arange(seqlen_k)[None, :])
+        scores = rnd(scores - slopes[:, :, None, None] * distance.astype(cupy.float32))
+    window = tuple(window_size)
+    mask = mask_for(causal, None if window == (-1, -1) else window)
+    if mask.name != "none":
+        scores = cupy.where(mask.matrix(seqlen_q, seqlen_k, cupy), scores, -cupy.inf)
+    return scores, tanh
+
+
+def _same_precision_probabilities(q, k_all, *, causal, softmax_scale, **variants):
+    """Probabilities as a framework's unfused low-precision attention makes
+    them: scores as ``_same_precision_scores``, the softmax in float32, the
+    result rounded to the input dtype (returned as float32 holding those
+    rounded values). ``variants``: window_size, softcap, alibi_slopes."""
+    import cupy
+
+    dtype = q.dtype
+    scores, _ = _same_precision_scores(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = cupy.where(cupy.isneginf(row_max), 0.0, row_max)
     probs = cupy.exp(scores - row_max)
@@ -68,16 +93,17 @@ def _same_precision_probabilities(q, k_all, *, causal, softmax_scale):
     return (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype).astype(cupy.float32)
 
 
-def naive_attention_same_precision(q, k, v, *, causal, softmax_scale):
+def naive_attention_same_precision(q, k, v, *, causal, softmax_scale, **variants):
     """Attention the naive way in the inputs' own precision (CuPy): each
     matrix product accumulates in float32 and is rounded to the input dtype,
     as a framework's unfused bf16/fp16 attention does. Its error against
-    float64 is the yardstick for cuflash's low-precision error."""
+    float64 is the yardstick for cuflash's low-precision error.
+    ``variants``: window_size, softcap, alibi_slopes (as ``cuflash.attention``'s)."""
     import cupy
 
     group = q.shape[2] // k.shape[2]
     probs = _same_precision_probabilities(q, cupy.repeat(k, group, axis=2), causal=causal,
-                                          softmax_scale=softmax_scale)
+                                          softmax_scale=softmax_scale, **variants)
     v_all = cupy.repeat(v, group, axis=2).astype(cupy.float32)
     return cupy.einsum("bhqk,bkhd->bqhd", probs, v_all).astype(q.dtype)
 
@@ -134,11 +160,12 @@ def assert_output_accurate(out, ref, baseline=None):
     assert err <= 2 * base_err + ABS_FLOOR, f"max error {err:.3g} > 2 x baseline {base_err:.3g} + {ABS_FLOOR}"
 
 
-def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_scale):
+def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_scale, **variants):
     """Gradients the naive way in the inputs' own precision (CuPy): every
     product accumulates in float32 and is rounded to the input dtype, as a
     framework's unfused bf16/fp16 attention backward does. Its error against
-    float64 is the yardstick for cuflash's low-precision gradients."""
+    float64 is the yardstick for cuflash's low-precision gradients.
+    ``variants``: window_size, softcap, alibi_slopes."""
     import cupy
 
     dtype = q.dtype
@@ -148,13 +175,16 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_sc
     group = nheads // nheads_k
     k_all = cupy.repeat(k, group, axis=2)
     v_all = cupy.repeat(v, group, axis=2)
-    probs = _same_precision_probabilities(q, k_all, causal=causal, softmax_scale=softmax_scale)
+    probs = _same_precision_probabilities(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
     out = f32(rnd(cupy.einsum("bhqk,bkhd->bqhd", probs, f32(v_all))))
     dout32 = f32(dout)
     dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", probs, dout32).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
     dprobs = f32(rnd(cupy.einsum("bqhd,bkhd->bhqk", dout32, f32(v_all))))
     delta = (dout32 * out).sum(axis=-1).transpose(0, 2, 1)[..., None]
     dscores = f32(rnd(probs * (dprobs - delta)))
+    _, tanh = _same_precision_scores(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
+    if tanh is not None:  # through the soft cap: d/ds softcap tanh(s / softcap) = 1 - tanh^2
+        dscores = f32(rnd(dscores * (1 - tanh * tanh)))
     dq = rnd(softmax_scale * cupy.einsum("bhqk,bkhd->bqhd", dscores, f32(k_all)))
     dk = rnd(softmax_scale * cupy.einsum("bhqk,bqhd->bkhd", dscores, f32(q)).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
     return dq, dk, dv

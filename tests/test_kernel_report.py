@@ -43,23 +43,27 @@ def test_every_variant_compiles_and_is_reported():
             # The SIMT kernels are not the fast path; a few bytes of spill in a
             # few of them are tolerated here (see the closing notes), not more.
             assert row["spill_stores"] <= 64, row
-    # float16, bfloat16, float32 (3xTF32), and float32's Hopper tile at 256;
-    # the 16-bit decode tiles without and with split-KV (20 not already there);
-    # packed batches on every tile but the decode ones (38); KV caches,
-    # contiguous and paged, on every 16-bit tile, decode ones included (2 x 64)
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 78 + 38 + 2 * 64
-    assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 38
+    # 39 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
+    # tile at 256; the 16-bit decode tiles without and with split-KV (10 not
+    # already there); each with the three masks and, in dense batches, the
+    # heaviest policies (a window with soft cap and ALiBi); packed batches on
+    # every tiling but the decode ones (19 x 3 masks); KV caches, contiguous
+    # and paged, on every 16-bit tiling, decode ones included (2 x 32 x 3)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 39 * 4 + 19 * 3 + 2 * 32 * 3
+    assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 19 * 3
     for layout in ("/cache/", "/paged/"):
-        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 64
+        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 32 * 3
+    assert sum("/window/softcap-alibi" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 39
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
     assert sum(row["variant"].startswith("merge-states/") for row in rows) == 10
-    # head dims 32/64/96/128/192/256, the 128-row tiles of 32/64 for rows
-    # ending mid-sector and d128's short-sequence tile; two dtypes, two
-    # masks, dense and packed batches
-    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 36 * 2
-    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 48 * 2  # atomic and ordered dQ
+    # 18 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
+    # for rows ending mid-sector and d128's short-sequence tile, two dtypes;
+    # three masks and the heaviest policies dense, three masks packed
+    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 18 * (4 + 3)
+    # 12 tilings, atomic and ordered dQ
+    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 12 * (4 + 3) * 2
 
 
 def test_hopper_only_variants_are_left_out_of_other_architectures():
@@ -96,11 +100,13 @@ def test_fast_path_spill_gate_command_line(only):
     result = subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--arch", "sm_90a",
                              "--only", only, "--fail-on-spill"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    # causal and not, dense and packed; the backward in both dQ modes
-    # (atomic, ordered); the mma.sync forward's decode tiles without and with
-    # split-KV beside its own (dense only), and all three for KV caches,
-    # contiguous and paged (12); the Hopper forward's short-sequence tile
-    expected = {"forward-mma": 8 + 12, "forward-wgmma": 8, "backward-dkdv-wgmma": 8}[only.split("/")[0]]
+    # the three masks (and the heaviest policies dense), dense and packed;
+    # the backward in both dQ modes (atomic, ordered); the mma.sync forward's
+    # decode tiles without and with split-KV beside its own (dense only), and
+    # all three for KV caches, contiguous and paged; the Hopper forward's
+    # short-sequence tile
+    expected = {"forward-mma": 3 * 4 + 3 + 2 * 3 * 3, "forward-wgmma": 2 * (4 + 3),
+                "backward-dkdv-wgmma": (4 + 3) * 2}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
 
@@ -113,5 +119,6 @@ def test_report_command_line_on_a_subset():
 
     rows = json.loads(result.stdout)
     assert {r["variant"] for r in rows} == {f"forward/bfloat16/hdim128/m32n64w4/{mask}{layout}"
-                                           for mask in ("none", "causal") for layout in ("", "/packed")}
+                                           for mask in ("none", "causal", "window") for layout in ("", "/packed")
+                                           } | {"forward/bfloat16/hdim128/m32n64w4/window/softcap-alibi"}
     assert all(r["arch"] == "sm_80" and r["dynamic_smem"] > 0 for r in rows)

@@ -12,7 +12,7 @@ import pytest
 
 from cuflash import _launch, api
 from cuflash._launch import KernelLaunch, LaunchPlan, PlanCache
-from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, pack
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, NO_VARIANT, pack
 from cuflash.reference import attention_backward_reference, attention_reference
 
 from tests.helpers import (
@@ -34,7 +34,8 @@ class _FakeKernel:
 def _forward_struct():
     return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                 lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
-                softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0)
+                softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0,
+                variant=NO_VARIANT)
 
 
 def _read_struct(address: int, dtype: np.dtype) -> np.ndarray:
@@ -86,7 +87,8 @@ def test_plan_writes_each_pointer_into_its_field_and_launches_in_order(recorded_
 def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
     fields = {name: (0, 1, 2, 3) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
     fields.update(lse=0, lse_batch_stride=1, lse_head_stride=2, delta=0, dq_accum=0, dq_semaphore=0, size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0),
-                  num_m_blocks=4, num_n_blocks=5, rotate_walks=0, softmax_scale_log2=1.0, softmax_scale=1.0)
+                  num_m_blocks=4, num_n_blocks=5, rotate_walks=0, softmax_scale_log2=1.0, softmax_scale=1.0,
+                  variant=NO_VARIANT)
     first = pack(BACKWARD_PARAMS, **fields)
     fields["num_m_blocks"] = 8
     second = pack(BACKWARD_PARAMS, **fields)

@@ -1,10 +1,9 @@
 """The transformers integration's glue without a GPU: cuflash's two PyTorch
 entry points replaced by a float64 CPU stand-in with their contract
-(bottom-right causal, GQA, packed sequences), so that layouts, unpadding,
-scattering back, packed-sequence offsets and refusals are checked against
-transformers' own ``sdpa`` implementation."""
-
-import math
+(bottom-right causal, GQA, packed sequences, sliding windows, soft caps:
+cuflash's float64 reference), so that layouts, unpadding, scattering back,
+packed-sequence offsets, the window and cap mapping and refusals are checked
+against transformers' own ``sdpa`` implementation."""
 
 import pytest
 
@@ -13,38 +12,32 @@ pytest.importorskip("transformers")
 
 import cuflash.torch as cuflash_torch  # noqa: E402
 import cuflash.integrations.transformers as cuflash_hf  # noqa: E402
+from cuflash.reference import attention_reference  # noqa: E402
 
 from tests.transformers_models import CONFIGS, left_padded_batch, model_pair  # noqa: E402
 
 
-def _attention(q, k, v, causal, scale):
-    """(len_q, heads, dim) against (len_k, kv_heads, dim), float64, bottom-right causal."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    if causal:
-        rows = torch.arange(q.shape[0])[:, None]
-        keys = torch.arange(k.shape[0])[None, :]
-        scores = scores.masked_fill(keys > rows + k.shape[0] - q.shape[0], -math.inf)
-    probs = torch.nan_to_num(torch.softmax(scores, -1))
-    return torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+def _attention(q, k, v, **options):
+    """(len_q, heads, dim) against (len_k, kv_heads, dim), float64, through
+    cuflash's reference (bottom-right causal, windows, soft caps)."""
+    out, _ = attention_reference(*(x.detach().double().numpy()[None] for x in (q, k, v)), **options)
+    return torch.from_numpy(out[0]).to(q.dtype)
 
 
-def _dense(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):
-    return torch.stack([_attention(q[b], k[b], v[b], causal, softmax_scale) for b in range(q.shape[0])])
+def _dense(q, k, v, dropout_p=0.0, **options):
+    return torch.stack([_attention(q[b], k[b], v[b], **options) for b in range(q.shape[0])])
 
 
 calls = []
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False, **_):
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, **options):
     calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
     out = torch.zeros_like(q)
     for b in range(len(cu_q) - 1):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         if rows.stop > rows.start:
-            out[rows] = _attention(q[rows], k[keys], v[keys], causal, softmax_scale)
+            out[rows] = _attention(q[rows], k[keys], v[keys], **options)
     return out
 
 
@@ -100,10 +93,8 @@ def test_unsupported_options_are_refused():
     module = torch.nn.Module()
     module.is_causal = True
     q = torch.zeros(1, 2, 3, 8)
-    for options, match in ((dict(sliding_window=4), "sliding_window=4"), (dict(softcap=30.0), "softcap=30.0"),
-                           (dict(s_aux=torch.zeros(2)), "attention sinks")):
-        with pytest.raises(NotImplementedError, match=match):
-            cuflash_hf.attention_forward(module, q, q, q, None, **options)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        cuflash_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
     module.train()
     with pytest.raises(NotImplementedError, match="dropout 0.1 in training"):
         cuflash_hf.attention_forward(module, q, q, q, None, dropout=0.1)

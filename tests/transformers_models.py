@@ -1,7 +1,10 @@
 """Small random-weight transformers models (nothing downloaded) for the
-cuflash integration's tests: a Llama-style one with grouped-query attention
-and a Gemma-style one with multi-query attention and head_dim 64, each
-built twice with the same weights, on ``sdpa`` and on cuflash."""
+cuflash integration's tests: a Llama-style one with grouped-query attention,
+a Gemma-style one with multi-query attention and head_dim 64, a
+Mistral-style one with a sliding window and a Gemma-2-style one with soft
+capping and sliding-window layers (windows shorter than the test sequences,
+caps low enough to bend the scores), each built twice with the same weights,
+on ``sdpa`` and on cuflash."""
 
 import pytest
 
@@ -12,6 +15,15 @@ CONFIGS = {
     "gemma-mqa": ("GemmaConfig", "GemmaForCausalLM",
                   dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=256)),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM",
+                       dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                            max_position_embeddings=256)),
+    "gemma2-softcap": ("Gemma2Config", "Gemma2ForCausalLM",
+                       dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                            attn_logit_softcapping=2.0, final_logit_softcapping=30.0, query_pre_attn_scalar=16,
+                            max_position_embeddings=256)),
 }
 
 

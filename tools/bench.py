@@ -368,6 +368,9 @@ def main() -> int:
     parser.add_argument("--decode", action="store_true",
                         help="also the decode table (KV caches against SDPA flash/cuDNN, tools/bench_decode.py)")
     parser.add_argument("--decode-only", action="store_true", help="only the decode table")
+    parser.add_argument("--variants", action="store_true",
+                        help="also the variants table (sliding window, soft cap, ALiBi; issue 16)")
+    parser.add_argument("--variants-only", action="store_true", help="only the variants table")
     parser.add_argument("--generation", type=int, choices=(80, 90),
                         help="pick cuflash's kernels as a GPU of this kernel generation would (80: the sm_80 "
                              "kernels, measured on a Hopper GPU)")
@@ -385,7 +388,7 @@ def main() -> int:
     env = environment()
     print(f"# {env['device']}, driver {env['driver']}, torch {env['torch']}, commit {env['commit']}, {env['date']}")
     result = {"environment": env, "matmul_tflops": MATMUL_TFLOPS.get(env["device"]), "rows": []}
-    only = args.varlen_only or args.decode_only
+    only = args.varlen_only or args.decode_only or args.variants_only
     if not args.no_host and not only:
         import host_overhead
 
@@ -409,6 +412,11 @@ def main() -> int:
 
         result["decode"] = bench_decode.decode_table(time_gpu, args.calls, args.repeats)
         print("\n".join(bench_decode.summary(result["decode"])) + "\n", flush=True)
+    if args.variants or args.variants_only:
+        import bench_variants
+
+        result["variants"] = bench_variants.variants_table(time_gpu, args.calls, args.repeats)
+        print("\n".join(bench_variants.summary(result["variants"])) + "\n", flush=True)
     if not args.host_only and not only:
         print(HEADER)
         rows += run_grid(args.dtype or ["bfloat16", "float16"], seqlens, head_dims, causals, args.calls, args.repeats,

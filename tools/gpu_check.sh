@@ -73,7 +73,9 @@ fi
 # cuDNN) on the FlashAttention-2 grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
 bench_rc=0
 if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
-  CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py --deterministic --out "$OUT" > "$OUT/bench.log" 2>&1
+  # CUFLASH_BENCH_ARGS replaces the default run's arguments (e.g. --variants-only).
+  CUFLASH_COMMIT="$COMMIT" "$PYTHON" tools/bench.py ${CUFLASH_BENCH_ARGS:---deterministic} --out "$OUT" \
+    > "$OUT/bench.log" 2>&1
   bench_rc=$?
   grep -v "^#" "$OUT/bench.log" | grep -v "| float16 |" | tail -n 80
 fi
@@ -139,6 +141,14 @@ try:
         value = f"{row['us']:.1f}" if "us" in row else row["error"]
         print(f"| jax.jit µs, {row['call']} {row.get('pass', '')} at seqlen {p['seqlen']}, d {p['head_dim']} | "
               f"{value} |")
+    variants = bench.get("variants", [])
+    for row in variants:
+        if row["variant"] == "window" and row["seqlen"] == max(r["seqlen"] for r in variants):
+            print(f"| window {row['window']} vs causal at {row['seqlen']}, {row['pass']} | {row['speedup']:.2f}x |")
+    costs = [row["cost"] for row in variants if "cost" in row]
+    if costs:
+        print(f"| softcap / ALiBi cost over plain | max {max(costs):.3f}, <= 1.15 at "
+              f"{sum(c <= 1.15 for c in costs)}/{len(costs)} |")
 except (FileNotFoundError, KeyError):
     pass
 print(f"| skipped (needs 2 GPUs, or Hopper) | {len(allowed_skips)} |")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from cuflash._kernel_families import FAMILIES, KernelVariant, cache_append_variants, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS  # noqa: E402
+from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS  # noqa: E402
 
 #: Batch layouts every tiled family is built for ("dense" first); the
 #: KV-cache ones (CACHE_LAYOUTS) only where a family has them.
@@ -45,11 +45,22 @@ _ARCH_FLAGS = {"sm_90a": "-gencode=arch=compute_90a,code=sm_90a", "sm_90": "-gen
                "sm_89": "-gencode=arch=compute_89,code=sm_89"}
 
 
+#: The heaviest policies (the most registers: a window's two offsets, the
+#: soft cap and ALiBi's slope and offset), compiled beside every mask with
+#: the identity transform for dense batches: the other combinations are
+#: their parts.
+HEAVIEST = ("window", "softcap-alibi")
+
+
 def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[KernelVariant]:
     """``family``'s variants of one tiling: every mask, both dQ modes of a
-    dK/dV family that has them, each of ``layouts``."""
-    return [family.variant(dtype, tiling, mask, dq_mode=mode, layout=layout)
-            for layout in layouts for mask in MASKS.values() for mode in family.dq_modes or ("atomic",)]
+    dK/dV family that has them, each of ``layouts``; in dense batches the
+    ``HEAVIEST`` policies too."""
+    policies = [(mask, SCORE_TRANSFORMS["identity"]) for mask in MASKS.values()]
+    heaviest = [(MASKS[HEAVIEST[0]], SCORE_TRANSFORMS[HEAVIEST[1]])]
+    return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
+            for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
+            for mode in family.dq_modes or ("atomic",)]
 
 
 def all_variants() -> list[KernelVariant]:

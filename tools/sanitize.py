@@ -3,7 +3,8 @@ this under memcheck, racecheck and synccheck): the warp-specialised forward
 and backward (TMA copies, mbarrier rings, named barriers, the dQ warp's bulk
 reductions) at every tile shape of their tables, causal and not, atomic and
 ordered dQ, with partial blocks at both ends, dense batches and packed
-(variable-length) ones, and decoding. Sizes are small: racecheck
+(variable-length) ones, decoding, and the variants (a window with soft cap
+and per-(batch, head) ALiBi slopes). Sizes are small: racecheck
 tracks every shared-memory access. Exits 1 if a result is not finite, so a
 run that the sanitizer lets through still checks the kernels ran.
 
@@ -67,6 +68,22 @@ def main() -> int:
                             failures.append(f"d{head_dim} causal={causal} deterministic={deterministic} "
                                             f"{seqlen_q}x{seqlen_k}: {name} not finite")
                 print(f"head_dim {head_dim} causal={causal} deterministic={deterministic}: ran", flush=True)
+    # Variants: a window (blocks skipped at both ends, rows that see no key),
+    # the soft cap and ALiBi slopes read per (batch entry, head).
+    for head_dim in (64, 128):
+        q, k, v = _inputs(head_dim, 200, 330, seed=head_dim)
+        slopes = cupy.asarray([[0.1, 0.2]], dtype=cupy.float32)
+        for window in ((40, 5), (-1, 0), (0, -1)):
+            options = dict(window_size=window, softcap=5.0, alibi_slopes=slopes)
+            for deterministic in (False, True):
+                out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+                grads = cuflash.attention_backward(cupy.ones_like(out), q, k, v, out, lse,
+                                                   deterministic=deterministic, **options)
+                cupy.cuda.Device().synchronize()
+                for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+                    if not bool(cupy.isfinite(x.astype(cupy.float32)).all()):
+                        failures.append(f"variants d{head_dim} window={window}: {name} not finite")
+        print(f"variants head_dim {head_dim}: ran", flush=True)
     # Decoding: one query token with grouped-query packing, split-KV and the merge.
     for num_splits in (1, 5):
         q, k, v = _inputs(128, 1, 3000, seed=num_splits)

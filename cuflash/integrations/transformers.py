@@ -20,9 +20,11 @@ kv_len, head_dim) after the KV-cache update and runs:
   that restart at 0 within one row: ``flash_attn_varlen_func``.
 
 Causal masks are bottom-right aligned per sequence, as FlashAttention's and
-as a cache's new tokens need. Both paths are differentiable. Not supported
-(``NotImplementedError``): dropout in training, sliding windows,
-softcapping, attention sinks.
+as a cache's new tokens need; a layer's ``sliding_window`` (Mistral, Gemma 2)
+becomes a window of that many keys ending at each query's own, and
+``softcap`` (Gemma 2) caps the scores, as the model's ``sdpa`` attention
+does. Both paths are differentiable. Not supported (``NotImplementedError``):
+dropout in training, attention sinks.
 """
 
 from __future__ import annotations
@@ -62,14 +64,10 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _refuse_unsupported(module, dropout, sliding_window, softcap, s_aux) -> None:
+def _refuse_unsupported(module, dropout, s_aux) -> None:
     unsupported = []
     if dropout and getattr(module, "training", False):
         unsupported.append(f"attention dropout {dropout} in training")
-    if sliding_window is not None:
-        unsupported.append(f"sliding_window={sliding_window}")
-    if softcap:
-        unsupported.append(f"softcap={softcap}")
     if s_aux is not None:
         unsupported.append("attention sinks (s_aux)")
     if unsupported:
@@ -103,7 +101,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """transformers' attention-function contract: query (batch, heads,
     q_len, head_dim), key/value (batch, kv_heads, kv_len, head_dim), a 2-D
     padding mask or None; returns (output (batch, q_len, heads, head_dim), None)."""
-    _refuse_unsupported(module, dropout, sliding_window, softcap, s_aux)
+    _refuse_unsupported(module, dropout, s_aux)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, len, heads, dim) views
     batch, q_len, heads, dim = q.shape
@@ -111,7 +109,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"cuflash's transformers attention takes a 2-D padding mask, got one of shape "
                                   f"{tuple(attention_mask.shape)}")
-    varlen = dict(causal=causal, softmax_scale=scaling)
+    # transformers' sliding window: query i sees keys i - sliding_window + 1 .. i.
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+    varlen = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap or 0.0)
     if attention_mask is not None:
         keys_kept = attention_mask[:, -kv_len:].bool()
         queries_kept = keys_kept[:, -q_len:]
@@ -130,7 +130,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     else:
         found = _packed_from_positions(kwargs.get("position_ids"), batch, q_len, kv_len)
         if found is None:
-            return cuflash_torch.flash_attn_func(q, k, v, softmax_scale=scaling, causal=causal), None
+            return cuflash_torch.flash_attn_func(q, k, v, **varlen), None
         cu_q, max_q = found
         cu_k, max_k = found
     out = cuflash_torch.flash_attn_varlen_func(
