@@ -232,7 +232,9 @@ def _folded(shape: tuple[int, ...], trailing: int) -> tuple[int, ...]:
     return (math.prod(shape[:-trailing]),) + tuple(shape[-trailing:])
 
 
-_WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq_semaphore": "int32"}
+#: Buffers whose dtype is not q's.
+_WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq_semaphore": "int32",
+                "alibi_slopes": "float32"}
 
 
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):

@@ -93,7 +93,7 @@ def _same_precision_probabilities(q, k_all, *, causal, softmax_scale, **variants
     return (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype).astype(cupy.float32)
 
 
-def naive_attention_same_precision(q, k, v, *, causal, softmax_scale, **variants):
+def naive_attention_same_precision(q, k, v, *, softmax_scale, causal=False, **variants):
     """Attention the naive way in the inputs' own precision (CuPy): each
     matrix product accumulates in float32 and is rounded to the input dtype,
     as a framework's unfused bf16/fp16 attention does. Its error against
@@ -160,7 +160,7 @@ def assert_output_accurate(out, ref, baseline=None):
     assert err <= 2 * base_err + ABS_FLOOR, f"max error {err:.3g} > 2 x baseline {base_err:.3g} + {ABS_FLOOR}"
 
 
-def naive_attention_backward_same_precision(dout, q, k, v, *, causal, softmax_scale, **variants):
+def naive_attention_backward_same_precision(dout, q, k, v, *, softmax_scale, causal=False, **variants):
     """Gradients the naive way in the inputs' own precision (CuPy): every
     product accumulates in float32 and is rounded to the input dtype, as a
     framework's unfused bf16/fp16 attention backward does. Its error against

@@ -14,6 +14,7 @@ import pytest
 import cuflash
 from cuflash import api
 from cuflash._kernel_families import family_of
+from cuflash._tiling import DECODE_MAX_ROWS
 from cuflash._validation import check_forward, check_variants, meta_of
 from cuflash.reference import attention_backward_reference, attention_reference, attention_with_kvcache_reference
 
@@ -101,7 +102,7 @@ def test_variants_forward_and_backward(variant, config, seqlen_q, seqlen_k, monk
     key = _forward_key(q, k, v, options, fp32_precision)
     expected_family = {"wgmma": "forward-wgmma/", "wgmma-ordered": "forward-wgmma/", "mma": "forward-mma/",
                        "mma-ordered": "forward-mma/", "simt": "forward/", "3xtf32": "forward-mma/"}.get(config)
-    if expected_family is not None and (seqlen_q > 1 or config == "simt"):  # one query row: decode tiles
+    if expected_family is not None and (seqlen_q > DECODE_MAX_ROWS or config == "simt"):  # else decode tiles
         assert key.startswith(expected_family), key
     scale = 1 / math.sqrt(head_dim)
 

@@ -4,7 +4,9 @@ a Gemma-style one with multi-query attention and head_dim 64, a
 Mistral-style one with a sliding window and a Gemma-2-style one with soft
 capping and sliding-window layers (windows shorter than the test sequences,
 caps low enough to bend the scores), each built twice with the same weights,
-on ``sdpa`` and on cuflash."""
+on transformers' reference implementation and on cuflash. The reference is
+``sdpa``, and ``eager`` for Gemma 2 (transformers gives soft-capped models
+no sdpa path)."""
 
 import pytest
 
@@ -27,8 +29,16 @@ CONFIGS = {
 }
 
 
+#: The implementation cuflash is compared with, where it is not "sdpa".
+REFERENCE_IMPLEMENTATION = {"gemma2-softcap": "eager"}
+#: How close float64 logits of the two implementations are: eager attention
+#: takes its softmax in float32.
+FLOAT64_TOLERANCE = {"gemma2-softcap": 1e-6}
+
+
 def model_pair(name: str, *, device="cpu", dtype=None, seed=0):
-    """(sdpa model, cuflash model) with the same random weights, in eval mode."""
+    """(reference model, cuflash model) with the same random weights, in
+    eval mode (the reference: ``REFERENCE_IMPLEMENTATION``, else sdpa)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -37,7 +47,7 @@ def model_pair(name: str, *, device="cpu", dtype=None, seed=0):
     config_name, model_name, fields = CONFIGS[name]
     torch.manual_seed(seed)
     models = []
-    for implementation in ("sdpa", cuflash_hf.register()):
+    for implementation in (REFERENCE_IMPLEMENTATION.get(name, "sdpa"), cuflash_hf.register()):
         config = getattr(transformers, config_name)(**fields)
         model = getattr(transformers, model_name)._from_config(config, attn_implementation=implementation)
         models.append(model)
@@ -58,3 +68,32 @@ def left_padded_batch(device="cpu", seed=1):
         mask[row, :pads] = 0
         ids[row, :pads] = 0
     return ids.to(device), mask.to(device)
+
+
+def reference_logits(name: str, reference, ids, mask):
+    """The reference model's logits of a left-padded batch at its kept
+    tokens (kept_tokens, vocab). The eager reference (Gemma 2) turns the
+    rows of a left-padded batch to NaN (a sliding window that holds only
+    padding), so its rows run one at a time without their padding; sdpa
+    takes the batch as it is."""
+    import torch
+
+    kept = mask.bool()
+    if name not in REFERENCE_IMPLEMENTATION:
+        return reference(ids, attention_mask=mask).logits[kept]
+    return torch.cat([reference(row[keep][None]).logits[0] for row, keep in zip(ids, kept)])
+
+
+def reference_generation(name: str, reference, ids, mask, **settings):
+    """Greedy tokens of the reference model for a left-padded batch, its
+    eager rows one at a time without their padding, padded back (as
+    ``reference_logits``)."""
+    import torch
+
+    if name not in REFERENCE_IMPLEMENTATION:
+        return reference.generate(ids, attention_mask=mask, **settings)
+    rows = []
+    for row, kept in zip(ids, mask.bool()):
+        alone = reference.generate(row[kept][None], **settings)[0]
+        rows.append(torch.cat([row[~kept], alone]))
+    return torch.stack(rows)

@@ -5,8 +5,8 @@ Writes one translation unit that explicitly instantiates every variant the
 launcher can ask for (every family of ``cuflash/_kernel_families.py``, each
 compiled head dim, every mask policy), compiles it with ``nvcc -cubin -Xptxas -v`` for each
 architecture, and prints registers, stack frame, spill stores/loads and the
-dynamic shared memory per variant. ``--fail-on-spill`` exits 1 if any variant
-selected by ``--only`` spills to local memory.
+dynamic shared memory per variant. ``--fail-on-spill`` exits 1 if a variant
+selected by ``--only`` spills past its limit (``spill_limit``).
 
   python3 tools/kernel_report.py [--arch sm_90a --arch sm_80] [--only forward/bfloat16] [--json] [--fail-on-spill]
 """
@@ -61,6 +61,20 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
             for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
             for mode in family.dq_modes or ("atomic",)]
+
+
+def spill_limit(key: str) -> int:
+    """Bytes of local memory (spill stores or loads) a variant may have.
+    The tensor-core kernels on dense batches are the fast path: none. The
+    mma.sync kernels on packed batches and KV caches (an A100's
+    variable-length path, every GPU's KV-cache path) carry the sequences'
+    row offsets or key counts and page lookups, and a few of their
+    register-tight tiles spill (README: limits): up to 64 bytes; the Hopper
+    kernels none there either. The SIMT kernels, not the fast path: up to 64."""
+    other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
+    if key.startswith(FAST_PATH):
+        return 64 if other_layout and "wgmma" not in key else 0
+    return 64
 
 
 def all_variants() -> list[KernelVariant]:
@@ -214,10 +228,10 @@ def main() -> int:
         for r in rows:
             print(f"{r['variant']:58} {r['arch']:7} {r['registers']:4d} {r['stack']:5d} {r['spill_stores']:8d} "
                   f"{r['spill_loads']:8d} {r['dynamic_smem']:7d} {'yes' if r['wgmma_serialized'] else '':>6}")
-    spilling = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    spilling = [r for r in rows if max(r["spill_stores"], r["spill_loads"]) > spill_limit(r["variant"])]
     if spilling:
-        print(f"{len(spilling)} variant(s) spill: " + ", ".join(f"{r['variant']} ({r['arch']})" for r in spilling),
-              file=sys.stderr)
+        print(f"{len(spilling)} variant(s) spill past their limit: "
+              + ", ".join(f"{r['variant']} ({r['arch']})" for r in spilling), file=sys.stderr)
     serial = [r for r in rows if r["wgmma_serialized"]]
     if serial:
         print(f"{len(serial)} variant(s) have serialised wgmma (C7520): "
