@@ -226,7 +226,15 @@ def _torch_signature(x):
 #: pointer). Filled as frameworks are first seen (``fast_lane``); any class
 #: not here (JAX arrays, other DLPack producers, tensor subclasses) takes the
 #: full path every call.
-_SIGNATURES = {type(None): _no_array}
+def _counter_word(x: int):
+    """A call's dropout seed or offset: a value written into a plan slot
+    (its class in the signature); outside [0, 2**64) the full path explains."""
+    if not 0 <= x < 1 << 64:
+        raise ValueError("not a 64-bit counter")
+    return int, x
+
+
+_SIGNATURES = {type(None): _no_array, int: _counter_word}
 
 
 def call_signature(arrays):

@@ -208,7 +208,7 @@ class KernelFamily:
             ),
             key=(f"{self.name}/{dtype_name}/hdim{tiling.head_dim_padded}"
                  f"/m{tiling.block_m}n{tiling.block_n}w{tiling.warps}/{mask.name}"
-                 f"{'' if score.is_identity else '/' + score.name}{'' if layout == 'dense' else '/' + layout}"
+                 f"{'' if score.name == 'identity' else '/' + score.name}{'' if layout == 'dense' else '/' + layout}"
                  f"{extra_key}"),
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),

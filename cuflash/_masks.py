@@ -163,10 +163,20 @@ class ScoreTransform:
     position_free: bool = True
     #: reads the ALiBi slopes (``VariantParams::alibi_slopes``)
     reads_slopes: bool = False
+    #: drops probabilities after the softmax (``WithDropout``, kernels_cu/dropout.cuh)
+    dropout: bool = False
 
     def cxx_for(self, dtype_name: str) -> str:
         """The C++ type for inputs of ``dtype_name`` (float32 takes the precise tanh)."""
         return self.cxx.format(precise="true" if dtype_name == "float32" else "false")
+
+
+def with_dropout(inner: ScoreTransform) -> ScoreTransform:
+    """``inner`` followed by dropout of the probabilities: the same score
+    hooks, and a mask drawn per (batch entry, head, row, key)."""
+    name = "dropout" if inner.name == "identity" else f"{inner.name}-dropout"
+    return dataclasses.replace(inner, name=name, cxx=f"cuflash::WithDropout<{inner.cxx}>",
+                               position_free=False, dropout=True)
 
 
 def _softcap(raw, values: ScoreValues):
@@ -206,6 +216,7 @@ SCORE_TRANSFORMS: dict[str, ScoreTransform] = {
         gradient=lambda t, rows, keys, values: _softcap_gradient(t - values.alibi_bias(rows, keys), values),
         position_free=False, reads_slopes=True),
 }
+SCORE_TRANSFORMS |= {(dropped := with_dropout(transform)).name: dropped for transform in list(SCORE_TRANSFORMS.values())}
 
 
 #: Batch layouts by name, the kernels' sequence policy beside the mask and
@@ -246,7 +257,8 @@ def mask_for(causal: bool, window: tuple[int, int] | None = None) -> MaskPolicy:
     return MASKS["window"].with_window(window[0], 0 if causal else window[1])
 
 
-def score_for(softcap: bool, alibi: bool) -> ScoreTransform:
-    """The transform of a call with a soft cap and / or ALiBi slopes."""
-    return SCORE_TRANSFORMS[{(False, False): "identity", (True, False): "softcap", (False, True): "alibi",
-                              (True, True): "softcap-alibi"}[bool(softcap), bool(alibi)]]
+def score_for(softcap: bool, alibi: bool, dropout: bool = False) -> ScoreTransform:
+    """The transform of a call with a soft cap, ALiBi slopes and / or dropout."""
+    name = {(False, False): "identity", (True, False): "softcap", (False, True): "alibi",
+            (True, True): "softcap-alibi"}[bool(softcap), bool(alibi)]
+    return with_dropout(SCORE_TRANSFORMS[name]) if dropout else SCORE_TRANSFORMS[name]

@@ -32,15 +32,19 @@ PROBLEM_SIZE = np.dtype(
 )
 
 #: VariantParams: the run-time values of the mask and score policies
-#: (window sides, soft cap, ALiBi slopes), 0 where a call has none.
+#: (window sides, soft cap, ALiBi slopes, dropout), 0 where a call has none.
+#: The dropout seed and offset (or the seed's GPU address) are written by
+#: each call (plan slots).
 VARIANT_PARAMS = np.dtype(
     [("window_left", _INDEX), ("window_right", _INDEX), ("softcap", np.float64), ("alibi_slopes", _POINTER),
-     ("alibi_batch_stride", _INDEX), ("inverse_scale", np.float64)],
+     ("alibi_batch_stride", _INDEX), ("inverse_scale", np.float64), ("dropout_seed", np.uint64),
+     ("dropout_offset", np.uint64), ("dropout_threshold", _INDEX), ("dropout_inverse_keep", np.float64),
+     ("dropout_seed_pointer", _POINTER)],
     align=True,
 )
 
-#: VariantParams of a call with no window, soft cap or ALiBi.
-NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0)
+#: VariantParams of a call with no window, soft cap, ALiBi or dropout.
+NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0)
 
 FORWARD_PARAMS = np.dtype(
     [
@@ -137,8 +141,8 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 6 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 6 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 11 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 11 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dropout import dropout_threshold
 from ._masks import MaskPolicy, ScoreTransform, mask_for, mask_named, score_for, score_transform_named
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
@@ -83,6 +84,9 @@ class AttentionProblem:
     #: ALiBi: the slopes' batch stride in elements (0: one slope per head);
     #: None: no ALiBi
     alibi_batch_stride: int | None = None
+    #: dropout's probability of dropping an entry of P, as given (the
+    #: kernels apply it rounded: ``cuflash.dropout.dropout_threshold``); 0: none
+    dropout_p: float = 0.0
 
     @property
     def mask(self) -> MaskPolicy:
@@ -94,7 +98,12 @@ class AttentionProblem:
         """The score transform the kernels are instantiated with."""
         if self.score_name is not None:
             return score_transform_named(self.score_name)
-        return score_for(self.softcap > 0, self.alibi_batch_stride is not None)
+        return score_for(self.softcap > 0, self.alibi_batch_stride is not None, self.dropout_threshold > 0)
+
+    @property
+    def dropout_threshold(self) -> int:
+        """The kernels' 16-bit dropout threshold (0: no dropout)."""
+        return dropout_threshold(self.dropout_p) if self.dropout_p else 0
 
     @property
     def packed(self) -> bool:
@@ -308,17 +317,50 @@ def check_softcap(softcap) -> float:
     return value
 
 
+def check_dropout_p(dropout_p) -> float:
+    """``dropout_p``: a real number in [0, 1) (0: no dropout)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number in [0, 1) (0 for none), got {type(dropout_p).__name__} "
+                        f"{dropout_p!r}")
+    value = float(dropout_p)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1) (0 for none), got {value}")
+    return value
+
+
+def check_dropout_seed(dropout_p: float, seed, offset) -> tuple[int, int]:
+    """A call's dropout ``dropout_seed`` and ``dropout_offset``: ints in
+    [0, 2**64); the seed is required where ``dropout_p`` > 0 (the backward
+    regenerates the mask from it), and both are 0 where there is no dropout."""
+    if dropout_p == 0.0:
+        return 0, 0
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs dropout_seed, an int in [0, 2**64): attention_backward regenerates "
+                         "the same mask from it (and dropout_offset)")
+    values = []
+    for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
+        if value.__class__ is bool or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__} {value!r}")
+        if not 0 <= int(value) < 1 << 64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {int(value)}")
+        values.append(int(value))
+    return values[0], values[1]
+
+
 def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0.0,
-                   alibi_slopes: TensorMeta | None = None) -> AttentionProblem:
+                   alibi_slopes: TensorMeta | None = None, dropout_p=0.0) -> AttentionProblem:
     """``problem`` (its lengths final: a packed batch's longest) with the
     variants of the call: a sliding window (FlashAttention-2's semantics:
     ``causal`` makes its right side 0; a window that hides nothing becomes
     full attention, one that is causal becomes ``causal``, whose kernels are
     leaner), a soft cap, ALiBi slopes ((nheads,) or (batch, nheads) float32,
-    contiguous, on q's GPU). Raises ``TypeError`` or ``ValueError`` naming
-    the argument, what was expected and what came."""
+    contiguous, on q's GPU), dropout of the probabilities (``dropout_p``;
+    the seed and offset are checked with ``check_dropout_seed``). Raises
+    ``TypeError`` or ``ValueError`` naming the argument, what was expected
+    and what came."""
     left, right = check_window(window_size)
     softcap = check_softcap(softcap)
+    dropout_p = check_dropout_p(dropout_p)
     if problem.causal:
         right = 0
     # A side that reaches every key of every row is unbounded.
@@ -341,7 +383,7 @@ def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0
         raise ValueError("softcap and alibi_slopes need a softmax_scale other than 0 (they act on the scaled "
                          "scores, which a scale of 0 makes all 0)")
     return dataclasses.replace(problem, causal=causal, window=window, softcap=softcap,
-                               alibi_batch_stride=alibi_batch_stride)
+                               alibi_batch_stride=alibi_batch_stride, dropout_p=dropout_p)
 
 
 def _check_alibi_slopes(slopes: TensorMeta, problem: AttentionProblem) -> int:

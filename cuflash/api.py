@@ -23,6 +23,7 @@ from typing import Callable
 
 from . import _interop
 from ._cuda import import_cupy
+from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
                                merge_variant, select)
 from ._masks import CACHE_LAYOUTS
@@ -35,7 +36,7 @@ from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_
                       decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
-                          check_packing, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
+                          check_dropout_seed, check_packing, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -45,11 +46,14 @@ _ELEMENTWISE_BLOCKS = 4096
 #: Arrays of a forward call, in the order of the plan's pointer slots: the
 #: split-KV work buffers (``forward_work_buffers``) last.
 FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k",
-                  "alibi_slopes")
+                  "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng")
 #: The sequence offsets of a variable-length call (0, a null pointer, in a
-#: dense one) and the ALiBi slopes (0 without ALiBi): slots of every plan,
-#: after its arrays.
-_PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slopes")
+#: dense one), the ALiBi slopes (0 without ALiBi), dropout's seed and offset
+#: (ints, not pointers: written each call like them) and the GPU address of
+#: a seed to read there instead (cuflash.jax's PRNG keys; 0 elsewhere):
+#: slots of every plan, after its arrays.
+_PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slopes", "variant.dropout_seed",
+                  "variant.dropout_offset", "variant.dropout_seed_pointer")
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
 #: and with it (struct 0 the forward kernel's, writing the partial results;
 #: struct 1 the merge kernel's).
@@ -66,7 +70,7 @@ KVCACHE_ARRAYS = FORWARD_ARRAYS + ("seqused_k", "block_table", "k_new", "v_new",
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
 BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore",
-                   "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
+                   "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
                   "dq_accum", "dq_semaphore", *_PACKING_SLOTS)
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
@@ -128,21 +132,32 @@ class CachedCall:
 class Variants:
     """A call's attention variants as given (``check_variants`` validates
     them): a sliding window, a soft cap, ALiBi slopes (an array; None where
-    the slopes travel among a call's arrays)."""
+    the slopes travel among a call's arrays), dropout's probability, seed
+    and offset."""
 
     window_size: object = (-1, -1)
     softcap: object = 0.0
     alibi_slopes: object = None
+    dropout_p: object = 0.0
+    dropout_seed: object = None
+    dropout_offset: object = 0
 
     def applied(self, problem: AttentionProblem, alibi_slopes=None) -> AttentionProblem:
         """``problem`` with these variants, the slopes' ``TensorMeta`` given."""
         return check_variants(problem, window_size=self.window_size, softcap=self.softcap,
-                              alibi_slopes=alibi_slopes)
+                              alibi_slopes=alibi_slopes, dropout_p=self.dropout_p)
+
+    def scalars(self, problem: AttentionProblem) -> dict:
+        """The call's values written into plan slots beside its pointers:
+        dropout's seed and offset (checked; 0 without dropout)."""
+        seed, offset = check_dropout_seed(problem.dropout_p, self.dropout_seed, self.dropout_offset)
+        return {"dropout_seed": seed, "dropout_offset": offset}
 
 
-def _variant_flags(window_size, softcap) -> tuple:
-    """The variants' part of a call's plan-cache flags (the slopes are an array of the call)."""
-    return window_size.__class__, window_size, softcap.__class__, softcap
+def _variant_flags(window_size, softcap, dropout_p=0.0) -> tuple:
+    """The variants' part of a call's plan-cache flags (the slopes are an
+    array of the call; dropout's seed and offset values of it)."""
+    return window_size.__class__, window_size, softcap.__class__, softcap, dropout_p.__class__, dropout_p
 
 
 def _variant_fields(problem: AttentionProblem) -> tuple:
@@ -155,8 +170,10 @@ def _variant_fields(problem: AttentionProblem) -> tuple:
         left = problem.seqlen_k if left < 0 else left
         right = problem.seqlen_q if right < 0 else right
     scale = problem.softmax_scale
+    threshold = problem.dropout_threshold
     return (left, right, problem.softcap / scale if problem.softcap else 0.0, 0, problem.alibi_batch_stride or 0,
-            1.0 / scale if scale else 0.0)
+            1.0 / scale if scale else 0.0, 0, 0, threshold,
+            1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0, 0)
 
 
 def pointers_aligned(kind: str, pointers: list) -> bool:
@@ -195,7 +212,8 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              return_lse=False, out=None, lse=None, fp32_precision="ieee", num_splits=None):
+              dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False, out=None, lse=None,
+              fp32_precision="ieee", num_splits=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -221,7 +239,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         alibi_slopes: optional (nheads,) or (batch, nheads) float32 array on
             q's GPU: ALiBi adds -slope * |i + off - j| to the scaled score of
             query i and key j (after any soft cap).
-        return_lse: also return the log-sum-exp of each query row.
+        dropout_p: in [0, 1): each probability (after the softmax's
+            normalisation) is dropped with this probability and the kept ones
+            scaled by 1 / (1 - dropout_p) (p is rounded to a multiple of
+            1/65536; ``cuflash.dropout``). 0 (default): none.
+        dropout_seed, dropout_offset: ints in [0, 2**64) that fix the mask,
+            a function of (seed, offset, batch entry, head, query, key) alone:
+            the same on every GPU, tiling and stream, and regenerated by
+            ``attention_backward`` given the same values. The seed is
+            required with dropout; ``cuflash.dropout_mask`` materialises the
+            mask for small problems.
+        return_lse: also return the log-sum-exp of each query row (of the
+            probabilities before dropout).
         out: optional (batch, seqlen_q, nheads, head_dim) array of q's dtype to
             write the output into (not for JAX, whose arrays are immutable).
         lse: optional (batch, nheads, seqlen_q) C-contiguous float32 array to
@@ -247,20 +276,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes]
+    arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes, dropout_seed, dropout_offset, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
-             fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap))
+             fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
-                                    variants=Variants(window_size, softcap, alibi_slopes),
+                                    variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                                                      dropout_offset),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                       softcap=0.0, alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                       deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention`` with respect to q, k and v, recomputing the
     attention probabilities tile by tile from the forward's log-sum-exp
     (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
@@ -271,8 +302,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out: (batch, seqlen_q, nheads, head_dim) the forward's output.
         lse: (batch, nheads, seqlen_q) float32, the forward's log-sum-exp
             (``attention(..., return_lse=True)``).
-        causal, softmax_scale, window_size, softcap, alibi_slopes: as given
-            to the forward.
+        causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+            dropout_seed, dropout_offset: as given to the forward (the same
+            seed and offset regenerate its dropout mask).
         deterministic: if True, dq is bitwise identical from run to run (dQ is
             summed in a fixed order instead of with float32 atomics: on the
             tensor-core backwards the key blocks add in turn, at 0.73-0.90x
@@ -287,20 +319,24 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes, dropout_seed,
+              dropout_offset, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-             deterministic, *_variant_flags(window_size, softcap))
+             deterministic, *_variant_flags(window_size, softcap, dropout_p))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
-                                     deterministic=deterministic, variants=Variants(window_size, softcap),
+                                     deterministic=deterministic,
+                                     variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
+                                                       dropout_offset),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_lse=False,
-                     out=None, lse=None, fp32_precision="ieee"):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                     dropout_seed=None, dropout_offset=0, return_lse=False, out=None, lse=None,
+                     fp32_precision="ieee"):
     """``attention`` of a variable-length batch: sequences of different
     lengths packed one after another, with no padding (FlashAttention-2's
     ``flash_attn_varlen_func`` layout). Sequence b's queries are rows
@@ -324,6 +360,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         window_size, softcap: as for ``attention``, within each sequence.
         alibi_slopes: (nheads,) or (batch, nheads) float32, sequence b's
             slopes row b.
+        dropout_p, dropout_seed, dropout_offset: as for ``attention``,
+            sequence b's mask that of batch entry b (rows and keys counted
+            from the sequence's start).
         softmax_scale, fp32_precision: as for ``attention``.
         return_lse: also return the log-sum-exp, (nheads, total_q) float32.
         out: optional (total_q, nheads, head_dim) array of q's dtype;
@@ -333,15 +372,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``out`` (total_q, nheads, head_dim), or ``(out, lse)``. Rows of q past
         ``cu_seqlens_q[batch]`` are not written.
     """
-    arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes]
+    arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, dropout_offset,
+              None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
-             *_variant_flags(window_size, softcap))
+             *_variant_flags(window_size, softcap, dropout_p))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision,
-                                    variants=Variants(window_size, softcap, alibi_slopes),
+                                    variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                                                      dropout_offset),
                                     packing=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
@@ -349,15 +390,17 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                              alibi_slopes=None, deterministic=False, dq=None, dk=None, dv=None):
+                              alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                              deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention_varlen`` with respect to q, k and v.
 
     Args:
         dout, out: (total_q, nheads, head_dim); q, k, v, the offsets and
             longest lengths as given to ``attention_varlen``; lse its
             (nheads, total_q) log-sum-exp (``return_lse=True``).
-        causal, softmax_scale, window_size, softcap, alibi_slopes,
-            deterministic: as for ``attention_backward``.
+        causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+            dropout_seed, dropout_offset, deterministic: as for
+            ``attention_backward``.
         dq, dk, dv: optional arrays shaped and typed like q, k, v.
 
     Returns:
@@ -365,15 +408,17 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         ``cu_seqlens_q[batch]``; dk and dv are not written past
         ``cu_seqlens_k[batch]``.
     """
-    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes]
+    arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+              dropout_seed, dropout_offset, None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
-             *_variant_flags(window_size, softcap))
+             *_variant_flags(window_size, softcap, dropout_p))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic, packing=(max_seqlen_q, max_seqlen_k),
-                                     variants=Variants(window_size, softcap),
+                                     variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
+                                                       dropout_offset),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
@@ -420,8 +465,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
         and log-sum-exp -inf.
     """
     lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
-    arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, alibi_slopes, None, block_table, k_new, v_new,
-              lengths]
+    arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, alibi_slopes, None, None, None, None,
+              block_table, k_new, v_new, lengths]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, num_splits.__class__, num_splits,
              "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens),
              *_variant_flags(window_size, softcap))
@@ -659,9 +704,11 @@ def _call(arrays: dict, immutable_outputs: tuple[str, ...] = ()):
         yield bridge, views
 
 
-def _view_pointers(names: tuple[str, ...], views: dict) -> list:
-    """Data pointers of ``views`` in the order of ``names`` (0 for an absent one)."""
-    return [views[name].data.ptr if name in views else 0 for name in names]
+def _view_pointers(names: tuple[str, ...], views: dict, scalars: dict | None = None) -> list:
+    """Data pointers of ``views`` in the order of ``names`` (0 for an absent
+    one), or the value in ``scalars`` of a name there (dropout's seed and offset)."""
+    scalars = scalars or {}
+    return [views[name].data.ptr if name in views else scalars.get(name, 0) for name in names]
 
 
 def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, pointers: list,
@@ -735,7 +782,7 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         for name, (shape, dtype) in plan.work_buffers.items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
-        pointers = _view_pointers(FORWARD_ARRAYS, views)
+        pointers = _view_pointers(FORWARD_ARRAYS, views, variants.scalars(problem))
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
 
 
@@ -806,7 +853,7 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
                                                           total_q=problem.total_q).items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
-        pointers = _view_pointers(BACKWARD_ARRAYS, views)
+        pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated)

@@ -32,6 +32,7 @@ from ._validation import (
     check_backward,
     check_causal,
     check_deterministic,
+    check_dropout_p,
     check_forward,
     check_fp32_precision,
     check_softcap,
@@ -52,7 +53,7 @@ JIT_SUPPORTED = buffer_callback is not None
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              deterministic=False, fp32_precision="ieee"):
+              dropout_p=0.0, dropout_rng=None, deterministic=False, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for JAX arrays, eager or traced.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
@@ -62,23 +63,47 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     not differentiated) as for ``cuflash.attention``. ``deterministic``: the
     backward's dq is bitwise repeatable (as ``cuflash.attention_backward``).
     ``fp32_precision``: as for ``cuflash.attention`` (float32 forward; the
-    backward is exact float32).
+    backward is exact float32). ``dropout_p``: dropout of the probabilities
+    (as ``cuflash.attention``), its mask drawn from ``dropout_rng``, a JAX PRNG
+    key (typed, or raw uint32[2]) whose 64 bits are the seed: a traced value,
+    so a jitted step takes a new key each call without recompiling; the same
+    key gives the same mask (``cuflash.dropout_mask(..., seed)`` with the
+    seed ``key_data[0] + 2**32 * key_data[1]``).
     Returns the output (batch, seqlen_q, nheads, head_dim); gradients flow to
     q, k and v through cuflash's backward.
     """
     causal, deterministic = check_causal(causal), check_deterministic(deterministic)
     fp32_precision = check_fp32_precision(fp32_precision)
-    flags = (causal, check_window(window_size), check_softcap(softcap))
+    dropout_p = check_dropout_p(dropout_p)
+    flags = (causal, check_window(window_size), check_softcap(softcap), dropout_p)
+    seed = _seed_words(dropout_rng) if dropout_p else None
     if not JIT_SUPPORTED:
-        return _eager(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision)
+        return _eager(q, k, v, alibi_slopes, seed, flags, softmax_scale, deterministic, fp32_precision)
     problem = check_forward(*(_meta(name, x) for name, x in (("q", q), ("k", k), ("v", v))), None,
                             causal=causal, softmax_scale=softmax_scale)
     if alibi_slopes is not None:
         check_variants(problem, alibi_slopes=_meta("alibi_slopes", alibi_slopes))
         # One slope per (batch entry, head): vmapped axes then fold into the batch like q's.
         alibi_slopes = jax.numpy.broadcast_to(alibi_slopes, (problem.batch, problem.nheads))
-    check_variants(problem, window_size=flags[1], softcap=flags[2])
-    return _attention(q, k, v, alibi_slopes, flags, problem.softmax_scale, deterministic, fp32_precision)
+    check_variants(problem, window_size=flags[1], softcap=flags[2], dropout_p=dropout_p)
+    return _attention(q, k, v, alibi_slopes, seed, flags, problem.softmax_scale, deterministic, fp32_precision)
+
+
+def _seed_words(dropout_rng):
+    """A dropout key's 64 bits as uint32[2] (the kernels read them as one
+    little-endian 64-bit seed)."""
+    if dropout_rng is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng, a JAX PRNG key (jax.random.key or PRNGKey): the "
+                         "backward regenerates the mask from it")
+    dtype = getattr(dropout_rng, "dtype", None)
+    if dtype is None:
+        raise TypeError(f"dropout_rng must be a JAX PRNG key, got {type(dropout_rng).__name__}")
+    words = jax.random.key_data(dropout_rng) if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else dropout_rng
+    if tuple(words.shape) != (2,) or np.dtype(words.dtype) != np.uint32:
+        raise ValueError(f"dropout_rng must be a key of two uint32 words (jax.random.key(seed) with the default "
+                         f"threefry implementation, or PRNGKey), got {np.dtype(words.dtype).name} data of shape "
+                         f"{tuple(words.shape)}")
+    return words
 
 
 def _meta(name: str, x) -> TensorMeta:
@@ -104,23 +129,30 @@ def _check_platform(name: str, x) -> None:
 
 # --- traced route: buffer_callback ---
 
-# ``flags``: (causal, window_size, softcap); the ALiBi slopes (or None) are
-# an argument without a gradient (custom_vjp gives it a zero one).
+# ``flags``: (causal, window_size, softcap, dropout_p); the ALiBi slopes and
+# the dropout seed (or None) are arguments without a gradient (custom_vjp
+# gives them a zero one).
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
-    return _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, alibi_slopes, seed, flags, softmax_scale, deterministic, fp32_precision):
+    return _forward_call(q, k, v, alibi_slopes, seed, flags, softmax_scale, fp32_precision)[0]
 
 
-def _attention_fwd(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
-    out, lse = _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision)
-    return out, (q, k, v, alibi_slopes, out, lse)
+def _attention_fwd(q, k, v, alibi_slopes, seed, flags, softmax_scale, deterministic, fp32_precision):
+    out, lse = _forward_call(q, k, v, alibi_slopes, seed, flags, softmax_scale, fp32_precision)
+    return out, (q, k, v, alibi_slopes, seed, out, lse)
+
+
+def _zero_gradient(x):
+    return None if x is None else np.zeros(x.shape, jax.dtypes.float0) if x.dtype == np.uint32 else \
+        jax.numpy.zeros_like(x)
 
 
 def _attention_bwd(flags, softmax_scale, deterministic, fp32_precision, residuals, dout):
-    q, k, v, alibi_slopes, out, lse = residuals
-    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, flags, softmax_scale, deterministic)[:3]
-    return dq, dk, dv, None if alibi_slopes is None else jax.numpy.zeros_like(alibi_slopes)
+    q, k, v, alibi_slopes, seed, out, lse = residuals
+    dq, dk, dv = _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_scale,
+                                deterministic)[:3]
+    return dq, dk, dv, _zero_gradient(alibi_slopes), _zero_gradient(seed)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -130,47 +162,55 @@ def _shape_dtype(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _with_slopes(arrays: tuple, alibi_slopes) -> tuple:
-    return arrays if alibi_slopes is None else (*arrays, alibi_slopes)
+#: The optional inputs of a callback, in the order they follow the others.
+_OPTIONAL_BUFFERS = ("alibi_slopes", "dropout_rng")
 
 
-def _forward_call(q, k, v, alibi_slopes, flags, softmax_scale, fp32_precision):
+def _with_variants(arrays: tuple, alibi_slopes, seed) -> tuple[tuple, tuple[str, ...]]:
+    """The callback's inputs: ``arrays``, then the slopes and the seed where
+    given; and the names of those given (the callback's ``optional``)."""
+    given = [(name, x) for name, x in zip(_OPTIONAL_BUFFERS, (alibi_slopes, seed)) if x is not None]
+    return (*arrays, *(x for _, x in given)), tuple(name for name, _ in given)
+
+
+def _forward_call(q, k, v, alibi_slopes, seed, flags, softmax_scale, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     results = (_shape_dtype(q.shape, q.dtype), _shape_dtype((batch, nheads, seqlen_q), np.float32))
-    callback = _forward_callback(flags, softmax_scale, fp32_precision)
-    return buffer_callback(callback, results, vmap_method="broadcast_all")(*_with_slopes((q, k, v), alibi_slopes))
+    arrays, optional = _with_variants((q, k, v), alibi_slopes, seed)
+    callback = _forward_callback(flags, softmax_scale, fp32_precision, optional)
+    return buffer_callback(callback, results, vmap_method="broadcast_all")(*arrays)
 
 
-def _backward_call(dout, q, k, v, out, lse, alibi_slopes, flags, softmax_scale, deterministic):
+def _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_scale, deterministic):
     # The work buffers (api.backward_work_buffers) are extra outputs that
     # XLA allocates and nothing reads afterwards. Which dK/dV kernel runs is
     # known only at launch (it depends on the buffers' alignment), so every
     # buffer any of them could need is made.
     results = [_shape_dtype(x.shape, x.dtype) for x in (q, k, v)]
     results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in _work_buffers(q.shape).values()]
-    callback = _backward_callback(flags, softmax_scale, deterministic)
-    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(
-        *_with_slopes((dout, q, k, v, out, lse), alibi_slopes))
+    arrays, optional = _with_variants((dout, q, k, v, out, lse), alibi_slopes, seed)
+    callback = _backward_callback(flags, softmax_scale, deterministic, optional)
+    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(*arrays)
 
 
 # One callback object per set of flags: the callback is a static parameter of
 # the primitive, so a fresh closure per call would recompile every eager call.
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(flags: tuple, softmax_scale: float, fp32_precision: str):
-    def callback(ctx, outputs, q, k, v, alibi_slopes=None):
+def _forward_callback(flags: tuple, softmax_scale: float, fp32_precision: str, optional: tuple[str, ...]):
+    def callback(ctx, outputs, q, k, v, *extras):
         out, lse = outputs
         _launch(("forward", flags, softmax_scale, fp32_precision), ctx.stream,
-                dict(q=q, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes), api.FORWARD_ARRAYS)
+                dict(q=q, k=k, v=v, out=out, lse=lse, **dict(zip(optional, extras))), api.FORWARD_ARRAYS)
     return callback
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool):
-    def callback(ctx, outputs, dout, q, k, v, out, lse, alibi_slopes=None):
+def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool, optional: tuple[str, ...]):
+    def callback(ctx, outputs, dout, q, k, v, out, lse, *extras):
         buffers = dict(zip(api.BACKWARD_ARRAYS, (dout, q, k, v, out, lse, *outputs)))
         _launch(("backward", flags, softmax_scale, deterministic), ctx.stream,
-                buffers | {"alibi_slopes": alibi_slopes}, api.BACKWARD_ARRAYS)
+                buffers | dict(zip(optional, extras)), api.BACKWARD_ARRAYS)
     return callback
 
 
@@ -234,58 +274,62 @@ def _folded(shape: tuple[int, ...], trailing: int) -> tuple[int, ...]:
 
 #: Buffers whose dtype is not q's.
 _WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq_semaphore": "int32",
-                "alibi_slopes": "float32"}
+                "alibi_slopes": "float32", "dropout_rng": "uint32"}
 
 
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):
     """The launch plan of one buffer signature (validated again, now with
     the folded shapes and the device)."""
-    trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1}
+    trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1, "dropout_rng": 1}
     metas = {}
     for name, shape in zip(names, shapes):
         if shape is not None:
             folded = _folded(shape, trailing.get(name, 3))
             metas[name] = TensorMeta(name, folded, contiguous_strides(folded), _WORK_DTYPES.get(name, dtype), device)
     slopes = metas.pop("alibi_slopes", None)
+    metas.pop("dropout_rng", None)  # the seed's address: read by the kernels, nothing to plan
     layouts = {name: api.Layout.contiguous(meta.shape, meta.dtype) for name, meta in metas.items()
                if name != "dq_semaphore"}
-    kind, (causal, window_size, softcap), scale, option = flags
+    kind, (causal, window_size, softcap, dropout_p), scale, option = flags
+    variants = dict(window_size=window_size, softcap=softcap, alibi_slopes=slopes, dropout_p=dropout_p)
     if kind == "forward":
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas["out"], causal=causal,
                                 softmax_scale=scale, lse=metas["lse"], fp32_precision=option)
-        problem = check_variants(problem, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+        problem = check_variants(problem, **variants)
         # No split-KV under JAX: its buffers are declared before the plan is known.
         return api.forward_plan(problem, layouts, aligned=aligned, num_splits=1)
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=option)
-    problem = check_variants(problem, window_size=window_size, softcap=softcap, alibi_slopes=slopes)
+    problem = check_variants(problem, **variants)
     return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned)
 
 
 # --- eager route for a JAX without buffer_callback ---
 
-def _variant_kwargs(flags: tuple, alibi_slopes) -> dict:
-    causal, window_size, softcap = flags
-    return dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+def _variant_kwargs(flags: tuple, alibi_slopes, seed) -> dict:
+    causal, window_size, softcap, dropout_p = flags
+    words = None if seed is None else np.asarray(seed, dtype=np.uint64)
+    return dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                dropout_p=dropout_p, dropout_seed=None if words is None else int(words[0] | words[1] << 32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _eager(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _eager(q, k, v, alibi_slopes, seed, flags, softmax_scale, deterministic, fp32_precision):
     return api.attention(q, k, v, softmax_scale=softmax_scale, fp32_precision=fp32_precision,
-                         **_variant_kwargs(flags, alibi_slopes))
+                         **_variant_kwargs(flags, alibi_slopes, seed))
 
 
-def _eager_fwd(q, k, v, alibi_slopes, flags, softmax_scale, deterministic, fp32_precision):
+def _eager_fwd(q, k, v, alibi_slopes, seed, flags, softmax_scale, deterministic, fp32_precision):
     out, lse = api.attention(q, k, v, softmax_scale=softmax_scale, return_lse=True, fp32_precision=fp32_precision,
-                             **_variant_kwargs(flags, alibi_slopes))
-    return out, (q, k, v, alibi_slopes, out, lse)
+                             **_variant_kwargs(flags, alibi_slopes, seed))
+    return out, (q, k, v, alibi_slopes, seed, out, lse)
 
 
 def _eager_bwd(flags, softmax_scale, deterministic, fp32_precision, residuals, dout):
-    q, k, v, alibi_slopes, out, lse = residuals
+    q, k, v, alibi_slopes, seed, out, lse = residuals
     dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale,
-                                        deterministic=deterministic, **_variant_kwargs(flags, alibi_slopes))
-    return dq, dk, dv, None if alibi_slopes is None else jax.numpy.zeros_like(alibi_slopes)
+                                        deterministic=deterministic, **_variant_kwargs(flags, alibi_slopes, seed))
+    return dq, dk, dv, _zero_gradient(alibi_slopes), _zero_gradient(seed)
 
 
 _eager.defvjp(_eager_fwd, _eager_bwd)

@@ -30,7 +30,9 @@ import numpy as np
 from ._kernel_families import select
 from ._masks import MASKS, MaskPolicy, ScoreTransform, ScoreValues, mask_for, score_for
 from ._tiling import MAX_HEAD_DIM, Tiling, backward_tiling, forward_tiling
-from ._validation import check_causal, check_rank, check_sizes, check_softcap, check_window, resolve_softmax_scale
+from ._validation import (check_causal, check_dropout_p, check_dropout_seed, check_rank, check_sizes, check_softcap,
+                          check_window, resolve_softmax_scale)
+from .dropout import dropout_keep_probability, dropout_mask
 
 _LOG2E = math.log2(math.e)
 #: FragmentOnlineSoftmax::kRescaleSlack (kernels_cu/online_softmax.cuh), log2 units.
@@ -73,9 +75,11 @@ class _Variants:
     """A reference call's mask, score transform and the transform's values:
     from the public arguments, or the ``mask`` / ``score`` policies given."""
 
-    def __init__(self, q, k, *, causal, scale, window_size, softcap, alibi_slopes, mask, score, xp):
+    def __init__(self, q, k, *, causal, scale, window_size, softcap, alibi_slopes, mask, score, xp,
+                 dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None):
         window = check_window(window_size)
         softcap = check_softcap(softcap)
+        self.dropout_factor = _dropout_factor(q, k, dropout_p, dropout_seed, dropout_offset, dropout_mask, xp)
         self.mask = mask if mask is not None else mask_for(causal, None if window == (-1, -1) else window)
         self.score = score if score is not None else score_for(softcap > 0, alibi_slopes is not None)
         batch, nheads = q.shape[0], q.shape[2]
@@ -92,6 +96,25 @@ class _Variants:
         if not isinstance(slopes, float):
             slopes = slopes[:, :, None, None] if head is None else slopes[:, head, None, None]
         return ScoreValues(cap=self._cap, raw_slopes=slopes, diagonal_offset=self._offset)
+
+
+def _dropout_factor(q, k, dropout_p, seed, offset, keep, xp):
+    """Dropout's factor of each probability, (b, h, q, k): 1 / keep where
+    kept, 0 where dropped (``keep``: the kept entries, or None to draw them
+    as the kernels do from the seed and offset); None without dropout."""
+    dropout_p = check_dropout_p(dropout_p)
+    if dropout_p == 0.0:
+        return None
+    batch, seqlen_q, nheads, _ = q.shape
+    shape = (batch, nheads, seqlen_q, k.shape[1])
+    if keep is None:
+        seed, offset = check_dropout_seed(dropout_p, seed, offset)
+        keep = dropout_mask(*shape, dropout_p, seed, offset)
+    keep = xp.asarray(keep)
+    if keep.shape != shape:
+        raise ValueError(f"dropout_mask must have shape (batch, nheads, seqlen_q, seqlen_k) = {shape}, "
+                         f"got {keep.shape}")
+    return xp.where(keep, 1.0 / dropout_keep_probability(dropout_p), 0.0)
 
 
 def _transformed_scores(q, k_all, variants: _Variants, xp):
@@ -128,19 +151,26 @@ def _softmax_probabilities(q, k_all, *, variants: _Variants, scale, xp):
 
 
 def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                        alibi_slopes=None, mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
+                        alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None,
+                        mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
     """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
     nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
-    key gets output 0 and lse -inf."""
+    key gets output 0 and lse -inf. With ``dropout_p`` the probabilities are
+    dropped where ``dropout_mask`` (bool (batch, nheads, seqlen_q, seqlen_k),
+    True where kept) is False, or where not given where the kernels' mask of
+    ``dropout_seed`` and ``dropout_offset`` drops them
+    (``cuflash.dropout_mask``), and the kept ones scaled by 1 / keep."""
     xp = _array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     nheads = q.shape[2]
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp)
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask)
     probs, safe_max, row_sum = _softmax_probabilities(
         q, _expand_kv_heads(k, nheads, xp), variants=variants, scale=scale, xp=xp)
-    out = xp.einsum("bhqk,bkhd->bqhd", probs, _expand_kv_heads(v, nheads, xp))
+    weights = probs if variants.dropout_factor is None else probs * variants.dropout_factor
+    out = xp.einsum("bhqk,bkhd->bqhd", weights, _expand_kv_heads(v, nheads, xp))
     nonempty = row_sum > 0
     lse = xp.where(nonempty, safe_max + xp.log(xp.where(nonempty, row_sum, 1.0)), -xp.inf)[..., 0]
     return out, lse
@@ -216,11 +246,12 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
 
 
 def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                                 softcap=0.0, alibi_slopes=None, mask: MaskPolicy | None = None,
+                                 softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+                                 dropout_mask=None, mask: MaskPolicy | None = None,
                                  score: ScoreTransform | None = None):
     """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
     With grouped-query attention dk and dv are summed over the query heads
-    sharing each key/value head."""
+    sharing each key/value head. Dropout as in ``attention_reference``."""
     xp = _array_module(q)
     dout, q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (dout, q, k, v))
     scale = _check_inputs(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
@@ -229,12 +260,16 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     k_all = _expand_kv_heads(k, nheads, xp)
     v_all = _expand_kv_heads(v, nheads, xp)
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
-                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp)
-    score = variants.score
+                         alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
+                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask)
+    score, factor = variants.score, variants.dropout_factor
     probs, _, _ = _softmax_probabilities(q, k_all, variants=variants, scale=scale, xp=xp)
-    out = xp.einsum("bhqk,bkhd->bqhd", probs, v_all)
+    weights = probs if factor is None else probs * factor  # what multiplies V
+    out = xp.einsum("bhqk,bkhd->bqhd", weights, v_all)
     delta = (dout * out).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (b, h, q, 1)
-    dprobs = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)
+    dweights = xp.einsum("bqhd,bkhd->bhqk", dout, v_all)
+    # dP = dW o factor; softmax's gradient with delta = rowsum(dO o O) = rowsum(P o dP).
+    dprobs = dweights if factor is None else dweights * factor
     dscores = probs * (dprobs - delta)
     if not score.is_identity:  # chain rule through the transform
         rows = xp.arange(seqlen_q)[:, None]
@@ -243,7 +278,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     dq = scale * xp.einsum("bhqk,bkhd->bqhd", dscores, k_all)
     group = nheads // nheads_k if nheads_k else 1
     dk = scale * xp.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
-    dv = xp.einsum("bhqk,bqhd->bkhd", probs, dout).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
+    dv = xp.einsum("bhqk,bqhd->bkhd", weights, dout).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)
     return dq, dk, dv
 
 

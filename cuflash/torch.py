@@ -18,14 +18,15 @@ call has compiled the kernels).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from . import api
 from ._interop import dense_strides_like, torch_device_error
-from ._validation import (check_causal, check_deterministic, check_fp32_precision, check_softcap, check_window,
-                          resolve_softmax_scale)
+from ._validation import (check_causal, check_deterministic, check_dropout_p, check_dropout_seed,
+                          check_fp32_precision, check_softcap, check_window, resolve_softmax_scale)
 
 __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache"]
@@ -37,15 +38,17 @@ __all__ = ["attention", "scaled_dot_product_attention", "flash_attn_func", "flas
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                 window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-                deterministic: bool, fp32_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+                dropout_p: float, dropout_seed: int, dropout_offset: int, deterministic: bool,
+                fp32_precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse); ``deterministic`` is only carried to the backward."""
     return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                         softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True, fp32_precision=fp32_precision)
+                         softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                         dropout_offset=dropout_offset, return_lse=True, fp32_precision=fp32_precision)
 
 
 @_forward_op.register_fake
-def _forward_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, deterministic,
-                  fp32_precision):
+def _forward_fake(q, k, v, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                  dropout_seed, dropout_offset, deterministic, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     # The real op lays out out like q (see cuflash._interop.dense_strides_like)
     # and returns a C-contiguous log-sum-exp.
@@ -65,24 +68,27 @@ def _contiguous_gradient(dout):
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                 softcap: float, alibi_slopes: Optional[torch.Tensor],
-                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: int,
+                 dropout_offset: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=causal,
                                   softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                                  softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic)
+                                  softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                  dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                                  deterministic=deterministic)
 
 
 @_backward_op.register_fake
 def _backward_fake(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, alibi_slopes,
-                   deterministic):
+                   dropout_p, dropout_seed, dropout_offset, deterministic):
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, *flags, alibi_slopes, deterministic, _ = inputs
+    q, k, v, *flags, alibi_slopes, dropout_p, dropout_seed, dropout_offset, deterministic, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.flags, ctx.alibi_slopes, ctx.deterministic = tuple(flags), alibi_slopes, deterministic
+    ctx.dropout = (dropout_p, dropout_seed, dropout_offset)
 
 
 def _backward(ctx, dout, dlse):
@@ -90,8 +96,8 @@ def _backward(ctx, dout, dlse):
     # return, so no gradient flows into it (dlse is None or zero).
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.cuflash.attention_backward(dout, q, k, v, out, lse, *ctx.flags, ctx.alibi_slopes,
-                                                      ctx.deterministic)
-    return dq, dk, dv, *(None,) * 8
+                                                      *ctx.dropout, ctx.deterministic)
+    return dq, dk, dv, *(None,) * 11
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -99,15 +105,13 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _AttentionFunction(torch.autograd.Function):
     """The eager route: cuflash's forward, and its backward from the saved
-    inputs, output and log-sum-exp. ``variants``: window_size, softcap and
-    alibi_slopes (not differentiated)."""
+    inputs, output and log-sum-exp. ``variants``: ``Variants`` (the slopes
+    and dropout's seed among them; not differentiated)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision):
-        window_size, softcap, alibi_slopes = variants
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                 softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True,
-                                 fp32_precision=fp32_precision)
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+                                 return_lse=True, fp32_precision=fp32_precision)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.variants = variants
@@ -117,10 +121,8 @@ class _AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        window_size, softcap, alibi_slopes = ctx.variants
         dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
-                                            softmax_scale=ctx.softmax_scale, window_size=window_size,
-                                            softcap=softcap, alibi_slopes=alibi_slopes,
+                                            softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
                                             deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None
 
@@ -132,27 +134,65 @@ class _AttentionFunction(torch.autograd.Function):
 EAGER_ROUTE = "function"
 
 
-#: No window, soft cap or ALiBi: (window_size, softcap, alibi_slopes).
-_NO_VARIANTS = ((-1, -1), 0.0, None)
+#: No window, soft cap, ALiBi or dropout.
+_NO_VARIANTS = api.Variants()
+
+
+def _variant_kwargs(variants: api.Variants) -> dict:
+    return dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
+                dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
+                dropout_offset=variants.dropout_offset)
+
+
+def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
+    """A fresh (seed, offset) for one call's dropout mask, from ``generator``
+    or the default CUDA generator of ``device``, as FlashAttention-2 takes
+    them: the generator's seed and its Philox offset, which is then moved on
+    (so ``torch.manual_seed`` makes runs repeatable and every call draws a
+    new mask). A CPU generator gives a random seed instead."""
+    if generator is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        generator = torch.cuda.default_generators[index]
+    if generator.device.type == "cuda":
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)  # PyTorch's CUDA offsets advance in steps of 4
+        return generator.initial_seed() % (1 << 63), offset
+    return int(torch.randint(0, 1 << 62, (), generator=generator)), 0
+
+
+def _resolved(variants: api.Variants, q, generator=None) -> api.Variants:
+    """``variants`` with a seed drawn for dropout where none was given (from
+    ``generator``, or the CUDA generator of q's device)."""
+    if variants.dropout_seed is not None or variants.dropout_p.__class__ is float and variants.dropout_p == 0.0:
+        return variants
+    if check_dropout_p(variants.dropout_p) == 0.0:
+        return variants
+    _check_cuda_tensors(("q",), (q,))
+    seed, offset = dropout_seed_and_offset(q.device, generator)
+    return dataclasses.replace(variants, dropout_seed=seed, dropout_offset=offset)
 
 
 def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp32_precision="ieee",
-             variants=_NO_VARIANTS):
-    """``variants``: (window_size, softcap, alibi_slopes)."""
+             variants=_NO_VARIANTS, generator=None):
+    """``variants``: ``cuflash.api.Variants``; dropout without a seed draws
+    one from ``generator`` (``dropout_seed_and_offset``)."""
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
-    window_size, softcap, alibi_slopes = variants
     if route == "custom_op" or torch.compiler.is_compiling():
-        _check_cuda_tensors(("q", "k", "v", "alibi_slopes"), (q, k, v, alibi_slopes))
+        _check_cuda_tensors(("q", "k", "v", "alibi_slopes"), (q, k, v, variants.alibi_slopes))
+        variants = _resolved(variants, q, generator)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
-        return torch.ops.cuflash.attention_forward(q, k, v, check_causal(causal), scale, *check_window(window_size),
-                                                   check_softcap(softcap), alibi_slopes, deterministic,
-                                                   check_fp32_precision(fp32_precision))[0]
+        dropout_p = check_dropout_p(variants.dropout_p)
+        seed, offset = check_dropout_seed(dropout_p, variants.dropout_seed, variants.dropout_offset)
+        return torch.ops.cuflash.attention_forward(
+            q, k, v, check_causal(causal), scale, *check_window(variants.window_size), check_softcap(variants.softcap),
+            variants.alibi_slopes, dropout_p, seed, offset, deterministic, check_fp32_precision(fp32_precision))[0]
+    variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _AttentionFunction.apply(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision)
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                         softcap=softcap, alibi_slopes=alibi_slopes, fp32_precision=fp32_precision)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+                         fp32_precision=fp32_precision)
 
 
 def _float32_precision_of_torch() -> str:
@@ -174,7 +214,8 @@ def _check_cuda_tensors(names: tuple[str, ...], tensors: tuple) -> None:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              deterministic=False, fp32_precision="ieee"):
+              dropout_p=0.0, dropout_seed=None, dropout_offset=0, generator=None, deterministic=False,
+              fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for PyTorch tensors.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
@@ -183,12 +224,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     ``alibi_slopes`` ((nheads,) or (batch, nheads) float32 CUDA tensor, not
     differentiated) and ``fp32_precision`` as for ``cuflash.attention``
     (float32 forward; the backward is exact float32); ``deterministic`` as
-    for ``cuflash.attention_backward``. Returns the output (batch, seqlen_q,
-    nheads, head_dim); gradients flow to q, k and v through cuflash's
-    backward.
+    for ``cuflash.attention_backward``. ``dropout_p``: dropout of the
+    attention probabilities, its mask fixed by ``dropout_seed`` and
+    ``dropout_offset`` where given, else drawn from ``generator`` (default:
+    the CUDA generator of q's device, as FlashAttention-2 does), and saved
+    for the backward. Returns the output (batch, seqlen_q, nheads,
+    head_dim); gradients flow to q, k and v through cuflash's backward.
     """
     return _forward(q, k, v, causal, softmax_scale, deterministic, fp32_precision=fp32_precision,
-                    variants=(window_size, softcap, alibi_slopes))
+                    variants=api.Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                                          dropout_offset), generator=generator)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -196,21 +241,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` on
     (batch, heads, seqlen, dim) CUDA tensors: the layout change is a view,
     no copy. float32 inputs take 3xTF32 where ``torch.get_float32_matmul_precision()``
-    allows TF32 ("high", "medium"), the exact path at "highest". Not supported
-    yet (``NotImplementedError``): ``attn_mask``, ``dropout_p > 0``, and
+    allows TF32 ("high", "medium"), the exact path at "highest". ``dropout_p``
+    drops attention weights as SDPA does (cuflash's own mask, drawn from
+    PyTorch's CUDA generator: not the same entries as SDPA's). Not supported
+    yet (``NotImplementedError``): ``attn_mask``, and
     ``is_causal`` with seqlen_q != seqlen_k (PyTorch aligns that mask to the
     top-left corner, cuflash to the bottom-right). A tensor outside GPU
     memory raises ``cuflash.attention``'s ``TypeError``, naming ``query``,
     ``key`` or ``value``."""
-    unsupported = []
     if attn_mask is not None:
-        unsupported.append("attn_mask")
-    if dropout_p:
-        unsupported.append(f"dropout_p={dropout_p}")
-    if unsupported:
-        raise NotImplementedError(
-            f"cuflash.torch.scaled_dot_product_attention does not support {', '.join(unsupported)} yet"
-        )
+        raise NotImplementedError("cuflash.torch.scaled_dot_product_attention does not support attn_mask yet")
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         _check_cuda_tensors(("query", "key", "value"), (query, key, value))
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -228,7 +268,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         )
     precision = _float32_precision_of_torch() if query.dtype == torch.float32 else "ieee"
     out = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale,
-                   fp32_precision=precision)
+                   fp32_precision=precision, variants=api.Variants(dropout_p=dropout_p))
     return out.transpose(1, 2)
 
 
@@ -238,18 +278,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, seqlen_q, nheads, head_dim), k and v (batch, seqlen_k, nheads_k,
     head_dim), bottom-right causal alignment, ``deterministic`` for a
     bitwise-repeatable backward, sliding windows (``window_size``), soft
-    capping (``softcap``) and ALiBi (``alibi_slopes``) with FlashAttention-2's
-    semantics. Not supported yet (``NotImplementedError``): dropout,
-    ``return_attn_probs``."""
-    _refuse_unsupported("flash_attn_func", dropout_p, return_attn_probs)
-    return _forward(q, k, v, causal, softmax_scale, deterministic, variants=(window_size, softcap, alibi_slopes))
+    capping (``softcap``), ALiBi (``alibi_slopes``) and dropout (``dropout_p``,
+    its mask drawn from PyTorch's CUDA generator as FlashAttention-2 draws
+    its own: same distribution, not the same entries) with
+    FlashAttention-2's semantics. Not supported yet
+    (``NotImplementedError``): ``return_attn_probs``."""
+    _refuse_unsupported("flash_attn_func", return_attn_probs)
+    return _forward(q, k, v, causal, softmax_scale, deterministic,
+                    variants=api.Variants(window_size, softcap, alibi_slopes, dropout_p))
 
 
-def _refuse_unsupported(function: str, dropout_p, return_attn_probs, block_table=None) -> None:
+def _refuse_unsupported(function: str, return_attn_probs, block_table=None) -> None:
     """``NotImplementedError`` naming every FlashAttention-2 option a drop-in was given that cuflash lacks."""
     unsupported = []
-    if dropout_p:
-        unsupported.append(f"dropout_p={dropout_p}")
     if return_attn_probs:
         unsupported.append("return_attn_probs=True")
     if block_table is not None:
@@ -265,10 +306,9 @@ class _VarlenAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                 variants, deterministic):
-        window_size, softcap, alibi_slopes = variants
         out, lse = api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                        softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
+                                        causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+                                        return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.lengths = (max_seqlen_q, max_seqlen_k)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
@@ -279,11 +319,9 @@ class _VarlenAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-        window_size, softcap, alibi_slopes = ctx.variants
         dq, dk, dv = api.attention_varlen_backward(_contiguous_gradient(dout), q, k, v, out, lse, cu_seqlens_q,
                                                    cu_seqlens_k, *ctx.lengths, causal=ctx.causal,
-                                                   softmax_scale=ctx.softmax_scale, window_size=window_size,
-                                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                                   softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
                                                    deterministic=ctx.deterministic)
         return dq, dk, dv, *(None,) * 8
 
@@ -295,19 +333,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     packed q (total_q, nheads, head_dim), k and v (total_k, nheads_k,
     head_dim), int32 ``cu_seqlens_q``/``cu_seqlens_k`` (batch + 1) on the GPU
     and the longest lengths, as for ``cuflash.attention_varlen``;
-    differentiable (gradients to q, k and v); windows, soft capping and ALiBi
-    as in ``flash_attn_func``. Not supported yet (``NotImplementedError``):
-    dropout, ``return_attn_probs``, ``block_table``."""
-    _refuse_unsupported("flash_attn_varlen_func", dropout_p, return_attn_probs, block_table)
+    differentiable (gradients to q, k and v); windows, soft capping, ALiBi
+    and dropout as in ``flash_attn_func`` (sequence b's mask that of batch
+    entry b). Not supported yet (``NotImplementedError``):
+    ``return_attn_probs``, ``block_table``."""
+    _refuse_unsupported("flash_attn_varlen_func", return_attn_probs, block_table)
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
+    variants = _resolved(api.Variants(window_size, softcap, alibi_slopes, dropout_p), q)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _VarlenAttentionFunction.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                              causal, softmax_scale, (window_size, softcap, alibi_slopes),
-                                              deterministic)
+                                              causal, softmax_scale, variants, deterministic)
     return api.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                                alibi_slopes=alibi_slopes)
+                                softmax_scale=softmax_scale, **_variant_kwargs(variants))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

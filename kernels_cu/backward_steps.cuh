@@ -160,7 +160,8 @@ __device__ __forceinline__ void load_row_statistics(float* stats, const Backward
 // only in blocks that cross the causal diagonal or the end of either
 // sequence (scores to -inf, so P^T = 0 there); dS^T = P^T (dP^T - delta)
 // times the transform's derivative. `score`: the transform of the query
-// head of this step (BlockContext::score_of_head).
+// head of this step (BlockContext::score_of_head). With dropout, P^T comes
+// back dropped and scaled (dV's operand) and dP^T is dropped before dS^T.
 template <int kBlockM, int kBlockN, typename Mask, typename Score, int kQTiles>
 __device__ __forceinline__ void transposed_probabilities_and_gradients(const BlockContext<Mask, Score>& ctx,
                                                                        const Score& score,
@@ -177,15 +178,26 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
         const int col = query0 + 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
         const float2 lse_pair = *reinterpret_cast<const float2*>(stats + col);
         const float2 delta_pair = *reinterpret_cast<const float2*>(stats + kBlockM + col);
+        // Dropout's keep factors of this lane's keys in rows col and col + 1.
+        KeyPairFactors keep[2] = {{1.0f, 1.0f}, {1.0f, 1.0f}};
+        if constexpr (Score::kDropout) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                keep[r] = key_pair_factors(score.dropout, m_start + col + r, key0 + lane / 4);
+            }
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             // Masked scores are -inf: P^T = 0 there (recompute_probability's
             // explicit zero is not needed on this path).
             const float transformed = s[0][j][e];
             const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
-            s[0][j][e] = p;
-            dp[0][j][e] = score_gradient(score, p, dp[0][j][e], e % 2 ? delta_pair.y : delta_pair.x, transformed,
-                                         m_start + col + e % 2, key0 + lane / 4 + (e / 2) * 8);
+            // dV takes the dropped P; dS = P (Z dP - delta) with Z the factor.
+            const float z = e / 2 ? keep[e % 2].second : keep[e % 2].first;
+            s[0][j][e] = Score::kDropout ? p * z : p;
+            dp[0][j][e] = score_gradient(score, p, Score::kDropout ? dp[0][j][e] * z : dp[0][j][e],
+                                         e % 2 ? delta_pair.y : delta_pair.x, transformed, m_start + col + e % 2,
+                                         key0 + lane / 4 + (e / 2) * 8);
         }
     }
 }

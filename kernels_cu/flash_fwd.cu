@@ -95,7 +95,8 @@ flash_forward_kernel(const ForwardParams params) {
         const float rescale = softmax.update(scores);
 #pragma unroll
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
-            p_row[lane_in_row + j * kLanesPerRow] = scores[j];
+            const int key = n_start + lane_in_row + j * kLanesPerRow;
+            p_row[lane_in_row + j * kLanesPerRow] = scores[j] * dropout_factor(ctx.score, row, key);
         }
         // A row's probabilities are written and read only by the lanes of
         // that row, which share a warp.

@@ -220,6 +220,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
         }
         float rescale[2 * kMTiles];
         softmax.update(s, ctx.scale_log2, rescale);
+        drop_probabilities(ctx.score, s, m_start + warp_row0, n_start, lane);
         // Unconditional: the factors are mostly 1 (see FragmentOnlineSoftmax),
         // but skipping the multiplies behind a warp vote measured 1-4% slower
         // on the H100 (the branch splits the schedule around it).

@@ -233,6 +233,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 mbarrier_arrive(Traits::v_empty(base, previous.stage));
             }
             scale_fragment_rows(o, rescale);
+            // Dropout once P_{i-1} V_{i-1} has landed: the previous P's
+            // registers are free then, and the Philox rounds fit beside S and O.
+            drop_probabilities(ctx.score, s, warp_row, n_start, lane);
             // P rounded to the element type (its float32 row sums were taken before rounding).
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {

@@ -86,6 +86,14 @@ struct VariantParams {
     const float* alibi_slopes;
     index_t alibi_batch_stride;
     double inverse_scale;
+    // Dropout (dropout.cuh): the call's seed and offset, the 16-bit threshold
+    // below which a probability is dropped (0: none) and 1 / (1 - p); where
+    // dropout_seed_pointer is set the seed is read from the GPU there
+    // instead (a JAX PRNG key's 64 bits, a value that changes under jit).
+    unsigned long long dropout_seed, dropout_offset;
+    index_t dropout_threshold;
+    double dropout_inverse_keep;
+    const unsigned long long* dropout_seed_pointer;
 };
 
 struct ForwardParams {
@@ -125,12 +133,12 @@ struct WgmmaForwardParams : ForwardParams {
     TensorMap q_map, k_map, v_map;
 };
 
-static_assert(sizeof(VariantParams) == 6 * 8, "VariantParams layout must match cuflash/_params.py");
+static_assert(sizeof(VariantParams) == 11 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 384 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 448 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 6 * 8,
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 11 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -208,7 +216,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 6 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 11 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
@@ -218,6 +226,6 @@ struct WgmmaBackwardParams : BackwardParams {
     TensorMap q_map, k_map, v_map, do_map, dq_map;
 };
 
-static_assert(sizeof(WgmmaBackwardParams) == 512 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaBackwardParams) == 576 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -36,7 +36,8 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
 
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
 // key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
-// the row exists; `score` the transform of the row's head.
+// the row exists; `score` the transform of the row's head. With dropout, p
+// is the dropped and scaled probability (dV's), and dS = P (Z dP - delta).
 struct ScoreGradient {
     float p, ds;
 };
@@ -49,6 +50,10 @@ __device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockCon
     const bool visible = row_valid && key_visible(ctx.mask, row, key);
     const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
+    if constexpr (Score::kDropout) {
+        const float z = dropout_factor(score, row, key);
+        return {p * z, score_gradient(score, p, dp * z, delta, s, row, key)};
+    }
     return {p, score_gradient(score, p, dp, delta, s, row, key)};
 }
 

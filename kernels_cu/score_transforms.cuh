@@ -16,16 +16,25 @@
 //   gradient(transformed, row, key)  d transformed / d raw at that score, from
 //                                    the transformed value the backward
 //                                    recomputed
+//   kDropout                         true for WithDropout<...>, whose member
+//                                    `dropout` (dropout.cuh) drops
+//                                    probabilities after the softmax: it
+//                                    rides on the score policy because it
+//                                    needs the same coordinates (batch
+//                                    entry, head, row, key), and adds one
+//                                    policy instead of one per transform
 // cuflash/_masks.py's SCORE_TRANSFORMS lists them for the launcher and the
 // float64 references (docs/kernel-policies.md).
 #pragma once
 
+#include "dropout.cuh"
 #include "masks.cuh"
 
 namespace cuflash {
 
 struct IdentityScore {
     static constexpr bool kIsIdentity = true;
+    static constexpr bool kDropout = false;
 
     __device__ __forceinline__ IdentityScore(const VariantParams&, SequenceBounds, index_t, index_t) {}
     __device__ __forceinline__ float transform(float raw, int, int) const { return raw; }
@@ -41,6 +50,7 @@ struct IdentityScore {
 template <bool kPreciseTanh>
 struct SoftcapScore {
     static constexpr bool kIsIdentity = false;
+    static constexpr bool kDropout = false;
     float cap, inverse_cap;
 
     __device__ __forceinline__ SoftcapScore(const VariantParams& variant, SequenceBounds, index_t, index_t)
@@ -64,6 +74,7 @@ struct SoftcapScore {
 template <typename Inner>
 struct WithAlibi {
     static constexpr bool kIsIdentity = false;
+    static constexpr bool kDropout = false;
     Inner inner;
     float raw_slope;       // slope / softmax_scale, the bias per key of distance
     int diagonal_offset;   // seqlen_k - seqlen_q
@@ -89,6 +100,19 @@ struct WithAlibi {
     }
 };
 
+// Dropout (dropout.cuh) after the `Inner` transform, which it leaves as it
+// is: the score hooks are Inner's, and the kernels drop probabilities where
+// kDropout is set (drop_probabilities, probability.cuh's gradients).
+template <typename Inner>
+struct WithDropout : Inner {
+    static constexpr bool kDropout = true;
+    DropoutMask dropout;
+
+    __device__ __forceinline__ WithDropout(const VariantParams& variant, SequenceBounds bounds, index_t batch,
+                                           index_t head)
+        : Inner(variant, bounds, batch, head), dropout(variant, batch, head) {}
+};
+
 // Transforms a warp's raw S fragments in place (rows from row0, keys from key0).
 template <typename Score, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_transform(const Score& score, float (&s)[kMTiles][kNTiles][4], int row0,
@@ -106,6 +130,26 @@ __device__ __forceinline__ void apply_score_transform_transposed(const Score& sc
     if constexpr (!Score::kIsIdentity) {
         for_each_fragment_element(s, key0, row0, lane,
                                   [&](float& x, int key, int row) { x = score.transform(x, row, key); });
+    }
+}
+
+// Drops and rescales a warp's P fragments (rows from row0, keys from key0:
+// see drop_fragments) where the policy has dropout; nothing otherwise.
+template <typename Score, int kMTiles, int kNTiles>
+__device__ __forceinline__ void drop_probabilities(const Score& score, float (&p)[kMTiles][kNTiles][4], int row0,
+                                                   int key0, int lane) {
+    if constexpr (Score::kDropout) {
+        drop_fragments(score.dropout, p, row0, key0, lane);
+    }
+}
+
+// The factor of one probability (SIMT kernels): 1 without dropout.
+template <typename Score>
+__device__ __forceinline__ float dropout_factor(const Score& score, int row, int key) {
+    if constexpr (Score::kDropout) {
+        return score.dropout.factor(row, key);
+    } else {
+        return 1.0f;
     }
 }
 

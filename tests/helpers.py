@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from cuflash._masks import mask_for
+from cuflash.dropout import dropout_keep_probability
+from cuflash.dropout import dropout_mask as _draw_mask
 
 #: Tests that compile CUDA with the toolkit's nvcc (no GPU needed).
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -93,17 +95,43 @@ def _same_precision_probabilities(q, k_all, *, causal, softmax_scale, **variants
     return (probs / cupy.where(row_sum > 0, row_sum, 1.0)).astype(dtype).astype(cupy.float32)
 
 
+def _dropout_factor(q, k, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None):
+    """Dropout's factor (b, h, q, k) as float32 (1 / keep where kept, 0
+    where dropped: ``dropout_mask``, or cuflash's mask for these arguments),
+    or None without dropout."""
+    import cupy
+
+    if not dropout_p:
+        return None
+    keep = dropout_mask
+    if keep is None:
+        keep = _draw_mask(q.shape[0], q.shape[2], q.shape[1], k.shape[1], dropout_p, dropout_seed, dropout_offset)
+    return cupy.asarray(np.where(keep, 1.0 / dropout_keep_probability(dropout_p), 0.0).astype(np.float32))
+
+
+def _split_dropout(variants: dict) -> tuple[dict, dict]:
+    names = ("dropout_p", "dropout_seed", "dropout_offset", "dropout_mask")
+    return ({name: value for name, value in variants.items() if name not in names},
+            {name: value for name, value in variants.items() if name in names})
+
+
 def naive_attention_same_precision(q, k, v, *, softmax_scale, causal=False, **variants):
     """Attention the naive way in the inputs' own precision (CuPy): each
     matrix product accumulates in float32 and is rounded to the input dtype,
     as a framework's unfused bf16/fp16 attention does. Its error against
     float64 is the yardstick for cuflash's low-precision error.
-    ``variants``: window_size, softcap, alibi_slopes (as ``cuflash.attention``'s)."""
+    ``variants``: window_size, softcap, alibi_slopes, dropout_p,
+    dropout_seed, dropout_offset (as ``cuflash.attention``'s; dropout
+    multiplies the rounded probabilities, rounded again)."""
     import cupy
 
     group = q.shape[2] // k.shape[2]
+    variants, dropout = _split_dropout(variants)
     probs = _same_precision_probabilities(q, cupy.repeat(k, group, axis=2), causal=causal,
                                           softmax_scale=softmax_scale, **variants)
+    factor = _dropout_factor(q, k, **dropout)
+    if factor is not None:
+        probs = (probs * factor).astype(q.dtype).astype(cupy.float32)
     v_all = cupy.repeat(v, group, axis=2).astype(cupy.float32)
     return cupy.einsum("bhqk,bkhd->bqhd", probs, v_all).astype(q.dtype)
 
@@ -165,10 +193,12 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, softmax_scale, cau
     product accumulates in float32 and is rounded to the input dtype, as a
     framework's unfused bf16/fp16 attention backward does. Its error against
     float64 is the yardstick for cuflash's low-precision gradients.
-    ``variants``: window_size, softcap, alibi_slopes."""
+    ``variants``: window_size, softcap, alibi_slopes, and dropout's."""
     import cupy
 
     dtype = q.dtype
+    variants, dropout = _split_dropout(variants)
+    factor = _dropout_factor(q, k, **dropout)
     f32 = lambda x: x.astype(cupy.float32)  # noqa: E731
     rnd = lambda x: x.astype(dtype)  # noqa: E731
     nheads, nheads_k = q.shape[2], k.shape[2]
@@ -176,10 +206,13 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, softmax_scale, cau
     k_all = cupy.repeat(k, group, axis=2)
     v_all = cupy.repeat(v, group, axis=2)
     probs = _same_precision_probabilities(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
-    out = f32(rnd(cupy.einsum("bhqk,bkhd->bqhd", probs, f32(v_all))))
+    weights = probs if factor is None else f32(rnd(probs * factor))
+    out = f32(rnd(cupy.einsum("bhqk,bkhd->bqhd", weights, f32(v_all))))
     dout32 = f32(dout)
-    dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", probs, dout32).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
+    dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", weights, dout32).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
     dprobs = f32(rnd(cupy.einsum("bqhd,bkhd->bhqk", dout32, f32(v_all))))
+    if factor is not None:
+        dprobs = f32(rnd(dprobs * factor))
     delta = (dout32 * out).sum(axis=-1).transpose(0, 2, 1)[..., None]
     dscores = f32(rnd(probs * (dprobs - delta)))
     _, tanh = _same_precision_scores(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)

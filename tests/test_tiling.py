@@ -394,11 +394,11 @@ def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
 
 
 def test_params_pack_requires_every_field():
-    from cuflash._params import pack
+    from cuflash._params import NO_VARIANT, pack
 
     fields = {name: 0 for name in FORWARD_PARAMS.names}
     fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0),
-                  variant=(0, 0, 0.0, 0, 0, 0.0))
+                  variant=NO_VARIANT)
     struct = pack(FORWARD_PARAMS, **fields)
     assert struct.shape == (1,) and struct.dtype == FORWARD_PARAMS
     assert struct["q"]["row_stride"][0] == 3 and struct["size"]["seqlen_k"][0] == 5

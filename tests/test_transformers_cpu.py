@@ -25,7 +25,11 @@ def _attention(q, k, v, **options):
     return torch.from_numpy(out[0]).to(q.dtype)
 
 
+dropouts = []
+
+
 def _dense(q, k, v, dropout_p=0.0, **options):
+    dropouts.append(dropout_p)
     return torch.stack([_attention(q[b], k[b], v[b], **options) for b in range(q.shape[0])])
 
 
@@ -34,6 +38,7 @@ calls = []
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, **options):
     calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+    dropouts.append(dropout_p)
     out = torch.zeros_like(q)
     for b in range(len(cu_q) - 1):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
@@ -47,6 +52,7 @@ def cpu_stand_in(monkeypatch):
     monkeypatch.setattr(cuflash_torch, "flash_attn_func", _dense)
     monkeypatch.setattr(cuflash_torch, "flash_attn_varlen_func", _varlen)
     calls.clear()
+    dropouts.clear()
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -91,14 +97,23 @@ def test_packed_sequences_from_position_ids_and_from_offsets():
     assert ([0, 5, 14, 16], [0, 5, 14, 16], 9, 9) in calls
 
 
+def test_attention_dropout_reaches_the_kernels_as_the_model_passes_it():
+    """transformers passes the layer's attention dropout in training and 0 in
+    evaluation; both paths (dense and padded) hand it on as dropout_p."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.zeros(2, 2, 3, 8)
+    cuflash_hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    cuflash_hf.attention_forward(module, q, q, q, torch.ones(2, 3, dtype=torch.long), dropout=0.25)
+    cuflash_hf.attention_forward(module, q, q, q, None)
+    assert dropouts == [0.1, 0.25, 0.0]
+
+
 def test_unsupported_options_are_refused():
     module = torch.nn.Module()
     module.is_causal = True
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(NotImplementedError, match="attention sinks"):
         cuflash_hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
-    module.train()
-    with pytest.raises(NotImplementedError, match="dropout 0.1 in training"):
-        cuflash_hf.attention_forward(module, q, q, q, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="2-D padding mask"):
         cuflash_hf.attention_forward(module, q, q, q, torch.ones(1, 1, 3, 3), dropout=0.0)

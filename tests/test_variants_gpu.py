@@ -40,7 +40,13 @@ VARIANTS = {
     "softcap-causal": dict(softcap=3.0, causal=True),
     "alibi-causal": dict(alibi_slopes="head", causal=True),
     "everything": dict(window_size=(80, 10), softcap=4.0, alibi_slopes="batch"),
+    "dropout": dict(dropout_p=0.2, dropout_seed=1234),
+    "dropout-everything": dict(window_size=(80, 10), softcap=4.0, alibi_slopes="batch", dropout_p=0.15,
+                               dropout_seed=(1 << 40) + 9, dropout_offset=5),
 }
+
+#: Options of a call that are not check_variants' (dropout's seed and offset: values of each call).
+_CALL_VALUES = ("causal", "dropout_seed", "dropout_offset")
 
 #: (dtype, head_dim, kernel generation to pin or None, deterministic, fp32_precision) -> the families they reach.
 CONFIGS = {
@@ -72,7 +78,7 @@ def _options(name, batch, nheads):
 def _forward_key(q, k, v, options, fp32_precision="ieee") -> str:
     """The forward kernel the API plans for this call."""
     metas = {name: meta_of(name, x) for name, x in (("q", q), ("k", k), ("v", v))}
-    variants = {name: value for name, value in options.items() if name != "causal"}
+    variants = {name: value for name, value in options.items() if name not in _CALL_VALUES}
     if "alibi_slopes" in variants:
         variants["alibi_slopes"] = meta_of("alibi_slopes", variants["alibi_slopes"])
     problem = check_forward(metas["q"], metas["k"], metas["v"], None, causal=options.get("causal", False),
@@ -142,7 +148,7 @@ def test_deterministic_backward_with_a_window_is_bitwise_repeatable():
         assert all(bool((a == b).all()) for a, b in zip(first, again))
 
 
-@pytest.mark.parametrize("variant", ["band", "softcap-causal", "everything"])
+@pytest.mark.parametrize("variant", ["band", "softcap-causal", "everything", "dropout-everything"])
 @pytest.mark.parametrize("generation", [90, 80], ids=["hopper", "mma-sync"])
 def test_variants_on_variable_length_batches(variant, generation, monkeypatch):
     from tests.test_varlen_gpu import PackedBatch
@@ -158,12 +164,17 @@ def test_variants_on_variable_length_batches(variant, generation, monkeypatch):
     dout = rng.standard_normal(batch.q.shape, dtype=cupy.float32).astype(batch.q.dtype)
     grads = cuflash.attention_varlen_backward(dout, *batch.args()[:3], out, lse, *batch.args()[3:], **options)
     slopes = options.get("alibi_slopes")
+    dropout = {name: options.pop(name) for name in ("dropout_seed", "dropout_offset") if name in options}
     for b, (rows_q, rows_k) in enumerate(batch.sequences()):
         if rows_q.stop == rows_q.start or rows_k.stop == rows_k.start:
             continue
         sequence = {name: value for name, value in options.items() if name != "alibi_slopes"}
         if slopes is not None:
             sequence["alibi_slopes"] = slopes[b:b + 1]
+        if dropout:  # sequence b's mask: batch entry b's, rows and keys from the sequence's start
+            sequence["dropout_mask"] = cuflash.dropout_mask(
+                b + 1, 8, rows_q.stop - rows_q.start, rows_k.stop - rows_k.start, options["dropout_p"],
+                dropout["dropout_seed"], dropout.get("dropout_offset", 0))[b:b + 1]
         args = (batch.q[rows_q][None], batch.k[rows_k][None], batch.v[rows_k][None])
         reference = {name: (to_numpy64(x) if name == "alibi_slopes" else x) for name, x in sequence.items()}
         want_out, want_lse = attention_reference(*(to_numpy64(x) for x in args), **reference)

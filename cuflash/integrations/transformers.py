@@ -23,8 +23,9 @@ Causal masks are bottom-right aligned per sequence, as FlashAttention's and
 as a cache's new tokens need; a layer's ``sliding_window`` (Mistral, Gemma 2)
 becomes a window of that many keys ending at each query's own, and
 ``softcap`` (Gemma 2) caps the scores, as the model's ``sdpa`` attention
-does. Both paths are differentiable. Not supported (``NotImplementedError``):
-dropout in training, attention sinks.
+does; attention dropout in training drops probabilities with cuflash's own
+mask. Both paths are differentiable. Not supported (``NotImplementedError``):
+attention sinks.
 """
 
 from __future__ import annotations
@@ -64,15 +65,10 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _refuse_unsupported(module, dropout, s_aux) -> None:
-    unsupported = []
-    if dropout and getattr(module, "training", False):
-        unsupported.append(f"attention dropout {dropout} in training")
+def _refuse_unsupported(s_aux) -> None:
     if s_aux is not None:
-        unsupported.append("attention sinks (s_aux)")
-    if unsupported:
-        raise NotImplementedError(f"cuflash's transformers attention does not support {', '.join(unsupported)} yet "
-                                  f"(use attn_implementation='sdpa' for this model)")
+        raise NotImplementedError("cuflash's transformers attention does not support attention sinks (s_aux) yet "
+                                  "(use attn_implementation='sdpa' for this model)")
 
 
 def _lengths_to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -101,7 +97,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     """transformers' attention-function contract: query (batch, heads,
     q_len, head_dim), key/value (batch, kv_heads, kv_len, head_dim), a 2-D
     padding mask or None; returns (output (batch, q_len, heads, head_dim), None)."""
-    _refuse_unsupported(module, dropout, s_aux)
+    _refuse_unsupported(s_aux)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # (batch, len, heads, dim) views
     batch, q_len, heads, dim = q.shape
@@ -111,7 +107,10 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                   f"{tuple(attention_mask.shape)}")
     # transformers' sliding window: query i sees keys i - sliding_window + 1 .. i.
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    varlen = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap or 0.0)
+    # Attention dropout as the model passes it (0 outside training), as
+    # transformers' FlashAttention path applies it; the mask is drawn from PyTorch's CUDA generator.
+    varlen = dict(causal=causal, softmax_scale=scaling, window_size=window, softcap=softcap or 0.0,
+                  dropout_p=float(dropout or 0.0))
     if attention_mask is not None:
         keys_kept = attention_mask[:, -kv_len:].bool()
         queries_kept = keys_kept[:, -q_len:]
