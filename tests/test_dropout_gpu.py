@@ -106,8 +106,8 @@ def test_variable_length_sequences_take_their_batch_entrys_mask():
     p, seed, head_dim = 0.25, 3, 128
     cu_q = cupy.asarray(np.cumsum([0] + lengths_q), dtype=cupy.int32)
     cu_k = cupy.asarray(np.cumsum([0] + lengths_k), dtype=cupy.int32)
-    q = cupy.zeros((sum(lengths_q), 4, head_dim), dtype=cupy.bfloat16)
-    k = cupy.zeros((sum(lengths_k), 4, head_dim), dtype=cupy.bfloat16)
+    q = cupy.zeros((sum(lengths_q), 4, head_dim), dtype=cupy.dtype("bfloat16"))
+    k = cupy.zeros((sum(lengths_k), 4, head_dim), dtype=cupy.dtype("bfloat16"))
     v = cupy.zeros_like(k)
     starts = np.cumsum([0] + lengths_k)
     for b, n in enumerate(lengths_k):  # one-hot per sequence: key j of sequence b -> column j

@@ -75,13 +75,17 @@ def test_torch_opcheck():
     q, k, v = _qkv(torch, (1, 64, 4, 32), (1, 80, 2, 32), torch.bfloat16)
     for x in (q, k, v):
         x.requires_grad_()
-    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, True, 0.2, False, "ieee"))
+    # (causal, scale, window left, right, softcap, slopes, dropout p, seed, offset), then the flags
+    plain = (True, 0.2, -1, -1, 0.0, None, 0.0, 0, 0)
+    variants = (False, 0.2, 20, 3, 5.0, torch.rand(4, device="cuda"), 0.1, 7, 2)
+    for options in (plain, variants):
+        torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q, k, v, *options, False, "ieee"))
+        out, lse = torch.ops.cuflash.attention_forward(q, k, v, *options, False, "ieee")
+        # The backward op takes plain tensors (no double backward through cuflash).
+        torch.library.opcheck(torch.ops.cuflash.attention_backward.default,
+                              (torch.randn_like(out), *(x.detach() for x in (q, k, v, out, lse)), *options, False))
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
-    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q32, k32, v32, True, 0.2, False, "3xtf32"))
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, True, 0.2, False, "ieee")
-    # The backward op takes plain tensors (no double backward through cuflash).
-    torch.library.opcheck(torch.ops.cuflash.attention_backward.default,
-                          (torch.randn_like(out), *(x.detach() for x in (q, k, v, out, lse)), True, 0.2, False))
+    torch.library.opcheck(torch.ops.cuflash.attention_forward.default, (q32, k32, v32, *plain, False, "3xtf32"))
 
 
 @pytest.mark.parametrize("route", ["function", "custom_op"])

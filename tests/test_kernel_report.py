@@ -31,6 +31,7 @@ def test_every_variant_compiles_and_is_reported():
             assert not row["wgmma_serialized"], row  # no wgmma made to wait for the one before it
     assert kernel_report.spill_limit("forward-wgmma/bfloat16/hdim128/m128n128w12/window/b1") == 0
     assert kernel_report.spill_limit("forward-mma/bfloat16/hdim64/m128n64w4/window/paged/kv2") == 64
+    assert kernel_report.spill_limit("forward-mma/float16/hdim128/m128n64w4/window/kv1") == 32
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim128/m64n128w12/causal/dropout/q2/atomic-dq") == 256
     # 39 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
     # tile at 256; the 16-bit decode tiles without and with split-KV (10 not
@@ -42,7 +43,7 @@ def test_every_variant_compiles_and_is_reported():
     assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 19 * 3
     for layout in ("/cache/", "/paged/"):
         assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 32 * 3
-    assert sum("/window/softcap-alibi" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 39
+    assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 39
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
@@ -69,11 +70,13 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     assert small <= {v.key for v in sm80}
     sm90a = kernel_report.variants_for(variants, "sm_90a")
     # An A100 block gets 163 KiB: float32's Hopper-only 3xTF32 tile at head
-    # dim 256 (200 KiB, two masks) is left out there too.
+    # dim 256 (200 KiB: every mask dense and packed, the heaviest policies
+    # dense) is left out there too.
     beyond_a100 = [v.key for v in variants if v.smem_bytes > 163 * 1024 and not v.key.startswith(
         kernel_report.HOPPER_ONLY)]
-    assert len(beyond_a100) == 4 and all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
-    assert len(sm90a) == len(variants) - len(small) == len(sm80) + 168 + 4 - len(small)
+    assert len(beyond_a100) == 2 * len(MASKS) + 1
+    assert all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
+    assert len(sm90a) == len(variants) - len(small) == len(sm80) + 168 + len(beyond_a100) - len(small)
     # sm_86/sm_89 (99 KiB) build only what fits them: the 99 KiB tiles, not
     # the A100 ones they replace.
     sm89 = {v.key for v in kernel_report.variants_for(variants, "sm_89")}
@@ -111,5 +114,5 @@ def test_report_command_line_on_a_subset():
     rows = json.loads(result.stdout)
     assert {r["variant"] for r in rows} == {f"forward/bfloat16/hdim128/m32n64w4/{mask}{layout}"
                                            for mask in ("none", "causal", "window") for layout in ("", "/packed")
-                                           } | {"forward/bfloat16/hdim128/m32n64w4/window/softcap-alibi"}
+                                           } | {"forward/bfloat16/hdim128/m32n64w4/window/softcap-alibi-dropout"}
     assert all(r["arch"] == "sm_80" and r["dynamic_smem"] > 0 for r in rows)
