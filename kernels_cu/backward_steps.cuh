@@ -173,6 +173,10 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
     if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
         apply_mask_to_transposed_fragments(ctx.mask, s, key0, m_start + query0, lane);
     }
+    // ALiBi's distance row + seqlen_k - seqlen_q - key of element (j, e) is
+    // distance0 + 8 j + e % 2 - 8 (e / 2) (unused without ALiBi).
+    const float distance0 = static_cast<float>(m_start + query0 + 2 * (lane % 4) + ctx.seqlen_k - ctx.seqlen_q -
+                                               (key0 + lane / 4));
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
         const int col = query0 + 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
@@ -197,7 +201,8 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
             s[0][j][e] = Score::kDropout ? p * z : p;
             dp[0][j][e] = score_gradient(score, p, Score::kDropout ? dp[0][j][e] * z : dp[0][j][e],
                                          e % 2 ? delta_pair.y : delta_pair.x, transformed, m_start + col + e % 2,
-                                         key0 + lane / 4 + (e / 2) * 8);
+                                         key0 + lane / 4 + (e / 2) * 8,
+                                         distance0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
         }
     }
 }

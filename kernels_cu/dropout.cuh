@@ -56,10 +56,11 @@ struct DropoutMask {
     CUFLASH_HOST_DEVICE static u32 word(const PhiloxWords& w, int index) {
         return index == 0 ? w.x : index == 1 ? w.y : index == 2 ? w.z : w.w;
     }
-    // The factor of a key from its group's words: inverse_keep or 0.
+    // The factor of a 16-bit draw: inverse_keep or 0.
+    CUFLASH_HOST_DEVICE float factor_of(u32 value) const { return value >= threshold ? inverse_keep : 0.0f; }
+    // The factor of a key from its group's words.
     CUFLASH_HOST_DEVICE float factor(const PhiloxWords& w, int key) const {
-        const u32 value = (word(w, (key >> 3) & 3) >> (16 * (key & 1))) & 0xffffu;
-        return value >= threshold ? inverse_keep : 0.0f;
+        return factor_of((word(w, (key >> 3) & 3) >> (16 * (key & 1))) & 0xffffu);
     }
     CUFLASH_HOST_DEVICE float factor(int row, int key) const { return factor(words(row, key), key); }
 };
@@ -67,7 +68,9 @@ struct DropoutMask {
 // Drops the entries of a warp's P fragments p[kMTiles][kNTiles][4] (layout
 // in mma.cuh; rows from row0, keys from key0, a multiple of 8, and of 32
 // where kNTiles is a multiple of 4) and scales the kept ones: one Philox
-// call per row and four n8 tiles (per n8 tile where they are fewer).
+// call per row and four n8 tiles (per n8 tile where they are fewer). With
+// key0 so aligned, n8 tile nt's word is nt % 4 and a lane's two keys are the
+// low and high halves: known at compile time, no per-element selects.
 template <int kMTiles, int kNTiles>
 CUFLASH_HOST_DEVICE void drop_fragments(const DropoutMask& mask, float (&p)[kMTiles][kNTiles][4], int row0,
                                                int key0, int lane) {
@@ -84,8 +87,9 @@ CUFLASH_HOST_DEVICE void drop_fragments(const DropoutMask& mask, float (&p)[kMTi
                 if (!kWholeGroups || nt % 4 == 0) {
                     w = mask.words(row, key);
                 }
-                p[mt][nt][2 * half] *= mask.factor(w, key);
-                p[mt][nt][2 * half + 1] *= mask.factor(w, key + 1);
+                const u32 pair = DropoutMask::word(w, kWholeGroups ? nt % 4 : (key >> 3) & 3);
+                p[mt][nt][2 * half] *= mask.factor_of(pair & 0xffffu);
+                p[mt][nt][2 * half + 1] *= mask.factor_of(pair >> 16);
             }
         }
     }

@@ -34,6 +34,19 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
     }
 }
 
+// The same, with ALiBi's distance of (row, key) as a float (the tensor-core
+// backwards derive it per element from one conversion: alibi_bias_at).
+template <typename Score>
+__device__ __forceinline__ float score_gradient(const Score& score, float p, float dp, float delta, float transformed,
+                                                int row, int key, float alibi_distance) {
+    const float ds = p * (dp - delta);
+    if constexpr (Score::kIsIdentity) {
+        return ds;
+    } else {
+        return p > 0.0f ? ds * transform_gradient_at(score, transformed, row, key, alibi_distance) : 0.0f;
+    }
+}
+
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
 // key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
 // the row exists; `score` the transform of the row's head. With dropout, p

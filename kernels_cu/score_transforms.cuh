@@ -75,6 +75,7 @@ template <typename Inner>
 struct WithAlibi {
     static constexpr bool kIsIdentity = false;
     static constexpr bool kDropout = false;
+    static constexpr bool kAlibi = true;  // the fragment walks take its bias by distance (alibi_bias_at)
     Inner inner;
     float raw_slope;       // slope / softmax_scale, the bias per key of distance
     int diagonal_offset;   // seqlen_k - seqlen_q
@@ -113,21 +114,92 @@ struct WithDropout : Inner {
         : Inner(variant, bounds, batch, head), dropout(variant, batch, head) {}
 };
 
-// Transforms a warp's raw S fragments in place (rows from row0, keys from key0).
+// Whether a transform is ALiBi's (WithAlibi, or a policy deriving from it):
+// a policy without a kAlibi member is not.
+template <typename Score, typename = void>
+struct HasAlibi {
+    static constexpr bool value = false;
+};
+template <typename Score>
+struct HasAlibi<Score, decltype(void(Score::kAlibi))> {
+    static constexpr bool value = Score::kAlibi;
+};
+
+// ALiBi's bias at distance d = row + seqlen_k - seqlen_q - key, d a float.
+// Why the fragment walks pass d: along a fragment's row the keys step by
+// compile-time constants, so d is one integer-to-float conversion per row
+// plus a constant per element, where converting each element's integer
+// distance costs a conversion per score on the quarter-rate pipe that also
+// runs exp2 and tanh (the soft-capped ALiBi backward measured 1.44x plain
+// attention so).
+template <typename Score>
+__device__ __forceinline__ float alibi_bias_at(const Score& score, float distance) {
+    return -score.raw_slope * fabsf(distance);
+}
+
+// score.gradient(transformed, row, key), ALiBi's bias taken at `distance`
+// (row + seqlen_k - seqlen_q - key as a float: see alibi_bias_at).
+template <typename Score>
+__device__ __forceinline__ float transform_gradient_at(const Score& score, float transformed, int row, int key,
+                                                       float distance) {
+    if constexpr (HasAlibi<Score>::value) {
+        if constexpr (decltype(score.inner)::kIsIdentity) {
+            return 1.0f;
+        } else {
+            return score.inner.gradient(transformed - alibi_bias_at(score, distance), row, key);
+        }
+    } else {
+        return score.gradient(transformed, row, key);
+    }
+}
+
+// Transforms a warp's raw S fragments in place (rows from row0, keys from
+// key0; element layout as for_each_fragment_element's).
 template <typename Score, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_transform(const Score& score, float (&s)[kMTiles][kNTiles][4], int row0,
                                                       int key0, int lane) {
-    if constexpr (!Score::kIsIdentity) {
+    if constexpr (HasAlibi<Score>::value) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+                const int first_key = key0 + 2 * (lane % 4) + i % 2;
+                const float distance0 = static_cast<float>(row + score.diagonal_offset - first_key);
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    s[mt][nt][i] = score.inner.transform(s[mt][nt][i], row, first_key + nt * 8) +
+                                   alibi_bias_at(score, distance0 - static_cast<float>(nt * 8));
+                }
+            }
+        }
+    } else if constexpr (!Score::kIsIdentity) {
         for_each_fragment_element(s, row0, key0, lane,
                                   [&](float& x, int row, int key) { x = score.transform(x, row, key); });
     }
 }
 
-// The same for transposed fragments S^T (rows are keys from key0, columns query rows from row0).
+// The same for transposed fragments S^T (rows are keys from key0, columns
+// query rows from row0).
 template <typename Score, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_transform_transposed(const Score& score, float (&s)[kMTiles][kNTiles][4],
                                                                  int key0, int row0, int lane) {
-    if constexpr (!Score::kIsIdentity) {
+    if constexpr (HasAlibi<Score>::value) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
+                const int first_row = row0 + 2 * (lane % 4) + i % 2;
+                const float distance0 = static_cast<float>(first_row + score.diagonal_offset - key);
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    s[mt][nt][i] = score.inner.transform(s[mt][nt][i], first_row + nt * 8, key) +
+                                   alibi_bias_at(score, distance0 + static_cast<float>(nt * 8));
+                }
+            }
+        }
+    } else if constexpr (!Score::kIsIdentity) {
         for_each_fragment_element(s, key0, row0, lane,
                                   [&](float& x, int key, int row) { x = score.transform(x, row, key); });
     }

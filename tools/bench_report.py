@@ -7,6 +7,7 @@ backend (needs matplotlib).
                                 [--head-dims benchmarks/h100_head_dims.json]
                                 [--float32 benchmarks/h100_float32.json]
                                 [--varlen benchmarks/h100_varlen.json] [--kvcache benchmarks/h100_kvcache.json] \
+                                [--variants benchmarks/h100_variants.json] \
                                 > BENCHMARKS.md
 
 ``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
@@ -245,6 +246,29 @@ def kvcache_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def variants_markdown(result: dict) -> str:
+    """Sliding windows, soft caps, ALiBi and dropout against plain attention (``tools/bench.py --variants-only``)."""
+    import bench_variants
+
+    env, rows = result["environment"], result["variants"]
+    lines = [
+        "## Variants: windows, soft caps, ALiBi, dropout", "",
+        f"bf16, head_dim {bench_variants.HEAD_DIM}, {bench_variants.HEADS} heads, {bench_variants.TOKENS} tokens per "
+        f"batch, {env['device']}, cuflash commit `{env['commit']}`, {env['date']}; GPU time with launches queued "
+        "(CUDA events, medians). The window (`window_size=(1024, 0)`, causal) against full causal attention "
+        "(its speed-up); the soft cap (30), ALiBi (per-head slopes), both, and dropout (p = 0.1) against plain "
+        "attention of the same mask (their cost).", "",
+        "| variant | seqlen | batch | causal | pass | variant ms | baseline ms | speed-up or cost |",
+        "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r.get("speedup", r.get("cost"))
+        lines.append(f"| {r['variant']} | {r['seqlen']} | {r['batch']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{r['pass']} | {r['ms']['variant']:.3f} | {r['ms']['baseline']:.3f} | {ratio:.2f}x |")
+    lines.append("")
+    lines += [f"- {line}" for line in bench_variants.summary(rows)]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
@@ -253,6 +277,7 @@ def main() -> int:
     parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
     parser.add_argument("--varlen", help="a variable-length JSON (bench.py --varlen-only), its own section")
     parser.add_argument("--kvcache", help="a decode JSON (bench.py --decode-only), its own section")
+    parser.add_argument("--variants", help="a variants JSON (bench.py --variants-only), its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -266,6 +291,8 @@ def main() -> int:
         print(varlen_markdown(json.loads(Path(args.varlen).read_text())))
     if args.kvcache:
         print(kvcache_markdown(json.loads(Path(args.kvcache).read_text())))
+    if args.variants:
+        print(variants_markdown(json.loads(Path(args.variants).read_text())))
     return 0
 
 
