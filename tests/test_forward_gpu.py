@@ -152,6 +152,7 @@ def test_forward_public_api_defaults():
     assert bool((out2 == out).all())  # deterministic
 
 
+@pytest.mark.exclusive
 def test_forward_large_offsets_beyond_int32():
     """Tensors of more than 2**31 elements: offsets must be 64-bit."""
     cupy = _cupy()

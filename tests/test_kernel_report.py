@@ -30,7 +30,8 @@ def test_every_variant_compiles_and_is_reported():
         if row["variant"].startswith(kernel_report.FAST_PATH):
             assert not row["wgmma_serialized"], row  # no wgmma made to wait for the one before it
     assert kernel_report.spill_limit("forward-wgmma/bfloat16/hdim128/m128n128w12/window/b1") == 0
-    assert kernel_report.spill_limit("forward-mma/bfloat16/hdim64/m128n64w4/window/paged/kv2") == 64
+    assert kernel_report.spill_limit("forward-mma/bfloat16/hdim64/m128n64w4/causal/paged/kv2") == 64
+    assert kernel_report.spill_limit("forward-mma/float16/hdim96/m128n64w4/window/paged/kv1") == 96
     assert kernel_report.spill_limit("forward-mma/float16/hdim128/m128n64w4/window/kv1") == 32
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim128/m64n128w12/causal/dropout/q2/atomic-dq") == 256
     # 39 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
@@ -76,7 +77,8 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
         kernel_report.HOPPER_ONLY)]
     assert len(beyond_a100) == 2 * len(MASKS) + 1
     assert all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
-    assert len(sm90a) == len(variants) - len(small) == len(sm80) + 168 + len(beyond_a100) - len(small)
+    hopper_only = [v for v in variants if v.key.startswith(kernel_report.HOPPER_ONLY)]
+    assert len(sm90a) == len(variants) - len(small) == len(sm80) + len(hopper_only) + len(beyond_a100) - len(small)
     # sm_86/sm_89 (99 KiB) build only what fits them: the 99 KiB tiles, not
     # the A100 ones they replace.
     sm89 = {v.key for v in kernel_report.variants_for(variants, "sm_89")}

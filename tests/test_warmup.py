@@ -79,6 +79,7 @@ def _first_call_seconds(cache: Path) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive
 def test_after_warmup_a_new_process_first_call_takes_under_0_2_s(tmp_path):
     """`cuflash warmup` in one process; in the next, the first forward +
     backward of a warmed-up kind (bf16, head dim 80, causal) loads its
