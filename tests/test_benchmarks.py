@@ -21,8 +21,28 @@ DECODE = sorted((REPO / "benchmarks").glob("*_decode.json"))
 VARLEN = sorted((REPO / "benchmarks").glob("*_varlen.json"))
 #: decoding against KV caches beside SDPA (``tools/bench.py --decode-only``).
 KVCACHE = sorted((REPO / "benchmarks").glob("*_kvcache.json"))
+#: windows, soft caps, ALiBi and dropout against plain attention (``tools/bench.py --variants-only``).
+VARIANTS = sorted((REPO / "benchmarks").glob("*_variants.json"))
 BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE)
-                    - set(VARLEN) - set(KVCACHE))
+                    - set(VARLEN) - set(KVCACHE) - set(VARIANTS))
+
+
+@pytest.mark.parametrize("path", VARIANTS, ids=lambda p: p.name)
+def test_variant_rows_are_consistent(path):
+    import bench_variants
+
+    result = json.loads(path.read_text())
+    rows = result["variants"]
+    assert {"device", "commit", "date"} <= set(result["environment"])
+    assert {r["seqlen"] for r in rows} == set(bench_variants.SEQLENS)
+    for r in rows:
+        assert r["batch"] * r["seqlen"] == bench_variants.TOKENS
+        variant, baseline = r["ms"]["variant"], r["ms"]["baseline"]
+        if r["variant"] == "window":  # a speed-up over causal attention
+            assert r["causal"] and r["speedup"] == pytest.approx(baseline / variant)
+        else:  # a cost over plain attention
+            assert r["cost"] == pytest.approx(variant / baseline)
+    assert {r["variant"] for r in rows} == {"window", "softcap", "alibi", "softcap+alibi", "dropout"}
 
 
 @pytest.mark.parametrize("path", KVCACHE, ids=lambda p: p.name)
@@ -147,7 +167,8 @@ def test_benchmarks_md_renders_the_h100_json():
                                str(REPO / "benchmarks" / "h100_head_dims.json"), "--float32",
                                str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",
                                str(REPO / "benchmarks" / "h100_varlen.json"), "--kvcache",
-                               str(REPO / "benchmarks" / "h100_kvcache.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_kvcache.json"), "--variants",
+                               str(REPO / "benchmarks" / "h100_variants.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.
