@@ -67,6 +67,9 @@ class KernelVariant:
     key: str  #: readable cache key, unique per instantiation
     threads: int
     smem_bytes: int
+    #: C++ compiled after the kernel's source: a generated policy (a user
+    #: score function's, cuflash/mods.py), else empty
+    prelude: str = ""
 
     @property
     def name_expression(self) -> str:
@@ -212,6 +215,7 @@ class KernelFamily:
                  f"{extra_key}"),
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),
+            prelude=score.prelude,
         )
 
     def tiles_on(self, dtype_name: str, head_dim: int, generation: int, smem_limit: int | None = None) -> Tiling:

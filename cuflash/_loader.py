@@ -122,7 +122,7 @@ class KernelLoader:
                 self.source_dir, device.compute_capability, _nvrtc_version()
             )
             module = cupy.RawModule(
-                code=f'#include "{variant.source}"\n',
+                code=f'#include "{variant.source}"\n{variant.prelude}',
                 options=options,
                 name_expressions=[variant.name_expression],
             )

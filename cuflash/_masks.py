@@ -165,6 +165,11 @@ class ScoreTransform:
     reads_slopes: bool = False
     #: drops probabilities after the softmax (``WithDropout``, kernels_cu/dropout.cuh)
     dropout: bool = False
+    #: C++ defining ``cxx`` where it is generated (a user score function's
+    #: policy, ``cuflash.mods.score_policy``), compiled after the kernel source
+    prelude: str = ""
+    #: ``gradient`` takes the raw score, not the transformed one (user functions)
+    gradient_from_raw: bool = False
 
     def cxx_for(self, dtype_name: str) -> str:
         """The C++ type for inputs of ``dtype_name`` (float32 takes the precise tanh)."""
@@ -177,6 +182,53 @@ def with_dropout(inner: ScoreTransform) -> ScoreTransform:
     name = "dropout" if inner.name == "identity" else f"{inner.name}-dropout"
     return dataclasses.replace(inner, name=name, cxx=f"cuflash::WithDropout<{inner.cxx}>",
                                position_free=False, dropout=True)
+
+
+def register_score_transform(trace) -> ScoreTransform:
+    """The kernels' transform of a traced user score function
+    (``cuflash.mods``), entered in SCORE_TRANSFORMS under a name that
+    includes its trace's hash (so a plan or kernel key names it). Its NumPy
+    hooks are not used: the references evaluate the function itself."""
+    from . import mods
+
+    cxx, code = mods.score_policy(trace)
+    name = f"mod-{mods.trace_key(trace)}"
+    transform = SCORE_TRANSFORMS.get(name)
+    if transform is None:
+        transform = ScoreTransform(name, cxx, transform=_evaluated_by_the_reference,
+                                   gradient=_evaluated_by_the_reference, position_free=not trace.reads_position,
+                                   prelude=code, gradient_from_raw=True)
+        SCORE_TRANSFORMS[name] = transform
+    return transform
+
+
+def user_score_reference(fn, arrays: dict | None, scale: float, xp=np) -> ScoreTransform:
+    """A user score function as the float64 references apply it, in
+    raw-score units like every transform: ``fn`` of score = raw * scale
+    (NumPy, arrays indexed as the kernels index them), divided by the scale;
+    its derivative by central differences (the function's own, not the
+    trace's: the references check the trace)."""
+    from . import mods
+
+    def value(raw):
+        host = raw.get() if hasattr(raw, "get") else raw
+        return xp.asarray(mods.evaluate_score_mod(fn, host * scale, arrays) / scale)
+
+    def gradient(raw):
+        host = raw.get() if hasattr(raw, "get") else raw
+        step = 1e-6 * np.maximum(1.0, np.abs(host * scale))
+        plus = mods.evaluate_score_mod(fn, host * scale + step, arrays)
+        minus = mods.evaluate_score_mod(fn, host * scale - step, arrays)
+        return xp.asarray((plus - minus) / (2 * step))
+
+    return ScoreTransform(f"reference-{getattr(fn, '__name__', 'score_mod')}", "", position_free=False,
+                          transform=lambda raw, rows, keys, values: value(raw),
+                          gradient=lambda raw, rows, keys, values: gradient(raw), gradient_from_raw=True)
+
+
+def _evaluated_by_the_reference(*args):
+    raise NotImplementedError("a user score function is evaluated by the references themselves "
+                              "(cuflash.mods.evaluate_score_mod), not through its transform")
 
 
 def _softcap(raw, values: ScoreValues):

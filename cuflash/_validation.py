@@ -5,6 +5,7 @@ every rule can be tested without a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dropout import dropout_threshold
-from ._masks import MaskPolicy, ScoreTransform, mask_for, mask_named, score_for, score_transform_named
+from ._masks import (MaskPolicy, ScoreTransform, mask_for, mask_named, register_score_transform, score_for,
+                     score_transform_named, with_dropout)
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
@@ -97,7 +99,8 @@ class AttentionProblem:
     def score(self) -> ScoreTransform:
         """The score transform the kernels are instantiated with."""
         if self.score_name is not None:
-            return score_transform_named(self.score_name)
+            named = score_transform_named(self.score_name)
+            return with_dropout(named) if self.dropout_threshold and not named.dropout else named
         return score_for(self.softcap > 0, self.alibi_batch_stride is not None, self.dropout_threshold > 0)
 
     @property
@@ -384,6 +387,49 @@ def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0
                          "scores, which a scale of 0 makes all 0)")
     return dataclasses.replace(problem, causal=causal, window=window, softcap=softcap,
                                alibi_batch_stride=alibi_batch_stride, dropout_p=dropout_p)
+
+
+def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, TensorMeta]) -> AttentionProblem:
+    """``problem`` with a user score function (``cuflash.mods``), traced
+    against the shapes and dtypes of the ``mod_arrays`` it reads (``arrays``:
+    name -> meta, at most ``mods.MAX_ARRAYS``, C-contiguous, on q's GPU).
+    Not with ``softcap`` or ``alibi_slopes``: the function says both."""
+    from . import mods
+
+    if score_mod is None:
+        if arrays:
+            raise ValueError(f"mod_arrays {sorted(arrays)} were given without a score_mod that reads them")
+        return problem
+    if not callable(score_mod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx, **mod_arrays), got "
+                        f"{type(score_mod).__name__}")
+    if problem.softcap or problem.alibi_batch_stride is not None:
+        raise ValueError("score_mod does not combine with softcap or alibi_slopes: write them into the score "
+                         "function (its score is the scaled one)")
+    if problem.softmax_scale == 0:
+        raise ValueError("score_mod needs a softmax_scale other than 0 (it maps the scaled scores)")
+    if len(arrays) > mods.MAX_ARRAYS:
+        raise ValueError(f"mod_arrays takes at most {mods.MAX_ARRAYS} arrays, got {len(arrays)}")
+    for name, meta in arrays.items():
+        if meta.dtype not in mods.ARRAY_TYPES:
+            raise TypeError(f"mod_arrays[{name!r}] must have one of the dtypes {sorted(mods.ARRAY_TYPES)}, "
+                            f"got {meta.dtype}")
+        if meta.strides != contiguous_strides(meta.shape):
+            raise ValueError(f"mod_arrays[{name!r}] must be C-contiguous, got strides {meta.strides} (in elements)")
+        if meta.device != problem.device:
+            raise ValueError(f"mod_arrays[{name!r}] is on GPU {meta.device} but q is on GPU {problem.device}")
+    transform = register_score_transform(_traced_score_mod(score_mod, tuple(
+        (name, meta.shape, meta.dtype) for name, meta in arrays.items())))
+    return dataclasses.replace(problem, score_name=transform.name)
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_score_mod(score_mod, arrays: tuple):
+    """A score function's trace against arrays of these (name, shape, dtype), once per signature."""
+    from . import mods
+
+    return mods.trace_score_mod(score_mod, {name: mods.ArraySpec(name, shape, dtype)
+                                            for name, shape, dtype in arrays})
 
 
 def _check_alibi_slopes(slopes: TensorMeta, problem: AttentionProblem) -> int:

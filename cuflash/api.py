@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from . import _interop
+from . import _interop, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
@@ -36,24 +36,29 @@ from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_
                       decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
-                          check_dropout_seed, check_packing, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
+                          check_dropout_seed, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
 #: Blocks of the grid-stride element-wise backward kernels (preprocess, dQ conversion).
 _ELEMENTWISE_BLOCKS = 4096
 
+#: The arrays a user score function reads (``mod_arrays``), in the order
+#: the call names them: slots of every plan (VariantParams::user_arrays).
+MOD_ARRAY_SLOTS = tuple(f"mod_array{i}" for i in range(mods.MAX_ARRAYS))
+
 #: Arrays of a forward call, in the order of the plan's pointer slots: the
 #: split-KV work buffers (``forward_work_buffers``) last.
 FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k",
-                  "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng")
+                  "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng", *MOD_ARRAY_SLOTS)
 #: The sequence offsets of a variable-length call (0, a null pointer, in a
 #: dense one), the ALiBi slopes (0 without ALiBi), dropout's seed and offset
 #: (ints, not pointers: written each call like them) and the GPU address of
 #: a seed to read there instead (cuflash.jax's PRNG keys; 0 elsewhere):
 #: slots of every plan, after its arrays.
 _PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slopes", "variant.dropout_seed",
-                  "variant.dropout_offset", "variant.dropout_seed_pointer")
+                  "variant.dropout_offset", "variant.dropout_seed_pointer",
+                  *(f"variant.user_array{i}" for i in range(len(MOD_ARRAY_SLOTS))))
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
 #: and with it (struct 0 the forward kernel's, writing the partial results;
 #: struct 1 the merge kernel's).
@@ -70,7 +75,8 @@ KVCACHE_ARRAYS = FORWARD_ARRAYS + ("seqused_k", "block_table", "k_new", "v_new",
 #: dq_semaphore last, see ``backward_work_buffers``), in the order of the
 #: plan's pointer slots.
 BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore",
-                   "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng")
+                   "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng",
+                   *MOD_ARRAY_SLOTS)
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
                   "dq_accum", "dq_semaphore", *_PACKING_SLOTS)
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
@@ -141,11 +147,50 @@ class Variants:
     dropout_p: object = 0.0
     dropout_seed: object = None
     dropout_offset: object = 0
+    score_mod: object = None
+    mod_arrays: object = None
 
-    def applied(self, problem: AttentionProblem, alibi_slopes=None) -> AttentionProblem:
-        """``problem`` with these variants, the slopes' ``TensorMeta`` given."""
-        return check_variants(problem, window_size=self.window_size, softcap=self.softcap,
-                              alibi_slopes=alibi_slopes, dropout_p=self.dropout_p)
+    def applied(self, problem: AttentionProblem, alibi_slopes=None, mod_metas=None) -> AttentionProblem:
+        """``problem`` with these variants, the slopes' and the mod arrays'
+        ``TensorMeta`` given (the latter by the names the call gave)."""
+        problem = check_variants(problem, window_size=self.window_size, softcap=self.softcap,
+                                 alibi_slopes=alibi_slopes, dropout_p=self.dropout_p)
+        return check_score_mod(problem, self.score_mod, mod_metas or {})
+
+    def mod_inputs(self) -> dict:
+        """The mod arrays under their slot names (``MOD_ARRAY_SLOTS``)."""
+        return dict(zip(MOD_ARRAY_SLOTS, _mod_array_values(self.mod_arrays)))
+
+    def mod_metas(self, metas: dict) -> dict:
+        """The mod arrays' metas popped from ``metas``, by the names the call gave."""
+        names = list(self.mod_arrays or {})
+        return {names[i]: metas.pop(slot) for i, slot in enumerate(MOD_ARRAY_SLOTS) if slot in metas}
+
+
+def _mod_array_values(mod_arrays) -> list:
+    """A call's ``mod_arrays`` as its arrays, in order (checked: a dict of at
+    most ``mods.MAX_ARRAYS``)."""
+    if mod_arrays is None:
+        return []
+    if not isinstance(mod_arrays, dict):
+        raise TypeError(f"mod_arrays must be a dict of name -> array, got {type(mod_arrays).__name__}")
+    if len(mod_arrays) > mods.MAX_ARRAYS:
+        raise ValueError(f"mod_arrays takes at most {mods.MAX_ARRAYS} arrays, got {len(mod_arrays)}")
+    return list(mod_arrays.values())
+
+
+def _mod_list(mod_arrays) -> list:
+    """The mod arrays' entries of a call's array list (None padded), or None
+    entries where they cannot be read (the full path then explains)."""
+    try:
+        values = _mod_array_values(mod_arrays)
+    except (TypeError, ValueError):
+        values = [object()]  # no fast-lane class: the full path runs and raises
+    return (values + [None] * len(MOD_ARRAY_SLOTS))[:len(MOD_ARRAY_SLOTS)]
+
+
+def _mod_flags(score_mod, mod_arrays) -> tuple:
+    return score_mod, tuple(mod_arrays) if isinstance(mod_arrays, dict) else mod_arrays.__class__
 
     def scalars(self, problem: AttentionProblem) -> dict:
         """The call's values written into plan slots beside its pointers:
@@ -173,7 +218,7 @@ def _variant_fields(problem: AttentionProblem) -> tuple:
     threshold = problem.dropout_threshold
     return (left, right, problem.softcap / scale if problem.softcap else 0.0, 0, problem.alibi_batch_stride or 0,
             1.0 / scale if scale else 0.0, 0, 0, threshold,
-            1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0, 0)
+            1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0, 0, 0, 0, 0, 0)
 
 
 def pointers_aligned(kind: str, pointers: list) -> bool:
@@ -212,8 +257,8 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, dropout_seed=None, dropout_offset=0, return_lse=False, out=None, lse=None,
-              fp32_precision="ieee", num_splits=None):
+              dropout_p=0.0, dropout_seed=None, dropout_offset=0, score_mod=None, mod_arrays=None, return_lse=False,
+              out=None, lse=None, fp32_precision="ieee", num_splits=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -249,6 +294,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             ``attention_backward`` given the same values. The seed is
             required with dropout; ``cuflash.dropout_mask`` materialises the
             mask for small problems.
+        score_mod: a user score function ``score_mod(score, b, h, q_idx,
+            kv_idx, **mod_arrays)`` of the scaled score (``cuflash.mods``):
+            traced once per function and arrays' shapes, compiled into the
+            kernels, its derivative derived for the backward. Not with
+            softcap or alibi_slopes.
+        mod_arrays: dict of name -> array on q's GPU (at most 4, C-contiguous;
+            float32, float16, bfloat16, int32, int64 or bool) that score_mod
+            reads by name (indices clamped to each array's bounds).
         return_lse: also return the log-sum-exp of each query row (of the
             probabilities before dropout).
         out: optional (batch, seqlen_q, nheads, head_dim) array of q's dtype to
@@ -276,22 +329,24 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes, dropout_seed, dropout_offset, None]
+    arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes, dropout_seed, dropout_offset, None,
+              *_mod_list(mod_arrays)]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
-             fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p))
+             fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
+             *_mod_flags(score_mod, mod_arrays))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                                                      dropout_offset),
+                                                      dropout_offset, score_mod, mod_arrays),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                       deterministic=False, dq=None, dk=None, dv=None):
+                       score_mod=None, mod_arrays=None, deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention`` with respect to q, k and v, recomputing the
     attention probabilities tile by tile from the forward's log-sum-exp
     (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
@@ -303,8 +358,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         lse: (batch, nheads, seqlen_q) float32, the forward's log-sum-exp
             (``attention(..., return_lse=True)``).
         causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-            dropout_seed, dropout_offset: as given to the forward (the same
-            seed and offset regenerate its dropout mask).
+            dropout_seed, dropout_offset, score_mod, mod_arrays: as given to
+            the forward (the same seed and offset regenerate its dropout
+            mask; score_mod's derivative is traced with it).
         deterministic: if True, dq is bitwise identical from run to run (dQ is
             summed in a fixed order instead of with float32 atomics: on the
             tensor-core backwards the key blocks add in turn, at 0.73-0.90x
@@ -320,23 +376,23 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         framework.
     """
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes, dropout_seed,
-              dropout_offset, None]
+              dropout_offset, None, *_mod_list(mod_arrays)]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-             deterministic, *_variant_flags(window_size, softcap, dropout_p))
+             deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic,
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
-                                                       dropout_offset),
+                                                       dropout_offset, score_mod, mod_arrays),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     dropout_seed=None, dropout_offset=0, return_lse=False, out=None, lse=None,
-                     fp32_precision="ieee"):
+                     dropout_seed=None, dropout_offset=0, score_mod=None, mod_arrays=None, return_lse=False, out=None,
+                     lse=None, fp32_precision="ieee"):
     """``attention`` of a variable-length batch: sequences of different
     lengths packed one after another, with no padding (FlashAttention-2's
     ``flash_attn_varlen_func`` layout). Sequence b's queries are rows
@@ -363,6 +419,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         dropout_p, dropout_seed, dropout_offset: as for ``attention``,
             sequence b's mask that of batch entry b (rows and keys counted
             from the sequence's start).
+        score_mod, mod_arrays: as for ``attention``, b the sequence and
+            q_idx, kv_idx counted from its start.
         softmax_scale, fp32_precision: as for ``attention``.
         return_lse: also return the log-sum-exp, (nheads, total_q) float32.
         out: optional (total_q, nheads, head_dim) array of q's dtype;
@@ -373,16 +431,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``cu_seqlens_q[batch]`` are not written.
     """
     arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, dropout_offset,
-              None]
+              None, *_mod_list(mod_arrays)]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
-             *_variant_flags(window_size, softcap, dropout_p))
+             *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision,
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                                                      dropout_offset),
+                                                      dropout_offset, score_mod, mod_arrays),
                                     packing=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
                                     signature=functools.partial(_signature, "forward", arrays, flags))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
@@ -391,7 +449,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                              deterministic=False, dq=None, dk=None, dv=None):
+                              score_mod=None, mod_arrays=None, deterministic=False, dq=None, dk=None, dv=None):
     """Gradients of ``attention_varlen`` with respect to q, k and v.
 
     Args:
@@ -399,8 +457,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
             longest lengths as given to ``attention_varlen``; lse its
             (nheads, total_q) log-sum-exp (``return_lse=True``).
         causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-            dropout_seed, dropout_offset, deterministic: as for
-            ``attention_backward``.
+            dropout_seed, dropout_offset, score_mod, mod_arrays, deterministic:
+            as for ``attention_backward``.
         dq, dk, dv: optional arrays shaped and typed like q, k, v.
 
     Returns:
@@ -409,16 +467,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         ``cu_seqlens_k[batch]``.
     """
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-              dropout_seed, dropout_offset, None]
+              dropout_seed, dropout_offset, None, *_mod_list(mod_arrays)]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
-             *_variant_flags(window_size, softcap, dropout_p))
+             *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
     key, pointers = _signature("backward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic, packing=(max_seqlen_q, max_seqlen_k),
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
-                                                       dropout_offset),
+                                                       dropout_offset, score_mod, mod_arrays),
                                      signature=functools.partial(_signature, "backward", list(arrays), flags))
     return arrays[6], arrays[7], arrays[8]
 
@@ -466,7 +524,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     """
     lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
     arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, alibi_slopes, None, None, None, None,
-              block_table, k_new, v_new, lengths]
+              *[None] * len(MOD_ARRAY_SLOTS), block_table, k_new, v_new, lengths]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, num_splits.__class__, num_splits,
              "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens),
              *_variant_flags(window_size, softcap))
@@ -751,10 +809,12 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         arrays |= {"cu_seqlens_q": packing[0], "cu_seqlens_k": packing[1]}
     if variants.alibi_slopes is not None:
         arrays["alibi_slopes"] = variants.alibi_slopes
+    arrays |= variants.mod_inputs()
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         slopes = metas.pop("alibi_slopes", None)
+        mod_metas = variants.mod_metas(metas)
         if packing is not None:
             metas, packed, batch = _packed_metas(metas, packing[2:], {"out": "q"})
         problem = check_forward(metas["q"], metas["k"], metas["v"], metas.get("out"),
@@ -762,7 +822,7 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
                                 fp32_precision=fp32_precision)
         if packing is not None:
             problem = packed_problem(problem, batch, packed)
-        problem = variants.applied(problem, slopes)
+        problem = variants.applied(problem, slopes, mod_metas)
         natives = dict(arrays) | given
         allocated = {}
         lse_shape = ((problem.nheads, problem.total_q) if problem.packed else
@@ -820,10 +880,12 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         inputs |= dict(zip(BACKWARD_ARRAYS[12:14], arrays[12:14]))
     if arrays[14] is not None:
         inputs["alibi_slopes"] = arrays[14]
+    inputs |= variants.mod_inputs()
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}
         slopes = metas.pop("alibi_slopes", None)
+        mod_metas = variants.mod_metas(metas)
         if packing is not None:
             metas, packed, batch = _packed_metas(
                 metas, packing, {"dout": "q", "out": "q", "dq": "q", "dk": "k", "dv": "v"})
@@ -834,7 +896,7 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         )
         if packing is not None:
             problem = packed_problem(problem, batch, packed)
-        problem = variants.applied(problem, slopes)
+        problem = variants.applied(problem, slopes, mod_metas)
         natives = inputs | given
         allocated = {}
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):

@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from ._kernel_families import select
-from ._masks import MASKS, MaskPolicy, ScoreTransform, ScoreValues, mask_for, score_for
+from ._masks import MASKS, MaskPolicy, ScoreTransform, ScoreValues, mask_for, score_for, user_score_reference
 from ._tiling import MAX_HEAD_DIM, Tiling, backward_tiling, forward_tiling
 from ._validation import (check_causal, check_dropout_p, check_dropout_seed, check_rank, check_sizes, check_softcap,
                           check_window, resolve_softmax_scale)
@@ -76,9 +76,12 @@ class _Variants:
     from the public arguments, or the ``mask`` / ``score`` policies given."""
 
     def __init__(self, q, k, *, causal, scale, window_size, softcap, alibi_slopes, mask, score, xp,
-                 dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None):
+                 dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None, score_mod=None,
+                 mod_arrays=None):
         window = check_window(window_size)
         softcap = check_softcap(softcap)
+        if score_mod is not None:
+            score = user_score_reference(score_mod, mod_arrays, scale, xp)
         self.dropout_factor = _dropout_factor(q, k, dropout_p, dropout_seed, dropout_offset, dropout_mask, xp)
         self.mask = mask if mask is not None else mask_for(causal, None if window == (-1, -1) else window)
         self.score = score if score is not None else score_for(softcap > 0, alibi_slopes is not None)
@@ -152,21 +155,25 @@ def _softmax_probabilities(q, k_all, *, variants: _Variants, scale, xp):
 
 def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                         alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None,
-                        mask: MaskPolicy | None = None, score: ScoreTransform | None = None):
+                        score_mod=None, mod_arrays=None, mask: MaskPolicy | None = None,
+                        score: ScoreTransform | None = None):
     """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
     nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
     key gets output 0 and lse -inf. With ``dropout_p`` the probabilities are
     dropped where ``dropout_mask`` (bool (batch, nheads, seqlen_q, seqlen_k),
     True where kept) is False, or where not given where the kernels' mask of
     ``dropout_seed`` and ``dropout_offset`` drops them
-    (``cuflash.dropout_mask``), and the kept ones scaled by 1 / keep."""
+    (``cuflash.dropout_mask``), and the kept ones scaled by 1 / keep.
+    ``score_mod`` (with ``mod_arrays``): a user score function of the
+    scaled score, evaluated with NumPy (``cuflash.mods``)."""
     xp = _array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
     nheads = q.shape[2]
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
-                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask)
+                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask,
+                         score_mod=score_mod, mod_arrays=mod_arrays)
     probs, safe_max, row_sum = _softmax_probabilities(
         q, _expand_kv_heads(k, nheads, xp), variants=variants, scale=scale, xp=xp)
     weights = probs if variants.dropout_factor is None else probs * variants.dropout_factor
@@ -247,7 +254,7 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
 
 def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                                 dropout_mask=None, mask: MaskPolicy | None = None,
+                                 dropout_mask=None, score_mod=None, mod_arrays=None, mask: MaskPolicy | None = None,
                                  score: ScoreTransform | None = None):
     """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
     With grouped-query attention dk and dv are summed over the query heads
@@ -261,7 +268,8 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     v_all = _expand_kv_heads(v, nheads, xp)
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
-                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask)
+                         dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask,
+                         score_mod=score_mod, mod_arrays=mod_arrays)
     score, factor = variants.score, variants.dropout_factor
     probs, _, _ = _softmax_probabilities(q, k_all, variants=variants, scale=scale, xp=xp)
     weights = probs if factor is None else probs * factor  # what multiplies V
@@ -274,7 +282,9 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     if not score.is_identity:  # chain rule through the transform
         rows = xp.arange(seqlen_q)[:, None]
         keys = xp.arange(seqlen_k)[None, :]
-        dscores = dscores * score.gradient(_transformed_scores(q, k_all, variants, xp), rows, keys, variants.values())
+        at = (xp.einsum("bqhd,bkhd->bhqk", q, k_all) if score.gradient_from_raw
+              else _transformed_scores(q, k_all, variants, xp))
+        dscores = dscores * score.gradient(at, rows, keys, variants.values())
     dq = scale * xp.einsum("bhqk,bkhd->bqhd", dscores, k_all)
     group = nheads // nheads_k if nheads_k else 1
     dk = scale * xp.einsum("bhqk,bqhd->bkhd", dscores, q).reshape(batch, seqlen_k, nheads_k, group, head_dim).sum(3)

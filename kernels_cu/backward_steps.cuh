@@ -169,7 +169,10 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
                                                                        float (&dp)[1][kQTiles][4], const float* stats,
                                                                        int m_start, int query0, int n_start, int key0,
                                                                        int lane) {
-    apply_score_transform_transposed(score, s, key0, m_start + query0, lane);
+    constexpr bool kFromRaw = HasGradientFromRaw<Score>::value;  // s keeps raw scores, transformed below
+    if constexpr (!kFromRaw) {
+        apply_score_transform_transposed(score, s, key0, m_start + query0, lane);
+    }
     if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
         apply_mask_to_transposed_fragments(ctx.mask, s, key0, m_start + query0, lane);
     }
@@ -193,16 +196,26 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             // Masked scores are -inf: P^T = 0 there (recompute_probability's
-            // explicit zero is not needed on this path).
-            const float transformed = s[0][j][e];
+            // explicit zero is not needed on this path; a raw -inf is not
+            // given to a user transform, whose value there is anyone's guess).
+            const int row = m_start + col + e % 2, key = key0 + lane / 4 + (e / 2) * 8;
+            const float raw = s[0][j][e];
+            float transformed = raw;
+            if constexpr (kFromRaw) {
+                transformed = raw == negative_infinity() ? raw : score.transform(raw, row, key);
+            }
             const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));
             // dV takes the dropped P; dS = P (Z dP - delta) with Z the factor.
             const float z = e / 2 ? keep[e % 2].second : keep[e % 2].first;
             s[0][j][e] = Score::kDropout ? p * z : p;
-            dp[0][j][e] = score_gradient(score, p, Score::kDropout ? dp[0][j][e] * z : dp[0][j][e],
-                                         e % 2 ? delta_pair.y : delta_pair.x, transformed, m_start + col + e % 2,
-                                         key0 + lane / 4 + (e / 2) * 8,
-                                         distance0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
+            const float dp_kept = Score::kDropout ? dp[0][j][e] * z : dp[0][j][e];
+            const float delta = e % 2 ? delta_pair.y : delta_pair.x;
+            if constexpr (kFromRaw) {
+                dp[0][j][e] = score_gradient_from_raw(score, p, dp_kept, delta, raw, row, key);
+            } else {
+                dp[0][j][e] = score_gradient(score, p, dp_kept, delta, transformed, row, key,
+                                             distance0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
+            }
         }
     }
 }

@@ -94,6 +94,9 @@ struct VariantParams {
     index_t dropout_threshold;
     double dropout_inverse_keep;
     const unsigned long long* dropout_seed_pointer;
+    // The arrays a user score function reads (cuflash/mods.py), by the
+    // order the call names them; null where unused.
+    const void* user_arrays[4];
 };
 
 struct ForwardParams {
@@ -133,12 +136,12 @@ struct WgmmaForwardParams : ForwardParams {
     TensorMap q_map, k_map, v_map;
 };
 
-static_assert(sizeof(VariantParams) == 11 * 8, "VariantParams layout must match cuflash/_params.py");
+static_assert(sizeof(VariantParams) == 15 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
 static_assert(sizeof(WgmmaForwardParams) == 448 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 11 * 8,
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 15 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -216,7 +219,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 11 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 15 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the

@@ -47,6 +47,15 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
     }
 }
 
+// The same for a transform whose derivative is taken at the raw score
+// (HasGradientFromRaw: user functions).
+template <typename Score>
+__device__ __forceinline__ float score_gradient_from_raw(const Score& score, float p, float dp, float delta, float raw,
+                                                         int row, int key) {
+    const float ds = p * (dp - delta);
+    return p > 0.0f ? ds * score.gradient_from_raw(raw, row, key) : 0.0f;
+}
+
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
 // key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
 // the row exists; `score` the transform of the row's head. With dropout, p
@@ -63,11 +72,13 @@ __device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockCon
     const bool visible = row_valid && key_visible(ctx.mask, row, key);
     const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
-    if constexpr (Score::kDropout) {
-        const float z = dropout_factor(score, row, key);
-        return {p * z, score_gradient(score, p, dp * z, delta, s, row, key)};
+    const float z = dropout_factor(score, row, key);  // 1 without dropout
+    const float dp_kept = Score::kDropout ? dp * z : dp;
+    if constexpr (HasGradientFromRaw<Score>::value) {
+        return {Score::kDropout ? p * z : p, score_gradient_from_raw(score, p, dp_kept, delta, qk, row, key)};
+    } else {
+        return {Score::kDropout ? p * z : p, score_gradient(score, p, dp_kept, delta, s, row, key)};
     }
-    return {p, score_gradient(score, p, dp, delta, s, row, key)};
 }
 
 }  // namespace cuflash

@@ -125,6 +125,20 @@ struct HasAlibi<Score, decltype(void(Score::kAlibi))> {
     static constexpr bool value = Score::kAlibi;
 };
 
+// Whether a transform's derivative comes from the raw score
+// (gradient_from_raw(raw, row, key): user functions, cuflash/mods.py, whose
+// value need not determine their derivative) instead of from the
+// transformed one: the backward then keeps raw scores and transforms each
+// where it takes its probability. A policy without kGradientFromRaw does not.
+template <typename Score, typename = void>
+struct HasGradientFromRaw {
+    static constexpr bool value = false;
+};
+template <typename Score>
+struct HasGradientFromRaw<Score, decltype(void(Score::kGradientFromRaw))> {
+    static constexpr bool value = Score::kGradientFromRaw;
+};
+
 // ALiBi's bias at distance d = row + seqlen_k - seqlen_q - key, d a float.
 // Why the fragment walks pass d: along a fragment's row the keys step by
 // compile-time constants, so d is one integer-to-float conversion per row

@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from cuflash import mods
 from cuflash._masks import mask_for
 from cuflash.dropout import dropout_keep_probability
 from cuflash.dropout import dropout_mask as _draw_mask
@@ -51,9 +52,11 @@ def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype,
 
 
 def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None):
+                           alibi_slopes=None, score_mod=None, mod_arrays=None):
     """Scaled scores (b, h, q, k) as a framework's unfused low-precision
-    attention makes them, and the soft-capped ones' tanh (None without a cap):
+    attention makes them, and the derivative of the transformed scores by the
+    scaled ones (None without a soft cap or score_mod): a user score_mod
+    applied in float64 (NumPy, cuflash.mods) and rounded to the input dtype;
     q.k accumulated in float32 and rounded to the input dtype, scaled, each
     variant applied in float32 and rounded to the input dtype (Gemma 2's
     cap, ALiBi's bias), then the mask."""
@@ -64,10 +67,18 @@ def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, 
     scores = cupy.einsum("bqhd,bkhd->bhqk", q.astype(cupy.float32), k_all.astype(cupy.float32))
     scores = rnd(scores) * softmax_scale
     seqlen_q, seqlen_k = q.shape[1], k_all.shape[1]
-    tanh = None
+    chain = None
     if softcap:
         tanh = rnd(cupy.tanh(scores / softcap))
         scores = rnd(softcap * tanh)
+        chain = 1 - tanh * tanh  # d/ds softcap tanh(s / softcap)
+    if score_mod is not None:
+        host = cupy.asnumpy(scores).astype(np.float64)
+        scores = rnd(cupy.asarray(mods.evaluate_score_mod(score_mod, host, mod_arrays), dtype=cupy.float32))
+        step = 1e-3 * np.maximum(1.0, np.abs(host))
+        derivative = (mods.evaluate_score_mod(score_mod, host + step, mod_arrays)
+                      - mods.evaluate_score_mod(score_mod, host - step, mod_arrays)) / (2 * step)
+        chain = rnd(cupy.asarray(derivative, dtype=cupy.float32))
     if alibi_slopes is not None:
         slopes = cupy.broadcast_to(cupy.asarray(alibi_slopes, dtype=cupy.float32), scores.shape[:2])
         distance = cupy.abs(cupy.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - cupy.arange(seqlen_k)[None, :])
@@ -76,7 +87,7 @@ def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, 
     mask = mask_for(causal, None if window == (-1, -1) else window)
     if mask.name != "none":
         scores = cupy.where(mask.matrix(seqlen_q, seqlen_k, cupy), scores, -cupy.inf)
-    return scores, tanh
+    return scores, chain
 
 
 def _same_precision_probabilities(q, k_all, *, causal, softmax_scale, **variants):
@@ -215,9 +226,9 @@ def naive_attention_backward_same_precision(dout, q, k, v, *, softmax_scale, cau
         dprobs = f32(rnd(dprobs * factor))
     delta = (dout32 * out).sum(axis=-1).transpose(0, 2, 1)[..., None]
     dscores = f32(rnd(probs * (dprobs - delta)))
-    _, tanh = _same_precision_scores(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
-    if tanh is not None:  # through the soft cap: d/ds softcap tanh(s / softcap) = 1 - tanh^2
-        dscores = f32(rnd(dscores * (1 - tanh * tanh)))
+    _, chain = _same_precision_scores(q, k_all, causal=causal, softmax_scale=softmax_scale, **variants)
+    if chain is not None:  # through the soft cap or score_mod
+        dscores = f32(rnd(dscores * chain))
     dq = rnd(softmax_scale * cupy.einsum("bhqk,bkhd->bqhd", dscores, f32(k_all)))
     dk = rnd(softmax_scale * cupy.einsum("bhqk,bqhd->bkhd", dscores, f32(q)).reshape(*k.shape[:3], group, k.shape[3]).sum(3))
     return dq, dk, dv

@@ -2,6 +2,7 @@
 the C++ side (each family's traits and the parameter structs), checked by
 compiling a host program with nvcc: no GPU."""
 
+import re
 import subprocess
 
 import numpy as np
@@ -387,7 +388,9 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']
-    body += [f'printf("%zu\\n", offsetof(cuflash::{struct}, {path}));' for path, _ in fields]
+    # the Python side names the user arrays' pointers user_array0..3 (plan slots), C++ holds an array of them
+    paths = [re.sub(r"user_array(\d)$", r"user_arrays[\1]", path) for path, _ in fields]
+    body += [f'printf("%zu\\n", offsetof(cuflash::{struct}, {path}));' for path in paths]
     printed = [int(x) for x in _run_host_program(tmp_path, "\n".join(body))]
     assert printed[0] == dtype.itemsize
     assert printed[1:] == [offset for _, offset in fields]

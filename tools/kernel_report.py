@@ -148,6 +148,7 @@ def variants_for(variants, arch: str) -> list[KernelVariant]:
 def _translation_unit(variants) -> str:
     sources = sorted({v.source for v in variants})
     lines = [f'#include "{source}"' for source in sources]
+    lines += list(dict.fromkeys(v.prelude for v in variants if v.prelude))  # generated policies (cuflash.mods)
     lines += [f"template __global__ void {v.name_expression}(const {v.params});" for v in variants]
     return "\n".join(lines) + "\n"
 
