@@ -166,6 +166,12 @@ class Variants:
         names = list(self.mod_arrays or {})
         return {names[i]: metas.pop(slot) for i, slot in enumerate(MOD_ARRAY_SLOTS) if slot in metas}
 
+    def scalars(self, problem: AttentionProblem) -> dict:
+        """The call's values written into plan slots beside its pointers:
+        dropout's seed and offset (checked; 0 without dropout)."""
+        seed, offset = check_dropout_seed(problem.dropout_p, self.dropout_seed, self.dropout_offset)
+        return {"dropout_seed": seed, "dropout_offset": offset}
+
 
 def _mod_array_values(mod_arrays) -> list:
     """A call's ``mod_arrays`` as its arrays, in order (checked: a dict of at
@@ -191,12 +197,6 @@ def _mod_list(mod_arrays) -> list:
 
 def _mod_flags(score_mod, mod_arrays) -> tuple:
     return score_mod, tuple(mod_arrays) if isinstance(mod_arrays, dict) else mod_arrays.__class__
-
-    def scalars(self, problem: AttentionProblem) -> dict:
-        """The call's values written into plan slots beside its pointers:
-        dropout's seed and offset (checked; 0 without dropout)."""
-        seed, offset = check_dropout_seed(problem.dropout_p, self.dropout_seed, self.dropout_offset)
-        return {"dropout_seed": seed, "dropout_offset": offset}
 
 
 def _variant_flags(window_size, softcap, dropout_p=0.0) -> tuple:
