@@ -205,3 +205,14 @@ def test_reference_rejects_a_mask_of_the_wrong_shape():
     q = k = v = _random((1, 3, 2, 4), 0)
     with pytest.raises(ValueError, match=r"dropout_mask must have shape \(batch, nheads, seqlen_q, seqlen_k\)"):
         attention_reference(q, k, v, dropout_p=0.5, dropout_mask=np.ones((1, 2, 3, 4), dtype=bool))
+
+
+def test_a_calls_seed_and_offset_are_its_plan_slots_values():
+    """What the launch path writes into the plan slots beside the pointers."""
+    problem = check_variants(_problem(), dropout_p=0.1)
+    variants = api.Variants(dropout_p=0.1, dropout_seed=(1 << 63) + 5, dropout_offset=7)
+    assert variants.scalars(problem) == {"dropout_seed": (1 << 63) + 5, "dropout_offset": 7}
+    assert api.Variants(dropout_seed=3).scalars(check_variants(_problem())) == {"dropout_seed": 0,
+                                                                                "dropout_offset": 0}
+    with pytest.raises(ValueError, match="needs dropout_seed"):
+        api.Variants(dropout_p=0.1).scalars(problem)
