@@ -277,3 +277,27 @@ def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
     monkeypatch.setattr(api, "rotate_walks", recorded)
     monkeypatch.setattr(api, "plans", PlanCache())
     return taken
+
+
+def assert_reference_gradients_match_finite_differences(dout, q, k, v, **options):
+    """``attention_backward_reference`` against central differences of
+    sum(attention_reference(...) * dout) in float64, every input element
+    (small problems)."""
+    from cuflash.reference import attention_backward_reference, attention_reference
+
+    grads = attention_backward_reference(dout, q, k, v, **options)
+
+    def loss(*args):
+        return float((attention_reference(*args, **options)[0] * dout).sum())
+
+    step = 1e-6
+    for index, grad in enumerate(grads):
+        numeric = np.zeros_like(grad)
+        for position in np.ndindex(grad.shape):
+            plus, minus = [x.copy() for x in (q, k, v)], [x.copy() for x in (q, k, v)]
+            plus[index][position] += step
+            minus[index][position] -= step
+            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+    return grads
+

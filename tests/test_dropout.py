@@ -15,8 +15,8 @@ from cuflash._loader import kernel_source_dir
 from cuflash._masks import SCORE_TRANSFORMS, score_for
 from cuflash._validation import AttentionProblem, check_dropout_p, check_dropout_seed, check_variants
 from cuflash.dropout import dropout_keep_probability, dropout_mask, dropout_threshold, philox4x32_10
-from cuflash.reference import attention_backward_reference, attention_reference
-from tests.helpers import needs_nvcc
+from cuflash.reference import attention_reference
+from tests.helpers import assert_reference_gradients_match_finite_differences, needs_nvcc
 
 
 def test_philox_matches_the_published_test_vectors():
@@ -184,21 +184,8 @@ def test_reference_backward_is_the_gradient_with_the_mask_fixed():
     """Finite differences of sum(out * dout) with the same mask."""
     q, k, v = _random((1, 4, 2, 3), 3), _random((1, 6, 1, 3), 4), _random((1, 6, 1, 3), 5)
     dout = _random((1, 4, 2, 3), 6)
-    options = dict(causal=True, softcap=2.0, dropout_p=0.4, dropout_seed=8)
-    grads = attention_backward_reference(dout, q, k, v, **options)
-
-    def loss(q, k, v):
-        return float((attention_reference(q, k, v, **options)[0] * dout).sum())
-
-    for x, grad in zip((q, k, v), grads):
-        numeric = np.zeros_like(x)
-        for index in np.ndindex(x.shape):
-            step = np.zeros_like(x)
-            step[index] = 1e-6
-            args = [y + step if y is x else y for y in (q, k, v)]
-            args_minus = [y - step if y is x else y for y in (q, k, v)]
-            numeric[index] = (loss(*args) - loss(*args_minus)) / 2e-6
-        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+    assert_reference_gradients_match_finite_differences(dout, q, k, v, causal=True, softcap=2.0, dropout_p=0.4,
+                                                        dropout_seed=8)
 
 
 def test_reference_rejects_a_mask_of_the_wrong_shape():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cuflash import _masks
+from tests.helpers import assert_reference_gradients_match_finite_differences
 from cuflash.reference import (
     attention_backward_reference,
     attention_backward_tiled,
@@ -89,21 +90,7 @@ def test_reference_gradient_through_the_soft_cap_matches_finite_differences(poli
     mask, score = policies
     rng = np.random.default_rng(5)
     q, k, v, dout = (_random((1, 7, 1, 8), rng) for _ in range(4))
-    dq, dk, dv = attention_backward_reference(dout, q, k, v, mask=mask, score=score)
-
-    def loss(q_, k_, v_):
-        return float((attention_reference(q_, k_, v_, mask=mask, score=score)[0] * dout).sum())
-
-    step = 1e-6
-    for grad, index in ((dq, 0), (dk, 1), (dv, 2)):
-        args = [q, k, v]
-        numeric = np.zeros_like(grad)
-        for position in np.ndindex(grad.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[index][position] += step
-            minus[index][position] -= step
-            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
-        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+    dq, dk, dv = assert_reference_gradients_match_finite_differences(dout, q, k, v, mask=mask, score=score)
     # the cap changes the answer: without it the gradient differs
     assert not np.allclose(attention_backward_reference(dout, q, k, v, mask=mask)[0], dq)
 

@@ -14,6 +14,7 @@ import pytest
 from cuflash import api
 from cuflash._masks import MASKS, SCORE_TRANSFORMS, mask_for, score_for
 from cuflash._validation import AttentionProblem, TensorMeta, check_variants, contiguous_strides
+from tests.helpers import assert_reference_gradients_match_finite_differences
 from cuflash.reference import (attention_backward_reference, attention_backward_tiled, attention_reference,
                                attention_tiled)
 
@@ -161,22 +162,8 @@ def test_tiled_emulation_with_variants_matches_the_reference(name, seqlen_q, seq
 def test_reference_gradient_through_every_variant_matches_finite_differences():
     rng = np.random.default_rng(5)
     q, k, v, dout = (_random((1, n, 2, 4), rng, 2) for n in (5, 7, 7, 5))
-    options = dict(window_size=(3, 1), softcap=1.5, alibi_slopes=np.array([0.3, 0.7]), softmax_scale=0.5)
-    grads = attention_backward_reference(dout, q, k, v, **options)
-
-    def loss(q_, k_, v_):
-        return float((attention_reference(q_, k_, v_, **options)[0] * dout).sum())
-
-    step = 1e-6
-    for index, grad in enumerate(grads):
-        args = [q, k, v]
-        numeric = np.zeros_like(grad)
-        for position in np.ndindex(grad.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[index][position] += step
-            minus[index][position] -= step
-            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
-        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
+    assert_reference_gradients_match_finite_differences(dout, q, k, v, window_size=(3, 1), softcap=1.5,
+                                                        alibi_slopes=np.array([0.3, 0.7]), softmax_scale=0.5)
 
 
 # --- validation and what the launcher sends ---------------------------------------------------
