@@ -400,9 +400,9 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
         if arrays:
             raise ValueError(f"mod_arrays {sorted(arrays)} were given without a score_mod that reads them")
         return problem
-    if not callable(score_mod):
-        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx, **mod_arrays), got "
-                        f"{type(score_mod).__name__}")
+    if not callable(score_mod) and not isinstance(score_mod, mods.RawScoreMod):
+        raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx, **mod_arrays) or "
+                        f"cuflash.mods.cuda(value, gradient), got {type(score_mod).__name__}")
     if problem.softcap or problem.alibi_batch_stride is not None:
         raise ValueError("score_mod does not combine with softcap or alibi_slopes: write them into the score "
                          "function (its score is the scaled one)")
@@ -418,8 +418,12 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
             raise ValueError(f"mod_arrays[{name!r}] must be C-contiguous, got strides {meta.strides} (in elements)")
         if meta.device != problem.device:
             raise ValueError(f"mod_arrays[{name!r}] is on GPU {meta.device} but q is on GPU {problem.device}")
-    transform = register_score_transform(_traced_score_mod(score_mod, tuple(
-        (name, meta.shape, meta.dtype) for name, meta in arrays.items())))
+    signature = tuple((name, meta.shape, meta.dtype) for name, meta in arrays.items())
+    if isinstance(score_mod, mods.RawScoreMod):
+        trace = score_mod.bound({name: mods.ArraySpec(name, shape, dtype) for name, shape, dtype in signature})
+    else:
+        trace = _traced_score_mod(score_mod, signature)
+    transform = register_score_transform(trace)
     return dataclasses.replace(problem, score_name=transform.name)
 
 

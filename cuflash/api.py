@@ -881,6 +881,9 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
     if arrays[14] is not None:
         inputs["alibi_slopes"] = arrays[14]
     inputs |= variants.mod_inputs()
+    if isinstance(variants.score_mod, mods.RawScoreMod) and variants.score_mod.gradient is None:
+        raise ValueError("a CUDA-C score_mod needs its derivative for the backward: "
+                         "cuflash.mods.cuda(value, gradient=...)")
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
         metas = {name: meta_of(name, view) for name, view in views.items()}

@@ -38,8 +38,8 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["where", "minimum", "maximum", "exp", "log", "tanh", "Expr", "ScoreModTrace", "MaskModTrace",
-           "trace_score_mod", "trace_mask_mod", "evaluate_score_mod", "evaluate_mask_mod"]
+__all__ = ["where", "minimum", "maximum", "exp", "log", "tanh", "cuda", "Expr", "ScoreModTrace", "MaskModTrace",
+           "RawScoreMod", "trace_score_mod", "trace_mask_mod", "evaluate_score_mod", "evaluate_mask_mod"]
 
 #: The position arguments every function receives after the score, in order.
 POSITIONS = ("b", "h", "q_idx", "kv_idx")
@@ -646,18 +646,73 @@ def cuda_function(name: str, expr: Expr, specs: tuple[ArraySpec, ...], with_scor
 MAX_ARRAYS = 4
 
 
-def score_policy(trace: ScoreModTrace) -> tuple[str, str]:
+@dataclass(frozen=True)
+class RawScoreMod:
+    """A score function written as CUDA-C expressions (``cuda``) instead of
+    Python: ``value`` and ``gradient`` (its derivative by the score; None:
+    forward only) over float ``score`` (scaled), ints ``b``, ``h``,
+    ``q_idx``, ``kv_idx`` and each mod array as a typed const pointer of its
+    name (C-contiguous: index it flat)."""
+
+    value: str
+    gradient: str | None = None
+    name: str = "cuda"
+
+    def bound(self, arrays: dict) -> "RawScoreModTrace":
+        """This function with the arrays' shapes and dtypes of a call."""
+        return RawScoreModTrace(self, _array_specs(arrays))
+
+
+def cuda(value: str, gradient: str | None = None, name: str = "cuda") -> RawScoreMod:
+    """A score function as CUDA-C expressions: ``cuflash.attention(...,
+    score_mod=cuflash.mods.cuda("score - 0.1f * abs(q_idx - kv_idx)",
+    gradient="1.0f"))``. The backward needs ``gradient``."""
+    for what, text in (("value", value), ("gradient", gradient)):
+        if text is not None and (not isinstance(text, str) or not text.strip()):
+            raise TypeError(f"cuflash.mods.cuda's {what} must be a non-empty CUDA-C expression string, got {text!r}")
+    return RawScoreMod(value, gradient, name)
+
+
+@dataclass(frozen=True)
+class RawScoreModTrace:
+    """A raw score function bound to a call's arrays: what the kernels'
+    policy is generated from, like a ``ScoreModTrace``."""
+
+    mod: RawScoreMod
+    arrays: tuple[ArraySpec, ...]
+    #: a raw expression may read anything: never folded across heads or rows
+    reads_position: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.mod.name
+
+
+def _raw_statements(expression: str | None, specs: tuple[ArraySpec, ...]) -> list[str]:
+    pointers = [f"const {ARRAY_TYPES[spec.dtype]}* const {spec.name} = static_cast<const {ARRAY_TYPES[spec.dtype]}*>"
+                f"(arrays[{i}]); (void){spec.name};" for i, spec in enumerate(specs)]
+    # No gradient: the launcher refuses a backward before any launch (api._attention_backward).
+    return pointers + [f"const float result = static_cast<float>({expression if expression else '0.0f'});"]
+
+
+def score_policy(trace) -> tuple[str, str]:
     """(C++ type, code) of the kernels' score policy for a traced score
     function (kernels_cu/score_transforms.cuh's contract, with
-    kGradientFromRaw): in raw-score units, as every transform works, so the
-    function sees score = raw * softmax_scale and its result is divided by
-    the scale again; its derivative with respect to the raw score is the
-    function's with respect to the scaled one."""
+    kGradientFromRaw), or a raw one (``cuda``): in raw-score units, as every
+    transform works, so the function sees score = raw * softmax_scale and
+    its result is divided by the scale again; its derivative with respect
+    to the raw score is the function's with respect to the scaled one."""
     if len(trace.arrays) > MAX_ARRAYS:
         raise ValueError(f"a score function reads at most {MAX_ARRAYS} arrays, got {len(trace.arrays)}")
     name = f"UserScore_{trace_key(trace)}"
-    value = "".join(f"        {line}\n" for line in cuda_statements(trace.value, trace.arrays, "result"))
-    gradient = "".join(f"        {line}\n" for line in cuda_statements(trace.gradient, trace.arrays, "result"))
+    if isinstance(trace, RawScoreModTrace):
+        value_lines = _raw_statements(trace.mod.value, trace.arrays)
+        gradient_lines = _raw_statements(trace.mod.gradient, trace.arrays)
+    else:
+        value_lines = cuda_statements(trace.value, trace.arrays, "result")
+        gradient_lines = cuda_statements(trace.gradient, trace.arrays, "result")
+    value = "".join(f"        {line}\n" for line in value_lines)
+    gradient = "".join(f"        {line}\n" for line in gradient_lines)
     code = f"""
 #include "{HEADER}"
 namespace cuflash {{
@@ -693,10 +748,11 @@ struct {name} {{
 def trace_key(trace) -> str:
     """A readable, unique name of a trace: the function's name and a hash of
     its generated code and arrays."""
-    parts = [trace.value]
-    if isinstance(trace, ScoreModTrace):
-        parts.append(trace.gradient)
-    code = "\n".join("\n".join(cuda_statements(p, trace.arrays, "r")) for p in parts)
+    if isinstance(trace, RawScoreModTrace):
+        code = f"{trace.mod.value}\n{trace.mod.gradient}"
+    else:
+        parts = [trace.value] + ([trace.gradient] if isinstance(trace, ScoreModTrace) else [])
+        code = "\n".join("\n".join(cuda_statements(p, trace.arrays, "r")) for p in parts)
     code += repr(trace.arrays)
     digest = hashlib.sha1(code.encode()).hexdigest()[:12]
     name = "".join(c if c.isalnum() else "_" for c in trace.name)[:40] or "fn"

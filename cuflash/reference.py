@@ -81,6 +81,9 @@ class _Variants:
         window = check_window(window_size)
         softcap = check_softcap(softcap)
         if score_mod is not None:
+            if not callable(score_mod):
+                raise NotImplementedError("the references evaluate Python score functions; a CUDA-C one "
+                                          "(cuflash.mods.cuda) has no NumPy form: compare it with its Python twin")
             score = user_score_reference(score_mod, mod_arrays, scale, xp)
         self.dropout_factor = _dropout_factor(q, k, dropout_p, dropout_seed, dropout_offset, dropout_mask, xp)
         self.mask = mask if mask is not None else mask_for(causal, None if window == (-1, -1) else window)

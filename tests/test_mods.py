@@ -193,3 +193,40 @@ def test_numpy_evaluation_clamps_indices_like_the_kernels():
     table = np.arange(4.0)
     got = mods.evaluate_score_mod(lambda s, b, h, q, kv, t: s + t[q - 2], np.zeros((1, 1, 8, 1)), {"t": table})
     np.testing.assert_array_equal(got[0, 0, :, 0], [0, 0, 0, 1, 2, 3, 3, 3])
+
+
+def test_cuda_expressions_make_a_policy_with_typed_array_pointers():
+    raw = mods.cuda("score + table[h * 8 + min(max(q_idx - kv_idx, -4), 3) + 4]", gradient="1.0f", name="rel")
+    trace = raw.bound({"table": np.zeros((3, 8), np.float16)})
+    cxx, code = mods.score_policy(trace)
+    assert cxx.startswith("cuflash::UserScore_rel_") and "const __half* const table" in code
+    assert mods.trace_key(trace) != mods.trace_key(mods.cuda("score", "1.0f", "rel").bound({}))
+    assert trace.reads_position  # never folded across heads or rows
+    with pytest.raises(TypeError, match="non-empty CUDA-C expression"):
+        mods.cuda("")
+
+
+@needs_nvcc
+def test_user_policies_compile_into_the_kernels(tmp_path):
+    """A traced function's and a CUDA-C one's policies, built into the
+    Hopper forward and backward and the SIMT backward as NVRTC would build
+    them (tools/kernel_report.py's ptxas run, no GPU)."""
+    import sys
+
+    sys.path.insert(0, str(kernel_source_dir().parent / "tools"))
+    import kernel_report
+    from cuflash._kernel_families import FAMILY
+    from cuflash._masks import MASKS, register_score_transform, with_dropout
+
+    traced = register_score_transform(mods.trace_score_mod(alibi, _arrays("alibi")))
+    raw = register_score_transform(mods.cuda("score - slopes[h] * abs(q_idx - kv_idx)", "1.0f", "raw_alibi")
+                                   .bound(_arrays("alibi")))
+    variants = []
+    for family, dtype, arch in (("forward-wgmma", "bfloat16", "sm_90a"), ("backward-dkdv-wgmma", "bfloat16", "sm_90a"),
+                                ("backward-dkdv", "float32", "sm_80")):
+        tiling = FAMILY[family].tiles_on(dtype, 64, 90 if arch == "sm_90a" else 80)
+        for score in (traced, raw, with_dropout(raw)):
+            variants.append((FAMILY[family].variant(dtype, tiling, MASKS["causal"], score), arch))
+    for variant, arch in variants:
+        (row,) = kernel_report.compile_report([variant], arch)
+        assert row["registers"] > 0, row

@@ -218,3 +218,20 @@ def test_bad_score_mods_fail_before_any_launch():
         with pytest.raises(error, match=match):
             cuflash.attention(q, k, v, out=out, **options)
         assert bool(cupy.isnan(out.astype(cupy.float32)).all())
+
+
+def test_a_cuda_expression_score_mod_matches_its_python_twin():
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 200, 300, 4, 2, 64, cupy.dtype("bfloat16"), seed=10)
+    arrays = _arrays("alibi", 2, 4, 300)
+    raw = mods.cuda("score - slopes[h] * abs(q_idx - kv_idx)", gradient="1.0f", name="raw_alibi")
+    out, lse = cuflash.attention(q, k, v, score_mod=raw, mod_arrays=arrays, return_lse=True)
+    twin, twin_lse = cuflash.attention(q, k, v, score_mod=alibi, mod_arrays=arrays, return_lse=True)
+    assert float(cupy.abs(out.astype(cupy.float32) - twin.astype(cupy.float32)).max()) < 1e-2
+    dout = cupy.ones_like(out)
+    for got, want in zip(cuflash.attention_backward(dout, q, k, v, out, lse, score_mod=raw, mod_arrays=arrays),
+                         cuflash.attention_backward(dout, q, k, v, twin, twin_lse, score_mod=alibi,
+                                                    mod_arrays=arrays)):
+        assert float(cupy.abs(got.astype(cupy.float32) - want.astype(cupy.float32)).max()) < 5e-2
+    with pytest.raises(ValueError, match="needs its derivative for the backward"):
+        cuflash.attention_backward(dout, q, k, v, out, lse, score_mod=mods.cuda("score * 2.0f"))
