@@ -69,8 +69,9 @@ def spill_limit(key: str) -> int:
     mma.sync kernels on packed batches and KV caches (an A100's
     variable-length path, every GPU's KV-cache path) carry the sequences'
     row offsets or key counts and page lookups, and a few of their
-    register-tight tiles spill (README: limits): up to 64 bytes, 96 for a
-    window over a KV cache (the paged d96 128x64 tile: 68); the Hopper
+    register-tight tiles spill (README: limits): up to 64 bytes, 128 for a
+    window over a KV cache (the paged 128x64 tiles: 68 at d96, 124 at
+    d128, as before dropout and user functions came); the Hopper
     kernels none there either. The SIMT kernels, not the fast path: up to 64.
     Dropout's Philox rounds (ten rounds per eight probabilities, beside the
     tiles' accumulators) spill on the register-tight tiles of every family:
@@ -81,7 +82,7 @@ def spill_limit(key: str) -> int:
     if not key.startswith(FAST_PATH):
         return 64
     if other_layout and "wgmma" not in key:
-        return 96 if "/window/" in key and ("/cache/" in key or "/paged/" in key) else 64
+        return 128 if "/window/" in key and ("/cache/" in key or "/paged/" in key) else 64
     if key.startswith("forward-mma/") and "/window/" in key and "/hdim128/m128n64w4/" in key:
         # A window's two offsets beside the A100's tile of 128 rows x 64 keys
         # at head dim 128 (a Hopper runs the wgmma forward there): 32 bytes.
