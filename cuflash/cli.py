@@ -106,10 +106,17 @@ Example, the FlashAttention paper's Figure 2 (A100, forward + backward):
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True), default=None,
               help="with --sweep: draw traffic and time against the swept value (needs matplotlib)")
 @click.option("--explain", "show_explain", is_flag=True, help="print every term with its formula")
+@click.option("--gpus", type=SIZE, default=None,
+              help="context parallelism over this many GPUs: the sequence sharded, per-GPU traffic and time")
+@click.option("--strategy", type=click.Choice(["ring", "ulysses", "auto"]), default="auto", show_default=True,
+              help="with --gpus: ring attention, all-to-all over heads, or the faster")
+@click.option("--link-bandwidth", type=float, default=None,
+              help="with --gpus: GB/s each way per GPU between GPUs (default: the machine's NVLink)")
+@click.option("--unbalanced", is_flag=True, help="with --gpus and a causal ring: contiguous shards, not balanced")
 def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype, element_bytes, causal, dropout,
              key_padding_mask, deterministic, page_size, append, splits, pack_gqa, block_density, passes, machine,
              sram, sms, l2, bandwidth, matmul_tflops, measured, algorithms, block_m, block_n, as_json, as_csv, sweep,
-             values, plot, show_explain):
+             values, plot, show_explain, gpus, strategy, link_bandwidth, unbalanced):
     """Count the HBM traffic of attention algorithms.
 
     Two levels: the bytes each algorithm's loads and stores request from global
@@ -123,6 +130,9 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
     flash1 (FlashAttention Algorithm 1/4), flash2 (FlashAttention-2),
     flash-decoding (FlashAttention-2's inference path: split-KV, GQA packing),
     cuflash (this library's kernels, tile for tile).
+
+    With --gpus: context parallelism (ring attention or Ulysses) of
+    cuflash's kernels, per GPU (cuflash.simulate.distributed).
     """
     ctx = click.get_current_context()
     if as_json and as_csv:
@@ -184,6 +194,16 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         _compare_with_measured(measured, machine, ctx, overrides, as_json)
         return
     base_machine = _machine(machine, sram, overrides)
+    if gpus is not None or link_bandwidth is not None or unbalanced or strategy != "auto":
+        if gpus is None:
+            raise click.UsageError("--strategy, --link-bandwidth and --unbalanced go with --gpus")
+        if sweep or show_explain or as_csv or ctx.get_parameter_source("algorithms") is not \
+                click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("--gpus models cuflash's kernels on one problem: leave out --sweep, --explain, "
+                                   "--csv and --algorithm")
+        _simulate_distributed(problem_for(), base_machine, gpus, strategy, link_bandwidth, unbalanced, passes,
+                              as_json)
+        return
     if "flash1" in algorithms and not sweep:
         _warn_outside_theorem2(problem_for(), base_machine)
 
@@ -239,6 +259,39 @@ def simulate(batch, heads, kv_heads, seqlen, seqlen_q, seqlen_k, head_dim, dtype
         click.echo(_sweep_table(sweep, records))
     if plot:
         _plot(plot, sweep, records, base_machine)
+
+
+def _simulate_distributed(problem, target, gpus: int, strategy: str, link_bandwidth: float | None, unbalanced: bool,
+                          passes: str, as_json: bool) -> None:
+    """``cuflash simulate --gpus``: ring attention, Ulysses, or the faster."""
+    from .simulate import distributed
+
+    if link_bandwidth is not None and link_bandwidth <= 0:
+        raise click.BadParameter(f"must be positive, got {link_bandwidth}", param_hint="--link-bandwidth")
+    link = None if link_bandwidth is None else link_bandwidth * 1e9
+    try:
+        if strategy == "ring":
+            results = [distributed.ring(problem, target, gpus, passes, balanced=not unbalanced, link_bandwidth=link)]
+        elif strategy == "ulysses":
+            results = [distributed.ulysses(problem, target, gpus, passes, link_bandwidth=link)]
+        else:
+            results = [distributed.ring(problem, target, gpus, passes, balanced=not unbalanced, link_bandwidth=link)]
+            if problem.nheads % gpus == 0:
+                results.append(distributed.ulysses(problem, target, gpus, passes, link_bandwidth=link))
+    except (ValueError, KeyError) as error:
+        message = (f"no NVLink preset for {target.name}: give --link-bandwidth" if isinstance(error, KeyError)
+                   else str(error))
+        raise click.BadParameter(message) from None
+    best = min(results, key=lambda result: result.seconds)
+    if as_json:
+        click.echo(json.dumps({"problem": problem.__dict__, "machine": target.name, "pass": passes,
+                               "results": [distributed.as_dict(r) for r in results], "faster": best.strategy},
+                              indent=2))
+        return
+    for result in results:
+        click.echo("\n".join(distributed.report(result)))
+    if len(results) > 1:
+        click.echo(f"faster here: {best.strategy}")
 
 
 def _machine(name: str, sram: int | None, overrides: dict):
