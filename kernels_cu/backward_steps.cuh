@@ -208,14 +208,9 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
             // dV takes the dropped P; dS = P (Z dP - delta) with Z the factor.
             const float z = e / 2 ? keep[e % 2].second : keep[e % 2].first;
             s[0][j][e] = Score::kDropout ? p * z : p;
-            const float dp_kept = Score::kDropout ? dp[0][j][e] * z : dp[0][j][e];
-            const float delta = e % 2 ? delta_pair.y : delta_pair.x;
-            if constexpr (kFromRaw) {
-                dp[0][j][e] = score_gradient_from_raw(score, p, dp_kept, delta, raw, row, key);
-            } else {
-                dp[0][j][e] = score_gradient(score, p, dp_kept, delta, transformed, row, key,
-                                             distance0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
-            }
+            dp[0][j][e] = score_gradient(score, p, Score::kDropout ? dp[0][j][e] * z : dp[0][j][e],
+                                         e % 2 ? delta_pair.y : delta_pair.x, raw, transformed, row, key,
+                                         distance0 + static_cast<float>(8 * j + e % 2 - 8 * (e / 2)));
         }
     }
 }

@@ -19,41 +19,20 @@ __device__ __forceinline__ float recompute_probability(bool visible, float score
 }
 
 // dL/d(raw score) = dS = P (dP - delta) times the score transform's
-// derivative at the (transformed) score: softmax's gradient, then the chain
-// rule through the transform. The identity costs nothing.
+// derivative at this score (transform_derivative: from the raw score `raw`,
+// the transformed one, or ALiBi's distance as a float): softmax's gradient,
+// then the chain rule through the transform. The identity costs nothing.
 template <typename Score>
-__device__ __forceinline__ float score_gradient(const Score& score, float p, float dp, float delta, float transformed,
-                                                int row, int key) {
+__device__ __forceinline__ float score_gradient(const Score& score, float p, float dp, float delta, float raw,
+                                                float transformed, int row, int key, float alibi_distance) {
     const float ds = p * (dp - delta);
     if constexpr (Score::kIsIdentity) {
         return ds;
     } else {
         // Where P is 0 (masked: the fragment kernels hold -inf there, at which
         // a transform's derivative need not be finite) dS is 0, not 0 * inf.
-        return p > 0.0f ? ds * score.gradient(transformed, row, key) : 0.0f;
+        return p > 0.0f ? ds * transform_derivative(score, raw, transformed, row, key, alibi_distance) : 0.0f;
     }
-}
-
-// The same, with ALiBi's distance of (row, key) as a float (the tensor-core
-// backwards derive it per element from one conversion: alibi_bias_at).
-template <typename Score>
-__device__ __forceinline__ float score_gradient(const Score& score, float p, float dp, float delta, float transformed,
-                                                int row, int key, float alibi_distance) {
-    const float ds = p * (dp - delta);
-    if constexpr (Score::kIsIdentity) {
-        return ds;
-    } else {
-        return p > 0.0f ? ds * transform_gradient_at(score, transformed, row, key, alibi_distance) : 0.0f;
-    }
-}
-
-// The same for a transform whose derivative is taken at the raw score
-// (HasGradientFromRaw: user functions).
-template <typename Score>
-__device__ __forceinline__ float score_gradient_from_raw(const Score& score, float p, float dp, float delta, float raw,
-                                                         int row, int key) {
-    const float ds = p * (dp - delta);
-    return p > 0.0f ? ds * score.gradient_from_raw(raw, row, key) : 0.0f;
 }
 
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
@@ -73,12 +52,9 @@ __device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockCon
     const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
     const float z = dropout_factor(score, row, key);  // 1 without dropout
-    const float dp_kept = Score::kDropout ? dp * z : dp;
-    if constexpr (HasGradientFromRaw<Score>::value) {
-        return {Score::kDropout ? p * z : p, score_gradient_from_raw(score, p, dp_kept, delta, qk, row, key)};
-    } else {
-        return {Score::kDropout ? p * z : p, score_gradient(score, p, dp_kept, delta, s, row, key)};
-    }
+    const float alibi_distance = static_cast<float>(row + ctx.seqlen_k - ctx.seqlen_q - key);
+    return {Score::kDropout ? p * z : p,
+            score_gradient(score, p, Score::kDropout ? dp * z : dp, delta, qk, s, row, key, alibi_distance)};
 }
 
 }  // namespace cuflash

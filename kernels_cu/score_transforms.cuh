@@ -151,12 +151,16 @@ __device__ __forceinline__ float alibi_bias_at(const Score& score, float distanc
     return -score.raw_slope * fabsf(distance);
 }
 
-// score.gradient(transformed, row, key), ALiBi's bias taken at `distance`
-// (row + seqlen_k - seqlen_q - key as a float: see alibi_bias_at).
+// d transformed / d raw at one score of (row, key): a user function's at
+// the raw score (HasGradientFromRaw), ALiBi's inner transform's at the
+// transformed value less the bias at `distance` (row + seqlen_k - seqlen_q
+// - key as a float: see alibi_bias_at), any other's at the transformed value.
 template <typename Score>
-__device__ __forceinline__ float transform_gradient_at(const Score& score, float transformed, int row, int key,
-                                                       float distance) {
-    if constexpr (HasAlibi<Score>::value) {
+__device__ __forceinline__ float transform_derivative(const Score& score, float raw, float transformed, int row,
+                                                      int key, float distance) {
+    if constexpr (HasGradientFromRaw<Score>::value) {
+        return score.gradient_from_raw(raw, row, key);
+    } else if constexpr (HasAlibi<Score>::value) {
         if constexpr (decltype(score.inner)::kIsIdentity) {
             return 1.0f;
         } else {
