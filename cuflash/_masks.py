@@ -176,11 +176,16 @@ class ScoreTransform:
         return self.cxx.format(precise="true" if dtype_name == "float32" else "false")
 
 
+def dropout_name(name: str) -> str:
+    """The name of transform ``name`` followed by dropout."""
+    return "dropout" if name == "identity" else f"{name}-dropout"
+
+
 def with_dropout(inner: ScoreTransform) -> ScoreTransform:
     """``inner`` followed by dropout of the probabilities: the same score
-    hooks, and a mask drawn per (batch entry, head, row, key)."""
-    name = "dropout" if inner.name == "identity" else f"{inner.name}-dropout"
-    return dataclasses.replace(inner, name=name, cxx=f"cuflash::WithDropout<{inner.cxx}>",
+    hooks, and a mask drawn per (batch entry, head, row, key). Every
+    registered transform has its twin in SCORE_TRANSFORMS."""
+    return dataclasses.replace(inner, name=dropout_name(inner.name), cxx=f"cuflash::WithDropout<{inner.cxx}>",
                                position_free=False, dropout=True)
 
 
@@ -191,14 +196,15 @@ def register_score_transform(trace) -> ScoreTransform:
     hooks are not used: the references evaluate the function itself."""
     from . import mods
 
-    cxx, code = mods.score_policy(trace)
     name = f"mod-{mods.trace_key(trace)}"
     transform = SCORE_TRANSFORMS.get(name)
     if transform is None:
+        cxx, code = mods.score_policy(trace)
         transform = ScoreTransform(name, cxx, transform=_evaluated_by_the_reference,
                                    gradient=_evaluated_by_the_reference, position_free=not trace.reads_position,
                                    prelude=code, gradient_from_raw=True)
         SCORE_TRANSFORMS[name] = transform
+        SCORE_TRANSFORMS[dropout_name(name)] = with_dropout(transform)
     return transform
 
 
@@ -313,4 +319,4 @@ def score_for(softcap: bool, alibi: bool, dropout: bool = False) -> ScoreTransfo
     """The transform of a call with a soft cap, ALiBi slopes and / or dropout."""
     name = {(False, False): "identity", (True, False): "softcap", (False, True): "alibi",
             (True, True): "softcap-alibi"}[bool(softcap), bool(alibi)]
-    return with_dropout(SCORE_TRANSFORMS[name]) if dropout else SCORE_TRANSFORMS[name]
+    return SCORE_TRANSFORMS[dropout_name(name) if dropout else name]

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dropout import dropout_threshold
-from ._masks import (MaskPolicy, ScoreTransform, mask_for, mask_named, register_score_transform, score_for,
-                     score_transform_named, with_dropout)
+from ._masks import (MaskPolicy, ScoreTransform, dropout_name, mask_for, mask_named, register_score_transform,
+                     score_for, score_transform_named)
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
@@ -100,7 +100,8 @@ class AttentionProblem:
         """The score transform the kernels are instantiated with."""
         if self.score_name is not None:
             named = score_transform_named(self.score_name)
-            return with_dropout(named) if self.dropout_threshold and not named.dropout else named
+            return score_transform_named(dropout_name(named.name)) if self.dropout_threshold and not named.dropout \
+                else named
         return score_for(self.softcap > 0, self.alibi_batch_stride is not None, self.dropout_threshold > 0)
 
     @property
@@ -340,14 +341,16 @@ def check_dropout_seed(dropout_p: float, seed, offset) -> tuple[int, int]:
     if seed is None:
         raise ValueError("dropout_p > 0 needs dropout_seed, an int in [0, 2**64): attention_backward regenerates "
                          "the same mask from it (and dropout_offset)")
-    values = []
-    for name, value in (("dropout_seed", seed), ("dropout_offset", offset)):
-        if value.__class__ is bool or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__} {value!r}")
-        if not 0 <= int(value) < 1 << 64:
-            raise ValueError(f"{name} must be in [0, 2**64), got {int(value)}")
-        values.append(int(value))
-    return values[0], values[1]
+    return check_counter("dropout_seed", seed), check_counter("dropout_offset", offset)
+
+
+def check_counter(name: str, value) -> int:
+    """An int in [0, 2**64) (a Philox seed or offset, a size)."""
+    if value.__class__ is bool or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__} {value!r}")
+    if not 0 <= int(value) < 1 << 64:
+        raise ValueError(f"{name} must be in [0, 2**64), got {int(value)}")
+    return int(value)
 
 
 def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0.0,

@@ -29,7 +29,8 @@ from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WAR
 from ._masks import CACHE_LAYOUTS
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
-from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
+from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
+                      WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_split_count,
@@ -185,9 +186,16 @@ def _mod_array_values(mod_arrays) -> list:
     return list(mod_arrays.values())
 
 
-def _mod_list(mod_arrays) -> list:
-    """The mod arrays' entries of a call's array list (None padded), or None
-    entries where they cannot be read (the full path then explains)."""
+#: The mod arrays' entries of a call without them (the per-call path's common case).
+_NO_MOD_ARRAYS = (None,) * len(MOD_ARRAY_SLOTS)
+
+
+def _mod_list(mod_arrays) -> tuple | list:
+    """The mod arrays' entries of a call's array list (None padded), or an
+    entry no fast lane reads where they cannot be read (the full path then
+    explains)."""
+    if mod_arrays is None:
+        return _NO_MOD_ARRAYS
     try:
         values = _mod_array_values(mod_arrays)
     except (TypeError, ValueError):
@@ -216,9 +224,12 @@ def _variant_fields(problem: AttentionProblem) -> tuple:
         right = problem.seqlen_q if right < 0 else right
     scale = problem.softmax_scale
     threshold = problem.dropout_threshold
-    return (left, right, problem.softcap / scale if problem.softcap else 0.0, 0, problem.alibi_batch_stride or 0,
-            1.0 / scale if scale else 0.0, 0, 0, threshold,
-            1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0, 0, 0, 0, 0, 0)
+    fields = dict(window_left=left, window_right=right, softcap=problem.softcap / scale if problem.softcap else 0.0,
+                  alibi_batch_stride=problem.alibi_batch_stride or 0, inverse_scale=1.0 / scale if scale else 0.0,
+                  dropout_threshold=threshold,
+                  dropout_inverse_keep=1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0)
+    # Pointers and dropout's seed and offset: 0 here, plan slots write each call's.
+    return tuple(fields.get(name, 0) for name in VARIANT_PARAMS.names)
 
 
 def pointers_aligned(kind: str, pointers: list) -> bool:

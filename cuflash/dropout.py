@@ -59,15 +59,6 @@ def _stream_key(seed: int, offset: int) -> tuple[int, int]:
     return int(words[0]), int(words[1])
 
 
-def _check_counter(name: str, value) -> int:
-    if value.__class__ is bool or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < 1 << 64:
-        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
-    return value
-
-
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
                  offset: int = 0) -> np.ndarray:
     """The keep mask of a call with these sizes and dropout arguments: a
@@ -77,12 +68,12 @@ def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_
     (rows and keys count from each sequence's start). Meant for small
     problems (tests, teaching): it takes batch * nheads * seqlen_q *
     seqlen_k / 8 Philox evaluations on the CPU."""
-    from ._validation import check_dropout_p
+    from ._validation import check_counter, check_dropout_p
 
     dropout_p = check_dropout_p(dropout_p)
-    seed, offset = _check_counter("seed", seed), _check_counter("offset", offset)
+    seed, offset = check_counter("seed", seed), check_counter("offset", offset)
     for name, size in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
-        if _check_counter(name, size) >= 1 << 31:
+        if check_counter(name, size) >= 1 << 31:
             raise ValueError(f"{name} must be below 2**31, got {size}")
     key0, key1 = _stream_key(seed, offset)
     b, h, i, j = np.meshgrid(np.arange(batch), np.arange(nheads), np.arange(seqlen_q), np.arange(seqlen_k),

@@ -144,8 +144,12 @@ def _attention_fwd(q, k, v, alibi_slopes, seed, flags, softmax_scale, determinis
 
 
 def _zero_gradient(x):
-    return None if x is None else np.zeros(x.shape, jax.dtypes.float0) if x.dtype == np.uint32 else \
-        jax.numpy.zeros_like(x)
+    """The cotangent of an input without a gradient: float0 for the integer seed words."""
+    if x is None:
+        return None
+    if x.dtype == np.uint32:
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jax.numpy.zeros_like(x)
 
 
 def _attention_bwd(flags, softmax_scale, deterministic, fp32_precision, residuals, dout):

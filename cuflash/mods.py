@@ -351,7 +351,7 @@ def _array_specs(arrays: dict) -> tuple[ArraySpec, ...]:
     return tuple(specs)
 
 
-def _check_signature(fn: Callable, leading: tuple[str, ...], specs: tuple[ArraySpec, ...], what: str) -> None:
+def _check_signature(fn: Callable, leading: tuple[str, ...], what: str) -> None:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -412,7 +412,7 @@ def trace_score_mod(fn: Callable, arrays: dict | None = None) -> ScoreModTrace:
     -> an array or anything with ``shape`` and ``dtype``): its value and its
     derivative with respect to ``score``."""
     specs = _array_specs(arrays or {})
-    _check_signature(fn, ("score",) + POSITIONS, specs, "score_mod")
+    _check_signature(fn, ("score",) + POSITIONS, "score_mod")
     positions, handles = _leaves(specs)
     score = Expr("var", ("score",), "float")
     value = _constant(fn(score, *positions, **handles))
@@ -426,7 +426,7 @@ def trace_score_mod(fn: Callable, arrays: dict | None = None) -> ScoreModTrace:
 def trace_mask_mod(fn: Callable, arrays: dict | None = None) -> MaskModTrace:
     """Traces ``fn(b, h, q_idx, kv_idx, **arrays)``, which must return a condition."""
     specs = _array_specs(arrays or {})
-    _check_signature(fn, POSITIONS, specs, "mask_mod")
+    _check_signature(fn, POSITIONS, "mask_mod")
     positions, handles = _leaves(specs)
     value = _constant(fn(*positions, **handles))
     if value.kind != "bool":
