@@ -33,6 +33,8 @@ def test_every_variant_compiles_and_is_reported():
     assert kernel_report.spill_limit("forward-mma/bfloat16/hdim64/m128n64w4/causal/paged/kv2") == 64
     assert kernel_report.spill_limit("forward-mma/float16/hdim96/m128n64w4/window/paged/kv1") == 128
     assert kernel_report.spill_limit("forward-mma/float16/hdim128/m128n64w4/window/kv1") == 32
+    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/window/q1/atomic-dq") == 80
+    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/causal/q1/atomic-dq") == 0
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim128/m64n128w12/causal/dropout/q2/atomic-dq") == 256
     # 39 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
     # tile at 256; the 16-bit decode tiles without and with split-KV (10 not

@@ -87,6 +87,10 @@ def spill_limit(key: str) -> int:
         # A window's two offsets beside the A100's tile of 128 rows x 64 keys
         # at head dim 128 (a Hopper runs the wgmma forward there): 32 bytes.
         return 32
+    if key.startswith("backward-dkdv-wgmma/") and "/hdim256/" in key and "/window/" in key:
+        # The window's offsets beside the d256 consumers' dK and dV
+        # accumulators: 12-24 bytes dense, 40-80 packed (since the window came).
+        return 80
     return 0
 
 
