@@ -67,13 +67,13 @@ class KernelVariant:
     key: str  #: readable cache key, unique per instantiation
     threads: int
     smem_bytes: int
-    #: C++ compiled after the kernel's source: a generated policy (a user
-    #: score function's, cuflash/mods.py), else empty
+    #: C++ compiled after the kernel's source: generated policies (a user
+    #: score function's, a user mask's rule: cuflash/mods.py), else empty
     prelude: str = ""
 
     @property
     def name_expression(self) -> str:
-        return f"{self.function}<{', '.join(self.template_args)}>"
+        return f"{self.function}<{', '.join(self.template_args)}>" if self.template_args else self.function
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ class KernelFamily:
                  f"{extra_key}"),
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),
-            prelude=score.prelude,
+            prelude=score.prelude + mask.prelude,
         )
 
     def tiles_on(self, dtype_name: str, head_dim: int, generation: int, smem_limit: int | None = None) -> Tiling:

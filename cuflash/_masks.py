@@ -46,6 +46,12 @@ class MaskPolicy:
     #: (causal, bands), "rotated" (no mask; the launcher decides whether the
     #: walks rotate, ``cuflash.api.rotate_walks``)
     dq_turns: str = "key-block-order"
+    #: C++ defining ``cxx``'s rule where it is generated (a user mask,
+    #: ``cuflash.mods.mask_rule``), compiled after the kernel source
+    prelude: str = ""
+    #: the kernels skip tiles by a tile map (``cuflash.block_mask``) that
+    #: each call passes at the kernel's tiles (``VariantParams::tile_map``)
+    tile_map: bool = False
 
     def rule(self, rows, keys, seqlen_q: int, seqlen_k: int):
         return np.ones(np.broadcast_shapes(np.shape(rows), np.shape(keys)), dtype=bool)
@@ -126,6 +132,59 @@ class WindowMaskPolicy(MaskPolicy):
         first = max(0, n_start - last_offset)
         last = min(seqlen_q - 1, min(n_start + block_n, seqlen_k) - 1 - first_offset)
         return range(0) if last < first else range(first // block_m, last // block_m + 1)
+
+
+@dataclass(frozen=True)
+class UserMaskPolicy(MaskPolicy):
+    """A traced user mask (``cuflash.mods``), C++ ``UserMask<Rule>``: its
+    rule reads the batch entry and head, so the launcher's block counts see
+    every block (the tile map narrows them on the GPU) and the references
+    evaluate the Python function itself (``user_mask_reference``).
+    ``rule_cxx``: the generated Rule, which the tile-map builder takes too;
+    ``reads_batch`` / ``reads_head``: whether the map needs a section per
+    batch entry / head."""
+
+    rule_cxx: str = ""
+    reads_batch: bool = True
+    reads_head: bool = True
+
+    def rule(self, rows, keys, seqlen_q: int, seqlen_k: int):
+        raise NotImplementedError("a user mask is evaluated by the references themselves "
+                                  "(cuflash.mods.evaluate_mask_mod), not through its policy")
+
+
+def register_user_mask(trace) -> UserMaskPolicy:
+    """The kernels' mask of a traced user mask function (``cuflash.mods``),
+    entered in MASKS under a name that includes its trace's hash."""
+    from . import mods
+
+    name = f"mask-{mods.trace_key(trace)}"
+    mask = MASKS.get(name)
+    if mask is None:
+        rule_cxx, code = mods.mask_rule(trace)
+        mask = UserMaskPolicy(name, f"cuflash::UserMask<{rule_cxx}>", prelude=code, tile_map=True,
+                              rule_cxx=rule_cxx, reads_batch=mods.reads_variable(trace.value, "b"),
+                              reads_head=mods.reads_variable(trace.value, "h"))
+        MASKS[name] = mask
+    return mask
+
+
+@dataclass(frozen=True)
+class UserMaskReference(MaskPolicy):
+    """A user mask function as the float64 references apply it: ``matrix``
+    is its (batch, nheads, seqlen_q, seqlen_k) condition (NumPy, arrays
+    indexed as the kernels index them)."""
+
+    fn: Callable = None
+    arrays: object = None
+    batch: int = 1
+    nheads: int = 1
+
+    def matrix(self, seqlen_q: int, seqlen_k: int, xp=np):
+        from . import mods
+
+        return xp.asarray(mods.evaluate_mask_mod(self.fn, (self.batch, self.nheads, seqlen_q, seqlen_k),
+                                                 self.arrays))
 
 
 @dataclass(frozen=True)

@@ -39,12 +39,14 @@ VARIANT_PARAMS = np.dtype(
     [("window_left", _INDEX), ("window_right", _INDEX), ("softcap", np.float64), ("alibi_slopes", _POINTER),
      ("alibi_batch_stride", _INDEX), ("inverse_scale", np.float64), ("dropout_seed", np.uint64),
      ("dropout_offset", np.uint64), ("dropout_threshold", _INDEX), ("dropout_inverse_keep", np.float64),
-     ("dropout_seed_pointer", _POINTER), *[(f"user_array{i}", _POINTER) for i in range(4)]],
+     ("dropout_seed_pointer", _POINTER), *[(f"user_array{i}", _POINTER) for i in range(4)],
+     ("tile_map", _POINTER), ("tile_map_batch_stride", _INDEX), ("tile_map_head_stride", _INDEX),
+     ("tile_map_block_m", _INDEX), ("tile_map_block_n", _INDEX)],
     align=True,
 )
 
 #: VariantParams of a call with no window, soft cap, ALiBi or dropout.
-NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 FORWARD_PARAMS = np.dtype(
     [
@@ -141,8 +143,8 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 15 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 15 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE

@@ -14,7 +14,7 @@ import numpy as np
 
 from .dropout import dropout_threshold
 from ._masks import (MaskPolicy, ScoreTransform, dropout_name, mask_for, mask_named, register_score_transform,
-                     score_for, score_transform_named)
+                     register_user_mask, score_for, score_transform_named)
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
 
 SUPPORTED_DTYPES = tuple(ELEMENT_SIZE)  # float16, bfloat16, float32
@@ -89,6 +89,10 @@ class AttentionProblem:
     #: dropout's probability of dropping an entry of P, as given (the
     #: kernels apply it rounded: ``cuflash.dropout.dropout_threshold``); 0: none
     dropout_p: float = 0.0
+    #: a user mask's tile map: its sections (batch entries, heads; 1 along
+    #: a dimension the mask does not read), ``cuflash.block_mask``; None:
+    #: no user mask
+    tile_map_dims: tuple[int, int] | None = None
 
     @property
     def mask(self) -> MaskPolicy:
@@ -392,7 +396,8 @@ def check_variants(problem: AttentionProblem, *, window_size=(-1, -1), softcap=0
                                alibi_batch_stride=alibi_batch_stride, dropout_p=dropout_p)
 
 
-def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, TensorMeta]) -> AttentionProblem:
+def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, TensorMeta],
+                    has_mask_mod: bool = False) -> AttentionProblem:
     """``problem`` with a user score function (``cuflash.mods``), traced
     against the shapes and dtypes of the ``mod_arrays`` it reads (``arrays``:
     name -> meta, at most ``mods.MAX_ARRAYS``, C-contiguous, on q's GPU).
@@ -400,8 +405,9 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
     from . import mods
 
     if score_mod is None:
-        if arrays:
-            raise ValueError(f"mod_arrays {sorted(arrays)} were given without a score_mod that reads them")
+        if arrays and not has_mask_mod:
+            raise ValueError(f"mod_arrays {sorted(arrays)} were given without a score_mod or mask_mod that "
+                             f"reads them")
         return problem
     if not callable(score_mod) and not isinstance(score_mod, mods.RawScoreMod):
         raise TypeError(f"score_mod must be a function (score, b, h, q_idx, kv_idx, **mod_arrays) or "
@@ -411,6 +417,20 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
                          "function (its score is the scaled one)")
     if problem.softmax_scale == 0:
         raise ValueError("score_mod needs a softmax_scale other than 0 (it maps the scaled scores)")
+    signature = _mod_array_signature(problem, arrays)
+    if isinstance(score_mod, mods.RawScoreMod):
+        trace = score_mod.bound({name: mods.ArraySpec(name, shape, dtype) for name, shape, dtype in signature})
+    else:
+        trace = _traced_score_mod(score_mod, signature)
+    transform = register_score_transform(trace)
+    return dataclasses.replace(problem, score_name=transform.name)
+
+
+def _mod_array_signature(problem: AttentionProblem, arrays: dict[str, TensorMeta]) -> tuple:
+    """(name, shape, dtype) of each mod array, checked (at most
+    ``mods.MAX_ARRAYS``, a dtype the traces read, C-contiguous, on q's GPU)."""
+    from . import mods
+
     if len(arrays) > mods.MAX_ARRAYS:
         raise ValueError(f"mod_arrays takes at most {mods.MAX_ARRAYS} arrays, got {len(arrays)}")
     for name, meta in arrays.items():
@@ -421,13 +441,41 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
             raise ValueError(f"mod_arrays[{name!r}] must be C-contiguous, got strides {meta.strides} (in elements)")
         if meta.device != problem.device:
             raise ValueError(f"mod_arrays[{name!r}] is on GPU {meta.device} but q is on GPU {problem.device}")
-    signature = tuple((name, meta.shape, meta.dtype) for name, meta in arrays.items())
-    if isinstance(score_mod, mods.RawScoreMod):
-        trace = score_mod.bound({name: mods.ArraySpec(name, shape, dtype) for name, shape, dtype in signature})
-    else:
-        trace = _traced_score_mod(score_mod, signature)
-    transform = register_score_transform(trace)
-    return dataclasses.replace(problem, score_name=transform.name)
+    return tuple((name, meta.shape, meta.dtype) for name, meta in arrays.items())
+
+
+def check_mask_mod(problem: AttentionProblem, mask_mod, arrays: dict[str, TensorMeta]) -> AttentionProblem:
+    """``problem`` with a user mask (``cuflash.mods``; a function or a
+    ``cuflash.BlockMask``), traced against the call's mod arrays (``arrays``
+    as for ``check_score_mod``): its kernels' mask policy and its tile map's
+    sections. Dense batches only, not with causal or a window."""
+    from .block_mask import BlockMask
+
+    if mask_mod is None:
+        return problem
+    function = mask_mod.mask_mod if isinstance(mask_mod, BlockMask) else mask_mod
+    if not callable(function):
+        raise TypeError(f"mask_mod must be a function (b, h, q_idx, kv_idx, **mod_arrays) or a "
+                        f"cuflash.BlockMask, got {type(mask_mod).__name__}")
+    if problem.causal or problem.window is not None:
+        raise ValueError("mask_mod does not combine with causal or window_size: write them into the mask "
+                         "function (e.g. q_idx >= kv_idx)")
+    if problem.packed or problem.kv_cache is not None:
+        raise ValueError("mask_mod takes dense batches (attention, attention_backward), not variable-length "
+                         "batches or KV caches: document masks from per-token ids do what packing does")
+    if isinstance(mask_mod, BlockMask):
+        mask_mod.check_call(problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k)
+    mask = register_user_mask(_traced_mask_mod(function, _mod_array_signature(problem, arrays)))
+    dims = (problem.batch if mask.reads_batch else 1, problem.nheads if mask.reads_head else 1)
+    return dataclasses.replace(problem, mask_name=mask.name, tile_map_dims=dims)
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_mask_mod(mask_mod, arrays: tuple):
+    """A mask function's trace against arrays of these (name, shape, dtype), once per signature."""
+    from . import mods
+
+    return mods.trace_mask_mod(mask_mod, {name: mods.ArraySpec(name, shape, dtype) for name, shape, dtype in arrays})
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,6 +27,7 @@ from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
                                merge_variant, select)
 from ._masks import CACHE_LAYOUTS
+from .block_mask import BlockMask, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
@@ -37,7 +38,7 @@ from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_
                       decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
-                          check_dropout_seed, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
+                          check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -51,15 +52,16 @@ MOD_ARRAY_SLOTS = tuple(f"mod_array{i}" for i in range(mods.MAX_ARRAYS))
 #: Arrays of a forward call, in the order of the plan's pointer slots: the
 #: split-KV work buffers (``forward_work_buffers``) last.
 FORWARD_ARRAYS = ("q", "k", "v", "out", "lse", "out_partial", "lse_partial", "cu_seqlens_q", "cu_seqlens_k",
-                  "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng", *MOD_ARRAY_SLOTS)
+                  "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng", *MOD_ARRAY_SLOTS, "tile_map")
 #: The sequence offsets of a variable-length call (0, a null pointer, in a
 #: dense one), the ALiBi slopes (0 without ALiBi), dropout's seed and offset
 #: (ints, not pointers: written each call like them) and the GPU address of
-#: a seed to read there instead (cuflash.jax's PRNG keys; 0 elsewhere):
-#: slots of every plan, after its arrays.
+#: a seed to read there instead (cuflash.jax's PRNG keys; 0 elsewhere),
+#: the mod arrays and a user mask's tile map (``cuflash.block_mask``; built
+#: by the call): slots of every plan, after its arrays.
 _PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slopes", "variant.dropout_seed",
                   "variant.dropout_offset", "variant.dropout_seed_pointer",
-                  *(f"variant.user_array{i}" for i in range(len(MOD_ARRAY_SLOTS))))
+                  *(f"variant.user_array{i}" for i in range(len(MOD_ARRAY_SLOTS))), "variant.tile_map")
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
 #: and with it (struct 0 the forward kernel's, writing the partial results;
 #: struct 1 the merge kernel's).
@@ -77,7 +79,7 @@ KVCACHE_ARRAYS = FORWARD_ARRAYS + ("seqused_k", "block_table", "k_new", "v_new",
 #: plan's pointer slots.
 BACKWARD_ARRAYS = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta", "dq_accum", "dq_semaphore",
                    "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_seed", "dropout_offset", "dropout_rng",
-                   *MOD_ARRAY_SLOTS)
+                   *MOD_ARRAY_SLOTS, "tile_map")
 BACKWARD_SLOTS = ("dout.ptr", "q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", "dq.ptr", "dk.ptr", "dv.ptr", "delta",
                   "dq_accum", "dq_semaphore", *_PACKING_SLOTS)
 #: Arrays whose rows the tensor-core kernels copy in 16-byte chunks, as
@@ -150,13 +152,27 @@ class Variants:
     dropout_offset: object = 0
     score_mod: object = None
     mod_arrays: object = None
+    mask_mod: object = None
 
     def applied(self, problem: AttentionProblem, alibi_slopes=None, mod_metas=None) -> AttentionProblem:
         """``problem`` with these variants, the slopes' and the mod arrays'
         ``TensorMeta`` given (the latter by the names the call gave)."""
         problem = check_variants(problem, window_size=self.window_size, softcap=self.softcap,
                                  alibi_slopes=alibi_slopes, dropout_p=self.dropout_p)
-        return check_score_mod(problem, self.score_mod, mod_metas or {})
+        problem = check_score_mod(problem, self.score_mod, mod_metas or {}, has_mask_mod=self.mask_mod is not None)
+        return check_mask_mod(problem, self.mask_mod, mod_metas or {})
+
+    def tile_map_view(self, problem: AttentionProblem, tiling: Tiling, views: dict):
+        """The CuPy tile map of the call's user mask at ``tiling``'s tiles
+        (built now on the call's stream, or kept by its ``BlockMask``), or
+        None without a mask function."""
+        if problem.tile_map_dims is None:
+            return None
+        mask = self.mask_mod if isinstance(self.mask_mod, BlockMask) else BlockMask(
+            self.mask_mod, problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k)
+        arrays = [views.get(slot) for slot in MOD_ARRAY_SLOTS]
+        return mask.tile_map(problem.mask, problem.tile_map_dims, tiling.block_m, tiling.block_n, arrays,
+                             problem.device)
 
     def mod_inputs(self) -> dict:
         """The mod arrays under their slot names (``MOD_ARRAY_SLOTS``)."""
@@ -207,17 +223,41 @@ def _mod_flags(score_mod, mod_arrays) -> tuple:
     return score_mod, tuple(mod_arrays) if isinstance(mod_arrays, dict) else mod_arrays.__class__
 
 
+def _mask_mod_arrays(mask_mod, mod_arrays):
+    """The call's mod arrays with a ``BlockMask``: its own where the call
+    gives none; else the call's, which must hold the mask's under the same
+    names (the very arrays its maps were built from)."""
+    if not isinstance(mask_mod, BlockMask) or not mask_mod.mod_arrays:
+        return mod_arrays
+    if mod_arrays is None:
+        return mask_mod.mod_arrays
+    if not isinstance(mod_arrays, dict):
+        return mod_arrays  # the checks explain
+    for name, array in mask_mod.mod_arrays.items():
+        if mod_arrays.get(name) is not array:
+            raise ValueError(f"mod_arrays must hold the BlockMask's array {name!r} (the same array its tile maps "
+                             f"were built from), or be left out")
+    return mod_arrays
+
+
+def _unplanned(*args):
+    """The signature of a call whose plan is not cached: a user mask's tile
+    map is built (or looked up) by each call, which the fast path cannot do."""
+    return None, None
+
+
 def _variant_flags(window_size, softcap, dropout_p=0.0) -> tuple:
     """The variants' part of a call's plan-cache flags (the slopes are an
     array of the call; dropout's seed and offset values of it)."""
     return window_size.__class__, window_size, softcap.__class__, softcap, dropout_p.__class__, dropout_p
 
 
-def _variant_fields(problem: AttentionProblem) -> tuple:
+def _variant_fields(problem: AttentionProblem, tiling: Tiling | None = None) -> tuple:
     """VariantParams (kernels_cu/params.cuh) of a validated problem, the
     slopes' pointer 0 (a plan slot writes each call's): a window's sides as
     the kernels take them (an unbounded side reaches past every key), the
-    soft cap and ALiBi's scale in raw-score units."""
+    soft cap and ALiBi's scale in raw-score units, and a user mask's tile
+    map's strides and tiles (``tiling``'s, the kernel's)."""
     left, right = problem.window or (0, 0)
     if problem.window is not None:
         left = problem.seqlen_k if left < 0 else left
@@ -228,6 +268,11 @@ def _variant_fields(problem: AttentionProblem) -> tuple:
                   alibi_batch_stride=problem.alibi_batch_stride or 0, inverse_scale=1.0 / scale if scale else 0.0,
                   dropout_threshold=threshold,
                   dropout_inverse_keep=1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0)
+    if problem.tile_map_dims is not None:
+        batch_stride, head_stride, _ = tile_map_strides(problem.tile_map_dims, problem.seqlen_q, problem.seqlen_k,
+                                                        tiling.block_m, tiling.block_n)
+        fields |= dict(tile_map_batch_stride=batch_stride, tile_map_head_stride=head_stride,
+                       tile_map_block_m=tiling.block_m, tile_map_block_n=tiling.block_n)
     # Pointers and dropout's seed and offset: 0 here, plan slots write each call's.
     return tuple(fields.get(name, 0) for name in VARIANT_PARAMS.names)
 
@@ -268,8 +313,8 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, dropout_seed=None, dropout_offset=0, score_mod=None, mod_arrays=None, return_lse=False,
-              out=None, lse=None, fp32_precision="ieee", num_splits=None):
+              dropout_p=0.0, dropout_seed=None, dropout_offset=0, score_mod=None, mask_mod=None, mod_arrays=None,
+              return_lse=False, out=None, lse=None, fp32_precision="ieee", num_splits=None):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -310,9 +355,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             traced once per function and arrays' shapes, compiled into the
             kernels, its derivative derived for the backward. Not with
             softcap or alibi_slopes.
+        mask_mod: a user mask ``mask_mod(b, h, q_idx, kv_idx, **mod_arrays)``
+            returning a condition (True: query q_idx sees key kv_idx;
+            ``cuflash.mods``), or a ``cuflash.BlockMask`` made once from one
+            (``cuflash.block_mask``). A tile map built on the GPU from it
+            lets the kernels skip the tiles it hides wholly and mask only the
+            partial ones; a plain function builds its map in each call, a
+            BlockMask once per kernel tiling. Not with causal or
+            window_size (write them into the function).
         mod_arrays: dict of name -> array on q's GPU (at most 4, C-contiguous;
             float32, float16, bfloat16, int32, int64 or bool) that score_mod
-            reads by name (indices clamped to each array's bounds).
+            and mask_mod read by name (indices clamped to each array's
+            bounds); a BlockMask's own by default.
         return_lse: also return the log-sum-exp of each query row (of the
             probabilities before dropout).
         out: optional (batch, seqlen_q, nheads, head_dim) array of q's dtype to
@@ -340,24 +394,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
+    mod_arrays = _mask_mod_arrays(mask_mod, mod_arrays)
     arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes, dropout_seed, dropout_offset, None,
-              *_mod_list(mod_arrays)]
+              *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
              *_mod_flags(score_mod, mod_arrays))
-    key, pointers = _signature("forward", arrays, flags)
+    key, pointers = _signature("forward", arrays, flags) if mask_mod is None else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                                                      dropout_offset, score_mod, mod_arrays),
-                                    signature=functools.partial(_signature, "forward", arrays, flags))
+                                                      dropout_offset, score_mod, mod_arrays, mask_mod),
+                                    signature=(functools.partial(_signature, "forward", arrays, flags)
+                                               if mask_mod is None else _unplanned))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                       score_mod=None, mod_arrays=None, deterministic=False, dq=None, dk=None, dv=None):
+                       score_mod=None, mask_mod=None, mod_arrays=None, deterministic=False, dq=None, dk=None,
+                       dv=None):
     """Gradients of ``attention`` with respect to q, k and v, recomputing the
     attention probabilities tile by tile from the forward's log-sum-exp
     (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
@@ -369,9 +426,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         lse: (batch, nheads, seqlen_q) float32, the forward's log-sum-exp
             (``attention(..., return_lse=True)``).
         causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-            dropout_seed, dropout_offset, score_mod, mod_arrays: as given to
-            the forward (the same seed and offset regenerate its dropout
-            mask; score_mod's derivative is traced with it).
+            dropout_seed, dropout_offset, score_mod, mask_mod, mod_arrays: as
+            given to the forward (the same seed and offset regenerate its
+            dropout mask; score_mod's derivative is traced with it; a
+            BlockMask builds its map at the backward's tiles once).
         deterministic: if True, dq is bitwise identical from run to run (dQ is
             summed in a fixed order instead of with float32 atomics: on the
             tensor-core backwards the key blocks add in turn, at 0.73-0.90x
@@ -386,17 +444,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
+    mod_arrays = _mask_mod_arrays(mask_mod, mod_arrays)
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes, dropout_seed,
-              dropout_offset, None, *_mod_list(mod_arrays)]
+              dropout_offset, None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
-    key, pointers = _signature("backward", arrays, flags)
+    key, pointers = _signature("backward", arrays, flags) if mask_mod is None else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic,
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
-                                                       dropout_offset, score_mod, mod_arrays),
-                                     signature=functools.partial(_signature, "backward", list(arrays), flags))
+                                                       dropout_offset, score_mod, mod_arrays, mask_mod),
+                                     signature=(functools.partial(_signature, "backward", list(arrays), flags)
+                                                if mask_mod is None else _unplanned))
     return arrays[6], arrays[7], arrays[8]
 
 
@@ -442,7 +502,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ``cu_seqlens_q[batch]`` are not written.
     """
     arrays = [q, k, v, out, lse, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_seed, dropout_offset,
-              None, *_mod_list(mod_arrays)]
+              None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
              *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
@@ -478,7 +538,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         ``cu_seqlens_k[batch]``.
     """
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-              dropout_seed, dropout_offset, None, *_mod_list(mod_arrays)]
+              dropout_seed, dropout_offset, None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
              *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
@@ -535,7 +595,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, *, cache
     """
     lengths = None if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral) else cache_seqlens
     arrays = [q, k_cache, v_cache, out, lse, None, None, None, None, alibi_slopes, None, None, None, None,
-              *[None] * len(MOD_ARRAY_SLOTS), block_table, k_new, v_new, lengths]
+              *[None] * len(MOD_ARRAY_SLOTS), None, block_table, k_new, v_new, lengths]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, num_splits.__class__, num_splits,
              "kvcache", None if lengths is not None else (cache_seqlens.__class__, cache_seqlens),
              *_variant_flags(window_size, softcap))
@@ -846,9 +906,17 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
                 natives[name] = None
                 allocated[name] = (shape, dtype, native)
         num_splits = check_num_splits(num_splits)
-        plan = forward_plan(problem, _kernel_layouts(views, ("q", "k", "v", "out"), problem.packed),
-                            aligned=pointers_aligned("forward", _view_pointers(FORWARD_ARRAYS, views)),
-                            num_splits=num_splits)
+        layouts = _kernel_layouts(views, ("q", "k", "v", "out"), problem.packed)
+        aligned = pointers_aligned("forward", _view_pointers(FORWARD_ARRAYS, views))
+        tiling = None
+        if problem.tile_map_dims is not None and not problem.is_empty:
+            # A user mask's map is built at the kernel's tiles: decided here,
+            # without split-KV (its ranges would cut the map's lists).
+            if num_splits not in (None, 1):
+                raise ValueError(f"num_splits does not combine with mask_mod: leave it None, got {num_splits}")
+            tiling = _forward_tiles(problem, layouts, aligned, 1)[0]
+            views["tile_map"] = variants.tile_map_view(problem, tiling, views)
+        plan = forward_plan(problem, layouts, aligned=aligned, tiling=tiling, num_splits=num_splits)
         # Split-KV's work buffers come from the caller's framework, on the call's stream.
         for name, (shape, dtype) in plan.work_buffers.items():
             native, views[name] = bridge.empty(shape, dtype)
@@ -922,6 +990,8 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         layouts = _kernel_layouts(views, ("dout", "q", "k", "v", "out", "dq", "dk", "dv"), problem.packed)
         aligned = pointers_aligned("backward", _view_pointers(BACKWARD_ARRAYS, views))
         tiling = backward_tiling_for(problem, layouts, layouts, bool(deterministic), aligned)
+        if problem.tile_map_dims is not None and not problem.is_empty:
+            views["tile_map"] = variants.tile_map_view(problem, tiling, views)
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
@@ -1170,7 +1240,7 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         num_splits=1,
         out_split_stride=0,
         lse_split_stride=0,
-        variant=_variant_fields(problem),
+        variant=_variant_fields(problem, tiling),
     )
     tensor_maps = []
     if hopper and not problem.is_empty:
@@ -1210,7 +1280,7 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         num_splits=splits,
         out_split_stride=b * sq * h * d,
         lse_split_stride=b * h * sq,
-        variant=_variant_fields(problem),
+        variant=_variant_fields(problem, tiling),
     )
     merge_params, merge = _merge_launch(
         problem.device, "float32", problem.dtype, splits, _size_fields(problem), out=tensor_ref(layouts["out"]),
@@ -1343,7 +1413,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         rotate_walks=int(rotated),
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
-        variant=_variant_fields(problem),
+        variant=_variant_fields(problem, dkdv_tiling),
     )
     hopper = dkdv_tiling.kernel == "wgmma"
     # The element-wise kernels take the BackwardParams at the start of the

@@ -28,7 +28,8 @@ import math
 import numpy as np
 
 from ._kernel_families import select
-from ._masks import MASKS, MaskPolicy, ScoreTransform, ScoreValues, mask_for, score_for, user_score_reference
+from ._masks import (MASKS, MaskPolicy, ScoreTransform, ScoreValues, UserMaskReference, mask_for, score_for,
+                     user_score_reference)
 from ._tiling import MAX_HEAD_DIM, Tiling, backward_tiling, forward_tiling
 from ._validation import (check_causal, check_dropout_p, check_dropout_seed, check_rank, check_sizes, check_softcap,
                           check_window, resolve_softmax_scale)
@@ -77,7 +78,7 @@ class _Variants:
 
     def __init__(self, q, k, *, causal, scale, window_size, softcap, alibi_slopes, mask, score, xp,
                  dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None, score_mod=None,
-                 mod_arrays=None):
+                 mask_mod=None, mod_arrays=None):
         window = check_window(window_size)
         softcap = check_softcap(softcap)
         if score_mod is not None:
@@ -87,6 +88,13 @@ class _Variants:
             score = user_score_reference(score_mod, mod_arrays, scale, xp)
         self.dropout_factor = _dropout_factor(q, k, dropout_p, dropout_seed, dropout_offset, dropout_mask, xp)
         self.mask = mask if mask is not None else mask_for(causal, None if window == (-1, -1) else window)
+        if mask_mod is not None:
+            from .block_mask import BlockMask
+
+            if isinstance(mask_mod, BlockMask):
+                mask_mod, mod_arrays = mask_mod.mask_mod, mod_arrays or mask_mod.mod_arrays
+            self.mask = UserMaskReference("user-reference", "", fn=mask_mod, arrays=mod_arrays, batch=q.shape[0],
+                                          nheads=q.shape[2])
         self.score = score if score is not None else score_for(softcap > 0, alibi_slopes is not None)
         batch, nheads = q.shape[0], q.shape[2]
         slopes = 0.0
@@ -158,7 +166,7 @@ def _softmax_probabilities(q, k_all, *, variants: _Variants, scale, xp):
 
 def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                         alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_mask=None,
-                        score_mod=None, mod_arrays=None, mask: MaskPolicy | None = None,
+                        score_mod=None, mask_mod=None, mod_arrays=None, mask: MaskPolicy | None = None,
                         score: ScoreTransform | None = None):
     """Naive float64 attention: ``(out, lse)`` with out (batch, seqlen_q,
     nheads, head_dim) and lse (batch, nheads, seqlen_q). A query that sees no
@@ -168,7 +176,9 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
     ``dropout_seed`` and ``dropout_offset`` drops them
     (``cuflash.dropout_mask``), and the kept ones scaled by 1 / keep.
     ``score_mod`` (with ``mod_arrays``): a user score function of the
-    scaled score, evaluated with NumPy (``cuflash.mods``)."""
+    scaled score, ``mask_mod`` a user mask function (a ``BlockMask``'s
+    function and arrays where one is given), both evaluated with NumPy
+    (``cuflash.mods``)."""
     xp = _array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     scale = _check_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale)
@@ -176,7 +186,7 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
                          dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask,
-                         score_mod=score_mod, mod_arrays=mod_arrays)
+                         score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
     probs, safe_max, row_sum = _softmax_probabilities(
         q, _expand_kv_heads(k, nheads, xp), variants=variants, scale=scale, xp=xp)
     weights = probs if variants.dropout_factor is None else probs * variants.dropout_factor
@@ -257,7 +267,8 @@ def attention_tiled(q, k, v, *, causal=False, softmax_scale=None, tiling: Tiling
 
 def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
-                                 dropout_mask=None, score_mod=None, mod_arrays=None, mask: MaskPolicy | None = None,
+                                 dropout_mask=None, score_mod=None, mask_mod=None, mod_arrays=None,
+                                 mask: MaskPolicy | None = None,
                                  score: ScoreTransform | None = None):
     """Naive float64 gradients ``(dq, dk, dv)`` of ``sum(attention(q, k, v) * dout)``.
     With grouped-query attention dk and dv are summed over the query heads
@@ -272,7 +283,7 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
     variants = _Variants(q, k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, mask=mask, score=score, xp=xp, dropout_p=dropout_p,
                          dropout_seed=dropout_seed, dropout_offset=dropout_offset, dropout_mask=dropout_mask,
-                         score_mod=score_mod, mod_arrays=mod_arrays)
+                         score_mod=score_mod, mask_mod=mask_mod, mod_arrays=mod_arrays)
     score, factor = variants.score, variants.dropout_factor
     probs, _, _ = _softmax_probabilities(q, k_all, variants=variants, scale=scale, xp=xp)
     weights = probs if factor is None else probs * factor  # what multiplies V

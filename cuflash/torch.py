@@ -142,7 +142,7 @@ def _variant_kwargs(variants: api.Variants) -> dict:
     return dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
                 dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
                 dropout_offset=variants.dropout_offset, score_mod=variants.score_mod,
-                mod_arrays=variants.mod_arrays)
+                mask_mod=variants.mask_mod, mod_arrays=variants.mod_arrays)
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -181,9 +181,9 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
     if route == "custom_op" or torch.compiler.is_compiling():
-        if variants.score_mod is not None:
-            raise NotImplementedError("score_mod is not traced through torch.compile's custom op yet: call "
-                                      "cuflash.torch.attention eagerly (outside torch.compile) with it")
+        if variants.score_mod is not None or variants.mask_mod is not None:
+            raise NotImplementedError("score_mod and mask_mod are not traced through torch.compile's custom op "
+                                      "yet: call cuflash.torch.attention eagerly (outside torch.compile) with them")
         _check_cuda_tensors(("q", "k", "v", "alibi_slopes"), (q, k, v, variants.alibi_slopes))
         variants = _resolved(variants, q, generator)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
@@ -218,8 +218,8 @@ def _check_cuda_tensors(names: tuple[str, ...], tensors: tuple) -> None:
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-              dropout_p=0.0, dropout_seed=None, dropout_offset=0, generator=None, score_mod=None, mod_arrays=None,
-              deterministic=False, fp32_precision="ieee"):
+              dropout_p=0.0, dropout_seed=None, dropout_offset=0, generator=None, score_mod=None, mask_mod=None,
+              mod_arrays=None, deterministic=False, fp32_precision="ieee"):
     """Differentiable ``cuflash.attention`` for PyTorch tensors.
 
     q: (batch, seqlen_q, nheads, head_dim); k, v: (batch, seqlen_k, nheads_k,
@@ -232,14 +232,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     attention probabilities, its mask fixed by ``dropout_seed`` and
     ``dropout_offset`` where given, else drawn from ``generator`` (default:
     the CUDA generator of q's device, as FlashAttention-2 does), and saved
-    for the backward. ``score_mod``, ``mod_arrays``: a user score function
-    and the CUDA tensors it reads (``cuflash.mods``; not differentiated;
-    eager calls only). Returns the output (batch, seqlen_q, nheads,
+    for the backward. ``score_mod``, ``mask_mod``, ``mod_arrays``: a user
+    score function, a user mask (a function or a ``cuflash.BlockMask``) and
+    the CUDA tensors they read (``cuflash.mods``; not differentiated; eager
+    calls only). Returns the output (batch, seqlen_q, nheads,
     head_dim); gradients flow to q, k and v through cuflash's backward.
     """
     return _forward(q, k, v, causal, softmax_scale, deterministic, fp32_precision=fp32_precision,
                     variants=api.Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                                          dropout_offset, score_mod, mod_arrays), generator=generator)
+                                          dropout_offset, score_mod, mod_arrays, mask_mod), generator=generator)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

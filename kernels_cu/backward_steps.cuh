@@ -18,7 +18,10 @@ namespace cuflash {
 // sharing its K/V head, head by head, advanced without divisions. Each head's
 // query blocks [begin, end) are walked in a circle from begin + rotation:
 // rotated walks (walk_rotation, dq_turn) start every key block on a
-// different query block.
+// different query block. A mask with a tile map walks the query tiles its
+// map lists for the key block and head instead (the specialisation below);
+// the deduction guide picks the walk from the mask's type.
+template <bool kTileMapped>
 struct QueryBlockWalk {
     int begin, end;  // the query blocks of each head
     int last;        // the walk's last query block of each head
@@ -52,6 +55,63 @@ struct QueryBlockWalk {
     }
 };
 
+// With a tile map: each head's listed query tiles of this key tile, in
+// ascending order (the map's tiles are the kernel's), heads without any
+// passed over. No rotation: the map's dQ order is key-block order.
+template <>
+struct QueryBlockWalk<true> {
+    TileMap map;
+    int n_tile;
+    index_t head, end_head;
+    int position, count;  // in this head's list
+    int steps;
+    int m_block;
+
+    template <typename Mask>
+    __device__ __forceinline__ QueryBlockWalk(const Mask& mask, const KeyBlock& block, int, int, int)
+        : map(mask.map()), n_tile(block.n_block), head(block.first_head), end_head(block.first_head + block.group),
+          position(-1), count(0), steps(0), m_block(0) {
+        for (index_t h = head; h < end_head; ++h) {
+            steps += map.of_head(h).query_count(n_tile);
+        }
+        --head;  // before the first head: the first step is the one after
+        next(head, position, count);
+        if (head < end_head) {
+            m_block = map.of_head(head).query_tile(n_tile, position);
+        }
+    }
+
+    // The place in the lists after (h, pos) whose list holds cnt tiles.
+    __device__ __forceinline__ void next(index_t& h, int& pos, int& cnt) const {
+        if (++pos < cnt) {
+            return;
+        }
+        pos = 0;
+        do {
+            ++h;
+            cnt = h < end_head ? map.of_head(h).query_count(n_tile) : 0;
+        } while (cnt == 0 && h < end_head);
+    }
+
+    __device__ __forceinline__ void following(index_t& next_head, int& next_m_block) const {
+        index_t h = head;
+        int pos = position, cnt = count;
+        next(h, pos, cnt);
+        next_head = h;
+        next_m_block = h < end_head ? map.of_head(h).query_tile(n_tile, pos) : m_block;
+    }
+
+    __device__ __forceinline__ void advance() {
+        next(head, position, count);
+        if (head < end_head) {
+            m_block = map.of_head(head).query_tile(n_tile, position);
+        }
+    }
+};
+
+template <typename Mask>
+QueryBlockWalk(const Mask&, const KeyBlock&, int, int, int) -> QueryBlockWalk<HasTileMap<Mask>::value>;
+
 // Ordered dQ (ordered_accumulation.cuh): the turn of key block n_block
 // among the key blocks that add into dQ block m_block, in the mask's order
 // (DqTurns in masks.cuh). The orders follow the walks: the key block before
@@ -72,9 +132,16 @@ struct QueryBlockWalk {
 //    only where they fit (cuflash/api.py, rotate_walks).
 //  - Otherwise key-block order: every walk starts on its first query block,
 //    and key block j waits there for each block before it.
+//  - A mask with a tile map: key-block order among the key tiles its map
+//    lists for the query tile (the tile's key_rank), for query head `head`.
 template <typename Mask>
-__device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& params, int m_block, int n_block,
-                                       int block_m, int block_n) {
+__device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& params, index_t head, int m_block,
+                                       int n_block, int block_m, int block_n) {
+    if constexpr (HasTileMap<Mask>::value) {
+        // Key-block order among the key tiles the map lists for the query
+        // tile: the skipped ones take no turn.
+        return mask.map().of_head(head).key_rank(m_block, n_block);
+    }
     const BlockRange keys = mask.key_blocks(m_block * block_m, block_m, block_n);
     if constexpr (Mask::kDqTurns == DqTurns::kLastKeyFirst) {
         return keys.end - 1 - n_block;
@@ -160,11 +227,12 @@ __device__ __forceinline__ void load_row_statistics(float* stats, const Backward
 // only in blocks that cross the causal diagonal or the end of either
 // sequence (scores to -inf, so P^T = 0 there); dS^T = P^T (dP^T - delta)
 // times the transform's derivative. `score`: the transform of the query
-// head of this step (BlockContext::score_of_head). With dropout, P^T comes
-// back dropped and scaled (dV's operand) and dP^T is dropped before dS^T.
+// head of this step (BlockContext::score_of_head), `mask` its mask
+// (BlockContext::mask_of_head). With dropout, P^T comes back dropped and
+// scaled (dV's operand) and dP^T is dropped before dS^T.
 template <int kBlockM, int kBlockN, typename Mask, typename Score, int kQTiles>
 __device__ __forceinline__ void transposed_probabilities_and_gradients(const BlockContext<Mask, Score>& ctx,
-                                                                       const Score& score,
+                                                                       const Mask& mask, const Score& score,
                                                                        float (&s)[1][kQTiles][4],
                                                                        float (&dp)[1][kQTiles][4], const float* stats,
                                                                        int m_start, int query0, int n_start, int key0,
@@ -173,8 +241,8 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
     if constexpr (!kFromRaw) {
         apply_score_transform_transposed(score, s, key0, m_start + query0, lane);
     }
-    if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(ctx.mask, m_start, kBlockM, n_start, kBlockN)) {
-        apply_mask_to_transposed_fragments(ctx.mask, s, key0, m_start + query0, lane);
+    if (m_start + kBlockM > ctx.seqlen_q || key_block_needs_mask(mask, m_start, kBlockM, n_start, kBlockN)) {
+        apply_mask_to_transposed_fragments(mask, s, key0, m_start + query0, lane);
     }
     // ALiBi's distance row + seqlen_k - seqlen_q - key of element (j, e) is
     // distance0 + 8 j + e % 2 - 8 (e / 2) (unused without ALiBi).

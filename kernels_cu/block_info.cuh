@@ -231,7 +231,7 @@ struct BlockContext {
     template <typename Params>
     __device__ __forceinline__ BlockContext(const Params& params, const SequenceBounds& bounds, index_t batch,
                                             index_t head)
-        : mask(bounds, params.variant),
+        : mask(make_mask<Mask>(bounds, params.variant, batch, head)),
           score(params.variant, bounds, batch, head),
           seqlen_q(mask.seqlen_q),
           seqlen_k(mask.seqlen_k),
@@ -243,6 +243,15 @@ struct BlockContext {
     template <typename Params>
     __device__ __forceinline__ Score score_of_head(const Params& params, index_t batch, index_t head) const {
         return Score(params.variant, mask, batch, head);
+    }
+
+    // The mask of query head `head` (a user mask reads it; the others are the same for every head).
+    __device__ __forceinline__ Mask mask_of_head(index_t head) const {
+        if constexpr (HasTileMap<Mask>::value) {
+            return mask.with_head(head);
+        } else {
+            return mask;
+        }
     }
 };
 

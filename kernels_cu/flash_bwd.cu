@@ -94,6 +94,7 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     // dK and dV of a shared K/V head are sums over the query heads of its group.
     for (index_t head = block.first_head; head < block.first_head + block.group; ++head) {
         const Score score = ctx.score_of_head(params, block.batch, head);
+        const Mask mask = ctx.mask_of_head(head);
         for (int m_block = query_range.begin; m_block < query_range.end; ++m_block) {
             const int m_start = m_block * kBlockM;
             // The previous Q/dO/statistics tiles are fully consumed (and K/V are
@@ -116,8 +117,8 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
             for (int j = 0; j < Smem::kRowsPerLane; ++j) {
                 const int r = lane + j * kLanesPerKey;
                 const int row = m_start + r;
-                const ScoreGradient g = recompute_score_gradient(ctx, score, qk[j], dp[j], row, key, row < ctx.seqlen_q,
-                                                                 lse_tile[r], delta_tile[r]);
+                const ScoreGradient g = recompute_score_gradient(ctx, mask, score, qk[j], dp[j], row, key,
+                                                                 row < ctx.seqlen_q, lse_tile[r], delta_tile[r]);
                 pt_row[r] = g.p;
                 dst_row[r] = g.ds;
             }
@@ -237,8 +238,8 @@ flash_backward_dq_kernel(const BackwardParams params) {
         for (int j = 0; j < Smem::kKeysPerLane; ++j) {
             const int key_in_block = lane + j * kLanesPerRow;
             const ScoreGradient g =
-                recompute_score_gradient(ctx, ctx.score, qk[j], dp[j], row, n_start + key_in_block, row_valid, lse_log2,
-                                         delta);
+                recompute_score_gradient(ctx, ctx.mask, ctx.score, qk[j], dp[j], row, n_start + key_in_block, row_valid,
+                                         lse_log2, delta);
             ds_row[key_in_block] = g.ds;
         }
         __syncwarp();  // a row's dS is written and read by that row's lanes only

@@ -164,7 +164,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         // kept to the wait instead of three), by thread 0 alone, which polls
         // (the d96 and d128 causal variants spilled otherwise).
         const int turn =
-            kOrderedDq && thread == 0 ? dq_turn(ctx.mask, params, m_block, block.n_block, kBlockM, kBlockN) : 0;
+            kOrderedDq && thread == 0 ? dq_turn(ctx.mask, params, head, m_block, block.n_block, kBlockM, kBlockN) : 0;
 
         // S^T = K Q^T and dP^T = V dO^T.
         float s[1][kQTiles][4];
@@ -191,7 +191,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
             held.hand_on(thread);
         }
 
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.score_of_head(params, block.batch, head), s,
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.mask_of_head(head),
+                                                                 ctx.score_of_head(params, block.batch, head), s,
                                                                  dp, stats + buffer * 2 * kBlockM, m_start,
                                                                  score_col0, n_start, n_start + warp_key0, lane);
         // P^T and dS^T rounded to the element type: dS^T to shared memory for

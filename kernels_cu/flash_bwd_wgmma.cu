@@ -169,7 +169,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 if constexpr (kOrderedDq) {
                     counter = params.dq_semaphore + (block.batch * params.size.nheads + walk.head) * params.num_m_blocks +
                               walk.m_block;
-                    poll_until_turn(counter, dq_turn(ctx.mask, params, walk.m_block, block.n_block, kBlockM, kBlockN));
+                    poll_until_turn(counter, dq_turn(ctx.mask, params, walk.head, walk.m_block, block.n_block, kBlockM, kBlockN));
                     fence_async_global();  // the acquired turn before the copy engine's additions
                 }
                 tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
@@ -269,7 +269,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         pin_registers(dp_flat);
 
         const float* stats = reinterpret_cast<const float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
-        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.score_of_head(params, block.batch, walk.head),
+        transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.mask_of_head(walk.head),
+                                                                 ctx.score_of_head(params, block.batch, walk.head),
                                                                  s, dp, stats, m_start, score_col0, n_start,
                                                                  n_start + warp_key0, lane_index_now());
         // P^T and dS^T rounded to the element type: dS^T to shared memory for

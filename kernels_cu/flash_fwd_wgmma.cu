@@ -107,19 +107,19 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         release_registers<kForwardProducerRegisters>();
         if (thread == 0) {
             const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-            const Mask mask(block, params.variant);
-            const BlockRange key_range = mask.key_blocks(block.m_start, kBlockM, kBlockN);
+            const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
+            const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
             // Tensor-map coordinates are tensor rows: a packed batch's tiles
             // that run past a sequence's end copy the next sequence's rows,
             // which the mask hides like the zeros past a dense one.
-            if (key_range.end > key_range.begin) {
+            if (visits.count > 0) {
                 mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
                 tma_load_tile<QTile>(base + Traits::kQ, params.q_map, q_full, block.q_row0 + block.m_start, block.head,
                                      block.tensor_batch);
             }
             Ring ring;
-            for (int n_block = key_range.end - 1; n_block >= key_range.begin; --n_block) {
-                const int n_start = n_block * kBlockN;
+            for (int i = 0; i < visits.count; ++i) {
+                const int n_start = visits.n_block(i) * kBlockN;
                 const u32 k_full = Traits::k_full(base, ring.stage), v_full = Traits::v_full(base, ring.stage);
                 // Waiting for the phase before the current one: on the first
                 // pass over the ring every buffer is free at once.
@@ -145,8 +145,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         const int lane = thread % 32;
         const int warp_row0 = warp * 16;  // a warp's 16 accumulator rows: consumer * 64 + (warp % 4) * 16
         const int warp_row = origin.m_start + warp_row0;
-        const BlockRange key_range = ctx.mask.key_blocks(origin.m_start, kBlockM, kBlockN);
-        const int n_blocks = key_range.end - key_range.begin;
+        const VisitedKeyBlocks<Mask> visits(ctx.mask, origin.m_start, kBlockM, kBlockN);
+        const int n_blocks = visits.count;
 
         // Ping-pong: consumer c issues its products after barrier 1 + c,
         // which the previous consumer (cyclically) arrives at once it has
@@ -188,7 +188,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         Ring ring;      // K_i's and V_i's buffer
         Ring previous;  // V_{i-1}'s
         for (int i = 0; i < n_blocks; ++i) {
-            const int n_start = (key_range.end - 1 - i) * kBlockN;
+            const int n_start = visits.n_block(i) * kBlockN;
             mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
 
             float s[1][kNTiles][4];

@@ -38,6 +38,7 @@
 
 #include "numeric.cuh"
 #include "params.cuh"
+#include "tile_map.cuh"
 
 namespace cuflash {
 
@@ -178,6 +179,131 @@ struct WindowMask : SequenceBounds {
     __device__ __forceinline__ bool rule_hides_keys(int first_row, int rows, int n_start, int block_n) const {
         return n_start + block_n - 1 > first_row + last_offset || n_start < first_row + rows - 1 + first_offset;
     }
+};
+
+// A user mask (cuflash.mods: mask_mod traced into CUDA C). Rule is the
+// generated struct, whose
+//   static bool visible(const void* const* arrays, int b, int h, int q_idx, int kv_idx)
+// is the user's condition; the tile map (tile_map.cuh, built on the GPU from
+// the same rule at the kernel's tiles) says which tiles it hides wholly
+// (the kernels skip them: VisitedKeyBlocks, the backward's QueryBlockWalk),
+// which it shows wholly (no element masking) and which are partial. The
+// rule reads the batch entry and head, so a key-major backward builds the
+// mask of each query head it visits (BlockContext::mask_of_head).
+template <typename Rule>
+struct UserMask : SequenceBounds {
+    static constexpr bool kLaterRowsSeeMore = false;
+    // The map ranks every query tile's visible key tiles (key_rank).
+    static constexpr DqTurns kDqTurns = DqTurns::kKeyBlockOrder;
+    static constexpr bool kTileMap = true;
+    // As few values as the walks need: the register-tight mma.sync forward
+    // keeps them all through its loop.
+    const void* const* arrays;
+    const int* head_section;  // the map's section of (batch, head)
+    int head_stride;          // between heads' sections (0: one shared)
+    int block_m, block_n, m_tiles, n_tiles;
+    int batch, head;
+    int row_shift;  // rows_from's first row: rule rows are row + row_shift
+
+    __device__ __forceinline__ UserMask(SequenceBounds bounds, const VariantParams& variant, index_t batch_index,
+                                        index_t head_index)
+        : SequenceBounds(bounds),
+          arrays(variant.user_arrays),
+          head_section(variant.tile_map + batch_index * variant.tile_map_batch_stride +
+                       head_index * variant.tile_map_head_stride),
+          head_stride(static_cast<int>(variant.tile_map_head_stride)),
+          block_m(static_cast<int>(variant.tile_map_block_m)),
+          block_n(static_cast<int>(variant.tile_map_block_n)),
+          m_tiles(ceil_div(bounds.seqlen_q, block_m)),
+          n_tiles(ceil_div(bounds.seqlen_k, block_n)),
+          batch(static_cast<int>(batch_index)),
+          head(static_cast<int>(head_index)),
+          row_shift(0) {}
+
+    __device__ __forceinline__ bool rule(int row, int key) const {
+        return Rule::visible(arrays, batch, head, row + row_shift, key);
+    }
+    __device__ __forceinline__ UserMask rows_from(int first_row) const {
+        UserMask shifted = *this;
+        shifted.seqlen_q -= first_row;
+        shifted.row_shift += first_row;
+        return shifted;
+    }
+    __device__ __forceinline__ UserMask with_head(index_t other) const {
+        UserMask same = *this;
+        same.head_section += (static_cast<int>(other) - head) * static_cast<index_t>(head_stride);
+        same.head = static_cast<int>(other);
+        return same;
+    }
+    __device__ __forceinline__ TileSection section() const { return {head_section, m_tiles, n_tiles}; }
+    // The sections of every head of the batch entry (the backward's walks).
+    __device__ __forceinline__ TileMap map() const {
+        return {head_section - head * static_cast<index_t>(head_stride), head_stride, block_m, block_n, m_tiles,
+                n_tiles};
+    }
+    // Every block (of the asking kernel's tiles, which are the map's but in
+    // the deterministic dQ pass): the map's lists say which to visit.
+    __device__ __forceinline__ BlockRange key_blocks(int, int, int kernel_block_n) const {
+        return {0, ceil_div(seqlen_k, kernel_block_n)};
+    }
+    __device__ __forceinline__ BlockRange query_blocks(int, int, int kernel_block_m) const {
+        return {0, ceil_div(seqlen_q, kernel_block_m)};
+    }
+    // The group lies in one tile of the map (the kernel's own tiles): only
+    // a full tile needs no element masking.
+    __device__ __forceinline__ bool rule_hides_keys(int first_row, int, int n_start, int) const {
+        return section().state((first_row + row_shift) / block_m, n_start / block_n) != kFullTile;
+    }
+};
+
+template <typename Mask, typename = void>
+struct HasTileMap {
+    static constexpr bool value = false;
+};
+template <typename Mask>
+struct HasTileMap<Mask, decltype(void(Mask::kTileMap))> {
+    static constexpr bool value = Mask::kTileMap;
+};
+
+// The mask of a block's sequences for query head `head` of batch entry
+// `batch` (only a user mask reads them).
+template <typename Mask>
+__device__ __forceinline__ Mask make_mask(SequenceBounds bounds, const VariantParams& variant, index_t batch,
+                                          index_t head) {
+    if constexpr (HasTileMap<Mask>::value) {
+        return Mask(bounds, variant, batch, head);
+    } else {
+        return Mask(bounds, variant);
+    }
+}
+
+// The key blocks a query block visits, last first (the forwards' order):
+// n_block(i) for i in [0, count). Every block of the mask's range, or with
+// a tile map the tiles it lists for the block (the map's tiles are the
+// kernel's).
+template <typename Mask, bool = HasTileMap<Mask>::value>
+struct VisitedKeyBlocks {
+    int last, count;
+
+    __device__ __forceinline__ VisitedKeyBlocks(const Mask& mask, int m_start, int block_m, int block_n) {
+        const BlockRange range = mask.key_blocks(m_start, block_m, block_n);
+        last = range.end - 1;
+        count = max(0, range.end - range.begin);
+    }
+    __device__ __forceinline__ int n_block(int i) const { return last - i; }
+};
+
+template <typename Mask>
+struct VisitedKeyBlocks<Mask, true> {
+    TileSection tiles;
+    int m_tile, count;
+
+    __device__ __forceinline__ VisitedKeyBlocks(const Mask& mask, int m_start, int block_m, int) {
+        tiles = mask.section();
+        m_tile = (m_start + mask.row_shift) / block_m;
+        count = tiles.key_count(m_tile);
+    }
+    __device__ __forceinline__ int n_block(int i) const { return tiles.key_tile(m_tile, count - 1 - i); }
 };
 
 // Whether `key` exists and the mask lets `row` see it (the forward computes

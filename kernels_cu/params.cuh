@@ -94,9 +94,15 @@ struct VariantParams {
     index_t dropout_threshold;
     double dropout_inverse_keep;
     const unsigned long long* dropout_seed_pointer;
-    // The arrays a user score function reads (cuflash/mods.py), by the
-    // order the call names them; null where unused.
+    // The arrays a user score or mask function reads (cuflash/mods.py), by
+    // the order the call names them; null where unused.
     const void* user_arrays[4];
+    // A user mask's tile map (tile_map.cuh): the buffer, the strides of its
+    // sections by batch entry and by head (0: shared), and its tiles
+    // (tile_map_block_m query rows by tile_map_block_n keys, the kernel's);
+    // null and 0 without one.
+    const int* tile_map;
+    index_t tile_map_batch_stride, tile_map_head_stride, tile_map_block_m, tile_map_block_n;
 };
 
 struct ForwardParams {
@@ -136,12 +142,12 @@ struct WgmmaForwardParams : ForwardParams {
     TensorMap q_map, k_map, v_map;
 };
 
-static_assert(sizeof(VariantParams) == 15 * 8, "VariantParams layout must match cuflash/_params.py");
+static_assert(sizeof(VariantParams) == 20 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 448 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 512 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 15 * 8,
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows
@@ -219,7 +225,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 15 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
@@ -229,6 +235,6 @@ struct WgmmaBackwardParams : BackwardParams {
     TensorMap q_map, k_map, v_map, do_map, dq_map;
 };
 
-static_assert(sizeof(WgmmaBackwardParams) == 576 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaBackwardParams) == 640 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

@@ -37,18 +37,19 @@ __device__ __forceinline__ float score_gradient(const Score& score, float p, flo
 
 // P and dS of one score (SIMT backward kernels): qk the raw score of (row,
 // key), dp its dP, lse_log2 and delta the row's statistics; row_valid:
-// the row exists; `score` the transform of the row's head. With dropout, p
-// is the dropped and scaled probability (dV's), and dS = P (Z dP - delta).
+// the row exists; `mask` and `score` the mask and transform of the row's
+// head. With dropout, p is the dropped and scaled probability (dV's), and
+// dS = P (Z dP - delta).
 struct ScoreGradient {
     float p, ds;
 };
 
 template <typename Mask, typename Score>
 __device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockContext<Mask, Score>& ctx,
-                                                                  const Score& score, float qk, float dp, int row,
+                                                                  const Mask& mask, const Score& score, float qk, float dp, int row,
                                                                   int key, bool row_valid, float lse_log2,
                                                                   float delta) {
-    const bool visible = row_valid && key_visible(ctx.mask, row, key);
+    const bool visible = row_valid && key_visible(mask, row, key);
     const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);
     const float z = dropout_factor(score, row, key);  // 1 without dropout

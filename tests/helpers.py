@@ -10,6 +10,7 @@ import pytest
 
 from cuflash import mods
 from cuflash._masks import mask_for
+from cuflash.block_mask import BlockMask
 from cuflash.dropout import dropout_keep_probability
 from cuflash.dropout import dropout_mask as _draw_mask
 
@@ -52,7 +53,7 @@ def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype,
 
 
 def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, score_mod=None, mod_arrays=None):
+                           alibi_slopes=None, score_mod=None, mask_mod=None, mod_arrays=None):
     """Scaled scores (b, h, q, k) as a framework's unfused low-precision
     attention makes them, and the derivative of the transformed scores by the
     scaled ones (None without a soft cap or score_mod): a user score_mod
@@ -87,6 +88,11 @@ def _same_precision_scores(q, k_all, *, causal, softmax_scale, window_size=(-1, 
     mask = mask_for(causal, None if window == (-1, -1) else window)
     if mask.name != "none":
         scores = cupy.where(mask.matrix(seqlen_q, seqlen_k, cupy), scores, -cupy.inf)
+    if mask_mod is not None:  # a user mask (a BlockMask's function and arrays where one is given)
+        if isinstance(mask_mod, BlockMask):
+            mask_mod, mod_arrays = mask_mod.mask_mod, mod_arrays or mask_mod.mod_arrays
+        visible = mods.evaluate_mask_mod(mask_mod, scores.shape, mod_arrays)
+        scores = cupy.where(cupy.asarray(visible), scores, -cupy.inf)
     return scores, chain
 
 

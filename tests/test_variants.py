@@ -238,14 +238,14 @@ def test_variant_fields_are_what_the_kernels_read():
     cap and ALiBi's scale in raw-score units."""
     problem = check_variants(_problem(scale=0.125), window_size=(-1, 5), softcap=30.0,
                              alibi_slopes=_slopes((2, 4)))
-    assert api._variant_fields(problem) == (200, 5, 240.0, 0, 4, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+    assert api._variant_fields(problem) == (200, 5, 240.0, 0, 4, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     problem = check_variants(_problem(), window_size=(7, -1))
     assert api._variant_fields(problem)[:2] == (7, 100)
-    assert api._variant_fields(_problem()) == (0, 0, 0.0, 0, 0, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+    assert api._variant_fields(_problem()) == (0, 0, 0.0, 0, 0, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
     # Dropout: the 16-bit threshold and 1 / keep of the rounded p; the seed
     # and offset (0 here) are plan slots written by each call.
     fields = api._variant_fields(check_variants(_problem(), dropout_p=0.25))
-    assert fields[6:] == (0, 0, 16384, 65536 / 49152, 0, 0, 0, 0, 0)
+    assert fields[6:] == (0, 0, 16384, 65536 / 49152, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def test_cxx_types_take_the_precise_tanh_for_float32_only():

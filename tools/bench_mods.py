@@ -8,11 +8,13 @@ each one's first call in a fresh process with empty compile caches (cold:
 tracing, code generation and compilation included).
 
 cuflash runs each case the way its API offers: a built-in option where one
-exists (``causal``, ``window_size``, ``softcap``), a traced ``score_mod``
-(ALiBi, the soft cap again, document masking as a large negative bias,
-which computes every tile: no ``mask_mod`` block map yet), and for
-documents also ``attention_varlen`` over the packed sequences (what
-FlexAttention's block mask buys, done by sequence bookkeeping).
+exists (``causal``, ``window_size``, ``softcap``), the same ``mask_mod``
+FlexAttention takes (a ``cuflash.BlockMask`` made once, as FlexAttention's
+block mask is), a traced ``score_mod`` (ALiBi, the soft cap again), and for
+documents also ``attention_varlen`` over the packed sequences. Each case
+starts from a reset of torch.compile's caches, so FlexAttention's
+recompilations (grad mode on and off, per case) stay under its recompile
+limit and it runs compiled throughout.
 
     python tools/bench_mods.py --out $OUT            # table and bench_mods.json
     python tools/bench_mods.py --first-call CASE --backend flex|cuflash   # one cold first call (internal)
@@ -88,6 +90,7 @@ def cuflash_calls(case: str, q, k, v, slopes, doc, lengths) -> dict:
     """name -> () -> out (batch, heads, seqlen, head_dim) of cuflash's ways to run ``case``."""
     import torch
 
+    import cuflash
     import cuflash.torch as ct
     from cuflash import mods
 
@@ -102,13 +105,21 @@ def cuflash_calls(case: str, q, k, v, slopes, doc, lengths) -> dict:
     def softcap(score, b, h, q_idx, kv_idx):
         return SOFTCAP * mods.tanh(score / SOFTCAP)
 
-    def same_document(score, b, h, q_idx, kv_idx, doc):
-        return mods.where(doc[b, q_idx] == doc[b, kv_idx], score, -30000.0)
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= WINDOW)
+
+    def same_document(b, h, q_idx, kv_idx, doc):
+        return doc[b, q_idx] == doc[b, kv_idx]
 
     if case == "causal":
-        return {"built-in causal": call(causal=True)}
+        return {"built-in causal": call(causal=True),
+                "mask_mod": call(mask_mod=cuflash.block_mask(causal, None, None, SEQLEN, SEQLEN))}
     if case == "sliding_window":
-        return {"built-in window": call(causal=True, window_size=(WINDOW, 0))}
+        return {"built-in window": call(causal=True, window_size=(WINDOW, 0)),
+                "mask_mod": call(mask_mod=cuflash.block_mask(sliding_window, None, None, SEQLEN, SEQLEN))}
     if case == "alibi":
         return {"score_mod": call(causal=True, score_mod=alibi, mod_arrays={"slopes": slopes})}
     if case == "softcap":
@@ -123,7 +134,9 @@ def cuflash_calls(case: str, q, k, v, slopes, doc, lengths) -> dict:
         out = ct.flash_attn_varlen_func(*packed, cu, cu, longest, longest)
         return out.reshape(BATCH, SEQLEN, HEADS, HEAD_DIM).transpose(1, 2)
 
-    return {"score_mod": call(score_mod=same_document, mod_arrays={"doc": doc}), "varlen": varlen}
+    return {"mask_mod": call(mask_mod=cuflash.block_mask(same_document, BATCH, None, SEQLEN, SEQLEN,
+                                                         mod_arrays={"doc": doc})),
+            "varlen": varlen}
 
 
 def _with_backward(fn, leaves):
@@ -146,6 +159,7 @@ def measure(calls: int, repeats: int) -> list[dict]:
     q, k, v, slopes, doc, lengths = _inputs()
     leaves = [x.requires_grad_() for x in (q, k, v)]
     for case in CASES:
+        torch._dynamo.reset()
         backends = {"flex": flex_call(case, q, k, v, slopes, doc)}
         backends |= {f"cuflash {name}": fn for name, fn in cuflash_calls(case, q, k, v, slopes, doc, lengths).items()}
         times = {}
@@ -176,7 +190,8 @@ def first_call(case: str, backend: str) -> float:
         fn = flex_call(case, q, k, v, slopes, doc)
     else:
         calls = cuflash_calls(case, q, k, v, slopes, doc, lengths)
-        fn = calls.get("score_mod", next(iter(calls.values())))  # a traced function where the case has one
+        # A traced function where the case has one (the mask's BlockMask is made in the timed call).
+        fn = calls.get("mask_mod", calls.get("score_mod", next(iter(calls.values()))))
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - start

@@ -75,9 +75,17 @@ def spill_limit(key: str) -> int:
     kernels none there either. The SIMT kernels, not the fast path: up to 64.
     Dropout's Philox rounds (ten rounds per eight probabilities, beside the
     tiles' accumulators) spill on the register-tight tiles of every family:
-    up to 256 bytes there (README: limits; its cost is in BENCHMARKS.md)."""
+    up to 256 bytes there (README: limits; its cost is in BENCHMARKS.md);
+    so does a user mask's rule in the mma.sync forward."""
     if "dropout" in key:
         return 256
+    if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/")):
+        # A user mask (cuflash.mods) evaluated per score beside the mma.sync
+        # kernels' accumulators (255 registers at d128 already): its array
+        # reads spill there, up to 200 bytes for a document mask in the d128
+        # forward, 16 in the backwards (README: limits). Hopper runs the
+        # wgmma kernels, which do not.
+        return 256 if key.startswith("forward-mma/") else 64
     other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
     if not key.startswith(FAST_PATH):
         return 64
