@@ -162,6 +162,11 @@ class Variants:
         problem = check_score_mod(problem, self.score_mod, mod_metas or {}, has_mask_mod=self.mask_mod is not None)
         return check_mask_mod(problem, self.mask_mod, mod_metas or {})
 
+    def fixed_arrays(self, views: dict) -> tuple[str, ...]:
+        """The views a cached plan of this call passes to every call as they
+        are: a BlockMask's tile map."""
+        return ("tile_map",) if isinstance(self.mask_mod, BlockMask) and "tile_map" in views else ()
+
     def tile_map_view(self, problem: AttentionProblem, tiling: Tiling, views: dict):
         """The CuPy tile map of the call's user mask at ``tiling``'s tiles
         (built now on the call's stream, or kept by its ``BlockMask``), or
@@ -169,7 +174,7 @@ class Variants:
         if problem.tile_map_dims is None:
             return None
         mask = self.mask_mod if isinstance(self.mask_mod, BlockMask) else BlockMask(
-            self.mask_mod, problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k)
+            self.mask_mod, problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k, self.mod_arrays)
         arrays = [views.get(slot) for slot in MOD_ARRAY_SLOTS]
         return mask.tile_map(problem.mask, problem.tile_map_dims, tiling.block_m, tiling.block_n, arrays,
                              problem.device)
@@ -241,9 +246,17 @@ def _mask_mod_arrays(mask_mod, mod_arrays):
 
 
 def _unplanned(*args):
-    """The signature of a call whose plan is not cached: a user mask's tile
-    map is built (or looked up) by each call, which the fast path cannot do."""
+    """The signature of a call whose plan is not cached: a plain mask
+    function's tile map is built by each call, which the fast path cannot do
+    (a ``BlockMask``'s calls are cached: its maps are fixed)."""
     return None, None
+
+
+def _planned(mask_mod) -> bool:
+    """Whether a call with this mask_mod may take the fast path: none, or a
+    ``BlockMask`` (which is then part of the plan's key, its map one of the
+    plan's fixed arrays)."""
+    return mask_mod is None or isinstance(mask_mod, BlockMask)
 
 
 def _variant_flags(window_size, softcap, dropout_p=0.0) -> tuple:
@@ -399,15 +412,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
               *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
-             *_mod_flags(score_mod, mod_arrays))
-    key, pointers = _signature("forward", arrays, flags) if mask_mod is None else (None, None)
+             *_mod_flags(score_mod, mod_arrays), mask_mod)
+    key, pointers = _signature("forward", arrays, flags) if _planned(mask_mod) else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
                                                       dropout_offset, score_mod, mod_arrays, mask_mod),
                                     signature=(functools.partial(_signature, "forward", arrays, flags)
-                                               if mask_mod is None else _unplanned))
+                                               if _planned(mask_mod) else _unplanned))
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
@@ -448,15 +461,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes, dropout_seed,
               dropout_offset, None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
-             deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
-    key, pointers = _signature("backward", arrays, flags) if mask_mod is None else (None, None)
+             deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays),
+             mask_mod)
+    key, pointers = _signature("backward", arrays, flags) if _planned(mask_mod) else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic,
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
                                                        dropout_offset, score_mod, mod_arrays, mask_mod),
                                      signature=(functools.partial(_signature, "backward", list(arrays), flags)
-                                                if mask_mod is None else _unplanned))
+                                                if _planned(mask_mod) else _unplanned))
     return arrays[6], arrays[7], arrays[8]
 
 
@@ -841,7 +855,7 @@ def _view_pointers(names: tuple[str, ...], views: dict, scalars: dict | None = N
 
 
 def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, pointers: list,
-                 natives: dict, allocated: dict) -> list:
+                 natives: dict, allocated: dict, fixed: tuple[str, ...] = ()) -> list:
     """Launches ``plan`` on ``pointers`` (``_view_pointers(names, views)``),
     then hands the outputs this call allocated back in q's framework, and
     caches the plan under the call's signature (``signature()``:
@@ -849,8 +863,10 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
     call's array classes) for the fast path where q's framework has one.
     ``allocated``: name -> (shape, dtype, native array) of what this call
     allocated (``bridge.empty``), which later calls of the signature allocate
-    the same way. Returns the call's arrays in the order of ``names`` (None
-    for an absent one)."""
+    the same way; ``fixed``: names of views every call of the signature
+    passes as they are (a BlockMask's tile map, the BlockMask being part of
+    the signature). Returns the call's arrays in the order of ``names``
+    (None for an absent one)."""
     plan.launch(pointers, bridge.stream.ptr)
     for name, (_, _, native) in allocated.items():
         if name in natives:  # an output, not a work buffer
@@ -861,8 +877,13 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
         allocations = tuple(
             (names.index(name), lane.allocator(shape, dtype, bridge.device_id, _element_strides(views[name])))
             for name, (shape, dtype, _) in allocated.items())
+        allocations += tuple((names.index(name), functools.partial(_fixed_array, views[name])) for name in fixed)
         plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id), _interop.current_device_getter()))
     return [natives.get(name) for name in names]
+
+
+def _fixed_array(view) -> tuple:
+    return view, view.data.ptr
 
 
 def _element_strides(view) -> tuple[int, ...]:
@@ -922,7 +943,8 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
         pointers = _view_pointers(FORWARD_ARRAYS, views, variants.scalars(problem))
-        return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated)
+        return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated,
+                            variants.fixed_arrays(views))
 
 
 def _packed_metas(metas: dict, max_seqlens: tuple, likes: dict) -> tuple[dict, Packing, int]:
@@ -1002,7 +1024,8 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling)
-        return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated)
+        return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
+                            variants.fixed_arrays(views))
 
 
 def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:

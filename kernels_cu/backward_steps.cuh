@@ -53,6 +53,12 @@ struct QueryBlockWalk {
     __device__ __forceinline__ void advance() {
         following(head, m_block);
     }
+
+    // Moves on to the step after this one, which `following` gave earlier.
+    __device__ __forceinline__ void move_to(index_t next_head, int next_m_block) {
+        head = next_head;
+        m_block = next_m_block;
+    }
 };
 
 // With a tile map: each head's listed query tiles of this key tile, in
@@ -106,6 +112,13 @@ struct QueryBlockWalk<true> {
         if (head < end_head) {
             m_block = map.of_head(head).query_tile(n_tile, position);
         }
+    }
+
+    // Moves on to the step after this one, which `following` gave earlier
+    // (the place in the lists moves on with it).
+    __device__ __forceinline__ void move_to(index_t, int next_m_block) {
+        next(head, position, count);
+        m_block = next_m_block;
     }
 };
 

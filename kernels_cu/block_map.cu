@@ -85,6 +85,11 @@ __global__ void list_tiles(int* map, TileMapShape shape) {
         }
         count += __popc(ballot);
     }
+    // The lists' unused tail is zeroed: the map's contents depend on the
+    // mask alone, never on what the buffer held.
+    for (int i = count + lane; i < length; i += 32) {
+        list[i] = 0;
+    }
     if (lane == 0) {
         section[4 * tiles + (is_row ? line : m_tiles + line)] = count;
     }

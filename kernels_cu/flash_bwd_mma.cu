@@ -300,8 +300,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         if constexpr (kOrderedDq) {
             held.counter = dq_counter();
         }
-        walk.head = next_head;
-        walk.m_block = next_m_block;
+        walk.move_to(next_head, next_m_block);
     }
 
     // Epilogue: every warp is past its last read of K and V; each warp
