@@ -162,7 +162,8 @@ def register_user_mask(trace) -> UserMaskPolicy:
     mask = MASKS.get(name)
     if mask is None:
         rule_cxx, code = mods.mask_rule(trace)
-        mask = UserMaskPolicy(name, f"cuflash::UserMask<{rule_cxx}>", prelude=code, tile_map=True,
+        mask = UserMaskPolicy(name, f"cuflash::UserMask<{rule_cxx}>", later_rows_see_more=True, prelude=code,
+                              tile_map=True,
                               rule_cxx=rule_cxx, reads_batch=mods.reads_variable(trace.value, "b"),
                               reads_head=mods.reads_variable(trace.value, "h"))
         MASKS[name] = mask

@@ -342,13 +342,22 @@ def _array_specs(arrays: dict) -> tuple[ArraySpec, ...]:
         if not name.isidentifier():
             raise ValueError(f"array names must be Python identifiers, got {name!r}")
         shape = tuple(int(n) for n in array.shape)
-        dtype = np.dtype(array.dtype).name if not isinstance(array, ArraySpec) else array.dtype
+        dtype = array.dtype if isinstance(array, ArraySpec) else _dtype_name(array.dtype)
         if dtype not in ARRAY_TYPES:
             raise TypeError(f"array {name!r} must have one of the dtypes {sorted(ARRAY_TYPES)}, got {dtype}")
         if any(n == 0 for n in shape) or not shape:
             raise ValueError(f"array {name!r} must have at least one dimension and no empty one, got shape {shape}")
         specs.append(ArraySpec(name, shape, dtype))
     return tuple(specs)
+
+
+def _dtype_name(dtype) -> str:
+    """NumPy's name of an array's dtype: NumPy's, CuPy's, JAX's or PyTorch's
+    (``torch.int32`` -> "int32")."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        return text.removeprefix("torch.")
+    return np.dtype(dtype).name if text != "bfloat16" else text
 
 
 def _check_signature(fn: Callable, leading: tuple[str, ...], what: str) -> None:

@@ -63,63 +63,84 @@ struct QueryBlockWalk {
 
 // With a tile map: each head's listed query tiles of this key tile, in
 // ascending order (the map's tiles are the kernel's), heads without any
-// passed over. No rotation: the map's dQ order is key-block order.
+// passed over. No rotation: the map's dQ order is key-block order. The
+// query tile of the step after the current one is read a step ahead
+// (`upcoming`), so moving on waits for no load within a head. Few values:
+// the Hopper consumers keep them beside their accumulators.
 template <>
 struct QueryBlockWalk<true> {
-    TileMap map;
-    int n_tile;
-    index_t head, end_head;
+    const int* lists;  // the first head's list of this key tile's query tiles
+    int count_offset;  // from a head's list to its count
+    int head_stride;   // between heads' sections (0: one shared)
+    int heads_left;    // after this one
+    int section;       // this head's section, from the first head's
     int position, count;  // in this head's list
     int steps;
+    index_t head;
     int m_block;
+    int upcoming;  // the query tile of the step after this one (where there is one)
 
     template <typename Mask>
-    __device__ __forceinline__ QueryBlockWalk(const Mask& mask, const KeyBlock& block, int, int, int)
-        : map(mask.map()), n_tile(block.n_block), head(block.first_head), end_head(block.first_head + block.group),
-          position(-1), count(0), steps(0), m_block(0) {
-        for (index_t h = head; h < end_head; ++h) {
-            steps += map.of_head(h).query_count(n_tile);
+    __device__ __forceinline__ QueryBlockWalk(const Mask& mask, const KeyBlock& block, int, int, int) {
+        const TileMap map = mask.map();
+        const TileSection first = map.of_head(block.first_head);
+        lists = first.base + 3 * first.m_tiles * first.n_tiles + block.n_block * first.m_tiles;
+        count_offset = static_cast<int>(first.base + 4 * first.m_tiles * first.n_tiles + first.m_tiles +
+                                        block.n_block - lists);
+        head_stride = static_cast<int>(map.head_stride);
+        steps = 0;
+        for (int h = 0; h < static_cast<int>(block.group); ++h) {
+            steps += lists[h * head_stride + count_offset];
         }
-        --head;  // before the first head: the first step is the one after
-        next(head, position, count);
-        if (head < end_head) {
-            m_block = map.of_head(head).query_tile(n_tile, position);
-        }
+        head = block.first_head - 1;  // before the first head: the first step is the one after
+        heads_left = static_cast<int>(block.group);
+        section = -head_stride;
+        position = -1;
+        count = 0;
+        next(head, heads_left, section, position, count);
+        m_block = tile_at(heads_left, section, position);
+        upcoming = tile_after(head, heads_left, section, position, count);
     }
 
-    // The place in the lists after (h, pos) whose list holds cnt tiles.
-    __device__ __forceinline__ void next(index_t& h, int& pos, int& cnt) const {
+    // The place in the lists after the given one (a list of cnt tiles).
+    __device__ __forceinline__ void next(index_t& h, int& left, int& sec, int& pos, int& cnt) const {
         if (++pos < cnt) {
             return;
         }
         pos = 0;
         do {
             ++h;
-            cnt = h < end_head ? map.of_head(h).query_count(n_tile) : 0;
-        } while (cnt == 0 && h < end_head);
+            sec += head_stride;
+            cnt = left > 0 ? lists[sec + count_offset] : 0;
+            --left;
+        } while (cnt == 0 && left >= 0);
+    }
+
+    // The tile at a place (0 past the last head).
+    __device__ __forceinline__ int tile_at(int left, int sec, int pos) const { return left >= 0 ? lists[sec + pos] : 0; }
+
+    __device__ __forceinline__ int tile_after(index_t h, int left, int sec, int pos, int cnt) const {
+        next(h, left, sec, pos, cnt);
+        return tile_at(left, sec, pos);
     }
 
     __device__ __forceinline__ void following(index_t& next_head, int& next_m_block) const {
         index_t h = head;
-        int pos = position, cnt = count;
-        next(h, pos, cnt);
+        int left = heads_left, sec = section, pos = position, cnt = count;
+        next(h, left, sec, pos, cnt);
         next_head = h;
-        next_m_block = h < end_head ? map.of_head(h).query_tile(n_tile, pos) : m_block;
+        next_m_block = upcoming;
     }
 
     __device__ __forceinline__ void advance() {
-        next(head, position, count);
-        if (head < end_head) {
-            m_block = map.of_head(head).query_tile(n_tile, position);
-        }
+        next(head, heads_left, section, position, count);
+        m_block = upcoming;
+        upcoming = tile_after(head, heads_left, section, position, count);
     }
 
     // Moves on to the step after this one, which `following` gave earlier
     // (the place in the lists moves on with it).
-    __device__ __forceinline__ void move_to(index_t, int next_m_block) {
-        next(head, position, count);
-        m_block = next_m_block;
-    }
+    __device__ __forceinline__ void move_to(index_t, int) { advance(); }
 };
 
 template <typename Mask>

@@ -192,7 +192,10 @@ struct WindowMask : SequenceBounds {
 // mask of each query head it visits (BlockContext::mask_of_head).
 template <typename Rule>
 struct UserMask : SequenceBounds {
-    static constexpr bool kLaterRowsSeeMore = false;
+    // The grid hands out the last query tiles first: the common user masks
+    // (causal ones, prefix LMs) give later rows more keys, and for the
+    // others (documents, windows) the order is as good as any.
+    static constexpr bool kLaterRowsSeeMore = true;
     // The map ranks every query tile's visible key tiles (key_rank).
     static constexpr DqTurns kDqTurns = DqTurns::kKeyBlockOrder;
     static constexpr bool kTileMap = true;

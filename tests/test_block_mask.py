@@ -78,6 +78,8 @@ def test_block_mask_checks_its_arguments():
         cuflash.block_mask(lambda b, h, q, k: q - k, None, None, 10, 12)
     mask = cuflash.block_mask(same_document, 2, None, 10, 12, mod_arrays={"doc": doc})
     mask.check_call(2, 8, 10, 12)  # any head count: the mask does not read h
+    torch = pytest.importorskip("torch")
+    cuflash.block_mask(same_document, 2, None, 10, 12, mod_arrays={"doc": torch.zeros(2, 10, dtype=torch.int32)})
     with pytest.raises(ValueError, match="BlockMask for batch 2, but the call has batch 3"):
         mask.check_call(3, 8, 10, 12)
 
