@@ -139,10 +139,15 @@ _NO_VARIANTS = api.Variants()
 
 
 def _variant_kwargs(variants: api.Variants) -> dict:
-    return dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
-                dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
-                dropout_offset=variants.dropout_offset, score_mod=variants.score_mod,
-                mask_mod=variants.mask_mod, mod_arrays=variants.mod_arrays)
+    """The variants as keyword arguments of the API's calls (mask_mod only
+    where given: the variable-length calls take none)."""
+    kwargs = dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
+                  dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
+                  dropout_offset=variants.dropout_offset, score_mod=variants.score_mod,
+                  mod_arrays=variants.mod_arrays)
+    if variants.mask_mod is not None:
+        kwargs["mask_mod"] = variants.mask_mod
+    return kwargs
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
