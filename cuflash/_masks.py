@@ -249,17 +249,19 @@ def with_dropout(inner: ScoreTransform) -> ScoreTransform:
                                position_free=False, dropout=True)
 
 
-def register_score_transform(trace) -> ScoreTransform:
+def register_score_transform(trace, float_positions: bool = True) -> ScoreTransform:
     """The kernels' transform of a traced user score function
     (``cuflash.mods``), entered in SCORE_TRANSFORMS under a name that
     includes its trace's hash (so a plan or kernel key names it). Its NumPy
-    hooks are not used: the references evaluate the function itself."""
+    hooks are not used: the references evaluate the function itself.
+    ``float_positions``: the kernels may hand it the positions as floats
+    (sequences of at most ``mods.FLOAT_POSITION_LIMIT``)."""
     from . import mods
 
-    name = f"mod-{mods.trace_key(trace)}"
+    name = f"mod-{mods.trace_key(trace)}{'' if float_positions else '-int'}"
     transform = SCORE_TRANSFORMS.get(name)
     if transform is None:
-        cxx, code = mods.score_policy(trace)
+        cxx, code = mods.score_policy(trace, float_positions)
         transform = ScoreTransform(name, cxx, transform=_evaluated_by_the_reference,
                                    gradient=_evaluated_by_the_reference, position_free=not trace.reads_position,
                                    prelude=code, gradient_from_raw=True)

@@ -422,7 +422,8 @@ def check_score_mod(problem: AttentionProblem, score_mod, arrays: dict[str, Tens
         trace = score_mod.bound({name: mods.ArraySpec(name, shape, dtype) for name, shape, dtype in signature})
     else:
         trace = _traced_score_mod(score_mod, signature)
-    transform = register_score_transform(trace)
+    transform = register_score_transform(
+        trace, float_positions=max(problem.seqlen_q, problem.seqlen_k) <= mods.FLOAT_POSITION_LIMIT)
     return dataclasses.replace(problem, score_name=transform.name)
 
 

@@ -569,8 +569,9 @@ def _float_literal(value: float) -> str:
 class _CudaWriter:
     """Statements computing expressions, one temporary per distinct node."""
 
-    def __init__(self, specs: tuple[ArraySpec, ...], array_pointer: str):
-        self.specs, self.array_pointer = specs, array_pointer
+    def __init__(self, specs: tuple[ArraySpec, ...], array_pointer: str, precise: str, float_positions: bool = False):
+        self.specs, self.array_pointer, self.precise = specs, array_pointer, precise
+        self.float_positions = float_positions
         self.lines: list[str] = []
         self.names: dict = {}
 
@@ -607,6 +608,8 @@ class _CudaWriter:
                 return f"mod_load_float({element})"
             return f"static_cast<{_C_TYPES[spec.kind]}>({element})"
         if op == "float":
+            if self.float_positions and _float_bound(args[0]) is not None:
+                return _float_form(args[0])
             return f"static_cast<float>({self.emit(args[0])})"
         if op == "neg":
             return f"-{self.emit(args[0])}"
@@ -615,7 +618,7 @@ class _CudaWriter:
         if op == "abs":
             return f"{'fabsf' if node.kind == 'float' else 'abs'}({self.emit(args[0])})"
         if op in ("exp", "log", "tanh"):
-            return f"{_FLOAT_FUNCTIONS[op]}({self.emit(args[0])})"
+            return f"mod_{op}<{self.precise}>({self.emit(args[0])})"
         if op in ("min", "max"):
             function = _FLOAT_FUNCTIONS[op] if node.kind == "float" else op
             return f"{function}({self.emit(args[0])}, {self.emit(args[1])})"
@@ -630,12 +633,61 @@ class _CudaWriter:
         return f"({self.emit(args[0])} {_BINARY_C[op]} {self.emit(args[1])})"
 
 
+#: Positions below this the kernels may hand a user score function as
+#: floats too (``float_positions``): sums of two and a constant stay exact.
+FLOAT_POSITION_LIMIT = 2**22
+_FLOAT_EXACT = 2**24
+
+
+def _float_bound(node: Expr) -> int | None:
+    """A bound on |node| where ``node`` is an integer expression of the
+    positions made of sums, differences, negation, abs, min and max (and
+    constants) that float arithmetic computes exactly (every partial value
+    below 2**24); None otherwise."""
+    op, args = node.op, node.args
+    if op == "var":
+        bound = FLOAT_POSITION_LIMIT
+    elif op == "const":
+        bound = abs(int(args[0])) if node.kind == "int" and abs(int(args[0])) < FLOAT_POSITION_LIMIT else None
+    elif op in ("neg", "abs"):
+        bound = _float_bound(args[0])
+    elif op in ("+", "-", "min", "max"):
+        bounds = [_float_bound(a) for a in args]
+        bound = None if None in bounds else (sum(bounds) if op in ("+", "-") else max(bounds))
+    else:
+        bound = None
+    return bound if bound is not None and bound < _FLOAT_EXACT else None
+
+
+_FLOAT_OPS = {"+": "+", "-": "-"}
+
+
+def _float_form(node: Expr) -> str:
+    """``node`` (``_float_bound`` holds) computed in float arithmetic on the
+    positions as floats (q_idx_f, kv_idx_f; b and h converted once)."""
+    op, args = node.op, node.args
+    if op == "var":
+        return {"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"}.get(args[0], f"static_cast<float>({args[0]})")
+    if op == "const":
+        return _float_literal(args[0])
+    if op == "neg":
+        return f"(-{_float_form(args[0])})"
+    if op == "abs":
+        return f"fabsf({_float_form(args[0])})"
+    if op in ("min", "max"):
+        return f"{_FLOAT_FUNCTIONS[op]}({_float_form(args[0])}, {_float_form(args[1])})"
+    return f"({_float_form(args[0])} {_FLOAT_OPS[op]} {_float_form(args[1])})"
+
+
 def cuda_statements(expr: Expr, specs: tuple[ArraySpec, ...], result: str,
-                    array_pointer: str = "arrays") -> list[str]:
+                    array_pointer: str = "arrays", precise: str = "true", float_positions: bool = False) -> list[str]:
     """C statements that compute ``expr`` into a new constant ``result``
     (the variables score, b, h, q_idx, kv_idx in scope; arrays at
-    ``array_pointer[i]``, in the order of ``specs``)."""
-    writer = _CudaWriter(specs, array_pointer)
+    ``array_pointer[i]``, in the order of ``specs``; with
+    ``float_positions`` also q_idx_f and kv_idx_f, the positions as floats,
+    which conversions of exact position arithmetic to float use instead:
+    a kernel derives them per fragment, without a conversion per score)."""
+    writer = _CudaWriter(specs, array_pointer, precise, float_positions)
     value = writer.emit(expr)
     return writer.lines + [f"const {_C_TYPES[expr.kind]} {result} = {value};"]
 
@@ -708,8 +760,9 @@ def _raw_statements(expression: str | None, specs: tuple[ArraySpec, ...]) -> lis
     return pointers + [f"const float result = static_cast<float>({expression if expression else '0.0f'});"]
 
 
-def score_policy(trace) -> tuple[str, str]:
-    """(C++ type, code) of the kernels' score policy for a traced score
+def score_policy(trace, float_positions: bool = True) -> tuple[str, str]:
+    """(C++ type, with ``{precise}`` to format as ``ScoreTransform.cxx``
+    does, and code) of the kernels' score policy for a traced score
     function (kernels_cu/score_transforms.cuh's contract, with
     kGradientFromRaw), or a raw one (``cuda``): in raw-score units, as every
     transform works, so the function sees score = raw * softmax_scale and
@@ -717,23 +770,29 @@ def score_policy(trace) -> tuple[str, str]:
     to the raw score is the function's with respect to the scaled one."""
     if len(trace.arrays) > MAX_ARRAYS:
         raise ValueError(f"a score function reads at most {MAX_ARRAYS} arrays, got {len(trace.arrays)}")
-    name = f"UserScore_{trace_key(trace)}"
+    name = f"UserScore_{trace_key(trace)}{'' if float_positions else '_int'}"
     if isinstance(trace, RawScoreModTrace):
         value_lines = _raw_statements(trace.mod.value, trace.arrays)
         gradient_lines = _raw_statements(trace.mod.gradient, trace.arrays)
     else:
-        value_lines = cuda_statements(trace.value, trace.arrays, "result")
-        gradient_lines = cuda_statements(trace.gradient, trace.arrays, "result")
+        value_lines = cuda_statements(trace.value, trace.arrays, "result", precise="kPrecise",
+                                      float_positions=float_positions)
+        gradient_lines = cuda_statements(trace.gradient, trace.arrays, "result", precise="kPrecise")
     value = "".join(f"        {line}\n" for line in value_lines)
     gradient = "".join(f"        {line}\n" for line in gradient_lines)
     code = f"""
 #include "{HEADER}"
 namespace cuflash {{
-// Generated by cuflash.mods from the score function {trace.name!r}.
+// Generated by cuflash.mods from the score function {trace.name!r}
+// (kPrecise: float32 inputs, whose exp, log and tanh are the precise ones).
+template <bool kPrecise>
 struct {name} {{
     static constexpr bool kIsIdentity = false;
     static constexpr bool kDropout = false;
     static constexpr bool kGradientFromRaw = true;
+    // The fragment walks pass the positions as floats too (transform's
+    // last two arguments: exact below 2**22).
+    static constexpr bool kFloatPositions = true;
     const void* const* arrays;
     float scale, inverse_scale;
     int b, h;
@@ -744,9 +803,15 @@ struct {name} {{
           inverse_scale(static_cast<float>(variant.inverse_scale)),
           b(static_cast<int>(batch)),
           h(static_cast<int>(head)) {{}}
-    __device__ __forceinline__ float transform(float raw, int q_idx, int kv_idx) const {{
+    __device__ __forceinline__ float transform(float raw, int q_idx, int kv_idx, float q_idx_f,
+                                               float kv_idx_f) const {{
+        (void)q_idx_f;
+        (void)kv_idx_f;
         const float score = raw * scale;
 {value}        return result * inverse_scale;
+    }}
+    __device__ __forceinline__ float transform(float raw, int q_idx, int kv_idx) const {{
+        return transform(raw, q_idx, kv_idx, static_cast<float>(q_idx), static_cast<float>(kv_idx));
     }}
     __device__ __forceinline__ float gradient_from_raw(float raw, int q_idx, int kv_idx) const {{
         const float score = raw * scale;
@@ -755,7 +820,7 @@ struct {name} {{
 }};
 }}  // namespace cuflash
 """
-    return f"cuflash::{name}", code
+    return f"cuflash::{name}<{{precise}}>", code
 
 
 def mask_rule(trace: MaskModTrace) -> tuple[str, str]:

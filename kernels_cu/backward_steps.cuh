@@ -282,6 +282,10 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
     // distance0 + 8 j + e % 2 - 8 (e / 2) (unused without ALiBi).
     const float distance0 = static_cast<float>(m_start + query0 + 2 * (lane % 4) + ctx.seqlen_k - ctx.seqlen_q -
                                                (key0 + lane / 4));
+    // A transform taking float positions gets row and key of element (j, e)
+    // as row_f0 + 8 j + e % 2 and key_f0 + 8 (e / 2) (unused otherwise).
+    const float row_f0 = static_cast<float>(m_start + query0 + 2 * (lane % 4));
+    const float key_f0 = static_cast<float>(key0 + lane / 4);
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
         const int col = query0 + 8 * j + 2 * (lane % 4);  // query row inside the block, and col + 1
@@ -303,7 +307,12 @@ __device__ __forceinline__ void transposed_probabilities_and_gradients(const Blo
             const int row = m_start + col + e % 2, key = key0 + lane / 4 + (e / 2) * 8;
             const float raw = s[0][j][e];
             float transformed = raw;
-            if constexpr (kFromRaw) {
+            if constexpr (kFromRaw && HasFloatPositions<Score>::value) {
+                transformed = raw == negative_infinity()
+                                  ? raw
+                                  : score.transform(raw, row, key, row_f0 + static_cast<float>(8 * j + e % 2),
+                                                    key_f0 + static_cast<float>(8 * (e / 2)));
+            } else if constexpr (kFromRaw) {
                 transformed = raw == negative_infinity() ? raw : score.transform(raw, row, key);
             }
             const float p = exp2_fast(fmaf(transformed, ctx.scale_log2, -(e % 2 ? lse_pair.y : lse_pair.x)));

@@ -139,6 +139,19 @@ struct HasGradientFromRaw<Score, decltype(void(Score::kGradientFromRaw))> {
     static constexpr bool value = Score::kGradientFromRaw;
 };
 
+// Whether a transform takes the positions as floats too
+// (transform(raw, row, key, row_f, key_f): user functions, cuflash/mods.py,
+// whose position arithmetic then needs no conversion per score; see
+// alibi_bias_at for why that matters). A policy without kFloatPositions does not.
+template <typename Score, typename = void>
+struct HasFloatPositions {
+    static constexpr bool value = false;
+};
+template <typename Score>
+struct HasFloatPositions<Score, decltype(void(Score::kFloatPositions))> {
+    static constexpr bool value = Score::kFloatPositions;
+};
+
 // ALiBi's bias at distance d = row + seqlen_k - seqlen_q - key, d a float.
 // Why the fragment walks pass d: along a fragment's row the keys step by
 // compile-time constants, so d is one integer-to-float conversion per row
@@ -188,6 +201,22 @@ __device__ __forceinline__ void apply_score_transform(const Score& score, float 
                 for (int nt = 0; nt < kNTiles; ++nt) {
                     s[mt][nt][i] = score.inner.transform(s[mt][nt][i], row, first_key + nt * 8) +
                                    alibi_bias_at(score, distance0 - static_cast<float>(nt * 8));
+                }
+            }
+        }
+    } else if constexpr (HasFloatPositions<Score>::value) {
+        // The positions as floats: one conversion per fragment row and its first key.
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+                const int first_key = key0 + 2 * (lane % 4) + i % 2;
+                const float row_f = static_cast<float>(row), first_key_f = static_cast<float>(first_key);
+#pragma unroll
+                for (int nt = 0; nt < kNTiles; ++nt) {
+                    s[mt][nt][i] = score.transform(s[mt][nt][i], row, first_key + nt * 8, row_f,
+                                                   first_key_f + static_cast<float>(nt * 8));
                 }
             }
         }

@@ -27,6 +27,40 @@ CUFLASH_HOST_DEVICE int mod_floor_modulo(int a, int b) {
     return (remainder != 0 && ((remainder < 0) != (b < 0))) ? remainder + b : remainder;
 }
 
+// exp, log and tanh of a user function: precise for float32 inputs; for
+// 16-bit ones (kPrecise false) one special-function op each, as the
+// built-in soft cap takes (tanh_fast), their error far below the inputs'
+// rounding. The host (the CPU tests) always computes them precisely.
+template <bool kPrecise>
+CUFLASH_HOST_DEVICE float mod_exp(float x) {
+#ifdef __CUDA_ARCH__
+    if constexpr (!kPrecise) {
+        return __expf(x);
+    }
+#endif
+    return expf(x);
+}
+
+template <bool kPrecise>
+CUFLASH_HOST_DEVICE float mod_log(float x) {
+#ifdef __CUDA_ARCH__
+    if constexpr (!kPrecise) {
+        return __logf(x);
+    }
+#endif
+    return logf(x);
+}
+
+template <bool kPrecise>
+CUFLASH_HOST_DEVICE float mod_tanh(float x) {
+#ifdef __CUDA_ARCH__
+    if constexpr (!kPrecise) {
+        return tanh_fast(x);
+    }
+#endif
+    return tanhf(x);
+}
+
 CUFLASH_HOST_DEVICE float mod_load_float(__half x) { return __half2float(x); }
 CUFLASH_HOST_DEVICE float mod_load_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 

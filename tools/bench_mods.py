@@ -121,7 +121,8 @@ def cuflash_calls(case: str, q, k, v, slopes, doc, lengths) -> dict:
         return {"built-in window": call(causal=True, window_size=(WINDOW, 0)),
                 "mask_mod": call(mask_mod=cuflash.block_mask(sliding_window, None, None, SEQLEN, SEQLEN))}
     if case == "alibi":
-        return {"score_mod": call(causal=True, score_mod=alibi, mod_arrays={"slopes": slopes})}
+        return {"built-in alibi": call(causal=True, alibi_slopes=slopes),
+                "score_mod": call(causal=True, score_mod=alibi, mod_arrays={"slopes": slopes})}
     if case == "softcap":
         return {"built-in softcap": call(softcap=SOFTCAP), "score_mod": call(score_mod=softcap)}
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
