@@ -574,6 +574,7 @@ class _CudaWriter:
         self.float_positions = float_positions
         self.lines: list[str] = []
         self.names: dict = {}
+        self.prefix = "t"  # the temporaries' names
 
     def emit(self, node: Expr) -> str:
         if node.op == "const":
@@ -586,7 +587,7 @@ class _CudaWriter:
         if node._key in self.names:
             return self.names[node._key]
         code = self._expression(node)
-        name = f"t{len(self.names)}"
+        name = f"{self.prefix}{len(self.names)}"
         self.names[node._key] = name
         self.lines.append(f"const {_C_TYPES[node.kind]} {name} = {code};")
         return name
@@ -629,6 +630,11 @@ class _CudaWriter:
         if op == "%":
             return f"mod_floor_modulo({self.emit(args[0])}, {self.emit(args[1])})"
         if op == "/" and node.kind == "float":
+            divisor = args[1]
+            if divisor.op == "const" and divisor.args[0] != 0:
+                # 16-bit inputs: by the reciprocal (one multiply, not an IEEE division).
+                return (f"({self.precise} ? {self.emit(args[0])} / {self.emit(divisor)} : "
+                        f"{self.emit(args[0])} * {_float_literal(1.0 / divisor.args[0])})")
             return f"({self.emit(args[0])} / {self.emit(args[1])})"
         return f"({self.emit(args[0])} {_BINARY_C[op]} {self.emit(args[1])})"
 
@@ -771,13 +777,21 @@ def score_policy(trace, float_positions: bool = True) -> tuple[str, str]:
     if len(trace.arrays) > MAX_ARRAYS:
         raise ValueError(f"a score function reads at most {MAX_ARRAYS} arrays, got {len(trace.arrays)}")
     name = f"UserScore_{trace_key(trace)}{'' if float_positions else '_int'}"
+    members, hoisted = "", ""
+    value_return = "result * inverse_scale"
     if isinstance(trace, RawScoreModTrace):
         value_lines = _raw_statements(trace.mod.value, trace.arrays)
         gradient_lines = _raw_statements(trace.mod.gradient, trace.arrays)
     else:
-        value_lines = cuda_statements(trace.value, trace.arrays, "result", precise="kPrecise",
-                                      float_positions=float_positions)
-        gradient_lines = cuda_statements(trace.gradient, trace.arrays, "result", precise="kPrecise")
+        value_expr, value_return = _raw_score_form(trace.value)
+        uniform = _CudaWriter(trace.arrays, "arrays", "kPrecise")
+        uniform.prefix = "u"
+        for node in _uniform_parts(value_expr) + _uniform_parts(trace.gradient):
+            uniform.emit(node)
+        members = "".join(f"    {line.split(' = ')[0].removeprefix('const ')};\n" for line in uniform.lines)
+        hoisted = "".join(f"        {line.removeprefix('const ').split(' ', 1)[1]}\n" for line in uniform.lines)
+        value_lines = _statements_after(uniform, value_expr, "result", float_positions)
+        gradient_lines = _statements_after(uniform, trace.gradient, "result", False)
     value = "".join(f"        {line}\n" for line in value_lines)
     gradient = "".join(f"        {line}\n" for line in gradient_lines)
     code = f"""
@@ -796,19 +810,22 @@ struct {name} {{
     const void* const* arrays;
     float scale, inverse_scale;
     int b, h;
-
+    // What depends on the head and batch entry alone, once per head.
+{members}
     __device__ __forceinline__ {name}(const VariantParams& variant, SequenceBounds, index_t batch, index_t head)
         : arrays(variant.user_arrays),
           scale(static_cast<float>(1.0 / variant.inverse_scale)),
           inverse_scale(static_cast<float>(variant.inverse_scale)),
           b(static_cast<int>(batch)),
-          h(static_cast<int>(head)) {{}}
+          h(static_cast<int>(head)) {{
+{hoisted}    }}
     __device__ __forceinline__ float transform(float raw, int q_idx, int kv_idx, float q_idx_f,
                                                float kv_idx_f) const {{
         (void)q_idx_f;
         (void)kv_idx_f;
         const float score = raw * scale;
-{value}        return result * inverse_scale;
+        (void)score;
+{value}        return {value_return};
     }}
     __device__ __forceinline__ float transform(float raw, int q_idx, int kv_idx) const {{
         return transform(raw, q_idx, kv_idx, static_cast<float>(q_idx), static_cast<float>(kv_idx));
@@ -859,6 +876,76 @@ def reads_variable(expr: Expr, name: str) -> bool:
             return True
         stack.extend(a for a in node.args if isinstance(a, Expr))
     return False
+
+
+_ELEMENT_VARIABLES = ("score", "q_idx", "kv_idx")
+
+
+def _per_element(node: Expr, memo: dict) -> bool:
+    """Whether ``node`` reads the score or a position (else it is the same
+    for every score of a head)."""
+    key = id(node)
+    if key not in memo:
+        memo[key] = (node.op == "var" and node.args[0] in _ELEMENT_VARIABLES) or any(
+            _per_element(a, memo) for a in node.args if isinstance(a, Expr))
+    return memo[key]
+
+
+def _uniform_parts(expr: Expr) -> list[Expr]:
+    """The largest parts of ``expr`` that are the same for every score of a
+    head (neither constants nor plain variables): the policy computes them
+    once, in its constructor."""
+    memo, found, seen, stack = {}, {}, set(), [expr]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.op in ("const", "var"):
+            continue
+        if not _per_element(node, memo):
+            found[node._key] = node
+            continue
+        stack.extend(a for a in node.args if isinstance(a, Expr))
+    return list(found.values())
+
+
+def _raw_score_form(value: Expr) -> tuple[Expr, str]:
+    """(expression, C return value) of a score function in raw-score units:
+    ``score + bias`` (or minus) returns raw + bias * inverse_scale, the
+    scale folded into the bias's head-uniform factor where it has one
+    (ALiBi's slope) and no multiply by the scale; any other returns its
+    value (``result``) times inverse_scale."""
+    if value.op in ("+", "-") and value.args[0].op == "var" and value.args[0].args[0] == "score":
+        bias, sign = value.args[1], value.op
+    elif value.op == "+" and value.args[1].op == "var" and value.args[1].args[0] == "score":
+        bias, sign = value.args[0], "+"
+    else:
+        return value, "result * inverse_scale"
+    memo = {}
+    if _per_element(bias, memo) and bias.op == "*" and bias.kind == "float":
+        # The inverse scale joins the factor that is the same for every score.
+        inverse = Expr("var", ("inverse_scale",), "float")
+        left, right = bias.args
+        if not _per_element(left, memo):
+            bias = Expr("*", (Expr("*", (left, inverse), "float"), right), "float")
+            return bias, f"raw {sign} result"
+        if not _per_element(right, memo):
+            bias = Expr("*", (left, Expr("*", (right, inverse), "float")), "float")
+            return bias, f"raw {sign} result"
+    if bias.kind != "float":
+        bias = Expr("float", (bias,), "float")
+    return bias, f"raw {sign} result * inverse_scale"
+
+
+def _statements_after(uniform: "_CudaWriter", expr: Expr, result: str, float_positions: bool) -> list[str]:
+    """``cuda_statements`` of ``expr`` reading the parts ``uniform`` computed
+    as the policy's members."""
+    writer = _CudaWriter(uniform.specs, uniform.array_pointer, "kPrecise", float_positions)
+    writer.names = dict(uniform.names)
+    writer.lines = []
+    value = writer.emit(expr)
+    return writer.lines + [f"const {_C_TYPES[expr.kind]} {result} = {value};"]
 
 
 def trace_key(trace) -> str:
