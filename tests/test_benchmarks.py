@@ -23,8 +23,28 @@ VARLEN = sorted((REPO / "benchmarks").glob("*_varlen.json"))
 KVCACHE = sorted((REPO / "benchmarks").glob("*_kvcache.json"))
 #: windows, soft caps, ALiBi and dropout against plain attention (``tools/bench.py --variants-only``).
 VARIANTS = sorted((REPO / "benchmarks").glob("*_variants.json"))
+#: tools/bench_mods.py: user functions against FlexAttention.
+MODS = sorted((REPO / "benchmarks").glob("*_mods.json"))
 BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE)
-                    - set(VARLEN) - set(KVCACHE) - set(VARIANTS))
+                    - set(VARLEN) - set(KVCACHE) - set(VARIANTS) - set(MODS))
+
+
+@pytest.mark.parametrize("path", MODS, ids=lambda p: p.name)
+def test_mods_rows_are_consistent(path):
+    from bench_mods import CASES
+
+    result = json.loads(path.read_text())
+    assert {"device", "commit", "date"} <= set(result["environment"])
+    rows = result["rows"]
+    flex = {r["case"]: r["ms"] for r in rows if r["backend"] == "flex"}
+    assert set(flex) == set(CASES)
+    for r in rows:
+        if r["backend"] != "flex":
+            for part in ("fwd", "fwd+bwd"):
+                assert r["flex_over_this"][part] == pytest.approx(flex[r["case"]][part] / r["ms"][part])
+    first = {(r["case"], r["backend"]): r["first_call_s"] for r in result["first_calls"]}
+    assert set(first) == {(case, backend) for case in CASES for backend in ("flex", "cuflash")}
+    assert all(seconds is not None and seconds > 0 for seconds in first.values())
 
 
 @pytest.mark.parametrize("path", VARIANTS, ids=lambda p: p.name)
