@@ -397,17 +397,22 @@ class MaskModTrace:
     arrays: tuple[ArraySpec, ...]
 
 
-def _reads_position(expr: Expr) -> bool:
+def _any_node(expr: Expr, predicate: Callable[[Expr], bool]) -> bool:
+    """Whether some node of ``expr``'s graph satisfies ``predicate``."""
     seen, stack = set(), [expr]
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
-        if node.op == "load" or (node.op == "var" and node.args[0] != "score"):
+        if predicate(node):
             return True
         stack.extend(a for a in node.args if isinstance(a, Expr))
     return False
+
+
+def _reads_position(expr: Expr) -> bool:
+    return _any_node(expr, lambda node: node.op == "load" or (node.op == "var" and node.args[0] != "score"))
 
 
 def _leaves(specs: tuple[ArraySpec, ...]) -> tuple[list[Expr], dict]:
@@ -866,16 +871,7 @@ struct {name} {{
 
 def reads_variable(expr: Expr, name: str) -> bool:
     """Whether ``expr`` reads position ``name`` ("b", "h", "q_idx", "kv_idx")."""
-    seen, stack = set(), [expr]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node.op == "var" and node.args[0] == name:
-            return True
-        stack.extend(a for a in node.args if isinstance(a, Expr))
-    return False
+    return _any_node(expr, lambda node: node.op == "var" and node.args[0] == name)
 
 
 _ELEMENT_VARIABLES = ("score", "q_idx", "kv_idx")

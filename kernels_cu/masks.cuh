@@ -259,14 +259,8 @@ struct UserMask : SequenceBounds {
     }
 };
 
-template <typename Mask, typename = void>
-struct HasTileMap {
-    static constexpr bool value = false;
-};
-template <typename Mask>
-struct HasTileMap<Mask, decltype(void(Mask::kTileMap))> {
-    static constexpr bool value = Mask::kTileMap;
-};
+// Whether a mask skips tiles by a tile map (UserMask); the others do not.
+CUFLASH_FLAG_TRAIT(HasTileMap, kTileMap);
 
 // The mask of a block's sequences for query head `head` of batch entry
 // `batch` (only a user mask reads them).

@@ -118,6 +118,19 @@ __device__ __forceinline__ float tanh_fast(float x) {
     return y;
 }
 
+// Declares Trait<T>::value: T::kMember where a policy T has that static
+// flag, false where it has none (the optional flags of the policy
+// contracts: masks.cuh, score_transforms.cuh).
+#define CUFLASH_FLAG_TRAIT(Trait, kMember)                       \
+    template <typename T, typename = void>                       \
+    struct Trait {                                               \
+        static constexpr bool value = false;                     \
+    };                                                           \
+    template <typename T>                                        \
+    struct Trait<T, decltype(void(T::kMember))> {                \
+        static constexpr bool value = T::kMember;                \
+    }
+
 template <typename T>
 __host__ __device__ constexpr T ceil_div(T a, T b) {
     return (a + b - 1) / b;

@@ -116,41 +116,20 @@ struct WithDropout : Inner {
 
 // Whether a transform is ALiBi's (WithAlibi, or a policy deriving from it):
 // a policy without a kAlibi member is not.
-template <typename Score, typename = void>
-struct HasAlibi {
-    static constexpr bool value = false;
-};
-template <typename Score>
-struct HasAlibi<Score, decltype(void(Score::kAlibi))> {
-    static constexpr bool value = Score::kAlibi;
-};
+CUFLASH_FLAG_TRAIT(HasAlibi, kAlibi);
 
 // Whether a transform's derivative comes from the raw score
 // (gradient_from_raw(raw, row, key): user functions, cuflash/mods.py, whose
 // value need not determine their derivative) instead of from the
 // transformed one: the backward then keeps raw scores and transforms each
 // where it takes its probability. A policy without kGradientFromRaw does not.
-template <typename Score, typename = void>
-struct HasGradientFromRaw {
-    static constexpr bool value = false;
-};
-template <typename Score>
-struct HasGradientFromRaw<Score, decltype(void(Score::kGradientFromRaw))> {
-    static constexpr bool value = Score::kGradientFromRaw;
-};
+CUFLASH_FLAG_TRAIT(HasGradientFromRaw, kGradientFromRaw);
 
 // Whether a transform takes the positions as floats too
 // (transform(raw, row, key, row_f, key_f): user functions, cuflash/mods.py,
 // whose position arithmetic then needs no conversion per score; see
 // alibi_bias_at for why that matters). A policy without kFloatPositions does not.
-template <typename Score, typename = void>
-struct HasFloatPositions {
-    static constexpr bool value = false;
-};
-template <typename Score>
-struct HasFloatPositions<Score, decltype(void(Score::kFloatPositions))> {
-    static constexpr bool value = Score::kFloatPositions;
-};
+CUFLASH_FLAG_TRAIT(HasFloatPositions, kFloatPositions);
 
 // ALiBi's bias at distance d = row + seqlen_k - seqlen_q - key, d a float.
 // Why the fragment walks pass d: along a fragment's row the keys step by
@@ -184,42 +163,46 @@ __device__ __forceinline__ float transform_derivative(const Score& score, float 
     }
 }
 
+// Calls f(mt, i, row, first_key) for each fragment row a lane holds of a
+// warp's S fragments s[kMTiles][.][4] (rows from row0, keys from key0;
+// layout as for_each_fragment_element's): element s[mt][nt][i] is the score
+// of (row, first_key + 8 nt). The walks that derive each element's
+// position from its row's (ALiBi's distance, float positions) take it.
+template <int kMTiles, typename F>
+__device__ __forceinline__ void for_each_fragment_row(int row0, int key0, int lane, F&& f) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            f(mt, i, row0 + mt * 16 + lane / 4 + (i / 2) * 8, key0 + 2 * (lane % 4) + i % 2);
+        }
+    }
+}
+
 // Transforms a warp's raw S fragments in place (rows from row0, keys from
 // key0; element layout as for_each_fragment_element's).
 template <typename Score, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_score_transform(const Score& score, float (&s)[kMTiles][kNTiles][4], int row0,
                                                       int key0, int lane) {
     if constexpr (HasAlibi<Score>::value) {
+        for_each_fragment_row<kMTiles>(row0, key0, lane, [&](int mt, int i, int row, int first_key) {
+            const float distance0 = static_cast<float>(row + score.diagonal_offset - first_key);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-                const int first_key = key0 + 2 * (lane % 4) + i % 2;
-                const float distance0 = static_cast<float>(row + score.diagonal_offset - first_key);
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) {
-                    s[mt][nt][i] = score.inner.transform(s[mt][nt][i], row, first_key + nt * 8) +
-                                   alibi_bias_at(score, distance0 - static_cast<float>(nt * 8));
-                }
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                s[mt][nt][i] = score.inner.transform(s[mt][nt][i], row, first_key + nt * 8) +
+                               alibi_bias_at(score, distance0 - static_cast<float>(nt * 8));
             }
-        }
+        });
     } else if constexpr (HasFloatPositions<Score>::value) {
         // The positions as floats: one conversion per fragment row and its first key.
+        for_each_fragment_row<kMTiles>(row0, key0, lane, [&](int mt, int i, int row, int first_key) {
+            const float row_f = static_cast<float>(row), first_key_f = static_cast<float>(first_key);
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
-                const int first_key = key0 + 2 * (lane % 4) + i % 2;
-                const float row_f = static_cast<float>(row), first_key_f = static_cast<float>(first_key);
-#pragma unroll
-                for (int nt = 0; nt < kNTiles; ++nt) {
-                    s[mt][nt][i] = score.transform(s[mt][nt][i], row, first_key + nt * 8, row_f,
-                                                   first_key_f + static_cast<float>(nt * 8));
-                }
+            for (int nt = 0; nt < kNTiles; ++nt) {
+                s[mt][nt][i] = score.transform(s[mt][nt][i], row, first_key + nt * 8, row_f,
+                                               first_key_f + static_cast<float>(nt * 8));
             }
-        }
+        });
     } else if constexpr (!Score::kIsIdentity) {
         for_each_fragment_element(s, row0, key0, lane,
                                   [&](float& x, int row, int key) { x = score.transform(x, row, key); });

@@ -3,6 +3,7 @@ the accuracy rule of DEVELOPERS.md."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import numpy as np
@@ -307,3 +308,34 @@ def assert_reference_gradients_match_finite_differences(dout, q, k, v, **options
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7)
     return grads
 
+
+def check_forward_and_backward(cupy, q, k, v, dout, options: dict, dtype: str, deterministic: bool = False):
+    """cuflash's forward and backward of ``options`` (a call's keyword
+    arguments) on poisoned outputs against the float64 references, within 2x
+    the same-precision naive baseline for 16-bit inputs; returns (out, lse,
+    [dq, dk, dv])."""
+    import cuflash
+    from cuflash.reference import attention_backward_reference, attention_reference
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    out = cupy.full_like(q, cupy.nan)
+    lse = cupy.full((batch, nheads, seqlen_q), cupy.nan, dtype=cupy.float32)
+    cuflash.attention(q, k, v, out=out, lse=lse, return_lse=True, **options)
+    host = [to_numpy64(x) for x in (q, k, v, dout)]
+    want_out, want_lse = attention_reference(*host[:3], **options)
+    scale = 1 / math.sqrt(head_dim)
+    low = dtype != "float32"
+    baseline = naive_attention_same_precision(q, k, v, softmax_scale=scale, **options) if low else None
+    assert_output_accurate(out, want_out, baseline)
+    assert_lse_close(lse, want_lse)
+    grads = [cupy.full_like(x, cupy.nan) for x in (q, k, v)]
+    cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                               deterministic=deterministic, **options)
+    wants = attention_backward_reference(host[3], *host[:3], **options)
+    bases = naive_attention_backward_same_precision(dout, q, k, v, softmax_scale=scale, **options)
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, wants, bases):
+        try:
+            assert_output_accurate(got, want, base)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+    return out, lse, grads

@@ -188,7 +188,8 @@ def test_benchmarks_md_renders_the_h100_json():
                                str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",
                                str(REPO / "benchmarks" / "h100_varlen.json"), "--kvcache",
                                str(REPO / "benchmarks" / "h100_kvcache.json"), "--variants",
-                               str(REPO / "benchmarks" / "h100_variants.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_variants.json"), "--mods",
+                               str(REPO / "benchmarks" / "h100_mods.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.

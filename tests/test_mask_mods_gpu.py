@@ -7,26 +7,16 @@ grouped-query heads with a per-head mask, the deterministic backward,
 BlockMask reuse, score_mod together with mask_mod, the PyTorch autograd
 path, and errors before any launch."""
 
-import math
-
 import numpy as np
 import pytest
 
 import cuflash
 from cuflash import mods
 from cuflash.block_mask import tile_map_reference, tile_states_reference
-from cuflash.reference import attention_backward_reference, attention_reference
 
-from tests.helpers import (
-    assert_lse_close,
-    assert_output_accurate,
-    naive_attention_backward_same_precision,
-    naive_attention_same_precision,
-    pin_kernel_generation,
-    random_qkv,
-    to_numpy64,
-)
+from tests.helpers import check_forward_and_backward, random_qkv
 from tests.test_forward_gpu import _cupy
+from tests.test_mods_gpu import CONFIGS, configured  # a kernel family each
 
 pytestmark = pytest.mark.gpu
 
@@ -58,36 +48,6 @@ def _arrays(name, batch, seqlen):
 
 
 MASKS = [same_document, causal_band, prefix_lm_per_head, first_rows_only]
-CONFIGS = {
-    "wgmma": ("bfloat16", 128, None),
-    "mma": ("float16", 64, 80),
-    "simt": ("float32", 40, None),
-}
-
-
-def _check(cupy, q, k, v, dout, options, dtype, deterministic=False):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    out = cupy.full_like(q, cupy.nan)
-    lse = cupy.full((batch, nheads, seqlen_q), cupy.nan, dtype=cupy.float32)
-    cuflash.attention(q, k, v, out=out, lse=lse, return_lse=True, **options)
-    host = [to_numpy64(x) for x in (q, k, v, dout)]
-    want_out, want_lse = attention_reference(*host[:3], **options)
-    scale = 1 / math.sqrt(head_dim)
-    low = dtype != "float32"
-    baseline = naive_attention_same_precision(q, k, v, softmax_scale=scale, **options) if low else None
-    assert_output_accurate(out, want_out, baseline)
-    assert_lse_close(lse, want_lse)
-    grads = [cupy.full_like(x, cupy.nan) for x in (q, k, v)]
-    cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
-                               deterministic=deterministic, **options)
-    wants = attention_backward_reference(host[3], *host[:3], **options)
-    bases = naive_attention_backward_same_precision(dout, q, k, v, softmax_scale=scale, **options)
-    for name, got, want, base in zip(("dq", "dk", "dv"), grads, wants, bases):
-        try:
-            assert_output_accurate(got, want, base)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
-    return out, lse, grads
 
 
 @pytest.mark.parametrize("fn", MASKS, ids=lambda f: f.__name__)
@@ -95,16 +55,12 @@ def _check(cupy, q, k, v, dout, options, dtype, deterministic=False):
 @pytest.mark.parametrize("seqlen_q,seqlen_k", [(300, 517), (517, 300), (1, 1000), (17, 127)])
 def test_mask_mod_forward_and_backward(fn, config, seqlen_q, seqlen_k, monkeypatch):
     cupy = _cupy()
-    dtype, head_dim, generation = CONFIGS[config]
-    if config == "wgmma" and cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("needs a Hopper GPU")
-    if generation is not None:
-        pin_kernel_generation(monkeypatch, generation)
+    dtype, head_dim = configured(config, monkeypatch)
     batch, nheads, nheads_k = 2, 4, 2
     q, k, v = random_qkv(cupy, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, cupy.dtype(dtype), seed=5)
     dout = random_qkv(cupy, batch, seqlen_q, seqlen_q, nheads, nheads, head_dim, cupy.dtype(dtype), seed=6)[0]
     options = dict(mask_mod=fn, mod_arrays=_arrays(fn.__name__, batch, max(seqlen_q, seqlen_k)))
-    _check(cupy, q, k, v, dout, options, dtype)
+    check_forward_and_backward(cupy, q, k, v, dout, options, dtype)
 
 
 @pytest.mark.parametrize("fn", [same_document, prefix_lm_per_head], ids=lambda f: f.__name__)
@@ -113,7 +69,7 @@ def test_deterministic_backward_takes_turns_among_the_listed_tiles(fn):
     q, k, v = random_qkv(cupy, 2, 700, 700, 4, 2, 128, cupy.dtype("bfloat16"), seed=7)
     dout = random_qkv(cupy, 2, 700, 700, 4, 4, 128, cupy.dtype("bfloat16"), seed=8)[0]
     options = dict(mask_mod=fn, mod_arrays=_arrays(fn.__name__, 2, 700))
-    out, lse, grads = _check(cupy, q, k, v, dout, options, "bfloat16", deterministic=True)
+    out, lse, grads = check_forward_and_backward(cupy, q, k, v, dout, options, "bfloat16", deterministic=True)
     again = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
     for got, want in zip(again, grads):
         assert bool((got == want).all())
@@ -122,7 +78,6 @@ def test_deterministic_backward_takes_turns_among_the_listed_tiles(fn):
 @pytest.mark.parametrize("fn", MASKS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("block_m,block_n", [(128, 128), (64, 128), (128, 48), (16, 32)])
 def test_tile_map_is_numpys(fn, block_m, block_n):
-    cupy = _cupy()
     batch, nheads, seqlen_q, seqlen_k = 2, 3, 517, 300
     arrays = _arrays(fn.__name__, batch, max(seqlen_q, seqlen_k))
     mask = cuflash.block_mask(fn, batch, nheads, seqlen_q, seqlen_k, mod_arrays=arrays)
@@ -177,7 +132,7 @@ def test_score_mod_and_mask_mod_together():
     def document(b, h, q_idx, kv_idx, doc, slopes):
         return doc[b, q_idx] == doc[b, kv_idx]
 
-    _check(cupy, q, k, v, dout, dict(score_mod=alibi, mask_mod=document, mod_arrays=arrays), "bfloat16")
+    check_forward_and_backward(cupy, q, k, v, dout, dict(score_mod=alibi, mask_mod=document, mod_arrays=arrays), "bfloat16")
 
 
 def test_pytorch_autograd_takes_a_mask_mod():

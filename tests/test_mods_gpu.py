@@ -6,24 +6,14 @@ baseline that applies it too; arrays read by name through plan slots (new
 values, same plan), variable-length batches, dropout on top, decoding, the
 PyTorch autograd path, and errors before any launch."""
 
-import math
-
 import numpy as np
 import pytest
 
 import cuflash
 from cuflash import mods
-from cuflash.reference import attention_backward_reference, attention_reference
+from cuflash.reference import attention_reference
 
-from tests.helpers import (
-    assert_lse_close,
-    assert_output_accurate,
-    naive_attention_backward_same_precision,
-    naive_attention_same_precision,
-    pin_kernel_generation,
-    random_qkv,
-    to_numpy64,
-)
+from tests.helpers import check_forward_and_backward, pin_kernel_generation, random_qkv, to_numpy64
 from tests.test_forward_gpu import _cupy
 
 pytestmark = pytest.mark.gpu
@@ -71,42 +61,31 @@ CONFIGS = {
 }
 
 
+def configured(config: str, monkeypatch) -> tuple[str, int]:
+    """(dtype, head_dim) of CONFIGS[config], its kernel family made the one
+    that runs (the generation pinned; Hopper's skipped elsewhere)."""
+    dtype, head_dim, generation = CONFIGS[config]
+    if config == "wgmma" and _cupy().cuda.Device().compute_capability != "90":
+        pytest.skip("needs a Hopper GPU")
+    if generation is not None:
+        pin_kernel_generation(monkeypatch, generation)
+    return dtype, head_dim
+
+
 @pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(300, 517, False), (517, 300, True), (1, 1000, False),
                                                       (17, 127, True)])
 def test_score_mod_forward_and_backward(fn, config, seqlen_q, seqlen_k, causal, monkeypatch):
     cupy = _cupy()
-    dtype, head_dim, generation = CONFIGS[config]
-    if config == "wgmma" and cupy.cuda.Device().compute_capability != "90":
-        pytest.skip("needs a Hopper GPU")
-    if generation is not None:
-        pin_kernel_generation(monkeypatch, generation)
+    dtype, head_dim = configured(config, monkeypatch)
     batch, nheads, nheads_k = 2, 4, 2
     q, k, v = random_qkv(cupy, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, cupy.dtype(dtype), seed=3)
     q, k = q * 2, k * 2
     dout = random_qkv(cupy, batch, seqlen_q, seqlen_q, nheads, nheads, head_dim, cupy.dtype(dtype), seed=4)[0]
     arrays = _arrays(fn.__name__, batch, nheads, seqlen_k)
     options = dict(causal=causal, score_mod=fn, mod_arrays=arrays)
-    out = cupy.full_like(q, cupy.nan)
-    lse = cupy.full((batch, nheads, seqlen_q), cupy.nan, dtype=cupy.float32)
-    cuflash.attention(q, k, v, out=out, lse=lse, return_lse=True, **options)
-    host = [to_numpy64(x) for x in (q, k, v, dout)]
-    want_out, want_lse = attention_reference(*host[:3], **options)
-    scale = 1 / math.sqrt(head_dim)
-    low = dtype != "float32"
-    baseline = naive_attention_same_precision(q, k, v, softmax_scale=scale, **options) if low else None
-    assert_output_accurate(out, want_out, baseline)
-    assert_lse_close(lse, want_lse)
-    grads = [cupy.full_like(x, cupy.nan) for x in (q, k, v)]
-    cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **options)
-    wants = attention_backward_reference(host[3], *host[:3], **options)
-    bases = naive_attention_backward_same_precision(dout, q, k, v, softmax_scale=scale, **options)
-    for name, got, want, base in zip(("dq", "dk", "dv"), grads, wants, bases):
-        try:
-            assert_output_accurate(got, want, base)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
+    check_forward_and_backward(cupy, q, k, v, dout, options, dtype)
 
 
 def test_new_array_values_reuse_the_plan():

@@ -8,7 +8,7 @@ backend (needs matplotlib).
                                 [--float32 benchmarks/h100_float32.json]
                                 [--varlen benchmarks/h100_varlen.json] [--kvcache benchmarks/h100_kvcache.json] \
                                 [--variants benchmarks/h100_variants.json] \
-                                > BENCHMARKS.md
+                                [--mods benchmarks/h100_mods.json] > BENCHMARKS.md
 
 ``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
@@ -269,6 +269,32 @@ def variants_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mods_markdown(result: dict) -> str:
+    """User score and mask functions against FlexAttention (``tools/bench_mods.py``)."""
+    env = result["environment"]
+    batch, heads, seqlen, head_dim = result["shape"]
+    lines = [
+        "## User functions against FlexAttention", "",
+        f"bf16, batch {batch}, {heads} heads, seqlen {seqlen}, head_dim {head_dim}, {env['device']}, cuflash commit "
+        f"`{env['commit']}`, {env['date']}: FlexAttention's examples as `flex_attention` under `torch.compile` "
+        "(its block mask made once) and as cuflash (a built-in option, the same `mask_mod` as a BlockMask, a "
+        "`score_mod`, or packed sequences), in one process; CUDA events, medians, forward and forward + backward "
+        "through autograd. Ratios > 1 mean cuflash is faster.", "",
+        "| case | backend | fwd ms | fwd+bwd ms | flex / this (fwd) | flex / this (fwd+bwd) |",
+        "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ratios = r.get("flex_over_this")
+        cells = ("", "") if ratios is None else (f"{ratios['fwd']:.2f}x", f"{ratios['fwd+bwd']:.2f}x")
+        lines.append(f"| {r['case']} | {r['backend']} | {r['ms']['fwd']:.3f} | {r['ms']['fwd+bwd']:.3f} | "
+                     f"{cells[0]} | {cells[1]} |")
+    lines += ["", "First call in a fresh process with empty compile caches (seconds):", "",
+              "| case | flex | cuflash |", "|---|---|---|"]
+    first = {(r["case"], r["backend"]): r["first_call_s"] for r in result["first_calls"]}
+    for case in dict.fromkeys(r["case"] for r in result["first_calls"]):
+        lines.append(f"| {case} | {first[case, 'flex']:.2f} | {first[case, 'cuflash']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
@@ -278,6 +304,7 @@ def main() -> int:
     parser.add_argument("--varlen", help="a variable-length JSON (bench.py --varlen-only), its own section")
     parser.add_argument("--kvcache", help="a decode JSON (bench.py --decode-only), its own section")
     parser.add_argument("--variants", help="a variants JSON (bench.py --variants-only), its own section")
+    parser.add_argument("--mods", help="a user-functions JSON (bench_mods.py), its own section")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -293,6 +320,8 @@ def main() -> int:
         print(kvcache_markdown(json.loads(Path(args.kvcache).read_text())))
     if args.variants:
         print(variants_markdown(json.loads(Path(args.variants).read_text())))
+    if args.mods:
+        print(mods_markdown(json.loads(Path(args.mods).read_text())))
     return 0
 
 
