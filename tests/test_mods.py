@@ -230,3 +230,28 @@ def test_user_policies_compile_into_the_kernels(tmp_path):
     for variant, arch in variants:
         (row,) = kernel_report.compile_report([variant], arch)
         assert row["registers"] > 0, row
+
+
+def test_float_positions_are_used_only_where_exact():
+    q, k = (mods.Expr("var", (name,), "int") for name in ("q_idx", "kv_idx"))
+    assert mods._float_bound(abs(q - k) + 5) == 2 * mods.FLOAT_POSITION_LIMIT + 5
+    assert mods._float_bound(mods.minimum(q, k) - 1) is not None
+    assert mods._float_bound(q * 3) is None  # products could leave float's exact range
+    assert mods._float_bound(q + k + q + k) is None  # four positions reach 2**24
+    assert mods._float_bound(q // 7) is None
+
+
+def test_score_policies_hoist_per_head_parts_and_fold_the_scale():
+    trace = mods.trace_score_mod(alibi, _arrays("alibi"))
+    cxx, code = mods.score_policy(trace)
+    assert cxx.endswith("<{precise}>")
+    transform = code[code.index("float transform(float raw, int q_idx, int kv_idx, float q_idx_f"):]
+    transform = transform[:transform.index("}")]
+    assert "fabsf((q_idx_f - kv_idx_f))" in transform and "arrays[" not in transform  # slope read once per head
+    assert "return raw - result;" in transform  # the scale folded into the hoisted slope
+    assert "u1 = (u0 * inverse_scale);" in code
+    _, wide = mods.score_policy(trace, float_positions=False)
+    assert "q_idx_f - kv_idx_f" not in wide and "(q_idx - kv_idx)" in wide  # integers, converted per score
+    capped = mods.score_policy(mods.trace_score_mod(softcap_causal))[1]
+    assert "mod_tanh<kPrecise>" in capped and "(kPrecise ? " in capped  # fast tanh, reciprocal for 16-bit inputs
+    assert "mod_exp<kPrecise>" in mods.score_policy(mods.trace_score_mod(smooth))[1]
