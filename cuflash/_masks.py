@@ -354,6 +354,12 @@ BATCH_LAYOUTS: dict[str, str] = {"dense": "cuflash::DenseBatch", "packed": "cufl
 CACHE_LAYOUTS = ("cache", "paged")
 
 
+def built_in_masks() -> list[MaskPolicy]:
+    """The masks cuflash defines (MASKS also holds the user masks a process
+    registered, each with its generated code: ``register_user_mask``)."""
+    return [mask for mask in MASKS.values() if not mask.prelude]
+
+
 def _named(table: dict, what: str, name: str):
     try:
         return table[name]

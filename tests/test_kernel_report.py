@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cuflash._masks import MASKS
+from cuflash._masks import built_in_masks
 from tests.helpers import needs_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     # mask, 2 dQ modes) are left out of Hopper's instead.
     small = kernel_report.small_smem_only_keys()
     # every mask dense and packed, and the heaviest policies dense
-    assert len(small) == 4 * 2 * (2 * len(MASKS) + 1) * 2 and all(key.startswith("backward-dkdv-mma/") for key in small)
+    assert len(small) == 4 * 2 * (2 * len(built_in_masks()) + 1) * 2 and all(key.startswith("backward-dkdv-mma/") for key in small)
     assert small <= {v.key for v in sm80}
     sm90a = kernel_report.variants_for(variants, "sm_90a")
     # An A100 block gets 163 KiB: float32's Hopper-only 3xTF32 tile at head
@@ -77,7 +77,7 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     # dense) is left out there too.
     beyond_a100 = [v.key for v in variants if v.smem_bytes > 163 * 1024 and not v.key.startswith(
         kernel_report.HOPPER_ONLY)]
-    assert len(beyond_a100) == 2 * len(MASKS) + 1
+    assert len(beyond_a100) == 2 * len(built_in_masks()) + 1
     assert all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
     hopper_only = [v for v in variants if v.key.startswith(kernel_report.HOPPER_ONLY)]
     assert len(sm90a) == len(variants) - len(small) == len(sm80) + len(hopper_only) + len(beyond_a100) - len(small)

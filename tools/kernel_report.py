@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from cuflash._kernel_families import FAMILIES, KernelVariant, cache_append_variants, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
-from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS  # noqa: E402
+from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS, built_in_masks  # noqa: E402
 
 #: Batch layouts every tiled family is built for ("dense" first); the
 #: KV-cache ones (CACHE_LAYOUTS) only where a family has them.
@@ -56,8 +56,7 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     """``family``'s variants of one tiling: every mask, both dQ modes of a
     dK/dV family that has them, each of ``layouts``; in dense batches the
     ``HEAVIEST`` policies too."""
-    # The built-in masks (user masks a process registered come with their own code: tests compile those)
-    policies = [(mask, SCORE_TRANSFORMS["identity"]) for mask in MASKS.values() if not mask.prelude]
+    policies = [(mask, SCORE_TRANSFORMS["identity"]) for mask in built_in_masks()]
     heaviest = [(MASKS[HEAVIEST[0]], SCORE_TRANSFORMS[HEAVIEST[1]])]
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
             for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
