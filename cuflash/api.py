@@ -27,7 +27,7 @@ from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
                                merge_variant, select)
 from ._masks import CACHE_LAYOUTS
-from .block_mask import BlockMask, tile_map_strides
+from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
@@ -173,11 +173,13 @@ class Variants:
         None without a mask function."""
         if problem.tile_map_dims is None:
             return None
-        mask = self.mask_mod if isinstance(self.mask_mod, BlockMask) else BlockMask(
-            self.mask_mod, problem.batch, problem.nheads, problem.seqlen_q, problem.seqlen_k, self.mod_arrays)
         arrays = [views.get(slot) for slot in MOD_ARRAY_SLOTS]
-        return mask.tile_map(problem.mask, problem.tile_map_dims, tiling.block_m, tiling.block_n, arrays,
-                             problem.device)
+        if isinstance(self.mask_mod, BlockMask):
+            return self.mask_mod.tile_map(problem.mask, problem.tile_map_dims, tiling.block_m, tiling.block_n, arrays,
+                                          problem.device)
+        # A plain function (traced and checked by check_mask_mod): its map, for this call only.
+        return build_tile_map(problem.mask, problem.tile_map_dims, problem.seqlen_q, problem.seqlen_k, tiling.block_m,
+                              tiling.block_n, arrays, problem.device)
 
     def mod_inputs(self) -> dict:
         """The mod arrays under their slot names (``MOD_ARRAY_SLOTS``)."""

@@ -691,14 +691,17 @@ def _float_form(node: Expr) -> str:
 
 
 def cuda_statements(expr: Expr, specs: tuple[ArraySpec, ...], result: str,
-                    array_pointer: str = "arrays", precise: str = "true", float_positions: bool = False) -> list[str]:
+                    array_pointer: str = "arrays", precise: str = "true", float_positions: bool = False,
+                    known: dict | None = None) -> list[str]:
     """C statements that compute ``expr`` into a new constant ``result``
     (the variables score, b, h, q_idx, kv_idx in scope; arrays at
     ``array_pointer[i]``, in the order of ``specs``; with
     ``float_positions`` also q_idx_f and kv_idx_f, the positions as floats,
     which conversions of exact position arithmetic to float use instead:
-    a kernel derives them per fragment, without a conversion per score)."""
+    a kernel derives them per fragment, without a conversion per score;
+    ``known``: nodes already computed, by key, and the names they have)."""
     writer = _CudaWriter(specs, array_pointer, precise, float_positions)
+    writer.names = dict(known or {})
     value = writer.emit(expr)
     return writer.lines + [f"const {_C_TYPES[expr.kind]} {result} = {value};"]
 
@@ -795,8 +798,10 @@ def score_policy(trace, float_positions: bool = True) -> tuple[str, str]:
             uniform.emit(node)
         members = "".join(f"    {line.split(' = ')[0].removeprefix('const ')};\n" for line in uniform.lines)
         hoisted = "".join(f"        {line.removeprefix('const ').split(' ', 1)[1]}\n" for line in uniform.lines)
-        value_lines = _statements_after(uniform, value_expr, "result", float_positions)
-        gradient_lines = _statements_after(uniform, trace.gradient, "result", False)
+        value_lines = cuda_statements(value_expr, trace.arrays, "result", precise="kPrecise",
+                                      float_positions=float_positions, known=uniform.names)
+        gradient_lines = cuda_statements(trace.gradient, trace.arrays, "result", precise="kPrecise",
+                                         known=uniform.names)
     value = "".join(f"        {line}\n" for line in value_lines)
     gradient = "".join(f"        {line}\n" for line in gradient_lines)
     code = f"""
@@ -932,16 +937,6 @@ def _raw_score_form(value: Expr) -> tuple[Expr, str]:
     if bias.kind != "float":
         bias = Expr("float", (bias,), "float")
     return bias, f"raw {sign} result * inverse_scale"
-
-
-def _statements_after(uniform: "_CudaWriter", expr: Expr, result: str, float_positions: bool) -> list[str]:
-    """``cuda_statements`` of ``expr`` reading the parts ``uniform`` computed
-    as the policy's members."""
-    writer = _CudaWriter(uniform.specs, uniform.array_pointer, "kPrecise", float_positions)
-    writer.names = dict(uniform.names)
-    writer.lines = []
-    value = writer.emit(expr)
-    return writer.lines + [f"const {_C_TYPES[expr.kind]} {result} = {value};"]
 
 
 def trace_key(trace) -> str:

@@ -241,8 +241,7 @@ struct UserMask : SequenceBounds {
     __device__ __forceinline__ TileSection section() const { return {head_section, m_tiles, n_tiles}; }
     // The sections of every head of the batch entry (the backward's walks).
     __device__ __forceinline__ TileMap map() const {
-        return {head_section - head * static_cast<index_t>(head_stride), head_stride, block_m, block_n, m_tiles,
-                n_tiles};
+        return {head_section - head * static_cast<index_t>(head_stride), head_stride, m_tiles, n_tiles};
     }
     // Every block (of the asking kernel's tiles, which are the map's but in
     // the deterministic dQ pass): the map's lists say which to visit.

@@ -46,9 +46,9 @@ struct ScoreGradient {
 
 template <typename Mask, typename Score>
 __device__ __forceinline__ ScoreGradient recompute_score_gradient(const BlockContext<Mask, Score>& ctx,
-                                                                  const Mask& mask, const Score& score, float qk, float dp, int row,
-                                                                  int key, bool row_valid, float lse_log2,
-                                                                  float delta) {
+                                                                  const Mask& mask, const Score& score, float qk,
+                                                                  float dp, int row, int key, bool row_valid,
+                                                                  float lse_log2, float delta) {
     const bool visible = row_valid && key_visible(mask, row, key);
     const float s = transformed_score(score, qk, row, key);
     const float p = recompute_probability(visible, s, ctx.scale_log2, lse_log2);

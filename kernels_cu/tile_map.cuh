@@ -51,11 +51,10 @@ struct TileSection {
 };
 
 // The map of one batch entry: its sections by head (head_stride 0 where the
-// mask does not read the head), tiles of block_m x block_n.
+// mask does not read the head).
 struct TileMap {
     const int* batch_base;
     index_t head_stride;
-    int block_m, block_n;
     int m_tiles, n_tiles;
 
     __device__ __forceinline__ TileSection of_head(index_t head) const {
