@@ -63,6 +63,23 @@ MMA_DECODE_TILES = {
 #: Query rows per K/V head and batch entry up to which a call takes the
 #: decode tiles (one decode block's rows).
 DECODE_MAX_ROWS = 64
+#: The decode tiles of calls with at most DECODE_SPLIT_KEYS_MAX_ROWS such
+#: rows (one query token, up to 16 query heads per K/V head): one m16 tile
+#: of rows whose four warps split each key block's keys (the Tiling's
+#: warps_split_keys, MmaForwardTraits), so each score is computed once, not
+#: by four warps of which three hold empty rows. Measured on the H100
+#: (bf16 d128, one token, against the 64-row tiles): see _tiling's history
+#: in docs/perf-notes.md. Whole k16 steps per warp: 64 keys a block (128 at
+#: d64, as the 64-row tiles).
+MMA_DECODE_SPLIT_KEYS_TILES = {
+    32: (16, 64, 4, 2),
+    64: (16, 128, 4, 2),
+    96: (16, 64, 4, 2),
+    128: (16, 64, 4, 2),
+    192: (16, 64, 4, 2),
+    256: (16, 64, 4, 2),
+}
+DECODE_SPLIT_KEYS_MAX_ROWS = 16
 #: The same kernel on float32 by 3xTF32 (opt-in: fp32_precision="3xtf32";
 #: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
 #: block_n, warps, K/V buffers). Measured on the H100 (seqlen 4096, docs/
@@ -263,6 +280,9 @@ class Tiling:
     #: block are cut into ranges, one thread block each, whose float32
     #: partial results a merge kernel combines (decoding)
     split_kv: bool = False
+    #: the mma.sync forward's warps split each key block's keys, not the
+    #: query rows (kWarpsSplitKeys: decoding's one m16 tile of rows)
+    warps_split_keys: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -490,21 +510,31 @@ def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
     return -(-key_blocks // per_split)
 
 
-def decode_tilings(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
-    """The mma.sync forward's decode tiles (``MMA_DECODE_TILES``) for
-    (dtype, head_dim), without and with split-KV; none for float32."""
+def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) -> tuple[Tiling, ...]:
+    """The mma.sync forward's decode tiles for (dtype, head_dim) and ``rows``
+    query rows per K/V head and batch entry, without and with split-KV:
+    ``MMA_DECODE_SPLIT_KEYS_TILES`` up to ``DECODE_SPLIT_KEYS_MAX_ROWS``
+    rows, else ``MMA_DECODE_TILES``; none for float32."""
     if dtype_name not in MMA_DTYPES:
         return ()
     padded = _mma_forward_bucket(dtype_name, head_dim)
-    return tuple(_mma_forward_tiles(dtype_name, padded, MMA_DECODE_TILES[padded], split_kv=split)
+    split_keys = rows <= DECODE_SPLIT_KEYS_MAX_ROWS
+    tiles = (MMA_DECODE_SPLIT_KEYS_TILES if split_keys else MMA_DECODE_TILES)[padded]
+    return tuple(_mma_forward_tiles(dtype_name, padded, tiles, split_kv=split, warps_split_keys=split_keys)
                  for split in (False, True))
 
 
+def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
+    """Every decode tiling ``decode_tilings`` may choose for (dtype, head_dim)."""
+    return (decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
+            + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS))
+
+
 def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int],
-                       split_kv: bool = False) -> Tiling:
+                       split_kv: bool = False, warps_split_keys: bool = False) -> Tiling:
     block_m, block_n, warps, stages = tiles
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="mma",
-                    kv_stages=stages, split_kv=split_kv)
+                    kv_stages=stages, split_kv=split_kv, warps_split_keys=warps_split_keys)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 

@@ -1197,7 +1197,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         short = (family_of("forward", chosen.kernel).short_tiles(problem.dtype, problem.head_dim)
                  if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
-    plain, split = decode_tilings(problem.dtype, problem.head_dim)
+    plain, split = decode_tilings(problem.dtype, problem.head_dim, rows)
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     return (split if splits > 1 else plain), shape, splits
 

@@ -19,6 +19,11 @@
 // first, so the blocks that need masking (the partial last block, the causal
 // diagonal) come first and the rest run mask-free.
 //
+// Decoding's query blocks are one m16 tile (the query rows that share a
+// K/V head) whose warps split each key block's keys (kWarpsSplitKeys,
+// MmaForwardTraits), each with its own softmax state, merged at the end
+// through shared memory (combine_warp_states).
+//
 // Split-KV (kSplitKv, decoding): each query block's keys are cut into
 // params.num_splits ranges (split_key_blocks), one thread block each, which
 // writes its rows' float32 output and log-sum-exp for its range alone to
@@ -44,10 +49,10 @@
 namespace cuflash {
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kKvStages, bool kSplitKv>
+          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_forward_mma_kernel(const ForwardParams params) {
-    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages>;
+    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages, kWarpsSplitKeys>;
     constexpr int kMTiles = Traits::kMTiles;
     constexpr int kNTiles = Traits::kNTiles;
     constexpr int kDTiles = Traits::kDTiles;
@@ -79,7 +84,8 @@ flash_forward_mma_kernel(const ForwardParams params) {
     const int warp = thread / 32;
     const int lane = thread % 32;
     const int m_start = origin.m_start;
-    const int warp_row0 = warp * Traits::kRowsPerWarp;  // first row of this warp inside the block
+    const int warp_row0 = kWarpsSplitKeys ? 0 : warp * Traits::kRowsPerWarp;  // this warp's first row in the block
+    const int warp_key0 = kWarpsSplitKeys ? warp * Traits::kWarpKeys : 0;  // this warp's first key in a key block
 
     const Element* q = origin.query_row<const Element>(params.q, origin.head, m_start);
     // The head's first key of K and V (not in a paged cache, whose rows are found per key).
@@ -143,9 +149,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // Q (A operand): matrices (rows 0-7 | 8-15) x (the k step's first | second 16 bytes).
     const u32 q_address = shared_address(q_tile) + Operands::a(lane, warp_row0);
     // K (B operand of Q K^T): matrices (keys 0-7: first | second 16 bytes), (keys 8-15: ...), two n8 tiles per load.
-    const u32 k_address = shared_address(k_tile) + Operands::b(lane);
+    const u32 k_address = shared_address(k_tile) + Operands::b(lane) + warp_key0 * kStride * kElementBytes;
     // V (B operand of P V, k along the keys): two n8 tiles of d per load.
-    const u32 v_address = shared_address(v_tile) + Operands::v_lane(lane);
+    const u32 v_address = shared_address(v_tile) + Operands::v_lane(lane) + warp_key0 * kStride * kElementBytes;
 
     float o[kMTiles][kDTiles][4];
     fill_fragments(o, 0.0f);
@@ -214,13 +220,13 @@ flash_forward_mma_kernel(const ForwardParams params) {
             }
         }
 
-        apply_score_transform(ctx.score, s, m_start + warp_row0, n_start, lane);
+        apply_score_transform(ctx.score, s, m_start + warp_row0, n_start + warp_key0, lane);
         if (key_block_needs_mask(block_mask, 0, kBlockM, n_start, kBlockN)) {
-            apply_mask_to_fragments(block_mask, s, warp_row0, n_start, lane);
+            apply_mask_to_fragments(block_mask, s, warp_row0, n_start + warp_key0, lane);
         }
         float rescale[2 * kMTiles];
         softmax.update(s, ctx.scale_log2, rescale);
-        drop_probabilities(ctx.score, s, m_start + warp_row0, n_start, lane);
+        drop_probabilities(ctx.score, s, m_start + warp_row0, n_start + warp_key0, lane);
         // Unconditional: the factors are mostly 1 (see FragmentOnlineSoftmax),
         // but skipping the multiplies behind a warp vote measured 1-4% slower
         // on the H100 (the branch splits the schedule around it).
@@ -263,6 +269,17 @@ flash_forward_mma_kernel(const ForwardParams params) {
         stage ^= kKvStages - 1;
     }
 
+    if constexpr (kWarpsSplitKeys) {
+        // Every warp is done with the K/V buffers (and no copy is in
+        // flight) before they take the warps' states; warp 0 then holds the
+        // block's and writes it.
+        cp_async_wait<0>();
+        __syncthreads();
+        combine_warp_states<kBlockM, kHeadDim, kWarps>(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
+        if (warp != 0) {
+            return;
+        }
+    }
     if constexpr (kSplitKv) {
         const QueryBlock block =
             query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);

@@ -52,4 +52,91 @@ __device__ __forceinline__ void finish_forward_rows(const FragmentOnlineSoftmax<
     }
 }
 
+// kWarpsSplitKeys (MmaForwardTraits): each warp holds the softmax state and
+// output of all kBlockM rows over its own share of the keys. Merged as
+// split-KV's partial results are (merge_states.cu), but by each row's
+// reference rather than a log-sum-exp: with m the largest reference of a
+// row, warp w's output and sum count exp2(reference_w - m) times (0 for a
+// warp that saw no key of the row, so -inf - -inf never arises), and warp 0
+// ends with the row's sum of them and reference m, as if it had seen every
+// key. `buffer`: shared memory for kWarps * kBlockM * (kHeadDim + 2) floats,
+// free for the taking (every warp past its last read of it); the caller
+// lets warp 0 go on alone.
+template <int kBlockM, int kHeadDim, int kWarps, int kMTiles, int kDTiles>
+__device__ __forceinline__ void combine_warp_states(FragmentOnlineSoftmax<kMTiles>& softmax,
+                                                    float (&o)[kMTiles][kDTiles][4], float* buffer, int warp,
+                                                    int lane) {
+    static_assert(kBlockM == 16 * kMTiles && kHeadDim == 8 * kDTiles, "every warp holds the block's rows");
+    constexpr int kRows = 2 * kMTiles;
+    constexpr int kFragments = kMTiles * kDTiles * 4;
+    float* references = buffer;          // [kWarps][kBlockM]
+    float* sums = buffer + kWarps * kBlockM;  // [kWarps][kBlockM]
+    float* outputs = sums + kWarps * kBlockM;  // [kWarps][kFragments][32]: each lane's fragments
+    const int group = lane / 4, quad = lane % 4;
+    const auto row_of = [&](int r) { return r / 2 * 16 + r % 2 * 8 + group; };
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const float sum = softmax.row_sum(r);
+        if (quad == 0) {
+            references[warp * kBlockM + row_of(r)] = softmax.reference[r];
+            sums[warp * kBlockM + row_of(r)] = sum;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        float largest = negative_infinity();
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            largest = fmaxf(largest, references[w * kBlockM + row_of(r)]);
+        }
+        const auto weight = [&](float reference) {
+            return reference == negative_infinity() ? 0.0f : exp2_fast(reference - largest);
+        };
+        const float own = weight(softmax.reference[r]);
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+            o[r / 2][dt][2 * (r % 2)] *= own;
+            o[r / 2][dt][2 * (r % 2) + 1] *= own;
+        }
+        if (warp == 0) {
+            float total = 0.0f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) {
+                total += sums[w * kBlockM + row_of(r)] * weight(references[w * kBlockM + row_of(r)]);
+            }
+            softmax.reference[r] = largest;
+            softmax.partial_sum[r] = quad == 0 ? total : 0.0f;  // row_sum adds the quad's shares
+        }
+    }
+    if (warp != 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    outputs[(warp * kFragments + (mt * kDTiles + dt) * 4 + e) * 32 + lane] = o[mt][dt][e];
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int w = 1; w < kWarps; ++w) {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int dt = 0; dt < kDTiles; ++dt) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        o[mt][dt][e] += outputs[(w * kFragments + (mt * kDTiles + dt) * 4 + e) * 32 + lane];
+                    }
+                }
+            }
+        }
+    }
+}
+
 }  // namespace cuflash

@@ -13,6 +13,7 @@
 // One warp per row; each lane holds kVec consecutive columns per step.
 #include "numeric.cuh"
 #include "params.cuh"
+#include "warp_reduce.cuh"
 
 namespace cuflash {
 
@@ -31,13 +32,22 @@ __device__ __forceinline__ void load_as_float(const Partial* src, float (&dst)[k
     }
 }
 
+// The merge is a chain of dependent memory reads (the log-sum-exps, then
+// every state's output), so latency, not bytes, is its cost at decoding's
+// sizes, and split-KV's partial results may have left L2 by the time they
+// are merged: each lane holds the log-sum-exp of one state of every 32
+// (read once; warp reductions give the maximum and the sum), and the output
+// loop issues kStatesInFlight states' reads before it adds any, each
+// state's weight broadcast from its lane by a shuffle.
+constexpr int kStatesInFlight = 16;
+
 template <typename Partial, typename Out, int kVec, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
     const int lane = threadIdx.x % 32;
     const index_t rows = params.size.seqlen_q;
     const index_t row_index = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
     if (row_index >= params.size.batch * params.size.nheads * rows) {
-        return;
+        return;  // a whole warp: the shuffles below stay full-warp
     }
     const index_t row = row_index % rows;
     const index_t head = row_index / rows % params.size.nheads;
@@ -47,17 +57,25 @@ __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(con
 
     const float* lse_in = params.partial_lse + batch * params.partial_lse_batch_stride +
                           head * params.partial_lse_head_stride + row * params.partial_lse_row_stride;
-    float max_lse = negative_infinity();
-    for (int s = 0; s < num_states; ++s) {
-        max_lse = fmaxf(max_lse, lse_in[s * params.partial_lse_state_stride]);
+    const auto state_lse = [&](int state) {
+        return state < num_states ? lse_in[state * params.partial_lse_state_stride] : negative_infinity();
+    };
+    // States lane, lane + 32, ...: the first in a register (decoding's
+    // splits are mostly at most 32), the others read again where needed.
+    const float first_lse = state_lse(lane);
+    float max_lse = first_lse;
+    for (int s = lane + 32; s < num_states; s += 32) {
+        max_lse = fmaxf(max_lse, state_lse(s));
     }
+    max_lse = group_allreduce_max<32>(max_lse);
     const bool seen = max_lse != negative_infinity();
-    float sum = 0.0f;
-    if (seen) {
-        for (int s = 0; s < num_states; ++s) {
-            sum += __expf(lse_in[s * params.partial_lse_state_stride] - max_lse);
-        }
+    // A state that saw no key (-inf) weighs exp(-inf) = 0; none at all: 0 everywhere.
+    const auto weight_of = [&](float lse) { return seen ? __expf(lse - max_lse) : 0.0f; };
+    float sum = weight_of(first_lse);
+    for (int s = lane + 32; s < num_states; s += 32) {
+        sum += weight_of(state_lse(s));
     }
+    sum = group_allreduce_sum<32>(sum);
     if (lane == 0) {
         params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row * params.lse_row_stride] =
             seen ? max_lse + logf(sum) : negative_infinity();
@@ -66,24 +84,46 @@ __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(con
 
     const Partial* in = params.partial.row_ptr<const Partial>(batch, head, row);
     Out* out = params.out.row_ptr<Out>(batch, head, row);
-    for (int col = lane * kVec; col < head_dim; col += 32 * kVec) {
+    // Column steps are warp-uniform (every lane takes the shuffles); lanes
+    // past the head dim write nothing.
+    for (int step = 0; step < head_dim; step += 32 * kVec) {
+        const int col = step + lane * kVec;
+        const bool has_columns = col < head_dim;
         float acc[kVec] = {};
-        for (int s = 0; s < num_states && seen; ++s) {
-            const float lse_s = lse_in[s * params.partial_lse_state_stride];
-            if (lse_s == negative_infinity()) {
-                continue;  // weight 0; its output is not read (see above)
-            }
-            const float weight = __expf(lse_s - max_lse) * inv_sum;
-            float value[kVec];
-            load_as_float<kVec>(in + s * params.partial_state_stride + col, value);
+        for (int first = 0; first < num_states && seen; first += 32) {
+            // This lane's weight of state first + lane (0: never read, see above).
+            const float own_weight = weight_of(first == 0 ? first_lse : state_lse(first + lane)) * inv_sum;
+            const int count = min(32, num_states - first);
+            for (int group = 0; group < count; group += kStatesInFlight) {
+                float weight[kStatesInFlight];
+                float value[kStatesInFlight][kVec];
 #pragma unroll
-            for (int i = 0; i < kVec; ++i) {
-                acc[i] += weight * value[i];
+                for (int j = 0; j < kStatesInFlight; ++j) {
+                    const int state = group + j;
+                    // Every read is issued (one past the states or columns
+                    // reads state `first`'s column 0, inside the buffer) and
+                    // used only where its weight is not 0.
+                    const bool used = state < count && has_columns;
+                    weight[j] = __shfl_sync(0xffffffffu, own_weight, state & 31);
+                    weight[j] = used ? weight[j] : 0.0f;
+                    load_as_float<kVec>(
+                        in + (first + (used ? state : 0)) * params.partial_state_stride + (used ? col : 0), value[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < kStatesInFlight; ++j) {
+#pragma unroll
+                    for (int i = 0; i < kVec; ++i) {
+                        // Not weight * value alone: 0 * NaN (an unread state's) is NaN.
+                        acc[i] += weight[j] != 0.0f ? weight[j] * value[j][i] : 0.0f;
+                    }
+                }
             }
         }
+        if (has_columns) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
-            out[col + i] = from_float<Out>(acc[i]);
+            for (int i = 0; i < kVec; ++i) {
+                out[col + i] = from_float<Out>(acc[i]);
+            }
         }
     }
 }

@@ -41,15 +41,28 @@ struct TensorCoreForwardShape {
 // memory feeds kMTiles products, which is what keeps shared-memory bandwidth
 // below the tensor cores' appetite, and kMTiles * (kDTiles + kNTiles) * 4
 // accumulators per lane is what limits it.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_>
+//
+// With kWarpsSplitKeys (decoding: a query block of one m16 tile, the few
+// query rows that share a K/V head), every warp owns all kBlockM rows and
+// kWarpKeys = kBlockN / kWarps of each key block's keys instead: a warp's
+// products are those of its own keys, so the block computes each score
+// once rather than kWarps times over empty rows, and the warps' softmax
+// states and outputs are merged through shared memory at the end
+// (combine_warp_states).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_,
+          bool kWarpsSplitKeys_ = false>
 struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
-    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps, Shape::kDTiles, Shape::kNTiles,
-        Shape::kQkSteps;
+    using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps, Shape::kDTiles, Shape::kQkSteps,
+        Shape::kKStep;
 
-    static constexpr int kRowsPerWarp = kBlockM / kWarps;
+    static constexpr bool kWarpsSplitKeys = kWarpsSplitKeys_;
+    static constexpr int kRowsPerWarp = kWarpsSplitKeys ? kBlockM : kBlockM / kWarps;
     static constexpr int kMTiles = kRowsPerWarp / 16;  // m16 tiles per warp
+    static constexpr int kWarpKeys = kWarpsSplitKeys ? kBlockN / kWarps : kBlockN;  // a warp's keys of a block
+    static constexpr int kNTiles = kWarpKeys / 8;       // n8 tiles of a warp's S per 16 rows
+    static constexpr int kPvSteps = kWarpKeys / kKStep;  // k steps of a warp's P V
 
     // Every row is padded by one 16-byte chunk: ldmatrix reads one chunk from
     // each of 8 rows at once, and with an odd number of chunks per row those
@@ -71,7 +84,11 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     // in 32 registers; otherwise they are re-read from shared memory per block.
     static constexpr bool kQInRegisters = kMTiles * kQkSteps * 4 <= 32;
 
-    static_assert(kBlockM % (16 * kWarps) == 0, "each warp owns whole m16 tiles");
+    static_assert(kRowsPerWarp % 16 == 0 && (kWarpsSplitKeys || kBlockM % kWarps == 0), "each warp owns whole m16 tiles");
+    static_assert(kWarpKeys % 16 == 0, "each warp owns whole k16 steps of keys");
+    // combine_warp_states: every warp's output (float) and row statistics in the K/V buffers.
+    static constexpr int kCombineBytes = kWarpsSplitKeys ? kWarps * kBlockM * (kHeadDim + 2) * 4 : 0;
+    static_assert(kCombineBytes <= 2 * kKvStages * kKvTileBytes, "the warps' states fit in the K/V buffers");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");

@@ -70,6 +70,13 @@ def test_decode_tiles_hold_a_packed_group_and_both_modes():
         plain, split = decode_tilings("float16", head_dim)
         assert not plain.split_kv and split.split_kv and plain.block_m == split.block_m == 64
         assert plain.kernel == "mma" and plain.head_dim_padded in MMA_DECODE_TILES
+        assert not plain.warps_split_keys
+        # up to 16 rows (one token, up to 16 query heads per K/V head): one m16 tile, the warps splitting the keys
+        for rows in (1, 4, 16):
+            plain, split = decode_tilings("float16", head_dim, rows)
+            assert plain.block_m == split.block_m == 16 and plain.warps_split_keys and split.warps_split_keys
+            assert not plain.split_kv and split.split_kv and plain.block_n // plain.warps % 16 == 0
+        assert decode_tilings("float16", head_dim, 17)[0].block_m == 64
     assert decode_tilings("float32", 64) == ()
 
 

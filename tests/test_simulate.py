@@ -388,7 +388,7 @@ def test_cuflash_decodes_as_its_launcher_does():
     h100 = MACHINES["h100"]
     problem = Problem(batch=1, nheads=32, nheads_k=8, seqlen_q=1, seqlen_k=131072, head_dim=128)
     plan = cuflash_plan(problem, h100)
-    decode = decode_tilings("float16", 128)[1]
+    decode = decode_tilings("float16", 128, 4)[1]
     assert (plan.fwd_m, plan.fwd_n, plan.pack) == (decode.block_m, decode.block_n, 4)
     assert plan.splits == decode_split_count(8, h100.sms, 131072 // decode.block_n) > 1
     t = run("cuflash", problem, h100, "fwd").by_tensor()

@@ -667,7 +667,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     rows = p.group if (pack if p.pack_gqa is None else p.pack_gqa) else p.seqlen_q
     if (p.cuflash_decode and dtype in MMA_DTYPES and fwd.kernel in ("mma", "wgmma") and rows <= DECODE_MAX_ROWS
             and block_m is None and block_n is None):
-        decode = decode_tilings(dtype, p.head_dim)[1]
+        decode = decode_tilings(dtype, p.head_dim, rows)[1]
         plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n,
                        fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
         return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack)
