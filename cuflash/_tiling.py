@@ -68,12 +68,12 @@ DECODE_MAX_ROWS = 64
 #: of rows whose four warps split each key block's keys (the Tiling's
 #: warps_split_keys, MmaForwardTraits), so each score is computed once, not
 #: by four warps of which three hold empty rows. Measured on the H100
-#: (bf16 d128, one token, against the 64-row tiles): see _tiling's history
-#: in docs/perf-notes.md. Whole k16 steps per warp: 64 keys a block (128 at
-#: d64, as the 64-row tiles).
+#: (bf16 d128, one token, against the 64-row tiles): docs/perf-notes.md,
+#: "Decoding". Whole k16 steps per warp: 64 keys a block (at d64 too: with
+#: 128, ptxas spilled the causal variant on sm_90a).
 MMA_DECODE_SPLIT_KEYS_TILES = {
     32: (16, 64, 4, 2),
-    64: (16, 128, 4, 2),
+    64: (16, 64, 4, 2),
     96: (16, 64, 4, 2),
     128: (16, 64, 4, 2),
     192: (16, 64, 4, 2),
