@@ -10,8 +10,7 @@ import cuflash
 from cuflash import api
 from cuflash.reference import attention_reference
 
-from tests.helpers import (assert_lse_close, assert_output_accurate, naive_attention_same_precision, random_qkv,
-                           to_numpy64)
+from tests.helpers import assert_lse_close, assert_output_accurate, random_qkv, to_numpy64
 from tests.test_forward_gpu import _cupy, run_and_check
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +79,7 @@ def test_decode_split_is_deterministic_and_matches_unsplit():
     assert float(cupy.abs(unsplit.astype(cupy.float32) - first.astype(cupy.float32)).max()) < 2e-3
 
 
-@pytest.mark.parametrize("head_dim", [64, 40])  # 40: views of 128 columns, a padded head-dim bucket
+@pytest.mark.parametrize("head_dim", [64, 126])  # 126: views of 128 columns; partial rows padded to float4s
 def test_split_counters_return_to_zero_between_calls_streams_and_graph_replays(head_dim):
     """Each query block's last split merges and zeroes its count: calls in a
     row, calls alternating between two streams (each its own counters) and
@@ -96,9 +95,7 @@ def test_split_counters_return_to_zero_between_calls_streams_and_graph_replays(h
         q[...] = cupy.random.default_rng(seed).standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
 
     def check(out):
-        scale = 1 / np.sqrt(head_dim)
-        assert_output_accurate(out, attention_reference(q, k, v, softmax_scale=scale)[0],
-                               naive_attention_same_precision(q, k, v, causal=False, softmax_scale=scale))
+        assert_output_accurate(out, attention_reference(q, k, v)[0])
 
     for seed in range(3):
         fresh_queries(seed)
