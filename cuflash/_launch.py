@@ -35,23 +35,6 @@ class KernelLaunch:
     struct: int = 0
 
 
-@dataclass(frozen=True)
-class SplitCounters:
-    """Split-KV's per-query-block counts of finished splits: ``count`` int32
-    counters whose address goes into field ``field`` of struct ``struct``.
-    The kernel's last split of a query block resets its counter, so they are
-    zero between calls and the plan keeps them: one set per CUDA stream that
-    launches it (calls on different streams may run at once), made zero when
-    first needed; a stream being captured into a CUDA graph takes the set of
-    the plan's first launch (nothing is allocated during a capture, so a
-    graph and eager calls of the same plan on that first stream must not
-    run at the same time)."""
-
-    struct: int
-    field: str
-    count: int
-
-
 def _word_index(dtype: np.dtype, field: str) -> int | None:
     """Index of ``field`` (a dotted path, e.g. ``q.ptr``) among the struct's
     8-byte words; None where the struct has no such field."""
@@ -73,15 +56,13 @@ class LaunchPlan:
     ``tensor_maps`` pairs a slot with the encoder of a tensor map inside a
     struct (``cuflash._tensor_maps.TensorMapEncoder``): the map is encoded
     again for a call whose pointer in that slot differs from the last one's.
-    ``counters``: split-KV's counters (``SplitCounters``), which the plan
-    owns and writes per launch for the launching stream.
     Thread-safe: the structs are shared, so a lock spans writing them and
     launching (the driver has copied the arguments when the launch returns).
     """
 
     def __init__(self, device: int, structs: Sequence[np.ndarray], slots: Sequence,
                  launches: Sequence[KernelLaunch], tensor_maps: Sequence[tuple[str, object]] = (),
-                 work_buffers: dict | None = None, counters: SplitCounters | None = None):
+                 work_buffers: dict | None = None):
         self.device = device
         #: name -> (shape, dtype) of the work buffers a call allocates for
         #: this plan (each call its own, on its stream), by slot name
@@ -104,14 +85,6 @@ class LaunchPlan:
         )
         self._tensor_maps = tuple((list(slots).index(slot), encoder) for slot, encoder in tensor_maps)
         self._lock = threading.Lock()
-        self._counters = counters
-        if counters is not None:
-            index = _word_index(self._structs[counters.struct].dtype, counters.field)
-            if index is None:
-                raise KeyError(f"parameter struct {counters.struct} has no field {counters.field!r}")
-            self._counter_word = (words[counters.struct], index)
-            self._first_counters = None  # made at the first launch (a plan is made without touching the GPU)
-            self._counters_by_stream: dict[int, object] = {}
         from cupy.cuda import driver
 
         self._launch_kernel = driver.launchKernel
@@ -147,35 +120,8 @@ class LaunchPlan:
                     words[index] = pointer
             for slot, encoder in self._tensor_maps:
                 encoder.encode(pointers[slot])
-            if self._counters is not None:
-                words, index = self._counter_word
-                words[index] = self._counters_of(stream).data.ptr
             for function, grid, threads, smem_bytes, arguments in self._launches:
                 launch_kernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, arguments, 0)
-
-
-    def _zeroed_counters(self):
-        import cupy
-
-        with cupy.cuda.Device(self.device):
-            counters = cupy.zeros(max(self._counters.count, 1), dtype=cupy.int32)
-            cupy.cuda.get_current_stream().synchronize()  # zero before any stream's kernel reads them
-        return counters
-
-    def _counters_of(self, stream: int):
-        """The split counters a launch on ``stream`` uses (see ``SplitCounters``)."""
-        counters = self._counters_by_stream.get(stream)
-        if counters is None:
-            from cupy.cuda import runtime
-
-            if self._first_counters is None:
-                self._first_counters = counters = self._zeroed_counters()
-            elif runtime.streamIsCapturing(stream) != runtime.streamCaptureStatusNone:
-                return self._first_counters  # no allocation inside a capture
-            else:
-                counters = self._zeroed_counters()
-            self._counters_by_stream[stream] = counters
-        return counters
 
 
 class PlanCache:

@@ -47,9 +47,6 @@ VARIANT_PARAMS = np.dtype(
 
 #: VariantParams of a call with no window, soft cap, ALiBi or dropout.
 NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
-#: ForwardParams' split-KV merge fields of a launch without split-KV.
-NO_SPLIT_MERGE = {"merged_out": (0, 0, 0, 0), "merged_lse": 0, "merged_lse_batch_stride": 0,
-                  "merged_lse_head_stride": 0, "split_counters": 0}
 
 FORWARD_PARAMS = np.dtype(
     [
@@ -63,11 +60,6 @@ FORWARD_PARAMS = np.dtype(
         ("num_splits", _INDEX),
         ("out_split_stride", _INDEX),
         ("lse_split_stride", _INDEX),
-        ("merged_out", TENSOR_REF),
-        ("merged_lse", _POINTER),
-        ("merged_lse_batch_stride", _INDEX),
-        ("merged_lse_head_stride", _INDEX),
-        ("split_counters", _POINTER),
         ("variant", VARIANT_PARAMS),
     ],
     align=True,
@@ -151,7 +143,7 @@ WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
-FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 32 + 4 * 8 + 20 * 8
+FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8
 BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8

@@ -53,7 +53,7 @@ MMA_FORWARD_TILES = {
 #: buffers), per compiled head dim. d64 takes 128 keys: with 64, ptxas
 #: spilled the unmasked variant on sm_90a (16 bytes at 128 registers).
 MMA_DECODE_TILES = {
-    32: (64, 128, 4, 2),
+    32: (64, 64, 4, 2),
     64: (64, 128, 4, 2),
     96: (64, 64, 4, 2),
     128: (64, 64, 4, 2),
@@ -89,7 +89,7 @@ DECODE_SPLIT_KEYS_MAX_ROWS = 16
 #: take twice the shared memory of 16-bit ones, and every entry stays within
 #: an A100's 163 KiB (Hopper takes MMA_3XTF32_HOPPER_TILES where they differ).
 MMA_3XTF32_FORWARD_TILES = {
-    32: (64, 128, 4, 2),
+    32: (64, 64, 4, 2),
     64: (128, 64, 4, 2),
     96: (128, 64, 8, 1),
     128: (128, 64, 8, 1),

@@ -28,10 +28,10 @@ from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WAR
                                merge_variant, select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
-from ._launch import KernelLaunch, LaunchPlan, PlanCache, SplitCounters
+from ._launch import KernelLaunch, LaunchPlan, PlanCache
 from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
-                      NO_SPLIT_MERGE, WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
+                      WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_split_count,
@@ -63,10 +63,11 @@ _PACKING_SLOTS = ("size.cu_seqlens_q", "size.cu_seqlens_k", "variant.alibi_slope
                   "variant.dropout_offset", "variant.dropout_seed_pointer",
                   *(f"variant.user_array{i}" for i in range(len(MOD_ARRAY_SLOTS))), "variant.tile_map")
 #: Pointer slots of a forward plan without split-KV (the work buffers unused)
-#: and with it (the kernel writes the partial results and its last split per
-#: query block merges them into out and lse).
+#: and with it (struct 0 the forward kernel's, writing the partial results;
+#: struct 1 the merge kernel's).
 FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "out.ptr", "lse", (), (), *_PACKING_SLOTS)
-SPLIT_FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", "merged_out.ptr", "merged_lse", "out.ptr", "lse", *_PACKING_SLOTS)
+SPLIT_FORWARD_SLOTS = ("q.ptr", "k.ptr", "v.ptr", ((1, "out.ptr"),), ((1, "lse"),),
+                       ((0, "out.ptr"), (1, "partial.ptr")), ((0, "lse"), (1, "partial_lse")), *_PACKING_SLOTS)
 #: Arrays of a KV-cache call (``attention_with_kvcache``), in the order of
 #: its plan's pointer slots (``kvcache_slots``): a forward's (k and v the
 #: caches), then the key counts the kernels read (seqused_k: a work buffer
@@ -694,7 +695,7 @@ def kvcache_plan(call: KvCacheCall, layouts: dict, caches: dict, num_splits: int
         blocks = max(1, min(-(-chunks // CACHE_APPEND_THREADS), 4096))
         launches.insert(0, KernelLaunch(loader.get(variant, problem.device), blocks, variant.threads, 0, append))
     slots = kvcache_slots(parts.slots, append, per_entry=problem.kv_cache is not None and problem.kv_cache.per_entry)
-    return LaunchPlan(problem.device, structs, slots, launches, parts.tensor_maps, work_buffers, parts.counters)
+    return LaunchPlan(problem.device, structs, slots, launches, parts.tensor_maps, work_buffers)
 
 
 def kvcache_slots(forward_slots: tuple, append: int | None, per_entry: bool) -> tuple:
@@ -1163,12 +1164,11 @@ def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | N
 def forward_work_buffers(problem: AttentionProblem, num_splits: int) -> dict:
     """The work buffers of a split-KV forward (``problem`` as its kernels see
     it), name -> (shape, dtype), C-contiguous: the float32 partial outputs
-    (num_splits, batch, seqlen_q, nheads, head_dim rounded up to 4: the
-    merge reads whole 16-byte float4s) and their log-sum-exps (num_splits,
-    batch, nheads, seqlen_q); none without splits."""
+    (num_splits, batch, seqlen_q, nheads, head_dim) and their log-sum-exps
+    (num_splits, batch, nheads, seqlen_q); none without splits."""
     if num_splits == 1:
         return {}
-    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, -(-problem.head_dim // 4) * 4
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
     return {"out_partial": ((num_splits, b, sq, h, d), "float32"),
             "lse_partial": ((num_splits, b, h, sq), "float32")}
 
@@ -1213,11 +1213,9 @@ class PlanParts:
     launches: list
     tensor_maps: list = dataclasses.field(default_factory=list)
     work_buffers: dict = dataclasses.field(default_factory=dict)
-    counters: SplitCounters | None = None
 
     def plan(self, device: int) -> LaunchPlan:
-        return LaunchPlan(device, self.structs, self.slots, self.launches, self.tensor_maps, self.work_buffers,
-                          self.counters)
+        return LaunchPlan(device, self.structs, self.slots, self.launches, self.tensor_maps, self.work_buffers)
 
 
 def forward_plan(problem: AttentionProblem, layouts: dict, aligned: bool, tiling: Tiling | None = None,
@@ -1267,7 +1265,6 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         num_splits=1,
         out_split_stride=0,
         lse_split_stride=0,
-        **NO_SPLIT_MERGE,
         variant=_variant_fields(problem, tiling),
     )
     tensor_maps = []
@@ -1286,13 +1283,11 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
 def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling, splits: int,
                         lse_batch_stride: int, lse_head_stride: int) -> PlanParts:
     """Split-KV: the decode forward writes each key range's float32 output
-    and log-sum-exp to the work buffers, and the last of a query block's
-    splits to finish merges them into out and lse (``problem`` and
-    ``layouts`` as the kernels see them); its per-query-block counts of
-    finished splits are the plan's own (``LaunchPlan``'s counters)."""
+    and log-sum-exp to the work buffers, and the merge kernel combines them
+    into out and lse (``problem`` and ``layouts`` as the kernels see them)."""
     buffers = forward_work_buffers(problem, splits)
     partial = Layout.contiguous(buffers["out_partial"][0][1:], "float32")
-    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, partial.shape[-1]
+    b, sq, h, d = problem.batch, problem.seqlen_q, problem.nheads, problem.head_dim
     num_m_blocks = -(-sq // tiling.block_m)
     variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
                                                           layout=problem.layout)
@@ -1310,16 +1305,15 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         num_splits=splits,
         out_split_stride=b * sq * h * d,
         lse_split_stride=b * h * sq,
-        merged_out=tensor_ref(layouts["out"]),
-        merged_lse=0,
-        merged_lse_batch_stride=lse_batch_stride,
-        merged_lse_head_stride=lse_head_stride,
-        split_counters=0,
         variant=_variant_fields(problem, tiling),
     )
-    launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0)]
-    return PlanParts([forward], SPLIT_FORWARD_SLOTS, launches, work_buffers=buffers,
-                     counters=SplitCounters(0, "split_counters", b * h * num_m_blocks))
+    merge_params, merge = _merge_launch(
+        problem.device, "float32", problem.dtype, splits, _size_fields(problem), out=tensor_ref(layouts["out"]),
+        lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
+        partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
+        struct=1)
+    launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
+    return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches, work_buffers=buffers)
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,

@@ -27,7 +27,7 @@
 // Split-KV (kSplitKv, decoding): each query block's keys are cut into
 // params.num_splits ranges (split_key_blocks), one thread block each, which
 // writes its rows' float32 output and log-sum-exp for its range alone to
-// the partial buffers; the last of them to finish merges them (merge_row.cuh).
+// the partial buffers; merge_states.cu combines them.
 //
 // KV caches (Batch CacheBatch or PagedBatch, block_info.cuh): each entry
 // has its own key count; a paged cache's key tiles are gathered row by row
@@ -45,7 +45,6 @@
 #include "online_softmax.cuh"
 #include "forward_epilogue.cuh"
 #include "paged_keys.cuh"
-#include "merge_row.cuh"
 
 namespace cuflash {
 
@@ -277,9 +276,10 @@ flash_forward_mma_kernel(const ForwardParams params) {
         cp_async_wait<0>();
         __syncthreads();
         combine_warp_states<kBlockM, kHeadDim, kWarps>(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
+        if (warp != 0) {
+            return;
+        }
     }
-    // With kWarpsSplitKeys warp 0 alone holds the block's output now.
-    const bool holds_output = !kWarpsSplitKeys || warp == 0;
     if constexpr (kSplitKv) {
         const QueryBlock block =
             query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
@@ -287,57 +287,17 @@ flash_forward_mma_kernel(const ForwardParams params) {
         // A split's rows are a few float32 pairs each (decoding): written from
         // the fragments, each quad's 32 bytes of a row at once. Rows and
         // columns past the problem are not written.
-        if (holds_output) {
-            float* out =
-                block.query_row<float>(params.out, block.head, first_row) + block.split * params.out_split_stride;
-            finish_forward_rows<float>(
-                softmax, o,
-                params.lse_row(block.tensor_batch, block.head) + block.q_row0 + block.split * params.lse_split_stride,
-                first_row, warp_row0, ctx.seqlen_q, lane, [&](int row_in_block, int dt, float2 pair) {
-                    const int col = dt * 8 + 2 * (lane % 4);
-                    if (first_row + row_in_block < ctx.seqlen_q && col < ctx.head_dim) {
-                        *reinterpret_cast<float2*>(out + static_cast<index_t>(row_in_block) * params.out.row_stride +
-                                                   col) = pair;
-                    }
-                });
-        }
-        // The last of the query block's splits to finish merges them (no
-        // merge launch: its latency and the gap before it were most of a
-        // short decode's time). The fence before the count publishes this
-        // split's results to whichever split merges; the one after it
-        // orders the merging split's reads after the others' counts.
-        __threadfence();
-        __syncthreads();
-        __shared__ int is_last_split;
-        if (threadIdx.x == 0) {
-            int* done = params.split_counters +
-                        (block.batch * params.size.nheads + block.head) * params.num_m_blocks + first_row / kBlockM;
-            is_last_split = atomicAdd(done, 1) == num_splits - 1;
-            if (is_last_split) {
-                *done = 0;  // every split of this call has counted: zero for the next call
-            }
-        }
-        __syncthreads();
-        if (!is_last_split) {
-            return;
-        }
-        __threadfence();
-        // Fewer reads in flight than the merge kernel's 16: beside this
-        // kernel's other code 16 made ptxas spill the main loop.
-        constexpr int kMergeStatesInFlight = 4;
-        const float* partial_lse = params.lse_row(block.tensor_batch, block.head) + block.q_row0;
-        float* merged_lse = params.merged_lse + block.tensor_batch * params.merged_lse_batch_stride +
-                            block.head * params.merged_lse_head_stride + block.q_row0;
-        for (int row = first_row + warp; row < min(first_row + kBlockM, ctx.seqlen_q); row += kWarps) {
-            const float* in = block.query_row<const float>(params.out, block.head, row);
-            Element* out = block.query_row<Element>(params.merged_out, block.head, row);
-            // The partial rows are padded to whole float4s (cuflash.api.forward_work_buffers).
-            merge_row<4, kMergeStatesInFlight>(partial_lse + row, params.lse_split_stride, in, params.out_split_stride,
-                         static_cast<int>(num_splits), ctx.head_dim, out, merged_lse + row, lane);
-        }
-        return;
-    }
-    if (!holds_output) {
+        float* out = block.query_row<float>(params.out, block.head, first_row) + block.split * params.out_split_stride;
+        finish_forward_rows<float>(softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0 +
+                                                   block.split * params.lse_split_stride,
+                                   first_row, warp_row0, ctx.seqlen_q, lane, [&](int row_in_block, int dt, float2 pair) {
+                                       const int col = dt * 8 + 2 * (lane % 4);
+                                       if (first_row + row_in_block < ctx.seqlen_q && col < ctx.head_dim) {
+                                           *reinterpret_cast<float2*>(
+                                               out + static_cast<index_t>(row_in_block) * params.out.row_stride + col) =
+                                               pair;
+                                       }
+                                   });
         return;
     }
     // Epilogue. Every warp read only its own rows of the Q tile, so it can

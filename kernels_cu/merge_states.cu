@@ -10,31 +10,122 @@
 // every state is -inf gets output 0 and log-sum-exp -inf, as a row that
 // sees no key does in the forward.
 //
-// One warp per row (merge_row.cuh).
+// One warp per row; each lane holds kVec consecutive columns per step.
 #include "numeric.cuh"
 #include "params.cuh"
-#include "merge_row.cuh"
+#include "warp_reduce.cuh"
 
 namespace cuflash {
 
+// kVec elements of `Partial` at `src` (aligned to kVec elements), as
+// floats: one 16-byte load for four float32 values.
+template <int kVec, typename Partial>
+__device__ __forceinline__ void load_as_float(const Partial* src, float (&dst)[kVec]) {
+    if constexpr (kVec == 4 && sizeof(Partial) == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+            dst[i] = to_float(src[i]);
+        }
+    }
+}
+
+// The merge is a chain of dependent memory reads (the log-sum-exps, then
+// every state's output), so latency, not bytes, is its cost at decoding's
+// sizes, and split-KV's partial results may have left L2 by the time they
+// are merged: each lane holds the log-sum-exp of one state of every 32
+// (read once; warp reductions give the maximum and the sum), and the output
+// loop issues kStatesInFlight states' reads before it adds any, each
+// state's weight broadcast from its lane by a shuffle.
+constexpr int kStatesInFlight = 16;
+
 template <typename Partial, typename Out, int kVec, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
+    const int lane = threadIdx.x % 32;
     const index_t rows = params.size.seqlen_q;
     const index_t row_index = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
     if (row_index >= params.size.batch * params.size.nheads * rows) {
-        return;  // a whole warp: merge_row's shuffles stay full-warp
+        return;  // a whole warp: the shuffles below stay full-warp
     }
     const index_t row = row_index % rows;
     const index_t head = row_index / rows % params.size.nheads;
     const index_t batch = row_index / rows / params.size.nheads;
-    merge_row<kVec, 16>(params.partial_lse + batch * params.partial_lse_batch_stride +
-                        head * params.partial_lse_head_stride + row * params.partial_lse_row_stride,
-                    params.partial_lse_state_stride, params.partial.row_ptr<const Partial>(batch, head, row),
-                    params.partial_state_stride, static_cast<int>(params.num_states), params.size.head_dim_int(),
-                    params.out.row_ptr<Out>(batch, head, row),
-                    params.lse + batch * params.lse_batch_stride + head * params.lse_head_stride +
-                        row * params.lse_row_stride,
-                    threadIdx.x % 32);
+    const int head_dim = params.size.head_dim_int();
+    const int num_states = static_cast<int>(params.num_states);
+
+    const float* lse_in = params.partial_lse + batch * params.partial_lse_batch_stride +
+                          head * params.partial_lse_head_stride + row * params.partial_lse_row_stride;
+    const auto state_lse = [&](int state) {
+        return state < num_states ? lse_in[state * params.partial_lse_state_stride] : negative_infinity();
+    };
+    // States lane, lane + 32, ...: the first in a register (decoding's
+    // splits are mostly at most 32), the others read again where needed.
+    const float first_lse = state_lse(lane);
+    float max_lse = first_lse;
+    for (int s = lane + 32; s < num_states; s += 32) {
+        max_lse = fmaxf(max_lse, state_lse(s));
+    }
+    max_lse = group_allreduce_max<32>(max_lse);
+    const bool seen = max_lse != negative_infinity();
+    // A state that saw no key (-inf) weighs exp(-inf) = 0; none at all: 0 everywhere.
+    const auto weight_of = [&](float lse) { return seen ? __expf(lse - max_lse) : 0.0f; };
+    float sum = weight_of(first_lse);
+    for (int s = lane + 32; s < num_states; s += 32) {
+        sum += weight_of(state_lse(s));
+    }
+    sum = group_allreduce_sum<32>(sum);
+    if (lane == 0) {
+        params.lse[batch * params.lse_batch_stride + head * params.lse_head_stride + row * params.lse_row_stride] =
+            seen ? max_lse + logf(sum) : negative_infinity();
+    }
+    const float inv_sum = seen ? 1.0f / sum : 0.0f;
+
+    const Partial* in = params.partial.row_ptr<const Partial>(batch, head, row);
+    Out* out = params.out.row_ptr<Out>(batch, head, row);
+    // Column steps are warp-uniform (every lane takes the shuffles); lanes
+    // past the head dim write nothing.
+    for (int step = 0; step < head_dim; step += 32 * kVec) {
+        const int col = step + lane * kVec;
+        const bool has_columns = col < head_dim;
+        float acc[kVec] = {};
+        for (int first = 0; first < num_states && seen; first += 32) {
+            // This lane's weight of state first + lane (0: never read, see above).
+            const float own_weight = weight_of(first == 0 ? first_lse : state_lse(first + lane)) * inv_sum;
+            const int count = min(32, num_states - first);
+            for (int group = 0; group < count; group += kStatesInFlight) {
+                float weight[kStatesInFlight];
+                float value[kStatesInFlight][kVec];
+#pragma unroll
+                for (int j = 0; j < kStatesInFlight; ++j) {
+                    const int state = group + j;
+                    // Every read is issued (one past the states or columns
+                    // reads state `first`'s column 0, inside the buffer) and
+                    // used only where its weight is not 0.
+                    const bool used = state < count && has_columns;
+                    weight[j] = __shfl_sync(0xffffffffu, own_weight, state & 31);
+                    weight[j] = used ? weight[j] : 0.0f;
+                    load_as_float<kVec>(
+                        in + (first + (used ? state : 0)) * params.partial_state_stride + (used ? col : 0), value[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < kStatesInFlight; ++j) {
+#pragma unroll
+                    for (int i = 0; i < kVec; ++i) {
+                        // Not weight * value alone: 0 * NaN (an unread state's) is NaN.
+                        acc[i] += weight[j] != 0.0f ? weight[j] * value[j][i] : 0.0f;
+                    }
+                }
+            }
+        }
+        if (has_columns) {
+#pragma unroll
+            for (int i = 0; i < kVec; ++i) {
+                out[col + i] = from_float<Out>(acc[i]);
+            }
+        }
+    }
 }
 
 }  // namespace cuflash

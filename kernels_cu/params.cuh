@@ -115,17 +115,9 @@ struct ForwardParams {
     // Split-KV (the mma.sync forward with kSplitKv): each query block's keys
     // are cut into num_splits ranges, one thread block each; out and lse then
     // point at float32 partial results, split s's at s * out_split_stride and
-    // s * lse_split_stride elements, which the last of the query block's
-    // splits to finish merges by their log-sum-exp (merge_row.cuh) into
-    // merged_out and merged_lse (batch and head strides; rows contiguous).
-    // split_counters: per query block (batch, head, m block) the splits done
-    // so far, zero between calls (the last split resets its count). 1, 0, 0
-    // and nulls for every other launch.
+    // s * lse_split_stride elements, which merge_states.cu combines by their
+    // log-sum-exp. 1, 0 and 0 for every other launch.
     index_t num_splits, out_split_stride, lse_split_stride;
-    TensorRef merged_out;
-    float* merged_lse;
-    index_t merged_lse_batch_stride, merged_lse_head_stride;
-    int* split_counters;
     VariantParams variant;
 
     // Log-sum-exp of (batch, head), indexed by query row.
@@ -153,9 +145,9 @@ struct WgmmaForwardParams : ForwardParams {
 static_assert(sizeof(VariantParams) == 20 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 576 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 512 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
-static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 32 + 4 * 8 + 20 * 8,
+static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8,
               "ForwardParams layout must match cuflash/_params.py");
 
 // merge_states.cu: num_states partial attention results of the same rows

@@ -300,7 +300,7 @@ def test_decode_options_reach_the_ledger():
                     "--pack-gqa", "--page-size", "16", "--append")
     assert result.exit_code == 0, result.output
     for text in ("pages of 16", "K/V appended", "splits auto", "GQA packed", "block_table", "K_new", "O_partial",
-                 "merged by their LSE"):
+                 "split-KV merge"):
         assert text in result.output, text
 
 

@@ -134,23 +134,18 @@ def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(sta
     call = _call(batch=2, cache=(600, 16), paged=512, new=1, cache_seqlens="array")
     layouts, caches = _layouts(call, (600, 16), 1)
     plan = api.kvcache_plan(call, layouts, caches)
-    append, forward = _launched(plan, stand_in_hopper)  # the forward's last splits merge: no merge launch
+    append, forward, merge = _launched(plan, stand_in_hopper)
     assert append == "kv-cache-append/bfloat16/paged"
-    # GQA packed: no mask; a one-tile block whose warps split the keys
-    assert forward.startswith("forward-mma/bfloat16/hdim128/m16n64w4/none/paged/kv2/split/split-keys")
+    assert forward.startswith("forward-mma/bfloat16/hdim128/m16n64w4/none/paged/kv2/split/split-keys")  # GQA packed: no mask; a one-tile block
+    assert merge.startswith("merge-states/float32-bfloat16")
     assert set(plan.work_buffers) == {"out_partial", "lse_partial", "seqused_k"}
     assert plan.work_buffers["seqused_k"] == ((2,), "int32")
-    # Pointers land where each kernel reads them (struct 0: forward, 1: append); the
-    # split counters are the plan's own (a stand-in set here: no GPU).
+    # Pointers land where each kernel reads them (struct 0: forward, 1: merge, 2: append).
     pointers = [1000 + 16 * i for i in range(len(api.KVCACHE_ARRAYS))]
     plan._launch_kernel = lambda *args: None
-    plan._zeroed_counters = lambda: SimpleNamespace(data=SimpleNamespace(ptr=4242))
     plan.launch(pointers, 0)
-    forward_struct, append_struct = plan._structs[0][0], plan._structs[1][0]
+    forward_struct, append_struct = plan._structs[0][0], plan._structs[2][0]
     at = dict(zip(api.KVCACHE_ARRAYS, pointers))
-    assert forward_struct["split_counters"] == 4242
-    assert (forward_struct["merged_out"]["ptr"], forward_struct["merged_lse"]) == (at["out"], at["lse"])
-    assert (forward_struct["out"]["ptr"], forward_struct["lse"]) == (at["out_partial"], at["lse_partial"])
     assert forward_struct["k"]["ptr"] == append_struct["k_cache"]["ptr"] == at["k"]
     assert forward_struct["v"]["ptr"] == append_struct["v_cache"]["ptr"] == at["v"]
     assert forward_struct["size"]["seqused_k"] == append_struct["seqused_k"] == at["seqused_k"]

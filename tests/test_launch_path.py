@@ -12,7 +12,7 @@ import pytest
 
 from cuflash import _launch, api
 from cuflash._launch import KernelLaunch, LaunchPlan, PlanCache
-from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, NO_SPLIT_MERGE, NO_VARIANT, pack
+from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, NO_VARIANT, pack
 from cuflash.reference import attention_backward_reference, attention_reference
 
 from tests.helpers import (
@@ -35,7 +35,7 @@ def _forward_struct():
     return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                 lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
                 softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0,
-                **NO_SPLIT_MERGE, variant=NO_VARIANT)
+                variant=NO_VARIANT)
 
 
 def _read_struct(address: int, dtype: np.dtype) -> np.ndarray:
@@ -104,42 +104,27 @@ def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
             assert (written[name][field] if field else written[name]) == pointer
 
 
-def test_split_plan_writes_partials_merge_targets_and_each_streams_counters(recorded_launches, monkeypatch):
-    """Split-KV: the partial results are the forward kernel's out and lse,
-    the call's out and lse its merged_out and merged_lse (its last splits
-    merge); the per-query-block counters are the plan's, one zeroed set per
-    launching stream, the first set for a stream being captured. A plan
-    without splits leaves the work-buffer slots unused."""
-    from types import SimpleNamespace
-
-    from cupy.cuda import runtime
-
-    from cuflash._launch import SplitCounters
-
-    made = []
-
-    def zeroed_counters():
-        made.append(SimpleNamespace(data=SimpleNamespace(ptr=9000 + len(made))))
-        return made[-1]
-
-    capturing = set()
-    monkeypatch.setattr(runtime, "streamIsCapturing", lambda stream: int(stream in capturing))
-    plan = LaunchPlan(0, [_forward_struct()], api.SPLIT_FORWARD_SLOTS, [KernelLaunch(_FakeKernel(1), 1, 32, 0)],
-                      counters=SplitCounters(0, "split_counters", 6))
-    plan._zeroed_counters = zeroed_counters
-    counters = []
-    for stream in (5, 5, 6, 5, 7):
-        capturing = {7}
-        plan.launch([11, 12, 13, 14, 15, 16, 17], stream=stream)
-        forward = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
-        assert [forward[n]["ptr"] for n in ("q", "k", "v", "out")] == [11, 12, 13, 16] and forward["lse"] == 17
-        assert forward["merged_out"]["ptr"] == 14 and forward["merged_lse"] == 15
-        counters.append(forward["split_counters"])
-    assert counters == [9000, 9000, 9001, 9000, 9000] and len(made) == 2
+def test_split_plan_sends_one_array_to_different_fields_of_different_structs(recorded_launches):
+    """Split-KV: the partial results are the forward kernel's out and lse and
+    the merge kernel's partial and partial_lse; the call's out and lse are
+    the merge kernel's alone. A plan without splits leaves the work-buffer
+    slots unused."""
+    merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
+                 partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
+                 partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
+                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
+    plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(1), 1, 32, 0), KernelLaunch(_FakeKernel(2), 1, 32, 0, struct=1)])
+    plan.launch([11, 12, 13, 14, 15, 16, 17], stream=0)
+    forward = _read_struct(recorded_launches[0]["struct_address"], FORWARD_PARAMS)[0]
+    merged = _read_struct(recorded_launches[1]["struct_address"], MERGE_PARAMS)[0]
+    assert [forward[n]["ptr"] for n in ("q", "k", "v", "out")] == [11, 12, 13, 16] and forward["lse"] == 17
+    assert merged["out"]["ptr"] == 14 and merged["lse"] == 15
+    assert merged["partial"]["ptr"] == 16 and merged["partial_lse"] == 17
     plain = LaunchPlan(0, [_forward_struct()], api.FORWARD_SLOTS, [KernelLaunch(_FakeKernel(3), 1, 32, 0)])
     plain.launch([1, 2, 3, 4, 5, 6, 7], stream=0)
     written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
-    assert written["out"]["ptr"] == 4 and written["lse"] == 5 and written["split_counters"] == 0
+    assert written["out"]["ptr"] == 4 and written["lse"] == 5
 
 
 def test_plan_rejects_a_struct_it_cannot_address():

@@ -12,7 +12,7 @@ import pytest
 
 from cuflash import api
 from cuflash._launch import KernelLaunch, LaunchPlan
-from cuflash._params import NO_SPLIT_MERGE, NO_VARIANT, WGMMA_FORWARD_PARAMS, pack
+from cuflash._params import NO_VARIANT, WGMMA_FORWARD_PARAMS, pack
 from cuflash._tensor_maps import TensorMapEncoder, TensorMapError, TileBox, map_geometry
 from cuflash._tiling import widest_swizzle_bytes
 
@@ -165,7 +165,7 @@ def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
     struct = pack(WGMMA_FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                   lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
                   softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0,
-                  **NO_SPLIT_MERGE, variant=NO_VARIANT)
+                  variant=NO_VARIANT)
     assert struct.ctypes.data % 64 == 0
     shape = (1, 64, 2, 64)
     strides = _byte_strides(shape, (0, 1, 2, 3))

@@ -402,7 +402,7 @@ def test_params_pack_requires_every_field():
 
     fields = {name: 0 for name in FORWARD_PARAMS.names}
     fields.update(q=(1, 2, 3, 4), k=(0, 0, 0, 0), v=(0, 0, 0, 0), out=(0, 0, 0, 0), size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0),
-                  merged_out=(0, 0, 0, 0), variant=NO_VARIANT)
+                  variant=NO_VARIANT)
     struct = pack(FORWARD_PARAMS, **fields)
     assert struct.shape == (1,) and struct.dtype == FORWARD_PARAMS
     assert struct["q"]["row_stride"][0] == 3 and struct["size"]["seqlen_k"][0] == 5

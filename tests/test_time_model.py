@@ -67,15 +67,11 @@ def test_a_one_row_block_costs_a_whole_tile():
     assert one["launches"][0]["compute_s"] == pytest.approx(full["launches"][0]["compute_s"])
 
 
-def test_split_kv_merges_in_the_forward_and_shortens_a_lone_sequence():
+def test_split_kv_adds_a_merge_launch_and_shortens_a_lone_sequence():
     problem = Problem(batch=1, nheads=8, seqlen_q=1, seqlen_k=65536, head_dim=128)
     alone = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 1}), H100, "fwd")
     split = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 16}), H100, "fwd")
-    # the last split of each query block merges: no merge launch (flash-decoding has one)
-    assert [launch["name"] for launch in split["launches"]] == ["cuflash forward"]
-    decoding = estimate("flash-decoding", problem, H100, "fwd")
-    assert [launch["name"] for launch in decoding["launches"]] == ["flash-decoding forward",
-                                                                  "flash-decoding split-KV merge"]
+    assert [launch["name"] for launch in split["launches"]] == ["cuflash forward", "cuflash split-KV merge"]
     # One block per K/V head reads its keys alone; 16 ranges a head bring the
     # forward down to the memory floor (K/V once at the device's bandwidth).
     assert split["seconds"] < alone["seconds"] / 4

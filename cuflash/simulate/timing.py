@@ -216,9 +216,7 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
         if "fwd" in passes:
             forward_dram = run(algorithm, p, machine, "fwd").total("dram")
             merge = 0
-            if plan.splits > 1 and algorithm != "cuflash":
-                # the merge kernel: partial O and LSE in (from L2), O and LSE
-                # out (cuflash merges in the forward's last split of a block)
+            if plan.splits > 1:  # the merge kernel: partial O and LSE in (from L2), O and LSE out
                 merge = heads * nq * (d * e + f)
             out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
                               forward_dram - merge, kernel_cost(algorithm, "fwd", machine)))
