@@ -109,16 +109,12 @@ __device__ __forceinline__ void combine_warp_states(FragmentOnlineSoftmax<kMTile
             softmax.partial_sum[r] = quad == 0 ? total : 0.0f;  // row_sum adds the quad's shares
         }
     }
+    // The fragments as one array (unrolled: constant indices, registers).
+    float* fragments = &o[0][0][0];
     if (warp != 0) {
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-            for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    outputs[(warp * kFragments + (mt * kDTiles + dt) * 4 + e) * 32 + lane] = o[mt][dt][e];
-                }
-            }
+        for (int f = 0; f < kFragments; ++f) {
+            outputs[(warp * kFragments + f) * 32 + lane] = fragments[f];
         }
     }
     __syncthreads();
@@ -126,14 +122,8 @@ __device__ __forceinline__ void combine_warp_states(FragmentOnlineSoftmax<kMTile
 #pragma unroll
         for (int w = 1; w < kWarps; ++w) {
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-                for (int dt = 0; dt < kDTiles; ++dt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        o[mt][dt][e] += outputs[(w * kFragments + (mt * kDTiles + dt) * 4 + e) * 32 + lane];
-                    }
-                }
+            for (int f = 0; f < kFragments; ++f) {
+                fragments[f] += outputs[(w * kFragments + f) * 32 + lane];
             }
         }
     }
