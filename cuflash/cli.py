@@ -12,7 +12,7 @@ import click
 
 from .simulate import ALGORITHMS, MACHINES, PASSES, Problem, explain, format_csv, format_table, run, summarize
 from .simulate.report import format_bytes
-from .simulate.timing import compare_with_bench, estimate, ranking_agreement
+from .simulate.timing import compare_with_bench, decode_table_rows, estimate, ranking_agreement
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}
 _DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -311,7 +311,7 @@ def _compare_with_measured(path: str, machine_name: str, ctx, overrides: dict, a
     try:
         with open(path) as handle:
             bench = json.load(handle)
-        rows = list(bench["rows"])
+        rows = list(bench["rows"]) + decode_table_rows(bench.get("decode", []))
         device = str(bench.get("environment", {}).get("device", ""))
         if ctx.get_parameter_source("machine") is click.core.ParameterSource.DEFAULT:
             machine_name = next((name for name in MACHINES if name.upper() in device.upper()), machine_name)

@@ -190,6 +190,30 @@ def test_machine_overrides_change_the_model():
     assert conflict.exit_code != 0 and "--measured" in conflict.output
 
 
+def test_measured_takes_the_decode_table_one_row_per_cache_layout(tmp_path):
+    """bench.py --decode-only's rows (K/V bytes and TB/s per column) become
+    one row per layout with milliseconds; SDPA ran on the contiguous cache
+    only, so the paged rows compare cuflash alone."""
+    from cuflash.simulate.timing import decode_table_rows
+
+    row = {"pass": "decode", "dtype": "bfloat16", "head_dim": 128, "causal": False, "batch": 8, "heads": 32,
+           "kv_heads": 8, "seqlen_q": 1, "seqlen_k": 16384, "kv_bytes": 2 * 8 * 16384 * 8 * 128 * 2,
+           "kv_tbps": {"contiguous": 2.5, "paged16": 2.0, "paged256": 2.4, "flash": 2.6, "cudnn": 2.8}}
+    contiguous, paged16, paged256 = decode_table_rows([row])
+    assert (contiguous["page_size"], paged16["page_size"], paged256["page_size"]) == (None, 16, 256)
+    assert contiguous["ms"] == pytest.approx({name: row["kv_bytes"] / (rate * 1e9) for name, rate in
+                                              (("cuflash", 2.5), ("flash", 2.6), ("cudnn", 2.8))})
+    assert paged16["ms"] == pytest.approx({"cuflash": row["kv_bytes"] / 2.0e9})
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"environment": {"device": "NVIDIA H100 80GB HBM3"}, "rows": [], "decode": [row]}))
+    result = CliRunner().invoke(main, ["simulate", "--measured", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output)["rows"]
+    assert [(r["algorithm"], r["page_size"]) for r in records] == [
+        ("cuflash", None), ("flash-decoding", None), ("cuflash", 16), ("cuflash", 256)]
+    assert records[2]["measured_ms"] == pytest.approx(row["kv_bytes"] / 2.0e9)
+
+
 def test_measured_rejects_a_file_that_is_not_a_benchmark(tmp_path):
     path = tmp_path / "x.json"
     path.write_text('{"rows": 3}')

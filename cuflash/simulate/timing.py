@@ -284,6 +284,26 @@ _MEASURED_AS = {"fwd": (("cuflash", "cuflash"), ("flash2", "flash")),
                 "decode": (("cuflash", "cuflash"), ("flash-decoding", "flash"))}
 
 
+def decode_table_rows(decode: list[dict]) -> list[dict]:
+    """The rows of ``tools/bench.py --decode-only``'s table (``decode``:
+    K/V bytes and TB/s per column) as ``compare_with_bench`` takes them:
+    one row per cache layout, its milliseconds from the bytes and the rate;
+    SDPA's flash and cuDNN ran on the contiguous cache only."""
+    rows = []
+    for row in decode:
+        for layout, page_size in (("contiguous", None), ("paged16", 16), ("paged256", 256)):
+            rates = row["kv_tbps"]
+            if layout not in rates:
+                continue
+            columns = {"cuflash": rates[layout]} | ({name: rates[name] for name in ("flash", "cudnn") if name in rates}
+                                                    if page_size is None else {})
+            rows.append({key: row[key] for key in ("pass", "dtype", "head_dim", "causal", "batch", "heads",
+                                                   "kv_heads", "seqlen_q", "seqlen_k")}
+                        | {"page_size": page_size,
+                           "ms": {name: row["kv_bytes"] / (rate * 1e12) * 1e3 for name, rate in columns.items()}})
+    return rows
+
+
 def compare_with_bench(rows: list[dict], machine: Machine) -> list[dict]:
     """The model's times beside a benchmark file's measured ones, one record
     per (16-bit row, algorithm): ``fwd`` and ``bwd`` rows of ``tools/bench.py``
