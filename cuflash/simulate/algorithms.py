@@ -410,6 +410,9 @@ class _TiledPlan:
     native_gqa: bool  #: dK/dV computed per K/V head (cuflash) or per query head then summed (flash2)
     splits: int = 1  #: split-KV thread blocks per query block of the forward
     pack: int = 1  #: query heads packed into one block's rows (GQA packing), else 1
+    #: the forward runs the mma.sync kernel where the algorithm's own is
+    #: another (cuflash's decode tiles on Hopper)
+    fwd_mma: bool = False
 
 
 def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool) -> _TiledPlan:
@@ -668,7 +671,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     if (p.cuflash_decode and dtype in MMA_DTYPES and fwd.kernel in ("mma", "wgmma") and rows <= DECODE_MAX_ROWS
             and block_m is None and block_n is None):
         decode = decode_tilings(dtype, p.head_dim, rows)[1]
-        plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n,
+        plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n, fwd_mma=True,
                        fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
         return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack)
     return _decoding_plan(plan, p, machine, splits=1, pack=False)

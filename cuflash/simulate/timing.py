@@ -218,8 +218,10 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
             merge = 0
             if plan.splits > 1:  # the merge kernel: partial O and LSE in (from L2), O and LSE out
                 merge = heads * nq * (d * e + f)
+            # cuflash's decode tiles run its mma.sync forward, whose constants are flash2's
+            cost = kernel_cost("flash2" if plan.fwd_mma else algorithm, "fwd", machine)
             out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
-                              forward_dram - merge, kernel_cost(algorithm, "fwd", machine)))
+                              forward_dram - merge, cost))
             if merge:
                 out.append(_elementwise(f"{algorithm} split-KV merge", merge))
         if "bwd" in passes:
