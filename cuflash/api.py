@@ -1180,24 +1180,31 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     it has them and no sequence has more than ``SHORT_SEQUENCE_KEYS`` keys),
     or where it is a tensor-core
     one on 16-bit inputs with at most ``DECODE_MAX_ROWS`` query rows per
-    head (after ``decode_shape``'s packing) the decode tiles, split-KV by
-    ``decode_splits`` unless ``num_splits`` is 1. A ValueError where
-    ``num_splits`` asks for splits such a call cannot have."""
+    head (after ``decode_shape``'s packing) the decode tiles that fit the
+    GPU's shared memory (the one-tile ones, else the 64-row ones; none: not
+    decoding), split-KV by ``decode_splits`` unless ``num_splits`` is 1. A
+    ValueError where ``num_splits`` asks for splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
     chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
-    if not (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS
-            and not problem.packed):
+    decode = None
+    if chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS \
+            and not problem.packed:
+        limit = _shared_memory_per_block(problem.device)
+        decode = next((tilings for tilings in (decode_tilings(problem.dtype, problem.head_dim, rows),
+                                               decode_tilings(problem.dtype, problem.head_dim))
+                       if limit is None or max(t.forward_smem_bytes(problem.dtype) for t in tilings) <= limit), None)
+    if decode is None:
         if num_splits not in (None, 1):
             raise ValueError(
                 f"num_splits applies to decoding: float16/bfloat16 inputs on the tensor-core path with at most "
                 f"{DECODE_MAX_ROWS} query rows per K/V head (seqlen_q, or with one query token the query heads "
-                f"sharing a K/V head); this call has {rows} rows of {problem.dtype} on the "
-                f"{chosen.kernel} kernel, so leave num_splits=None")
+                f"sharing a K/V head) and decode tiles that fit the GPU's shared memory; this call has {rows} "
+                f"rows of {problem.dtype} on the {chosen.kernel} kernel, so leave num_splits=None")
         short = (family_of("forward", chosen.kernel).short_tiles(problem.dtype, problem.head_dim)
                  if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
-    plain, split = decode_tilings(problem.dtype, problem.head_dim, rows)
+    plain, split = decode
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     return (split if splits > 1 else plain), shape, splits
 

@@ -132,3 +132,24 @@ def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
     two_per_sm = wave_efficient_splits(16 * 8, DECODE_BLOCKS_PER_SM * 132, 16)
     assert two_per_sm > 1 and 16 < DECODE_MIN_SPLIT_BLOCKS * two_per_sm  # two per SM: ranges too short
     assert api.decode_splits(short, split, None) == 1  # one per SM: one range each fills the GPU
+
+
+@pytest.mark.parametrize("smem_kib,head_dim,expected", [(227, 192, (16, True)), (227, 256, (16, True)),
+                                                         (99, 128, (16, True)), (99, 192, (64, False)),
+                                                         (99, 256, (64, False)), (72, 128, None)])
+def test_decode_tiles_fit_the_gpus_shared_memory(monkeypatch, smem_kib, head_dim, expected):
+    """The one-tile decode tiles where they fit the GPU's shared memory, else
+    the 64-row ones (a 99 KiB GPU, sm_86/sm_89, at head dims 192 and 256),
+    else no decoding (the chosen kernel, unsplit)."""
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90 if smem_kib == 227 else 80)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 128)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: smem_kib * 1024)
+    problem = _problem(batch=1, seqlen_k=65536, head_dim=head_dim)
+    tiling, shape, splits = api._forward_tiles(problem, _layouts(problem), True, None)
+    assert tiling.forward_smem_bytes("bfloat16") <= smem_kib * 1024
+    if expected is None:
+        assert not tiling.split_kv and splits == 1 and not shape.packed
+        with pytest.raises(ValueError, match="num_splits applies to decoding"):
+            api._forward_tiles(problem, _layouts(problem), True, 4)
+    else:
+        assert (tiling.block_m, tiling.warps_split_keys) == expected and tiling.split_kv and splits > 1
