@@ -1187,13 +1187,9 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
     chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
-    decode = None
-    if chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS \
-            and not problem.packed:
-        limit = _shared_memory_per_block(problem.device)
-        decode = next((tilings for tilings in (decode_tilings(problem.dtype, problem.head_dim, rows),
-                                               decode_tilings(problem.dtype, problem.head_dim))
-                       if limit is None or max(t.forward_smem_bytes(problem.dtype) for t in tilings) <= limit), None)
+    decodes = (chosen.kernel in ("mma", "wgmma") and problem.dtype in MMA_DTYPES and rows <= DECODE_MAX_ROWS
+               and not problem.packed)
+    decode = _decode_tilings_that_fit(problem, rows) if decodes else None
     if decode is None:
         if num_splits not in (None, 1):
             raise ValueError(
@@ -1207,6 +1203,18 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     plain, split = decode
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     return (split if splits > 1 else plain), shape, splits
+
+
+def _decode_tilings_that_fit(problem: AttentionProblem, rows: int) -> tuple[Tiling, Tiling] | None:
+    """The decode tiles (without and with split-KV) for ``rows`` query rows
+    per K/V head that fit the GPU's shared memory: the one-tile ones, else
+    the 64-row ones; None where neither does."""
+    limit = _shared_memory_per_block(problem.device)
+    for rows_of_tiles in (rows, DECODE_MAX_ROWS):
+        tilings = decode_tilings(problem.dtype, problem.head_dim, rows_of_tiles)
+        if limit is None or max(t.forward_smem_bytes(problem.dtype) for t in tilings) <= limit:
+            return tilings
+    return None
 
 
 @dataclass(frozen=True)

@@ -288,21 +288,26 @@ _MEASURED_AS = {"fwd": (("cuflash", "cuflash"), ("flash2", "flash")),
 
 def decode_table_rows(decode: list[dict]) -> list[dict]:
     """The rows of ``tools/bench.py --decode-only``'s table (``decode``:
-    K/V bytes and TB/s per column) as ``compare_with_bench`` takes them:
-    one row per cache layout, its milliseconds from the bytes and the rate;
-    SDPA's flash and cuDNN ran on the contiguous cache only."""
+    K/V bytes and TB/s per column: cuflash's ``contiguous`` and
+    ``paged<page size>``, SDPA's ``flash`` and ``cudnn``) as
+    ``compare_with_bench`` takes them: one row per cache layout, its
+    milliseconds from the bytes and the rate; SDPA ran on the contiguous
+    cache only."""
     rows = []
     for row in decode:
-        for layout, page_size in (("contiguous", None), ("paged16", 16), ("paged256", 256)):
-            rates = row["kv_tbps"]
-            if layout not in rates:
+        rates = row["kv_tbps"]
+        shape = {key: row[key] for key in ("pass", "dtype", "head_dim", "causal", "batch", "heads", "kv_heads",
+                                           "seqlen_q", "seqlen_k")}
+        sdpa = {name: rates[name] for name in ("flash", "cudnn") if name in rates}
+        for layout, rate in rates.items():
+            if layout == "contiguous":
+                page_size, columns = None, {"cuflash": rate} | sdpa
+            elif layout.startswith("paged"):
+                page_size, columns = int(layout.removeprefix("paged")), {"cuflash": rate}
+            else:
                 continue
-            columns = {"cuflash": rates[layout]} | ({name: rates[name] for name in ("flash", "cudnn") if name in rates}
-                                                    if page_size is None else {})
-            rows.append({key: row[key] for key in ("pass", "dtype", "head_dim", "causal", "batch", "heads",
-                                                   "kv_heads", "seqlen_q", "seqlen_k")}
-                        | {"page_size": page_size,
-                           "ms": {name: row["kv_bytes"] / (rate * 1e12) * 1e3 for name, rate in columns.items()}})
+            rows.append(shape | {"page_size": page_size,
+                                 "ms": {name: row["kv_bytes"] / (r * 1e12) * 1e3 for name, r in columns.items()}})
     return rows
 
 
