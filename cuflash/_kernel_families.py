@@ -70,6 +70,9 @@ class KernelVariant:
     #: C++ compiled after the kernel's source: generated policies (a user
     #: score function's, a user mask's rule: cuflash/mods.py), else empty
     prelude: str = ""
+    #: blocks per thread-block cluster, fixed at compile time by the
+    #: kernel's __cluster_dims__ (Hopper on); 1: no clusters
+    cluster_blocks: int = 1
 
     @property
     def name_expression(self) -> str:
@@ -131,6 +134,10 @@ class KernelFamily:
     #: dtypes it is also built for in the KV-cache batch layouts
     #: (``CACHE_LAYOUTS``: a contiguous or paged cache), every tiling
     cache_dtypes: tuple[str, ...] = ()
+    #: the entry point of the same template whose blocks run as clusters of
+    #: ``Tiling.cluster_splits`` (compiled on Hopper only), for tilings that
+    #: have them; "" where the family has none
+    cluster_function: str = ""
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -195,6 +202,8 @@ class KernelFamily:
                 key=f"{self.name}/{dtype_name}/w{ELEMENTWISE_WARPS}", threads=32 * ELEMENTWISE_WARPS, smem_bytes=0)
         if tiling.kernel != self.kernel:
             raise ValueError(f"{self.name} takes {self.kernel} tilings, got {tiling}")
+        if tiling.cluster_splits > 1 and not self.cluster_function:
+            raise ValueError(f"{self.name} has no cluster entry point for {tiling}")
         extra_args, extra_key = self.tile_args(tiling)
         if self.dq_modes:
             if dq_mode not in self.dq_modes:
@@ -203,7 +212,7 @@ class KernelFamily:
             extra_key += "" if dq_mode == "separate" else f"/{dq_mode}-dq"
         return KernelVariant(
             source=self.source,
-            function=self.function,
+            function=self.cluster_function if tiling.cluster_splits > 1 else self.function,
             params=self.params,
             template_args=(
                 CXX_ELEMENT_TYPE[dtype_name], str(tiling.head_dim_padded), str(tiling.block_m), str(tiling.block_n),
@@ -216,6 +225,7 @@ class KernelFamily:
             threads=tiling.threads,
             smem_bytes=self.smem_bytes(tiling, dtype_name),
             prelude=score.prelude + mask.prelude,
+            cluster_blocks=tiling.cluster_splits,
         )
 
     def tiles_on(self, dtype_name: str, head_dim: int, generation: int, smem_limit: int | None = None) -> Tiling:
@@ -251,6 +261,21 @@ def _any_head_dim(dtype_name: str, head_dim: int) -> bool:
 
 
 _ALL_DTYPES = tuple(ELEMENT_SIZE)
+
+
+def _mma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
+    """The mma.sync forward's template arguments after Batch, and key
+    suffix: K/V buffers, split-KV, warps splitting the keys; the cluster
+    entry's take the cluster's split count instead of the split-KV flag."""
+    def flag(value: bool) -> str:
+        return "true" if value else "false"
+
+    key = (f"/kv{tiling.kv_stages}" + ("/split" if tiling.split_kv else "")
+           + ("/split-keys" if tiling.warps_split_keys else ""))
+    if tiling.cluster_splits > 1:
+        return ((str(tiling.kv_stages), flag(tiling.warps_split_keys), str(tiling.cluster_splits)),
+                f"{key}/cluster{tiling.cluster_splits}")
+    return (str(tiling.kv_stages), flag(tiling.split_kv), flag(tiling.warps_split_keys)), key
 _FORWARD = "cuflash::ForwardParams"
 #: The Hopper forward's: ForwardParams and the tensor maps of Q, K and V, a
 #: __grid_constant__ parameter (the copy engine reads the maps in place).
@@ -274,10 +299,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
                  tf32x3_dtypes=(MMA_3XTF32_DTYPE,), hopper_tiles=mma_forward_hopper_tiling,
                  other_tiles=every_decode_tiling, cache_dtypes=MMA_DTYPES,
-                 tile_args=lambda t: ((str(t.kv_stages), "true" if t.split_kv else "false",
-                                       "true" if t.warps_split_keys else "false"),
-                                      f"/kv{t.kv_stages}" + ("/split" if t.split_kv else "")
-                                      + ("/split-keys" if t.warps_split_keys else ""))),
+                 tile_args=_mma_forward_tile_args, cluster_function="cuflash::flash_forward_mma_cluster_kernel"),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
                  tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),

@@ -23,6 +23,11 @@ from ._kernel_families import KernelVariant
 _SOURCE_SUFFIXES = (".cu", ".cuh")
 #: CUDA's default limit of dynamic shared memory; more needs an opt-in per kernel.
 _DEFAULT_SMEM_LIMIT = 48 * 1024
+#: Blocks a thread-block cluster may have on any GPU; more (up to 16 on an
+#: H100) needs the kernel's CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+#: (cuda.h: 14) set.
+_PORTABLE_CLUSTER_BLOCKS = 8
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 #: First NVRTC whose ``-arch=sm_90a`` wins over the ``-arch=sm_90`` CuPy appends.
 _SM90A_NVRTC = (12, 9)
 
@@ -129,6 +134,10 @@ class KernelLoader:
             function = module.get_function(variant.name_expression)
             if variant.smem_bytes > _DEFAULT_SMEM_LIMIT:
                 function.max_dynamic_shared_size_bytes = variant.smem_bytes
+            if variant.cluster_blocks > _PORTABLE_CLUSTER_BLOCKS:
+                from cupy_backends.cuda.api import driver
+
+                driver.funcSetAttribute(function.kernel.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
         return function
 
 

@@ -11,6 +11,7 @@ at run time that it was given at least as much as it needs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dataclasses import dataclass
@@ -80,6 +81,11 @@ MMA_DECODE_SPLIT_KEYS_TILES = {
     256: (16, 64, 4, 2),
 }
 DECODE_SPLIT_KEYS_MAX_ROWS = 16
+#: Split counts a Hopper decode runs as thread-block clusters, merged in
+#: the cluster (``decode_cluster_tiling``); other counts take the merge
+#: kernel. Clusters of more than 8 blocks are non-portable (the launcher
+#: allows them per kernel).
+DECODE_CLUSTER_SPLITS = (2, 4, 8, 16)
 #: The same kernel on float32 by 3xTF32 (opt-in: fp32_precision="3xtf32";
 #: see kernels_cu/mma_operands.cuh), per compiled head dim: (block_m,
 #: block_n, warps, K/V buffers). Measured on the H100 (seqlen 4096, docs/
@@ -267,8 +273,8 @@ class Tiling:
     #: sm_80+: flash_fwd_mma.cu, flash_bwd_mma.cu) or "wgmma" (Hopper, sm_90a:
     #: flash_fwd_wgmma.cu, flash_bwd_wgmma.cu)
     kernel: str = "simt"
-    #: K/V buffers of the mma.sync forward (1 or 2, see MmaForwardTraits);
-    #: the wgmma forward always double-buffers
+    #: K/V buffers of the mma.sync forward (1, or a ring of 2 to 4, see
+    #: MmaForwardTraits); the wgmma forward always double-buffers
     kv_stages: int = 1
     #: Q/dO buffers of the tensor-core backwards (1 or 2, see
     #: MmaBackwardTraits, WgmmaBackwardTraits)
@@ -283,10 +289,17 @@ class Tiling:
     #: the mma.sync forward's warps split each key block's keys, not the
     #: query rows (kWarpsSplitKeys: decoding's one m16 tile of rows)
     warps_split_keys: bool = False
+    #: split-KV in exactly this many ranges, which run as one thread-block
+    #: cluster per query block and merge there through distributed shared
+    #: memory (kernels_cu/cluster_states.cuh; Hopper): no partial buffers,
+    #: no merge kernel. 1: the merge kernel combines a split_kv launch's ranges
+    cluster_splits: int = 1
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.cluster_splits > 1 and not (self.split_kv and self.warps_split_keys):
+            raise ValueError("cluster_splits applies to split-KV decode tiles whose warps split the keys")
 
     @property
     def keys_last_to_first(self) -> bool:
@@ -524,10 +537,40 @@ def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) 
                  for split in (False, True))
 
 
+def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> int:
+    """The split count a decode forward of ``parallel_blocks`` unsplit
+    blocks and ``key_blocks`` key blocks per sequence runs as thread-block
+    clusters (``decode_cluster_tiling``) when the merge-kernel heuristic
+    (``decode_split_count``) asks for at most ``max(DECODE_CLUSTER_SPLITS)``:
+    the largest of ``DECODE_CLUSTER_SPLITS`` whose blocks fit in one SM's
+    slot fewer than the kernel's ``blocks_per_sm`` on every SM (at least
+    one), each range keeping two key blocks; 1 where none does (the merge
+    kernel then combines the heuristic's ranges). A cluster's blocks must
+    be resident in one GPC at once: measured on the H100 (bf16 d128, one
+    token; docs/perf-notes.md, "Decoding"), paged caches' kernels (two
+    blocks an SM, by registers) lost up to 1.5x against the merge kernel
+    with clusters filling every slot, and won with one block an SM."""
+    fitting = [c for c in DECODE_CLUSTER_SPLITS
+               if parallel_blocks * c <= max(1, blocks_per_sm - 1) * sms and key_blocks >= 2 * c]
+    return max(fitting, default=1)
+
+
+def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:
+    """The cluster-merged form of the split-KV decode tiling ``split`` for a
+    launch of ``splits`` key ranges (``Tiling.cluster_splits``), where
+    ``splits`` is one of ``DECODE_CLUSTER_SPLITS`` and the tiles' warps split
+    the keys; else None (the merge kernel combines the ranges)."""
+    if splits not in DECODE_CLUSTER_SPLITS or not (split.split_kv and split.warps_split_keys):
+        return None
+    return dataclasses.replace(split, cluster_splits=splits)
+
+
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
-    """Every decode tiling ``decode_tilings`` may choose for (dtype, head_dim)."""
-    return (decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
-            + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS))
+    """Every decode tiling ``decode_tilings`` (and ``decode_cluster_tiling``,
+    on Hopper) may choose for (dtype, head_dim)."""
+    one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
+    clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
+    return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered
 
 
 def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int],

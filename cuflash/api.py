@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from . import _interop, mods
+from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
@@ -34,8 +34,9 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox
-from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling, decode_split_count,
-                      decode_tilings, wgmma_backward_swizzles)
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
+                      decode_cluster_count, decode_cluster_tiling, decode_split_count, decode_tilings,
+                      wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1182,8 +1183,11 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     one on 16-bit inputs with at most ``DECODE_MAX_ROWS`` query rows per
     head (after ``decode_shape``'s packing) the decode tiles that fit the
     GPU's shared memory (the one-tile ones, else the 64-row ones; none: not
-    decoding), split-KV by ``decode_splits`` unless ``num_splits`` is 1. A
-    ValueError where ``num_splits`` asks for splits such a call cannot have."""
+    decoding), split-KV by ``decode_splits`` unless ``num_splits`` is 1; on
+    Hopper and later, a split count of ``DECODE_CLUSTER_SPLITS`` on the
+    one-tile tiles runs as thread-block clusters merged in place
+    (``decode_cluster_tiling``). A ValueError where ``num_splits`` asks for
+    splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
     chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
@@ -1202,7 +1206,34 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
-    return (split if splits > 1 else plain), shape, splits
+    if splits == 1:
+        return plain, shape, 1
+    if _kernel_generation(problem.device) >= 90 and decode_cluster_tiling(split, 2) is not None:
+        if num_splits is None and splits <= max(_tiling.DECODE_CLUSTER_SPLITS):
+            decoded = shape.problem
+            parallel = decoded.batch * decoded.nheads * -(-decoded.seqlen_q // split.block_m)
+            clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device),
+                                            -(-decoded.seqlen_k // split.block_n),
+                                            _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)))
+            splits = clusters if clusters > 1 else splits
+        clustered = decode_cluster_tiling(split, splits)
+        if clustered is not None:
+            return clustered, shape, splits
+    return split, shape, splits
+
+
+def _decode_blocks_per_sm(problem: AttentionProblem, tiling: Tiling) -> int:
+    """Blocks of ``tiling``'s forward kernel (compiled for ``problem``) one
+    SM holds at once, by the CUDA occupancy calculator."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
+                                                          layout=problem.layout)
+    function = loader.get(variant, problem.device)
+    with cupy.cuda.Device(problem.device):
+        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(function.kernel.ptr, variant.threads,
+                                                                    variant.smem_bytes))
 
 
 def _decode_tilings_that_fit(problem: AttentionProblem, rows: int) -> tuple[Tiling, Tiling] | None:
@@ -1258,14 +1289,16 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
     elif tiling is None:
         tiling, shape, splits = _forward_tiles(problem, layouts, aligned, num_splits)
     problem, layouts = shape.problem, shape.layouts
-    if splits > 1:
+    if splits > 1 and tiling.cluster_splits == 1:
         return _split_forward_plan(problem, layouts, tiling, splits, lse_batch_stride, shape.lse_head_stride)
+    # From here one launch writes out and lse: unsplit, or split-KV whose
+    # ranges merge in their thread-block cluster (Tiling.cluster_splits).
     num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
     launches = []
     if not problem.is_empty:
         variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
                                                               layout=problem.layout)
-        grid = _grid_size(num_m_blocks, problem, problem.nheads, "the forward pass")
+        grid = _grid_size(num_m_blocks * splits, problem, problem.nheads, "the forward pass")
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
     hopper = tiling.kernel == "wgmma"
     params = pack(
@@ -1277,7 +1310,7 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
-        num_splits=1,
+        num_splits=splits,
         out_split_stride=0,
         lse_split_stride=0,
         variant=_variant_fields(problem, tiling),

@@ -10,12 +10,12 @@
 // of P V in registers. The online softmax works on the accumulator
 // fragments, so S never touches shared memory.
 //
-// Pipeline (kKvStages in MmaForwardTraits): with two K/V buffers, one
-// barrier per key block; after it every warp is done with the previous
-// block's buffers, which then take the next block's K and V by cp.async while
-// this block is computed. With one buffer each (FlashAttention-2's schedule,
-// two barriers per block), V_j is copied while S_j = Q K_j^T is computed and
-// K_{j-1} while P_j V_j is. Key blocks are visited from the last to the
+// Pipeline (kKvStages in MmaForwardTraits): with a ring of two or more K/V
+// buffers, one barrier per key block; after it every warp is done with the
+// previous block's buffers, which then take the K and V of the block
+// kKvStages - 1 ahead by cp.async while this block is computed. With one
+// buffer each (FlashAttention-2's schedule, two barriers per block), V_j is
+// copied while S_j = Q K_j^T is computed and K_{j-1} while P_j V_j is. Key blocks are visited from the last to the
 // first, so the blocks that need masking (the partial last block, the causal
 // diagonal) come first and the rest run mask-free.
 //
@@ -45,14 +45,20 @@
 #include "online_softmax.cuh"
 #include "forward_epilogue.cuh"
 #include "paged_keys.cuh"
+#include "cluster_states.cuh"
 
 namespace cuflash {
 
+// One thread block's work: the kernels below are its entry points.
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys>
-__global__ void __launch_bounds__(kWarps * 32)
-flash_forward_mma_kernel(const ForwardParams params) {
+          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys, int kClusterSplits>
+__device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
     using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages, kWarpsSplitKeys>;
+    constexpr bool kClustered = kClusterSplits > 1;
+    static_assert(!kClustered || (kSplitKv && kWarpsSplitKeys && !Batch::kPacked && sizeof(Element) == 2),
+                  "cluster-merged splits: decoding's one-tile blocks on 16-bit inputs");
+    static_assert(!kClustered || ClusterStateLayout<kBlockM, kHeadDim>::kBytes <= kKvStages * Traits::kKvTileBytes,
+                  "a cluster block's staged rows fit in its V buffers");
     constexpr int kMTiles = Traits::kMTiles;
     constexpr int kNTiles = Traits::kNTiles;
     constexpr int kDTiles = Traits::kDTiles;
@@ -101,7 +107,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     // buffers are two (the next tile's are fetched while this one is
     // computed; with one buffer K and V of a tile load an iteration apart).
     using PagedRows = PagedKeyRows<kBlockN, kHeadDim, Traits::kThreads, Element>;
-    constexpr bool kPrefetchPages = Batch::kPaged && kKvStages == 2 && PagedRows::kPrefetches;
+    constexpr bool kPrefetchPages = Batch::kPaged && kKvStages >= 2 && PagedRows::kPrefetches;
     PagedRows pages;
     // Copies key block n_block of K or V (`t`, whose head's first key is
     // `rows`) into buffer `stage` of `tile`: rows a stride apart, or in a
@@ -136,7 +142,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
             pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
         }
         load_keys(key_range.end - 1, 0);
-        if constexpr (kKvStages == 2) {
+        if constexpr (kKvStages >= 2) {
             load_values(key_range.end - 1, 0);
         }
         if constexpr (kPrefetchPages) {
@@ -144,6 +150,22 @@ flash_forward_mma_kernel(const ForwardParams params) {
         }
     }
     cp_async_commit();
+    // Copy groups (one per key block) that may still be in flight while a
+    // block is used: the ones after it in a ring of kKvStages buffers.
+    constexpr int kGroupsInFlight = kKvStages >= 2 ? kKvStages - 2 : 0;
+    // A ring of more than two buffers starts with its first kKvStages - 1
+    // blocks in flight, one copy group each (empty past the range's start).
+#pragma unroll
+    for (int ahead = 1; ahead < kKvStages - 1; ++ahead) {
+        if (key_range.end - 1 - ahead >= key_range.begin) {
+            load_keys(key_range.end - 1 - ahead, ahead);
+            load_values(key_range.end - 1 - ahead, ahead);
+            if constexpr (kPrefetchPages) {
+                pages.fetch(origin, (key_range.end - 2 - ahead) * kBlockN, thread);
+            }
+        }
+        cp_async_commit();
+    }
 
     // Per-lane shared addresses (bytes), see mma_operands.cuh for the layouts.
     // Q (A operand): matrices (rows 0-7 | 8-15) x (the k step's first | second 16 bytes).
@@ -160,7 +182,7 @@ flash_forward_mma_kernel(const ForwardParams params) {
     u32 q_fragments[Traits::kQInRegisters ? kMTiles : 1][Traits::kQInRegisters ? Traits::kQkSteps : 1][4];
     if constexpr (Traits::kQInRegisters) {
         // Q's fragments, once: Q arrives with the first key block's copies.
-        cp_async_wait<0>();
+        cp_async_wait<kGroupsInFlight>();
         __syncthreads();
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
@@ -176,17 +198,20 @@ flash_forward_mma_kernel(const ForwardParams params) {
     int stage = 0;
     for (int n_block = key_range.end - 1; n_block >= key_range.begin; --n_block) {
         const int n_start = n_block * kBlockN;
-        // This block's K (and V with two stages, Q first time round) has
-        // landed for every thread, and every warp is done with the previous
-        // block, whose buffers are refilled now.
-        cp_async_wait<0>();
+        // This block's K (and V with a ring, Q first time round) has landed
+        // for every thread: of the copy groups, only the kKvStages - 2 blocks
+        // after it may still be in flight. Every warp is done with the
+        // previous block, whose buffers take the block kKvStages - 1 ahead.
+        cp_async_wait<kGroupsInFlight>();
         __syncthreads();
-        if constexpr (kKvStages == 2) {
-            if (n_block > key_range.begin) {
-                load_keys(n_block - 1, stage ^ 1);
-                load_values(n_block - 1, stage ^ 1);
+        if constexpr (kKvStages >= 2) {
+            const int next = n_block - (kKvStages - 1);
+            if (next >= key_range.begin) {
+                const int next_stage = stage == 0 ? kKvStages - 1 : stage - 1;
+                load_keys(next, next_stage);
+                load_values(next, next_stage);
                 if constexpr (kPrefetchPages) {
-                    pages.fetch(origin, (n_block - 2) * kBlockN, thread);
+                    pages.fetch(origin, (next - 1) * kBlockN, thread);
                 }
             }
         } else {
@@ -266,7 +291,9 @@ flash_forward_mma_kernel(const ForwardParams params) {
                 Operands::mma_two_n8_tiles(o, [&](int mt) -> const u32(&)[4] { return p[mt][ps]; }, b, dp);
             }
         }
-        stage ^= kKvStages - 1;
+        if constexpr (kKvStages >= 2) {
+            stage = stage == kKvStages - 1 ? 0 : stage + 1;
+        }
     }
 
     if constexpr (kWarpsSplitKeys) {
@@ -276,9 +303,47 @@ flash_forward_mma_kernel(const ForwardParams params) {
         cp_async_wait<0>();
         __syncthreads();
         combine_warp_states<kBlockM, kHeadDim, kWarps>(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
-        if (warp != 0) {
+        if (!kClustered && warp != 0) {
             return;
         }
+    }
+    if constexpr (kClustered) {
+        // Warp 0 stages the block's rows in the V buffers (combine_warp_states
+        // used the K ones); every thread of the cluster then merges, and
+        // stays until every block is done reading the others' rows.
+        using Staged = ClusterStateLayout<kBlockM, kHeadDim>;
+        float* staged = reinterpret_cast<float*>(v_tile);
+        const int rows = ctx.seqlen_q - m_start;
+        if (warp == 0) {
+            finish_forward_rows<float>(softmax, o, staged + Staged::kLse / 4, 0, 0, rows, lane,
+                                       [&](int row_in_block, int dt, float2 pair) {
+                                           *reinterpret_cast<float2*>(staged + row_in_block * kHeadDim + dt * 8 +
+                                                                      2 * (lane % 4)) = pair;
+                                       });
+        }
+        cluster_barrier();
+        const QueryBlock block =
+            query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+        Element* out = block.query_row<Element>(params.out, block.head, block.m_start);
+        float* lse = params.lse_row(block.tensor_batch, block.head) + block.q_row0 + block.m_start;
+        const int head_dim = ctx.head_dim;
+        merge_cluster_states<kClusterSplits, kBlockM, kHeadDim, Traits::kThreads>(
+            shared_address(staged), rows, head_dim, thread,
+            [&](int row, int col, float4 merged) {
+                Element* dst = out + static_cast<index_t>(row) * params.out.row_stride + col;
+                if (col + 4 <= head_dim) {
+                    *reinterpret_cast<uint2*>(dst) =
+                        make_uint2(pack_pair<Element>(merged.x, merged.y), pack_pair<Element>(merged.z, merged.w));
+                } else {
+                    const float values[4] = {merged.x, merged.y, merged.z, merged.w};
+                    for (int i = 0; col + i < head_dim; ++i) {
+                        dst[i] = from_float<Element>(values[i]);
+                    }
+                }
+            },
+            [&](int row, float row_lse) { lse[row] = row_lse; });
+        cluster_barrier();
+        return;
     }
     if constexpr (kSplitKv) {
         const QueryBlock block =
@@ -331,5 +396,25 @@ flash_forward_mma_kernel(const ForwardParams params) {
         }
     }
 }
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys>
+__global__ void __launch_bounds__(kWarps * 32) flash_forward_mma_kernel(const ForwardParams params) {
+    forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, kSplitKv,
+                      kWarpsSplitKeys, 1>(params);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// Split-KV whose kClusterSplits key ranges of a query block run as one
+// thread-block cluster (consecutive blocks: the grid's splits are its
+// fastest index) and merge in it (cluster_states.cuh). Hopper on.
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch, int kKvStages, bool kWarpsSplitKeys, int kClusterSplits>
+__global__ void __cluster_dims__(kClusterSplits, 1, 1) __launch_bounds__(kWarps * 32)
+    flash_forward_mma_cluster_kernel(const ForwardParams params) {
+    forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, true,
+                      kWarpsSplitKeys, kClusterSplits>(params);
+}
+#endif
 
 }  // namespace cuflash

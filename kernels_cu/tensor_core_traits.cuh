@@ -70,8 +70,8 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     // 3xTF32's 32-bit loads of V (lanes at rows 2q, columns g) then hit 32
     // different banks too.
     static constexpr int kStride = kHeadDim + 16 / int(sizeof(Element));
-    // Buffers of K and V: with 2, block j-1 is copied in while block j is
-    // used; with 1 (where registers are too tight for the longer-lived copy
+    // Buffers of K and V: with a ring of 2 or more, block j-(kKvStages-1)
+    // is copied in while block j is used; with 1 (where registers are too tight for the longer-lived copy
     // state), V_j is copied during S_j and K_{j-1} during P_j V_j.
     static constexpr int kKvStages = kKvStages_;
     static constexpr int kKvTileBytes = kBlockN * kStride * int(sizeof(Element));
@@ -92,7 +92,7 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
-    static_assert(kKvStages == 1 || kKvStages == 2, "single or double buffered K/V");
+    static_assert(kKvStages >= 1 && kKvStages <= 4, "single buffered K/V or a ring of up to four");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

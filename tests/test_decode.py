@@ -153,3 +153,89 @@ def test_decode_tiles_fit_the_gpus_shared_memory(monkeypatch, smem_kib, head_dim
             api._forward_tiles(problem, _layouts(problem), True, 4)
     else:
         assert (tiling.block_m, tiling.warps_split_keys) == expected and tiling.split_kv and splits > 1
+
+
+def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
+    """Clusters of the largest allowed count whose blocks leave one slot an
+    SM free (all of them with one block an SM) and keep two key blocks a range."""
+    from cuflash._tiling import DECODE_CLUSTER_SPLITS, decode_cluster_count
+
+    assert DECODE_CLUSTER_SPLITS == (2, 4, 8, 16)
+    # 32 K/V heads x 1 sequence, 16 key blocks: three blocks an SM -> 8 (256 <= 264); two -> 4 (128 <= 132)
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=3) == 8
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=2) == 4
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=1) == 4
+    # 4 blocks, 16 key blocks: 16 ranges would be one key block each
+    assert decode_cluster_count(4, 132, 16, blocks_per_sm=3) == 8
+    assert decode_cluster_count(4, 132, 64, blocks_per_sm=3) == 16
+    # nothing fits: the merge kernel's ranges stay
+    assert decode_cluster_count(200, 132, 64, blocks_per_sm=2) == 1
+    assert decode_cluster_count(4, 132, 3, blocks_per_sm=3) == 1
+
+
+def _decode_plan_choice(monkeypatch, generation, blocks_per_sm=3, **problem_args):
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: blocks_per_sm)
+    problem = _problem(**problem_args)
+    return lambda num_splits=None: api._forward_tiles(problem, _layouts(problem), True, num_splits)
+
+
+def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
+    choose = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)
+    tiling, shape, splits = choose()
+    assert (tiling.cluster_splits, splits) == (8, 8) and tiling.split_kv and tiling.warps_split_keys
+    tiling, _, splits = choose(4)  # the caller's count, where it is a cluster's
+    assert (tiling.cluster_splits, splits) == (4, 4)
+    tiling, _, splits = choose(3)  # not a cluster's count: the merge kernel
+    assert (tiling.cluster_splits, splits, tiling.split_kv) == (1, 3, True)
+    # A long cache over few heads takes more ranges than a cluster holds: the merge kernel.
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=131072)()
+    assert tiling.cluster_splits == 1 and splits > 16
+    # Before Hopper: no clusters.
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
+    assert tiling.cluster_splits == 1 and splits > 1
+
+
+def test_cluster_plans_launch_one_kernel_without_work_buffers(monkeypatch):
+    from cuflash._kernel_families import family_of
+
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 3)
+    launched = []
+    monkeypatch.setattr(api.loader, "get", lambda variant, device: launched.append(variant) or variant)
+    problem = _problem(batch=1, seqlen_k=1024, nheads=32, nheads_k=32)
+    parts = api._forward_parts(problem, _layouts(problem), True)
+    assert len(parts.launches) == 1 and parts.work_buffers == {}
+    (launch,) = parts.launches
+    assert launch.grid == 32 * 8  # 32 heads x one query block x 8 ranges, consecutive ranges one cluster
+    assert launched[-1].function == family_of("forward", "mma").cluster_function
+    assert launched[-1].cluster_blocks == 8 and launched[-1].key.endswith("/cluster8")
+    assert parts.structs[0]["num_splits"] == 8
+
+
+def test_cluster_tilings_are_split_kv_decode_tiles_built_for_hopper_only():
+    import sys
+
+    from cuflash._tiling import Tiling, decode_cluster_tiling, every_decode_tiling
+
+    with pytest.raises(ValueError, match="cluster_splits applies"):
+        Tiling(128, 16, 64, 4, kernel="mma", kv_stages=2, warps_split_keys=True, cluster_splits=4)
+    plain, split = decode_tilings("bfloat16", 128, 16)
+    assert decode_cluster_tiling(split, 3) is None and decode_cluster_tiling(plain, 4) is None
+    _, wide = decode_tilings("bfloat16", 128, 64)
+    assert decode_cluster_tiling(wide, 4) is None  # 64-row tiles: warps own rows, not keys
+    assert {t.cluster_splits for t in every_decode_tiling("bfloat16", 128)} == {1, 2, 4, 8, 16}
+    sys.path.insert(0, "tools")
+    import kernel_report
+
+    from cuflash._kernel_families import family_of
+    from cuflash._masks import MASKS
+
+    variant = family_of("forward", "mma").variant("bfloat16", decode_cluster_tiling(split, 8), MASKS["causal"])
+    assert kernel_report.variants_for([variant], "sm_90a") == [variant]
+    assert kernel_report.variants_for([variant], "sm_90") == [variant]
+    assert kernel_report.variants_for([variant], "sm_80") == []

@@ -10,7 +10,8 @@ import cuflash
 from cuflash import api
 from cuflash.reference import attention_reference
 
-from tests.helpers import assert_lse_close, assert_output_accurate, random_qkv, to_numpy64
+from tests.helpers import (assert_lse_close, assert_output_accurate, naive_attention_same_precision, random_qkv,
+                           to_numpy64)
 from tests.test_forward_gpu import _cupy, run_and_check
 
 pytestmark = pytest.mark.gpu
@@ -157,3 +158,67 @@ def test_merge_attention_states_rejects_bad_input():
         cuflash.merge_attention_states(outs, cupy.zeros((2, 1, 4, 3), dtype=cupy.float16))
     with pytest.raises(ValueError, match="outs must have 5 dimensions"):
         cuflash.merge_attention_states(outs[0], cupy.zeros((1, 4, 3), dtype=cupy.float32))
+
+
+def _decode_plan_kernels(q, k, v, causal, num_splits, **options):
+    """Kernels and work buffers of the plan cuflash makes for this decode call."""
+    plan = _plan_of(q, k, v, causal, num_splits)
+    return plan.kernel_count, set(plan.work_buffers)
+
+
+def _hopper():
+    return api._kernel_generation(0) >= 90
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 4), (16, 1)], ids=["mha", "gqa8", "mqa16"])
+@pytest.mark.parametrize("num_splits", [2, 4, 8, 16])
+def test_cluster_merged_splits_match_float64(dtype, head_dim, heads, num_splits):
+    """Split-KV whose ranges merge in their thread-block cluster (Hopper):
+    one kernel, no work buffers; output and LSE against float64, poisoned
+    outputs; awkward lengths, a range count above and below the key blocks."""
+    cupy = _cupy()
+    nheads, nheads_k = heads
+    for seqlen_k in (1000, 4097):
+        q, k, v = random_qkv(cupy, 3, 1, seqlen_k, nheads, nheads_k, head_dim, cupy.dtype(dtype),
+                             seed=seqlen_k + head_dim + num_splits)
+        if _hopper():
+            assert _decode_plan_kernels(q, k, v, True, num_splits) == (1, set())
+        run_and_check(q, k, v, causal=True, num_splits=num_splits)
+
+
+def test_cluster_merged_splits_weigh_ranges_without_keys_zero():
+    """A window: most ranges see no key of the row (output 0, log-sum-exp
+    -inf in their blocks), which the cluster's merge must weigh 0."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 1, 4097, 16, 2, 128, cupy.dtype("bfloat16"), seed=11)
+    scale = 1 / np.sqrt(128)
+    for window in ((64, 0), (700, 0)):
+        out = cupy.full(q.shape, cupy.nan, q.dtype)
+        lse = cupy.full((2, 16, 1), cupy.nan, cupy.float32)
+        cuflash.attention(q, k, v, causal=True, window_size=window, num_splits=16, out=out, lse=lse,
+                          return_lse=True)
+        ref_out, ref_lse = attention_reference(q, k, v, causal=True, window_size=window, softmax_scale=scale)
+        baseline = naive_attention_same_precision(q, k, v, causal=True, window_size=window, softmax_scale=scale)
+        assert_output_accurate(out, ref_out, baseline)
+        assert_lse_close(lse, ref_lse)
+
+
+def test_cluster_and_merge_kernel_agree():
+    """The same ranges merged in the cluster and by the merge kernel."""
+    from cuflash import _tiling
+
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 1, 5000, 16, 4, 128, cupy.dtype("float16"), seed=9)
+    clustered = cuflash.attention(q, k, v, num_splits=8)
+    saved = _tiling.DECODE_CLUSTER_SPLITS
+    try:
+        _tiling.DECODE_CLUSTER_SPLITS = ()
+        api.plans.clear()
+        assert _decode_plan_kernels(q, k, v, False, 8) == (2, {"out_partial", "lse_partial"})
+        merged = cuflash.attention(q, k, v, num_splits=8)
+    finally:
+        _tiling.DECODE_CLUSTER_SPLITS = saved
+        api.plans.clear()
+    assert float(cupy.abs(clustered.astype(cupy.float32) - merged.astype(cupy.float32)).max()) < 1e-3

@@ -151,11 +151,13 @@ SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "
 
 def variants_for(variants, arch: str) -> list[KernelVariant]:
     """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone,
-    the small-shared-memory ones everywhere but Hopper, and only those whose
-    shared memory fits the architecture's blocks."""
-    small = small_smem_only_keys() if arch.startswith("sm_90") else frozenset()
+    the thread-block cluster ones on Hopper, the small-shared-memory ones
+    everywhere but Hopper, and only those whose shared memory fits the
+    architecture's blocks."""
+    hopper = arch.startswith("sm_90")
+    small = small_smem_only_keys() if hopper else frozenset()
     return [v for v in variants if v.key not in small and v.smem_bytes <= SMEM_PER_BLOCK[arch]
-            and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY))]
+            and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY)) and (hopper or v.cluster_blocks == 1)]
 
 
 def _translation_unit(variants) -> str:
