@@ -183,7 +183,7 @@ def test_cluster_merged_splits_match_float64(dtype, head_dim, heads, num_splits)
     for seqlen_k in (1000, 4097):
         q, k, v = random_qkv(cupy, 3, 1, seqlen_k, nheads, nheads_k, head_dim, cupy.dtype(dtype),
                              seed=seqlen_k + head_dim + num_splits)
-        if _hopper():
+        if _hopper() and seqlen_k == 1000:  # 16 key blocks: every count is a cluster's (4097: 13 ranges of 16)
             assert _decode_plan_kernels(q, k, v, True, num_splits) == (1, set())
         run_and_check(q, k, v, causal=True, num_splits=num_splits)
 
