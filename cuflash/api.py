@@ -1214,7 +1214,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
             parallel = decoded.batch * decoded.nheads * -(-decoded.seqlen_q // split.block_m)
             clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device),
                                             -(-decoded.seqlen_k // split.block_n),
-                                            _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)))
+                                            _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)),
+                                            paged=decoded.layout == "paged")
             splits = clusters if clusters > 1 else splits
         clustered = decode_cluster_tiling(split, splits)
         if clustered is not None:

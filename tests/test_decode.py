@@ -157,7 +157,8 @@ def test_decode_tiles_fit_the_gpus_shared_memory(monkeypatch, smem_kib, head_dim
 
 def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
     """Clusters of the largest allowed count whose blocks leave one slot an
-    SM free (all of them with one block an SM) and keep two key blocks a range."""
+    SM free (all of them with one block an SM) and keep two key blocks a
+    range, where the ranges are short enough."""
     from cuflash._tiling import DECODE_CLUSTER_SPLITS, decode_cluster_count
 
     assert DECODE_CLUSTER_SPLITS == (2, 4, 8, 16)
@@ -171,6 +172,11 @@ def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
     # nothing fits: the merge kernel's ranges stay
     assert decode_cluster_count(200, 132, 64, blocks_per_sm=2) == 1
     assert decode_cluster_count(4, 132, 3, blocks_per_sm=3) == 1
+    # long ranges stay with the merge kernel: beyond 16 key blocks a range paged, 64 contiguous
+    assert decode_cluster_count(32, 132, 256, blocks_per_sm=3) == 8
+    assert decode_cluster_count(32, 132, 1024, blocks_per_sm=3) == 1
+    assert decode_cluster_count(32, 132, 64, blocks_per_sm=2, paged=True) == 4
+    assert decode_cluster_count(32, 132, 256, blocks_per_sm=2, paged=True) == 1
 
 
 def _decode_plan_choice(monkeypatch, generation, blocks_per_sm=3, **problem_args):
