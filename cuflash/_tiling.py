@@ -538,30 +538,28 @@ def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) 
 
 
 #: Key blocks per range up to which a decode's ranges run as clusters
-#: (``decode_cluster_count``), for paged caches and for contiguous K/V.
-DECODE_CLUSTER_RANGE_BLOCKS = {"paged": 16, "contiguous": 64}
+#: (``decode_cluster_count``).
+DECODE_CLUSTER_RANGE_BLOCKS = 16
 
 
-def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int,
-                         paged: bool = False) -> int:
+def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> int:
     """The split count a decode forward of ``parallel_blocks`` unsplit
     blocks and ``key_blocks`` key blocks per sequence runs as thread-block
     clusters (``decode_cluster_tiling``) when the merge-kernel heuristic
     (``decode_split_count``) asks for at most ``max(DECODE_CLUSTER_SPLITS)``:
     the largest of ``DECODE_CLUSTER_SPLITS`` whose blocks fit in one SM's
     slot fewer than the kernel's ``blocks_per_sm`` on every SM (at least
-    one), each range keeping two key blocks and at most
-    ``DECODE_CLUSTER_RANGE_BLOCKS``; 1 where none does (the merge kernel
-    then combines the heuristic's ranges). Measured on the H100 (bf16 d128,
-    one token; docs/perf-notes.md, "Decoding"): clusters win where the
-    merge launch is a large part of a short call, and lose on long ranges
-    (a paged cache's up to 1.4x beyond 32 key blocks a range, a contiguous
-    one's beyond 64), and with their blocks filling every slot."""
-    longest = DECODE_CLUSTER_RANGE_BLOCKS["paged" if paged else "contiguous"]
+    one) with two key blocks a range, where the ranges are then at most
+    ``DECODE_CLUSTER_RANGE_BLOCKS`` long; 1 otherwise (the merge kernel
+    combines the heuristic's ranges). Measured on the H100 (bf16 d128, one
+    token; docs/perf-notes.md, "Decoding"): clusters win where the merge
+    launch is a large part of a short call and lose on long ranges (paged
+    caches up to 1.5x slower at 64 key blocks a range, contiguous ones 5%
+    at 32) and with their blocks filling every slot."""
     fitting = [c for c in DECODE_CLUSTER_SPLITS
                if parallel_blocks * c <= max(1, blocks_per_sm - 1) * sms and 2 * c <= key_blocks]
     clusters = max(fitting, default=1)
-    return clusters if key_blocks <= longest * clusters else 1
+    return clusters if key_blocks <= DECODE_CLUSTER_RANGE_BLOCKS * clusters else 1
 
 
 def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:

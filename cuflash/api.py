@@ -1209,17 +1209,18 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     if splits == 1:
         return plain, shape, 1
     if _kernel_generation(problem.device) >= 90 and decode_cluster_tiling(split, 2) is not None:
-        if num_splits is None and splits <= max(_tiling.DECODE_CLUSTER_SPLITS):
+        # The caller's count runs as clusters where it is a cluster's;
+        # decode_cluster_count picks one where the heuristic's count is small.
+        clusters = splits
+        if num_splits is None:
             decoded = shape.problem
             parallel = decoded.batch * decoded.nheads * -(-decoded.seqlen_q // split.block_m)
-            clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device),
-                                            -(-decoded.seqlen_k // split.block_n),
-                                            _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)),
-                                            paged=decoded.layout == "paged")
-            splits = clusters if clusters > 1 else splits
-        clustered = decode_cluster_tiling(split, splits)
+            clusters = 1 if splits > max(_tiling.DECODE_CLUSTER_SPLITS) else decode_cluster_count(
+                parallel, _multiprocessor_count(problem.device), -(-decoded.seqlen_k // split.block_n),
+                _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)))
+        clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:
-            return clustered, shape, splits
+            return clustered, shape, clusters
     return split, shape, splits
 
 

@@ -172,11 +172,11 @@ def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
     # nothing fits: the merge kernel's ranges stay
     assert decode_cluster_count(200, 132, 64, blocks_per_sm=2) == 1
     assert decode_cluster_count(4, 132, 3, blocks_per_sm=3) == 1
-    # long ranges stay with the merge kernel: beyond 16 key blocks a range paged, 64 contiguous
-    assert decode_cluster_count(32, 132, 256, blocks_per_sm=3) == 8
-    assert decode_cluster_count(32, 132, 1024, blocks_per_sm=3) == 1
-    assert decode_cluster_count(32, 132, 64, blocks_per_sm=2, paged=True) == 4
-    assert decode_cluster_count(32, 132, 256, blocks_per_sm=2, paged=True) == 1
+    # long ranges stay with the merge kernel: beyond 16 key blocks a range
+    assert decode_cluster_count(32, 132, 128, blocks_per_sm=3) == 8
+    assert decode_cluster_count(32, 132, 256, blocks_per_sm=3) == 1
+    assert decode_cluster_count(32, 132, 64, blocks_per_sm=2) == 4
+    assert decode_cluster_count(32, 132, 128, blocks_per_sm=2) == 1
 
 
 def _decode_plan_choice(monkeypatch, generation, blocks_per_sm=3, **problem_args):
@@ -199,6 +199,9 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
     # A long cache over few heads takes more ranges than a cluster holds: the merge kernel.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=131072)()
     assert tiling.cluster_splits == 1 and splits > 16
+    # Ranges of a cluster's count but too long (the heuristic's 8 of 32 key blocks): the merge kernel.
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=16384, nheads=32, nheads_k=32)()
+    assert tiling.cluster_splits == 1 and splits == 8
     # Before Hopper: no clusters.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
     assert tiling.cluster_splits == 1 and splits > 1
