@@ -70,12 +70,29 @@ def test_a_one_row_block_costs_a_whole_tile():
 def test_split_kv_adds_a_merge_launch_and_shortens_a_lone_sequence():
     problem = Problem(batch=1, nheads=8, seqlen_q=1, seqlen_k=65536, head_dim=128)
     alone = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 1}), H100, "fwd")
-    split = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 16}), H100, "fwd")
+    split = estimate("cuflash", Problem(**{**problem.__dict__, "num_splits": 24}), H100, "fwd")
     assert [launch["name"] for launch in split["launches"]] == ["cuflash forward", "cuflash split-KV merge"]
-    # One block per K/V head reads its keys alone; 16 ranges a head share them
-    # out over 128 blocks, near the memory floor (K/V once at the device's bandwidth).
+    # One block per K/V head reads its keys alone; 24 ranges a head share them
+    # out over 192 blocks, near the memory floor (K/V once at the device's bandwidth).
     assert split["seconds"] < alone["seconds"] / 4
     assert split["launches"][0]["memory_s"] > 0.75 * split["launches"][0]["compute_s"]
+
+
+def test_cluster_merged_splits_launch_no_merge_on_hopper():
+    """A split count of a cluster's (Hopper, cuflash's one-tile decode
+    blocks): the splits merge in their cluster, so no merge launch and no
+    partial results in memory; an A100 keeps the merge kernel."""
+    from cuflash.simulate.algorithms import run
+
+    problem = Problem(batch=1, nheads=8, seqlen_q=1, seqlen_k=65536, head_dim=128, num_splits=16)
+    clustered = estimate("cuflash", problem, H100, "fwd")
+    assert [launch["name"] for launch in clustered["launches"]] == ["cuflash forward"]
+    assert "O_partial" not in {term.tensor for term in run("cuflash", problem, H100, "fwd").terms}
+    assert "O_partial" in {term.tensor for term in run("cuflash", problem, MACHINES["a100"], "fwd").terms}
+    assert len(estimate("cuflash", problem, MACHINES["a100"], "fwd")["launches"]) == 2
+    # The launcher's own choice for a short cache: clusters, one launch.
+    short = Problem(batch=1, nheads=32, seqlen_q=1, seqlen_k=1024, head_dim=128)
+    assert [launch["name"] for launch in estimate("cuflash", short, H100, "fwd")["launches"]] == ["cuflash forward"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -31,7 +31,8 @@ import math
 from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
-from .._tiling import DECODE_MAX_ROWS, MMA_DTYPES, decode_split_count, decode_tilings, wave_efficient_splits
+from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, decode_cluster_count,
+                       decode_cluster_tiling, decode_split_count, decode_tilings, wave_efficient_splits)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -413,24 +414,41 @@ class _TiledPlan:
     #: the forward runs the mma.sync kernel where the algorithm's own is
     #: another (cuflash's decode tiles on Hopper)
     fwd_mma: bool = False
+    #: the splits of a query block run as one thread-block cluster and merge
+    #: there (cuflash on Hopper: no partial results in memory, no merge launch)
+    clustered: bool = False
 
 
-def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool) -> _TiledPlan:
+def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool,
+                   clusters: bool = False) -> _TiledPlan:
     """The plan with the problem's split-KV and GQA-packing choices where it
     makes them (Problem.num_splits, Problem.pack_gqa), else the algorithm's
     defaults ``splits`` (a count, "auto" or "cuflash") and ``pack``; "auto"
     takes wave_efficient_splits over the machine's SMs (FlashAttention-2's
-    rule), "cuflash" cuflash's launcher's decode_split_count."""
+    rule), "cuflash" cuflash's launcher's decode_split_count, and where
+    ``clusters`` (cuflash's one-tile decode blocks on Hopper) its
+    decode_cluster_count, whose splits merge in their cluster. The
+    launcher's occupancy of the kernel is modelled by shared memory alone
+    (a paged cache's kernel is register-bound at two blocks an SM on the
+    H100, which this does not see)."""
     pack = pack if p.pack_gqa is None else p.pack_gqa
     rows = p.group if pack and p.group > 1 else 1
-    splits = splits if p.num_splits is None else p.num_splits
+    asked = p.num_splits
+    splits = splits if asked is None else asked
+    clustered = False
     if splits in ("auto", "cuflash"):
         blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
         owners = p.kv_heads if rows > 1 else p.heads
         key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
         choose = wave_efficient_splits if splits == "auto" else decode_split_count
         splits = choose(owners * len(blocks), machine.sms, key_blocks)
-    return replace(plan, splits=splits, pack=rows)
+        if clusters and splits <= max(DECODE_CLUSTER_SPLITS):
+            counted = decode_cluster_count(owners * len(blocks), machine.sms, key_blocks, plan.fwd_blocks_per_sm)
+            clustered = counted > 1
+            splits = counted if clustered else splits
+    elif clusters:
+        clustered = splits in DECODE_CLUSTER_SPLITS
+    return replace(plan, splits=splits, pack=rows, clustered=clustered and splits > 1)
 
 
 def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -> None:
@@ -470,10 +488,18 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
             t.read(f"{tensor}_new", new, element_size=e, formula=f"{tensor}_new appended: B·H_kv·Nq·d")
             t.write(tensor, new, element_size=e, formula=f"{tensor}_new into the cache at each sequence's length")
     held = {**_inputs(p, expand=False), "O": heads * p.seqlen_q * d * e, "LSE": heads * p.seqlen_q * f}
-    if plan.splits > 1:
+    if plan.splits > 1 and not plan.clustered:
         held.update(O_partial=owners * rows_read * d * f, LSE_partial=owners * rows_read * f)
     t.live("forward", held)
-    if plan.splits == 1:
+    if plan.clustered:
+        # Each block's rows staged in its shared memory and merged there
+        # through distributed shared memory: only the merged rows reach HBM.
+        t.write("O", heads * p.seqlen_q * d * e, element_size=e,
+                formula=f"O_i once, merged in the cluster of {plan.splits} splits: B·H·Nq·d")
+        t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
+        t.flops(0, heads * p.seqlen_q * plan.splits * (2 * d + 4),
+                "split-KV merge in the cluster: per row and split, an exponential weight and a scaled add of d values")
+    elif plan.splits == 1:
         t.write("O", heads * p.seqlen_q * d * e, element_size=e, formula="O_i once: B·H·Nq·d")
         t.write("LSE", heads * p.seqlen_q * f, element_size=f, formula="LSE_i once: B·H·Nq (float32)")
     else:
@@ -499,7 +525,8 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
     if plan.pack > 1:
         t.notes.append(f"forward: GQA packing, the {plan.pack} query heads of a K/V head in one block's rows")
     if plan.splits > 1:
-        t.notes.append(f"forward: split-KV, {plan.splits} thread blocks per query block, merged by their LSE")
+        where = " in their thread-block cluster (distributed shared memory)" if plan.clustered else ""
+        t.notes.append(f"forward: split-KV, {plan.splits} thread blocks per query block, merged by their LSE{where}")
     if p.page_size is not None:
         t.notes.append("forward: paged K/V request the bytes a contiguous cache would (a key's row of d elements "
                        "is one run in either layout) plus the block table; DRAM page locality is not modelled")
@@ -673,7 +700,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         decode = decode_tilings(dtype, p.head_dim, rows)[1]
         plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n, fwd_mma=True,
                        fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
-        return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack)
+        return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
+                              clusters=machine.compute_capability >= 90
+                              and decode_cluster_tiling(decode, 2) is not None)
     return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
 

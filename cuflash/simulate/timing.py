@@ -216,7 +216,8 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
         if "fwd" in passes:
             forward_dram = run(algorithm, p, machine, "fwd").total("dram")
             merge = 0
-            if plan.splits > 1:  # the merge kernel: partial O and LSE in (from L2), O and LSE out
+            if plan.splits > 1 and not plan.clustered:
+                # the merge kernel: partial O and LSE in (from L2), O and LSE out
                 merge = heads * nq * (d * e + f)
             # cuflash's decode tiles run its mma.sync forward, whose constants are flash2's
             cost = kernel_cost("flash2" if plan.fwd_mma else algorithm, "fwd", machine)
