@@ -207,7 +207,7 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
         if constexpr (kKvStages >= 2) {
             const int next = n_block - (kKvStages - 1);
             if (next >= key_range.begin) {
-                const int next_stage = stage == 0 ? kKvStages - 1 : stage - 1;
+                const int next_stage = kKvStages == 2 ? stage ^ 1 : (stage == 0 ? kKvStages - 1 : stage - 1);
                 load_keys(next, next_stage);
                 load_values(next, next_stage);
                 if constexpr (kPrefetchPages) {
@@ -292,7 +292,9 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
             }
         }
         if constexpr (kKvStages >= 2) {
-            stage = stage == kKvStages - 1 ? 0 : stage + 1;
+            // (The xor for two: the same code as before the ring was
+            // generalised; its select spilled a d32 variant on sm_90a.)
+            stage = kKvStages == 2 ? stage ^ 1 : (stage == kKvStages - 1 ? 0 : stage + 1);
         }
     }
 

@@ -82,7 +82,11 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     assert len(beyond_a100) == 2 * len(built_in_masks()) + 1
     assert all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
     hopper_only = [v for v in variants if v.key.startswith(kernel_report.HOPPER_ONLY)]
-    assert len(sm90a) == len(variants) - len(small) == len(sm80) + len(hopper_only) + len(beyond_a100) - len(small)
+    # the decode forward's thread-block cluster variants: Hopper on
+    clusters = [v for v in variants if v.cluster_blocks > 1]
+    assert clusters and all("/cluster" in v.key for v in clusters)
+    assert len(sm90a) == len(variants) - len(small) == (len(sm80) + len(hopper_only) + len(clusters)
+                                                         + len(beyond_a100) - len(small))
     # sm_86/sm_89 (99 KiB) build only what fits them: the 99 KiB tiles, not
     # the A100 ones they replace.
     sm89 = {v.key for v in kernel_report.variants_for(variants, "sm_89")}
@@ -102,10 +106,11 @@ def test_fast_path_spill_gate_command_line(only):
     assert result.returncode == 0, result.stdout + result.stderr
     # the three masks (and the heaviest policies dense), dense and packed;
     # the backward in both dQ modes (atomic, ordered); the mma.sync forward's
-    # two kinds of decode tiles without and with split-KV beside its own
-    # (dense only), and all five for KV caches, contiguous and paged; the
-    # Hopper forward's short-sequence tile
-    expected = {"forward-mma": 5 * 4 + 3 + 2 * 5 * 3, "forward-wgmma": 2 * (4 + 3),
+    # two kinds of decode tiles without and with split-KV and the four
+    # cluster counts of the one-tile split beside its own (dense only), and
+    # all nine for KV caches, contiguous and paged; the Hopper forward's
+    # short-sequence tile
+    expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3, "forward-wgmma": 2 * (4 + 3),
                 "backward-dkdv-wgmma": (4 + 3) * 2}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
