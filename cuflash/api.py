@@ -401,8 +401,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             at most 64 query rows per K/V head: seqlen_q, or with seqlen_q 1
             the query heads sharing a K/V head, which run together): the
             number of key ranges computed by separate thread blocks and
-            merged by their log-sum-exp (split-KV). None (default): chosen
-            from the device's SM count; 1: no split. Other calls take None or 1.
+            merged by their log-sum-exp (split-KV; on Hopper and later, a
+            count of 2, 4, 8 or 16 on the one-token decode blocks runs as
+            thread-block clusters merged in place, else a merge kernel
+            follows). None (default): chosen from the device's SM count; 1:
+            no split. Other calls take None or 1.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
