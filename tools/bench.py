@@ -412,6 +412,10 @@ def main() -> int:
 
         result["decode"] = bench_decode.decode_table(time_gpu, args.calls, args.repeats)
         print("\n".join(bench_decode.summary(result["decode"])) + "\n", flush=True)
+        import host_overhead
+
+        result["decode_host"] = bench_decode.decode_host_table(time_gpu, time_user, host_overhead.host_us)
+        print("\n".join(bench_decode.host_markdown(result["decode_host"])) + "\n", flush=True)
     if args.variants or args.variants_only:
         import bench_variants
 

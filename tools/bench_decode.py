@@ -140,3 +140,62 @@ def summary(rows: list[dict]) -> list[str]:
                      f"{sum(x >= 2.7 for x in big)}/{len(big)} >= 2.7; vs best SDPA: min "
                      f"{min(ratios, default=float('nan')):.2f}, {sum(x >= 1.0 for x in ratios)}/{len(ratios)} >= 1.0")
     return lines
+
+
+#: (kv_heads, batch, kv_len) of the host-cost table: a short call (split-KV
+#: merged in a cluster on Hopper), a middle one, a long one.
+HOST_POINTS = ((8, 1, 1024), (8, 8, 4096), (8, 32, 16384))
+
+
+def decode_host_table(time_gpu, time_user, host_us) -> list[dict]:
+    """Decoding as a caller sees it, at ``HOST_POINTS`` (contiguous cache):
+    cuflash on CuPy arrays, cuflash's PyTorch drop-in
+    (``cuflash.torch.flash_attn_with_kvcache``) and SDPA's cuDNN backend;
+    per call: GPU time with launches queued (``time_gpu``), time without
+    holding the stream, L2 flushed (``time_user``), and host microseconds
+    (``host_us``: tools/host_overhead.py), in milliseconds but host µs."""
+    import cupy
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+    import cuflash.torch as ct
+
+    rows = []
+    for kv_heads, batch, kv_len in HOST_POINTS:
+        generator = torch.Generator(device="cuda").manual_seed(batch + kv_len)
+        q, k, v = (torch.randn(batch, n, h, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+                   for n, h in ((1, HEADS), (kv_len, kv_heads), (kv_len, kv_heads)))
+        lengths = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+        cq, ck, cv, clengths = (cupy.from_dlpack(x) for x in (q, k, v, lengths))
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+        candidates = {
+            "cuflash (CuPy)": lambda: cuflash.attention_with_kvcache(cq, ck, cv, cache_seqlens=clengths),
+            "cuflash.torch": lambda: ct.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths),
+            "SDPA cuDNN": cudnn,
+        }
+        host = host_us(candidates)
+        for name, fn in candidates.items():
+            rows.append({"kv_heads": kv_heads, "batch": batch, "seqlen_k": kv_len, "call": name,
+                         "gpu_ms": time_gpu(fn, calls=20, repeats=7), "user_ms": time_user(fn),
+                         "host_us": host[name]})
+        del q, k, v, kt, vt, cq, ck, cv
+        torch.cuda.empty_cache()
+    return rows
+
+
+def host_markdown(rows: list[dict]) -> list[str]:
+    """The host-cost table as Markdown lines."""
+    lines = ["| K/V heads | batch | keys | call | GPU us, launches queued | us per call, L2 flushed | host us |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        user = "n/a" if r["user_ms"] is None else f"{r['user_ms'] * 1e3:.1f}"
+        lines.append(f"| {r['kv_heads']} | {r['batch']} | {r['seqlen_k']} | {r['call']} | {r['gpu_ms'] * 1e3:.1f} | "
+                     f"{user} | {r['host_us']:.1f} |")
+    return lines

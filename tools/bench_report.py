@@ -243,6 +243,12 @@ def kvcache_markdown(result: dict) -> str:
                      f"{ratio['contiguous']:.2f} | {ratio['paged16']:.2f} | {ratio['paged256']:.2f} |")
     lines.append("")
     lines += [f"- {line}" for line in bench_decode.summary(rows)]
+    if result.get("decode_host"):
+        lines += ["", "As a caller sees it (contiguous cache, PyTorch tensors for the drop-in and SDPA, CuPy arrays "
+                  "for cuflash's own API): GPU time with launches queued, time per call without holding the stream "
+                  "(`triton.testing.do_bench`, L2 flushed), and host microseconds per call "
+                  "(tools/host_overhead.py).", ""]
+        lines += bench_decode.host_markdown(result["decode_host"])
     return "\n".join(lines) + "\n"
 
 
