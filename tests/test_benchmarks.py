@@ -80,6 +80,14 @@ def test_kvcache_rows_are_consistent(path):
             assert r["over_best_sdpa"][label] == pytest.approx(r["kv_tbps"][label] / best)
         # every layout computed the dense forward's answer
         assert max(r["max_abs_diff_vs_dense"].values()) < 0.05
+    # the host-cost table, where the run has one: every call at every point, its times positive
+    host = result.get("decode_host", [])
+    if host:
+        calls = {"cuflash (CuPy)", "cuflash.torch", "SDPA cuDNN"}
+        assert {(r["kv_heads"], r["batch"], r["seqlen_k"]) for r in host} == set(bench_decode.HOST_POINTS)
+        assert len(host) == len(calls) * len(bench_decode.HOST_POINTS) and {r["call"] for r in host} == calls
+        assert all(r["gpu_ms"] > 0 and r["host_us"] > 0 and (r["user_ms"] is None or r["user_ms"] > 0)
+                   for r in host)
 
 
 @pytest.mark.parametrize("path", VARLEN, ids=lambda p: p.name)
