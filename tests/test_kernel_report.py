@@ -36,19 +36,21 @@ def test_every_variant_compiles_and_is_reported():
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/window/q1/atomic-dq") == 80
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/causal/q1/atomic-dq") == 0
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim128/m64n128w12/causal/dropout/q2/atomic-dq") == 256
-    # 63 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
+    # 111 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
     # tile at 256; the 16-bit decode tiles without and with split-KV (10 not
-    # already there), and the one-tile decode tiles whose warps split the
-    # keys, without and with split-KV (24); each with the three masks and, in
-    # dense batches, the heaviest policies (a window with soft cap and
-    # ALiBi); packed batches on every tiling but the decode ones (19 x 3
-    # masks); KV caches, contiguous and paged, on every 16-bit tiling, decode
-    # ones included (2 x 56 x 3)
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 63 * 4 + 19 * 3 + 2 * 56 * 3
+    # already there), the one-tile decode tiles whose warps split the keys,
+    # without and with split-KV (24), and the latter's thread-block cluster
+    # forms of 2, 4, 8 and 16 ranges (48, Hopper only); each with the three
+    # masks and, in dense batches, the heaviest policies (a window with soft
+    # cap and ALiBi); packed batches on every tiling but the decode ones
+    # (19 x 3 masks); KV caches, contiguous and paged, on every 16-bit
+    # tiling, decode ones included (2 x 104 x 3)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 111 * 4 + 19 * 3 + 2 * 104 * 3
     assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 19 * 3
+    assert sum("/cluster" in row["variant"] for row in rows) == 48 * 4 + 2 * 48 * 3
     for layout in ("/cache/", "/paged/"):
-        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 56 * 3
-    assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 63
+        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 104 * 3
+    assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 111
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
