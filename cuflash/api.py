@@ -1157,12 +1157,18 @@ def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | N
     it) runs in: ``num_splits``, or where None ``decode_split_count`` over
     the device's SMs; never more ranges than key blocks, and no range left
     empty."""
-    key_blocks = max(1, -(-problem.seqlen_k // tiling.block_n))
+    parallel, key_blocks = _decode_blocks(problem, tiling)
     if num_splits is None:
-        parallel = problem.batch * problem.nheads * -(-problem.seqlen_q // tiling.block_m)
         return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks)
     per_split = -(-key_blocks // min(num_splits, key_blocks))
     return -(-key_blocks // per_split)
+
+
+def _decode_blocks(problem: AttentionProblem, tiling: Tiling) -> tuple[int, int]:
+    """A decode forward's thread blocks without splits and its key blocks
+    per sequence (at least one), ``problem`` as the kernels see it."""
+    return (problem.batch * problem.nheads * -(-problem.seqlen_q // tiling.block_m),
+            max(1, -(-problem.seqlen_k // tiling.block_n)))
 
 
 def forward_work_buffers(problem: AttentionProblem, num_splits: int) -> dict:
@@ -1211,16 +1217,17 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     if splits == 1:
         return plain, shape, 1
-    if _kernel_generation(problem.device) >= 90 and decode_cluster_tiling(split, 2) is not None:
+    smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
+                if _kernel_generation(problem.device) >= 90 else None)
+    if smallest is not None:
         # The caller's count runs as clusters where it is a cluster's;
         # decode_cluster_count picks one where the heuristic's count is small.
         clusters = splits
         if num_splits is None:
-            decoded = shape.problem
-            parallel = decoded.batch * decoded.nheads * -(-decoded.seqlen_q // split.block_m)
+            parallel, key_blocks = _decode_blocks(shape.problem, split)
             clusters = 1 if splits > max(_tiling.DECODE_CLUSTER_SPLITS) else decode_cluster_count(
-                parallel, _multiprocessor_count(problem.device), -(-decoded.seqlen_k // split.block_n),
-                _decode_blocks_per_sm(decoded, decode_cluster_tiling(split, 2)))
+                parallel, _multiprocessor_count(problem.device), key_blocks,
+                _decode_blocks_per_sm(shape.problem, smallest))
         clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:
             return clustered, shape, clusters

@@ -160,7 +160,7 @@ def test_merge_attention_states_rejects_bad_input():
         cuflash.merge_attention_states(outs[0], cupy.zeros((1, 4, 3), dtype=cupy.float32))
 
 
-def _decode_plan_kernels(q, k, v, causal, num_splits, **options):
+def _decode_plan_kernels(q, k, v, causal, num_splits):
     """Kernels and work buffers of the plan cuflash makes for this decode call."""
     plan = _plan_of(q, k, v, causal, num_splits)
     return plan.kernel_count, set(plan.work_buffers)

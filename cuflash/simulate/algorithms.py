@@ -433,8 +433,7 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     H100, which this does not see)."""
     pack = pack if p.pack_gqa is None else p.pack_gqa
     rows = p.group if pack and p.group > 1 else 1
-    asked = p.num_splits
-    splits = splits if asked is None else asked
+    splits = splits if p.num_splits is None else p.num_splits
     clustered = False
     if splits in ("auto", "cuflash"):
         blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
@@ -448,7 +447,7 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
             splits = counted if clustered else splits
     elif clusters:
         clustered = splits in DECODE_CLUSTER_SPLITS
-    return replace(plan, splits=splits, pack=rows, clustered=clustered and splits > 1)
+    return replace(plan, splits=splits, pack=rows, clustered=clustered)
 
 
 def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -> None:
