@@ -134,10 +134,12 @@ class KernelFamily:
     #: dtypes it is also built for in the KV-cache batch layouts
     #: (``CACHE_LAYOUTS``: a contiguous or paged cache), every tiling
     cache_dtypes: tuple[str, ...] = ()
-    #: the entry point of the same template whose blocks run as clusters of
-    #: ``Tiling.cluster_splits`` (compiled on Hopper only), for tilings that
-    #: have them; "" where the family has none
-    cluster_function: str = ""
+    #: tiling -> (function, params) of the entry point a tiling runs on,
+    #: for a family with more than one (the mma.sync forward's thread-block
+    #: cluster and copy-engine ones, Hopper only: ``Tiling.cluster_splits``,
+    #: ``Tiling.kv_tma``), or None where the family has no entry for it;
+    #: unset: ``function`` and ``params`` for tilings without either
+    entry_points: Callable[[Tiling], tuple[str, str] | None] | None = None
 
     def dq_mode(self, deterministic: bool) -> str:
         """The mode a call runs this family in: atomic, or its deterministic one."""
@@ -202,8 +204,12 @@ class KernelFamily:
                 key=f"{self.name}/{dtype_name}/w{ELEMENTWISE_WARPS}", threads=32 * ELEMENTWISE_WARPS, smem_bytes=0)
         if tiling.kernel != self.kernel:
             raise ValueError(f"{self.name} takes {self.kernel} tilings, got {tiling}")
-        if tiling.cluster_splits > 1 and not self.cluster_function:
-            raise ValueError(f"{self.name} has no cluster entry point for {tiling}")
+        entry = (self.entry_points(tiling) if self.entry_points is not None
+                 else None if tiling.cluster_splits > 1 or tiling.kv_tma else (self.function, self.params))
+        if entry is None:
+            raise ValueError(f"{self.name} has no entry point for {tiling}")
+        if tiling.kv_tma and layout not in ("dense", "cache"):
+            raise ValueError(f"copy-engine K/V ({tiling}) needs a dense batch or a contiguous cache, not {layout}")
         extra_args, extra_key = self.tile_args(tiling)
         if self.dq_modes:
             if dq_mode not in self.dq_modes:
@@ -212,8 +218,8 @@ class KernelFamily:
             extra_key += "" if dq_mode == "separate" else f"/{dq_mode}-dq"
         return KernelVariant(
             source=self.source,
-            function=self.cluster_function if tiling.cluster_splits > 1 else self.function,
-            params=self.params,
+            function=entry[0],
+            params=entry[1],
             template_args=(
                 CXX_ELEMENT_TYPE[dtype_name], str(tiling.head_dim_padded), str(tiling.block_m), str(tiling.block_n),
                 str(tiling.warps), mask.cxx, score.cxx_for(dtype_name), BATCH_LAYOUTS[layout], *extra_args,
@@ -271,7 +277,7 @@ def _mma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
         return "true" if value else "false"
 
     key = (f"/kv{tiling.kv_stages}" + ("/split" if tiling.split_kv else "")
-           + ("/split-keys" if tiling.warps_split_keys else ""))
+           + ("/split-keys" if tiling.warps_split_keys else "") + ("/tma" if tiling.kv_tma else ""))
     if tiling.cluster_splits > 1:
         return ((str(tiling.kv_stages), flag(tiling.warps_split_keys), str(tiling.cluster_splits)),
                 f"{key}/cluster{tiling.cluster_splits}")
@@ -281,6 +287,15 @@ _FORWARD = "cuflash::ForwardParams"
 #: __grid_constant__ parameter (the copy engine reads the maps in place).
 _WGMMA_FORWARD = "__grid_constant__ cuflash::WgmmaForwardParams"
 _BACKWARD = "cuflash::BackwardParams"
+
+
+def _mma_forward_entry(tiling: Tiling) -> tuple[str, str]:
+    """The mma.sync forward's entry point of a tiling: thread-block clusters
+    (``cluster_splits``) and copy-engine K/V (``kv_tma``, whose K and V
+    maps ride in the Hopper forward's parameters) each have their own."""
+    function = ("cuflash::flash_forward_mma" + ("_tma" if tiling.kv_tma else "")
+                + ("_cluster" if tiling.cluster_splits > 1 else "") + "_kernel")
+    return function, _WGMMA_FORWARD if tiling.kv_tma else _FORWARD
 #: The Hopper backward's: BackwardParams and the tensor maps of Q, K, V, dO
 #: and the float32 dQ accumulator, a __grid_constant__ parameter.
 _WGMMA_BACKWARD = "__grid_constant__ cuflash::WgmmaBackwardParams"
@@ -299,7 +314,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  serves=mma_forward_applies, needs_aligned_rows=True, needs_positive_scale=True,
                  tf32x3_dtypes=(MMA_3XTF32_DTYPE,), hopper_tiles=mma_forward_hopper_tiling,
                  other_tiles=every_decode_tiling, cache_dtypes=MMA_DTYPES,
-                 tile_args=_mma_forward_tile_args, cluster_function="cuflash::flash_forward_mma_cluster_kernel"),
+                 tile_args=_mma_forward_tile_args, entry_points=_mma_forward_entry),
     KernelFamily("forward", "forward", "flash_fwd.cu", "cuflash::flash_forward_kernel", _FORWARD,
                  arch="any", kernel="simt", dtypes=_ALL_DTYPES, head_dims=HEAD_DIM_BUCKETS,
                  tiles=forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=_any_head_dim),

@@ -294,12 +294,19 @@ class Tiling:
     #: memory (kernels_cu/cluster_states.cuh; Hopper): no partial buffers,
     #: no merge kernel. 1: the merge kernel combines a split_kv launch's ranges
     cluster_splits: int = 1
+    #: the mma.sync forward's whole key blocks of K and V come by the Tensor
+    #: Memory Accelerator (tensor maps, swizzled buffers, an mbarrier per
+    #: stage: kKvTma in flash_fwd_mma.cu; Hopper): decode tiles of 16-bit
+    #: dense batches or contiguous caches
+    kv_tma: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.cluster_splits > 1 and not (self.split_kv and self.warps_split_keys):
             raise ValueError("cluster_splits applies to split-KV decode tiles whose warps split the keys")
+        if self.kv_tma and not (self.kernel == "mma" and self.kv_stages >= 2):
+            raise ValueError("kv_tma applies to the mma.sync forward with a ring of K/V buffers")
 
     @property
     def keys_last_to_first(self) -> bool:
@@ -326,10 +333,18 @@ class Tiling:
     def forward_smem_bytes(self, dtype_name: str) -> int:
         """``ForwardSmem::kBytes``: Q, K, V, P; for the mma.sync forward
         ``MmaForwardTraits::kBytes``: Q and ``kv_stages`` buffers of K and V,
-        rows padded by 16 bytes; for the wgmma forward
+        rows padded by 16 bytes (with ``kv_tma``, K and V unpadded and
+        swizzled after Q rounded up to a swizzle atom, their mbarriers and
+        the alignment slack); for the wgmma forward
         ``WgmmaForwardTraits::kBytes``: Q and ``WGMMA_FORWARD_STAGES``
         unpadded (swizzled) buffers of K and V, the mbarriers, plus the
         alignment slack."""
+        if self.kernel == "mma" and self.kv_tma:
+            # Q's padded rows up to a swizzle atom, the unpadded K/V rings, their mbarriers, the alignment slack.
+            q_bytes = self.block_m * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
+            kv_bytes = 2 * self.kv_stages * self.block_n * self.head_dim_padded * ELEMENT_SIZE[dtype_name]
+            return -(-q_bytes // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT + kv_bytes + 8 * self.kv_stages + \
+                WGMMA_SMEM_ALIGNMENT
         if self.kernel == "mma":
             rows = self.block_m + 2 * self.kv_stages * self.block_n
             return rows * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
@@ -573,11 +588,13 @@ def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:
 
 
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
-    """Every decode tiling ``decode_tilings`` (and ``decode_cluster_tiling``,
-    on Hopper) may choose for (dtype, head_dim)."""
+    """Every decode tiling ``decode_tilings`` (and on Hopper
+    ``decode_cluster_tiling`` and the one-tile tiles' copy-engine forms,
+    ``Tiling.kv_tma``) may choose for (dtype, head_dim)."""
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
-    return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered
+    by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
+    return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma
 
 
 def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int],

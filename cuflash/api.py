@@ -33,7 +33,7 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
-from ._tensor_maps import TensorMapEncoder, TileBox
+from ._tensor_maps import TensorMapEncoder, TileBox, map_geometry
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       decode_cluster_count, decode_cluster_tiling, decode_split_count, decode_tilings,
                       wgmma_backward_swizzles)
@@ -699,7 +699,9 @@ def kvcache_plan(call: KvCacheCall, layouts: dict, caches: dict, num_splits: int
         blocks = max(1, min(-(-chunks // CACHE_APPEND_THREADS), 4096))
         launches.insert(0, KernelLaunch(loader.get(variant, problem.device), blocks, variant.threads, 0, append))
     slots = kvcache_slots(parts.slots, append, per_entry=problem.kv_cache is not None and problem.kv_cache.per_entry)
-    return LaunchPlan(problem.device, structs, slots, launches, parts.tensor_maps, work_buffers)
+    # The forward's tensor maps (copy-engine K/V) follow their arrays to the same places among these slots.
+    tensor_maps = [(slots[list(parts.slots).index(slot)], encoder) for slot, encoder in parts.tensor_maps]
+    return LaunchPlan(problem.device, structs, slots, launches, tensor_maps, work_buffers)
 
 
 def kvcache_slots(forward_slots: tuple, append: int | None, per_entry: bool) -> tuple:
@@ -1214,6 +1216,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                  if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
+    if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts):
+        plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     if splits == 1:
         return plain, shape, 1
@@ -1232,6 +1236,23 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         if clustered is not None:
             return clustered, shape, clusters
     return split, shape, splits
+
+
+def _kv_tma_applies(problem: AttentionProblem, layouts: dict) -> bool:
+    """Whether a decode on the one-tile tiles copies K and V by the Tensor
+    Memory Accelerator (``Tiling.kv_tma``): on Hopper and later, for a
+    dense batch or a contiguous cache (one tensor map spans the keys; a
+    paged cache's rows are gathered by cp.async), where the copy engine
+    takes K's and V's strides (``map_geometry``: multiples of 16 bytes)."""
+    if _kernel_generation(problem.device) < 90 or problem.layout not in ("dense", "cache"):
+        return False
+    for name in ("k", "v"):
+        layout = layouts[name]
+        try:
+            map_geometry(layout.shape, layout.strides, TileBox(rows=8, cols=8))
+        except ValueError:
+            return False
+    return True
 
 
 def _decode_blocks_per_sm(problem: AttentionProblem, tiling: Tiling) -> int:
@@ -1312,9 +1333,8 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
                                                               layout=problem.layout)
         grid = _grid_size(num_m_blocks * splits, problem, problem.nheads, "the forward pass")
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
-    hopper = tiling.kernel == "wgmma"
     params = pack(
-        WGMMA_FORWARD_PARAMS if hopper else FORWARD_PARAMS,
+        _forward_params_struct(tiling),
         **{name: tensor_ref(layouts[name]) for name in names},
         lse=0,
         lse_batch_stride=lse_batch_stride,
@@ -1327,17 +1347,30 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         lse_split_stride=0,
         variant=_variant_fields(problem, tiling),
     )
-    tensor_maps = []
-    if hopper and not problem.is_empty:
-        # The Hopper forward copies Q, K and V by tensor maps (one swizzle
-        # panel of block_m or block_n rows a copy), encoded for each call's pointers.
-        for name, rows in (("q", tiling.block_m), ("k", tiling.block_n), ("v", tiling.block_n)):
-            layout = layouts[name]
-            address = params.ctypes.data + params.dtype.fields[f"{name}_map"][1]
-            box = TileBox(rows=rows, cols=tiling.head_dim_padded)
-            tensor_maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides,
-                                                                box)))
+    tensor_maps = [] if problem.is_empty else _forward_tensor_maps(problem, layouts, tiling, params)
     return PlanParts([params], FORWARD_SLOTS, launches, tensor_maps)
+
+
+def _forward_params_struct(tiling: Tiling):
+    """The parameter struct of a forward launch: with tensor maps for the
+    Hopper forward and for copy-engine K/V (``Tiling.kv_tma``)."""
+    return WGMMA_FORWARD_PARAMS if tiling.kernel == "wgmma" or tiling.kv_tma else FORWARD_PARAMS
+
+
+def _forward_tensor_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, params) -> list:
+    """(pointer slot, encoder) of the tensor maps a forward reads: the
+    Hopper forward's of Q, K and V, copy-engine K/V's of K and V (one
+    swizzle panel of block_m or block_n rows a copy), encoded in ``params``
+    for each call's pointers; none for the other forwards."""
+    rows = {"q": tiling.block_m, "k": tiling.block_n, "v": tiling.block_n}
+    names = ("q", "k", "v") if tiling.kernel == "wgmma" else ("k", "v") if tiling.kv_tma else ()
+    maps = []
+    for name in names:
+        layout = layouts[name]
+        address = params.ctypes.data + params.dtype.fields[f"{name}_map"][1]
+        box = TileBox(rows=rows[name], cols=tiling.head_dim_padded)
+        maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides, box)))
+    return maps
 
 
 def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling, splits: int,
@@ -1353,7 +1386,7 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
                                                           layout=problem.layout)
     grid = _grid_size(num_m_blocks * splits, problem, h, "the forward pass")
     forward = pack(
-        FORWARD_PARAMS,
+        _forward_params_struct(tiling),
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v")},
         out=tensor_ref(partial),
         lse=0,
@@ -1373,7 +1406,8 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
         struct=1)
     launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
-    return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches, work_buffers=buffers)
+    return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
+                     _forward_tensor_maps(problem, layouts, tiling, forward), buffers)
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,

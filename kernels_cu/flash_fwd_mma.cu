@@ -33,6 +33,16 @@
 // has its own key count; a paged cache's key tiles are gathered row by row
 // through the block table: with two K/V buffers, the page numbers of the
 // next tile are read while this one is computed (paged_keys.cuh).
+//
+// Copy-engine K/V (kKvTma, Hopper's decode tiles on dense batches and
+// contiguous caches): one thread copies each whole key block of K and V by
+// tensor maps (tma.cuh) into swizzled buffers (MmaForwardTraits), completing
+// on the stage's mbarrier. A stream of such copies reads HBM at the rate
+// cuDNN's decoding does (3.06-3.14 TB/s measured on the H100, against
+// 2.88-2.96 for cp.async rings: docs/perf-notes.md). A block that ends past
+// its sequence's last key is copied by cp.async instead, zero-filled: a
+// cache's rows past its key count hold whatever was there, and a NaN in V
+// would survive its zero probability.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -46,15 +56,21 @@
 #include "forward_epilogue.cuh"
 #include "paged_keys.cuh"
 #include "cluster_states.cuh"
+#include "mbarrier.cuh"
+#include "tma.cuh"
 
 namespace cuflash {
 
 // One thread block's work: the kernels below are its entry points.
+// Params: ForwardParams, or WgmmaForwardParams (its K and V maps) with kKvTma.
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys, int kClusterSplits>
-__device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
-    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages, kWarpsSplitKeys>;
+          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys, int kClusterSplits, bool kKvTma,
+          typename Params>
+__device__ __forceinline__ void forward_mma_block(const Params& params) {
+    using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages, kWarpsSplitKeys, kKvTma>;
+    using KvTile = typename Traits::KvTile;
     constexpr bool kClustered = kClusterSplits > 1;
+    static_assert(!kKvTma || (!Batch::kPacked && !Batch::kPaged), "copy-engine K/V: one tensor map over the keys");
     static_assert(!kClustered || (kSplitKv && kWarpsSplitKeys && !Batch::kPacked && sizeof(Element) == 2),
                   "cluster-merged splits: decoding's one-tile blocks on 16-bit inputs");
     static_assert(!kClustered || ClusterStateLayout<kBlockM, kHeadDim>::kBytes <= kKvStages * Traits::kKvTileBytes,
@@ -69,9 +85,14 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
     static_assert(Operands::kKStep == kKStep, "one k step: 32 bytes of k in the traits and the operands");
 
     require_shared_memory<Traits>();
-    Element* q_tile = shared_tile<Element>(Traits::kQ);
-    Element* k_tile = shared_tile<Element>(Traits::kK);
-    Element* v_tile = shared_tile<Element>(Traits::kV);
+    unsigned char* smem = shared_tile<unsigned char>(0);
+    if constexpr (kKvTma) {
+        aligned_shared_base<Traits::kAlignment>(smem);
+    }
+    Element* q_tile = reinterpret_cast<Element*>(smem + Traits::kQ);
+    Element* k_tile = reinterpret_cast<Element*>(smem + Traits::kK);
+    Element* v_tile = reinterpret_cast<Element*>(smem + Traits::kV);
+    const u32 kv_full = shared_address(smem + Traits::kKvFull);  // stage s's mbarrier: kv_full + 8 s (kKvTma)
 
     // This block's query tile. Computed again for the epilogue (block_index
     // is volatile), so that batch, head and m_start do not hold registers
@@ -133,6 +154,49 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
     };
     const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, params.k, k, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) { load_key_block(v_tile, params.v, v, n_block, stage); };
+    // Whether key block n_block comes by the copy engine (kKvTma): whole
+    // blocks, so every block but a sequence's last, which is the first its
+    // range visits (see the top of the file).
+    const auto copied_by_tma = [&](int n_block) { return kKvTma && (n_block + 1) * kBlockN <= ctx.seqlen_k; };
+    // K and V of key block n_block into buffer `stage` of a ring; with
+    // kKvTma a whole block.
+    const auto load_key_values = [&](int n_block, int stage) {
+        if constexpr (kKvTma) {
+            if (thread == 0) {
+                const u32 full = kv_full + 8 * stage;
+                const int row = static_cast<int>(origin.k_row0) + n_block * kBlockN;
+                mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
+                tma_load_tile<KvTile>(shared_address(k_tile) + stage * Traits::kKvTileBytes, params.k_map, full, row,
+                                      origin.kv_head, origin.tensor_batch);
+                tma_load_tile<KvTile>(shared_address(v_tile) + stage * Traits::kKvTileBytes, params.v_map, full, row,
+                                      origin.kv_head, origin.tensor_batch);
+            }
+        } else {
+            load_keys(n_block, stage);
+            load_values(n_block, stage);
+        }
+    };
+    // With kKvTma, a partial last block into buffer 0 by cp.async,
+    // zero-filled past the sequence (only here: a second copy of this code
+    // in the loop cost ptxas 90 registers).
+    const auto load_partial_key_values = [&](int n_block) {
+        const index_t n_start = static_cast<index_t>(n_block) * kBlockN;
+        load_swizzled_tile_async<KvTile, Traits::kThreads>(shared_address(k_tile), k + n_start * params.k.row_stride,
+                                                           params.k.row_stride, ctx.seqlen_k - static_cast<int>(n_start),
+                                                           ctx.head_dim, thread);
+        load_swizzled_tile_async<KvTile, Traits::kThreads>(shared_address(v_tile), v + n_start * params.v.row_stride,
+                                                           params.v.row_stride, ctx.seqlen_k - static_cast<int>(n_start),
+                                                           ctx.head_dim, thread);
+    };
+    if constexpr (kKvTma) {
+        if (thread == 0) {
+            for (int s = 0; s < kKvStages; ++s) {
+                mbarrier_init(kv_full + 8 * s, 1);
+            }
+            mbarrier_init_fence();
+        }
+        __syncthreads();
+    }
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing and writes zeros and -inf.
     if (key_range.end > key_range.begin) {
@@ -141,9 +205,16 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
         if constexpr (kPrefetchPages) {
             pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
         }
-        load_keys(key_range.end - 1, 0);
-        if constexpr (kKvStages >= 2) {
-            load_values(key_range.end - 1, 0);
+        if constexpr (kKvTma) {
+            if (copied_by_tma(key_range.end - 1)) {
+                load_key_values(key_range.end - 1, 0);
+            } else {
+                load_partial_key_values(key_range.end - 1);
+            }
+        } else if constexpr (kKvStages >= 2) {
+            load_key_values(key_range.end - 1, 0);
+        } else {
+            load_keys(key_range.end - 1, 0);
         }
         if constexpr (kPrefetchPages) {
             pages.fetch(origin, (key_range.end - 2) * kBlockN, thread);  // read while block end - 1 is computed
@@ -158,8 +229,7 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
 #pragma unroll
     for (int ahead = 1; ahead < kKvStages - 1; ++ahead) {
         if (key_range.end - 1 - ahead >= key_range.begin) {
-            load_keys(key_range.end - 1 - ahead, ahead);
-            load_values(key_range.end - 1 - ahead, ahead);
+            load_key_values(key_range.end - 1 - ahead, ahead);
             if constexpr (kPrefetchPages) {
                 pages.fetch(origin, (key_range.end - 2 - ahead) * kBlockN, thread);
             }
@@ -171,9 +241,15 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
     // Q (A operand): matrices (rows 0-7 | 8-15) x (the k step's first | second 16 bytes).
     const u32 q_address = shared_address(q_tile) + Operands::a(lane, warp_row0);
     // K (B operand of Q K^T): matrices (keys 0-7: first | second 16 bytes), (keys 8-15: ...), two n8 tiles per load.
-    const u32 k_address = shared_address(k_tile) + Operands::b(lane) + warp_key0 * kStride * kElementBytes;
-    // V (B operand of P V, k along the keys): two n8 tiles of d per load.
-    const u32 v_address = shared_address(v_tile) + Operands::v_lane(lane) + warp_key0 * kStride * kElementBytes;
+    // V (B operand of P V, k along the keys): two n8 tiles of d per load. The
+    // swizzled buffers (kKvTma) address the same rows and chunks by
+    // SwizzledLaneRow, the padded ones by a fixed offset a row.
+    const u32 k_address = kKvTma ? shared_address(k_tile)
+                                 : shared_address(k_tile) + Operands::b(lane) + warp_key0 * kStride * kElementBytes;
+    const u32 v_address = kKvTma ? shared_address(v_tile)
+                                 : shared_address(v_tile) + Operands::v_lane(lane) + warp_key0 * kStride * kElementBytes;
+    const SwizzledLaneRow<KvTile> k_lane(lane % 8 + lane / 16 * 8, lane / 8 % 2);
+    const SwizzledLaneRow<KvTile> v_lane(lane % 8 + lane / 8 % 2 * 8, lane / 16);
 
     float o[kMTiles][kDTiles][4];
     fill_fragments(o, 0.0f);
@@ -195,7 +271,9 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
 
     // Key blocks from the last to the first; `stage` is the buffer holding
     // block n_block. One counter, not two: the loop is short of registers.
+    // tma_phases: bit s, the parity of the phase stage s's mbarrier completes next.
     int stage = 0;
+    u32 tma_phases = 0;
     for (int n_block = key_range.end - 1; n_block >= key_range.begin; --n_block) {
         const int n_start = n_block * kBlockN;
         // This block's K (and V with a ring, Q first time round) has landed
@@ -203,13 +281,20 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
         // after it may still be in flight. Every warp is done with the
         // previous block, whose buffers take the block kKvStages - 1 ahead.
         cp_async_wait<kGroupsInFlight>();
+        if constexpr (kKvTma) {
+            if (copied_by_tma(n_block)) {
+                mbarrier_wait(kv_full + 8 * stage, tma_phases >> stage & 1);
+                tma_phases ^= 1u << stage;
+            } else {
+                fence_async_shared();  // the copy engine may overwrite this buffer later
+            }
+        }
         __syncthreads();
         if constexpr (kKvStages >= 2) {
             const int next = n_block - (kKvStages - 1);
             if (next >= key_range.begin) {
                 const int next_stage = kKvStages == 2 ? stage ^ 1 : (stage == 0 ? kKvStages - 1 : stage - 1);
-                load_keys(next, next_stage);
-                load_values(next, next_stage);
+                load_key_values(next, next_stage);
                 if constexpr (kPrefetchPages) {
                     pages.fetch(origin, (next - 1) * kBlockN, thread);
                 }
@@ -240,7 +325,8 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
 #pragma unroll
             for (int np = 0; np < kNTiles / 2; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, k_address + stage_offset + (np * 16 * kStride + ks * kKStep) * kElementBytes);
+                ldmatrix_x4(b, kKvTma ? k_lane.address(k_address + stage_offset, warp_key0 + np * 16, ks * kKStep / 8)
+                                      : k_address + stage_offset + (np * 16 * kStride + ks * kKStep) * kElementBytes);
                 Operands::mma_two_n8_tiles(s, [&](int mt) -> const u32(&)[4] { return a[mt]; }, b, np);
             }
         }
@@ -287,7 +373,11 @@ __device__ __forceinline__ void forward_mma_block(const ForwardParams& params) {
 #pragma unroll
             for (int dp = 0; dp < kDTiles / 2; ++dp) {
                 u32 b[4];
-                Operands::v_b(b, v_address + stage_offset, ps, dp);
+                if constexpr (kKvTma) {
+                    ldmatrix_x4_trans(b, v_lane.address(v_address + stage_offset, warp_key0 + ps * 16, dp * 2));
+                } else {
+                    Operands::v_b(b, v_address + stage_offset, ps, dp);
+                }
                 Operands::mma_two_n8_tiles(o, [&](int mt) -> const u32(&)[4] { return p[mt][ps]; }, b, dp);
             }
         }
@@ -403,7 +493,7 @@ template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, 
           typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys>
 __global__ void __launch_bounds__(kWarps * 32) flash_forward_mma_kernel(const ForwardParams params) {
     forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, kSplitKv,
-                      kWarpsSplitKeys, 1>(params);
+                      kWarpsSplitKeys, 1, false>(params);
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
@@ -415,7 +505,25 @@ template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, 
 __global__ void __cluster_dims__(kClusterSplits, 1, 1) __launch_bounds__(kWarps * 32)
     flash_forward_mma_cluster_kernel(const ForwardParams params) {
     forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, true,
-                      kWarpsSplitKeys, kClusterSplits>(params);
+                      kWarpsSplitKeys, kClusterSplits, false>(params);
+}
+
+// The same two with copy-engine K/V (kKvTma): the parameters carry the
+// tensor maps of K and V (WgmmaForwardParams' maps; its Q map is unused),
+// __grid_constant__ so that the copy engine reads them in place.
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch, int kKvStages, bool kSplitKv, bool kWarpsSplitKeys>
+__global__ void __launch_bounds__(kWarps * 32) flash_forward_mma_tma_kernel(const __grid_constant__ WgmmaForwardParams params) {
+    forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, kSplitKv,
+                      kWarpsSplitKeys, 1, true>(params);
+}
+
+template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
+          typename Batch, int kKvStages, bool kWarpsSplitKeys, int kClusterSplits>
+__global__ void __cluster_dims__(kClusterSplits, 1, 1) __launch_bounds__(kWarps * 32)
+    flash_forward_mma_tma_cluster_kernel(const __grid_constant__ WgmmaForwardParams params) {
+    forward_mma_block<Element, kHeadDim, kBlockM, kBlockN, kWarps, Mask, Score, Batch, kKvStages, true,
+                      kWarpsSplitKeys, kClusterSplits, true>(params);
 }
 #endif
 

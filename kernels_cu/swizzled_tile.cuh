@@ -46,6 +46,33 @@ struct SwizzledTile {
     }
 };
 
+// One lane's 16-byte row of the ldmatrix matrices it addresses in a
+// SwizzledTile: row lane_row of a group of rows, 16-byte chunk lane_chunk (0
+// or 1) of a pair of chunks. address(tile, row0, chunk) is its shared
+// address in the tile at `tile` (a multiple of kSwizzleBytes; 1024 where the
+// copy engine writes it) where the group starts at row row0 (a multiple of
+// 8: the swizzle repeats every 8 rows) and the pair at chunk `chunk` (even:
+// the pair stays in one panel row). Everything but the chunk's place in
+// its panel row is a multiple of kSwizzleBytes, so the swizzle is one XOR
+// on the whole address after the adds, and nothing lane-specific per row
+// group and chunk stays live across a loop (precomputed offsets cost ptxas
+// 70 registers in the decode forward).
+template <typename Tile>
+struct SwizzledLaneRow {
+    int row_bytes;  // lane_row's offset within a panel
+    u32 chunk_xor;  // (lane_chunk ^ lane_row's swizzle) * 16
+
+    __device__ __forceinline__ SwizzledLaneRow(int lane_row, int lane_chunk)
+        : row_bytes(lane_row * Tile::kSwizzleBytes),
+          chunk_xor((lane_chunk ^ (lane_row * Tile::kSwizzleBytes / 128 % Tile::kChunksPerPanelRow)) * 16) {}
+
+    __device__ __forceinline__ u32 address(u32 tile, int row0, int chunk) const {
+        return (tile + row_bytes + chunk / Tile::kChunksPerPanelRow * Tile::kPanelBytes + row0 * Tile::kSwizzleBytes +
+                chunk % Tile::kChunksPerPanelRow * 16) ^
+               chunk_xor;
+    }
+};
+
 // A kRows x kCols tile of float32 in the 128-byte swizzle: kCols / 32 column
 // panels of kRows rows of 128 bytes, the 16-byte chunk c (4 floats) of row r
 // stored at chunk c ^ (r % 8). It is the layout a tensor map with the

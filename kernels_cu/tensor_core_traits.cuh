@@ -50,7 +50,7 @@ struct TensorCoreForwardShape {
 // states and outputs are merged through shared memory at the end
 // (combine_warp_states).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_,
-          bool kWarpsSplitKeys_ = false>
+          bool kWarpsSplitKeys_ = false, bool kKvSwizzled_ = false>
 struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
@@ -74,11 +74,20 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     // is copied in while block j is used; with 1 (where registers are too tight for the longer-lived copy
     // state), V_j is copied during S_j and K_{j-1} during P_j V_j.
     static constexpr int kKvStages = kKvStages_;
-    static constexpr int kKvTileBytes = kBlockN * kStride * int(sizeof(Element));
+    // Where the Tensor Memory Accelerator copies K and V (kKvSwizzled:
+    // Hopper's decode tiles), their buffers are unpadded SwizzledTile panels
+    // instead, in the swizzle the copy engine writes, each on a 1024-byte
+    // swizzle atom (the launch asks for kAlignment bytes more and the kernel
+    // rounds its base up), and one mbarrier per stage follows them.
+    static constexpr bool kKvSwizzled = kKvSwizzled_;
+    using KvTile = SwizzledTile<kBlockN, kHeadDim>;
+    static constexpr int kAlignment = kKvSwizzled ? 1024 : 16;
+    static constexpr int kKvTileBytes = kKvSwizzled ? KvTile::kBytes : kBlockN * kStride * int(sizeof(Element));
     static constexpr int kQ = 0;
-    static constexpr int kK = kQ + kBlockM * kStride * int(sizeof(Element));
+    static constexpr int kK = ceil_div(kQ + kBlockM * kStride * int(sizeof(Element)), kAlignment) * kAlignment;
     static constexpr int kV = kK + kKvStages * kKvTileBytes;
-    static constexpr int kBytes = kV + kKvStages * kKvTileBytes;
+    static constexpr int kKvFull = kV + kKvStages * kKvTileBytes;  // mbarriers, one per stage (kKvSwizzled)
+    static constexpr int kBytes = kKvFull + (kKvSwizzled ? 8 * kKvStages + kAlignment : 0);
 
     // Q's A fragments stay in registers for the whole key loop when they fit
     // in 32 registers; otherwise they are re-read from shared memory per block.
@@ -93,6 +102,8 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
     static_assert(kKvStages >= 1 && kKvStages <= 4, "single buffered K/V or a ring of up to four");
+    static_assert(!kKvSwizzled || (sizeof(Element) == 2 && kKvStages >= 2 && KvTile::kBytes % 1024 == 0),
+                  "copy-engine K/V: 16-bit tiles in a ring, each on a swizzle atom");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

@@ -85,6 +85,14 @@ __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Shared memory written through the generic proxy (cp.async, ordinary
+// stores) and then read by wgmma, or read or overwritten by the copy engine,
+// is accessed through the async proxy: each writing thread fences before the
+// barrier that publishes the data.
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // Orders this thread's global-memory accesses through the copy engine (the
 // async proxy) with its ordinary ones, both ways: an acquired turn before
 // the reductions it allows, finished reductions before the release that

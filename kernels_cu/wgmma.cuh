@@ -18,6 +18,7 @@
 
 #include "numeric.cuh"
 #include "swizzled_tile.cuh"
+#include "tma.cuh"  // fence_async_shared
 
 namespace cuflash {
 
@@ -82,13 +83,6 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Shared memory written through the generic proxy (cp.async, ordinary
-// stores) is read by wgmma through the async proxy: each writing thread
-// fences before the barrier that publishes the data.
-__device__ __forceinline__ void fence_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // The compiler sees a wgmma as finished when its asm statement is, so it

@@ -208,7 +208,6 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
 
 
 def test_cluster_plans_launch_one_kernel_without_work_buffers(monkeypatch):
-    from cuflash._kernel_families import family_of
 
     monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
@@ -221,8 +220,11 @@ def test_cluster_plans_launch_one_kernel_without_work_buffers(monkeypatch):
     assert len(parts.launches) == 1 and parts.work_buffers == {}
     (launch,) = parts.launches
     assert launch.grid == 32 * 8  # 32 heads x one query block x 8 ranges, consecutive ranges one cluster
-    assert launched[-1].function == family_of("forward", "mma").cluster_function
-    assert launched[-1].cluster_blocks == 8 and launched[-1].key.endswith("/cluster8")
+    # A dense batch on Hopper: its whole key blocks by the copy engine, whose maps ride in the parameters.
+    assert launched[-1].function == "cuflash::flash_forward_mma_tma_cluster_kernel"
+    assert launched[-1].params.endswith("WgmmaForwardParams") and [slot for slot, _ in parts.tensor_maps] == [
+        "k.ptr", "v.ptr"]
+    assert launched[-1].cluster_blocks == 8 and launched[-1].key.endswith("/tma/cluster8")
     assert parts.structs[0]["num_splits"] == 8
 
 
@@ -244,7 +246,8 @@ def test_cluster_tilings_are_split_kv_decode_tiles_built_for_hopper_only():
     from cuflash._kernel_families import family_of
     from cuflash._masks import MASKS
 
-    variant = family_of("forward", "mma").variant("bfloat16", decode_cluster_tiling(split, 8), MASKS["causal"])
+    variant = family_of("forward", "mma").variant("bfloat16", decode_cluster_tiling(split, 8), MASKS["causal"],
+                                                  layout="paged")
     assert kernel_report.variants_for([variant], "sm_90a") == [variant]
     assert kernel_report.variants_for([variant], "sm_90") == [variant]
     assert kernel_report.variants_for([variant], "sm_80") == []

@@ -222,3 +222,44 @@ def test_cluster_and_merge_kernel_agree():
         _tiling.DECODE_CLUSTER_SPLITS = saved
         api.plans.clear()
     assert float(cupy.abs(clustered.astype(cupy.float32) - merged.astype(cupy.float32)).max()) < 1e-3
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("num_splits", [1, None, 3, 8])
+def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, num_splits):
+    """Hopper's decode copies whole key blocks by tensor maps (``Tiling.kv_tma``)
+    and a last partial block by cp.async; the all-cp.async form of the same
+    kernel must give the same bits, with NaN in every cache row past an
+    entry's keys (stale rows a map would copy) and awkward lengths."""
+    if not _hopper():
+        pytest.skip("copy-engine K/V runs on Hopper")
+    cupy = _cupy()
+    lengths = [1, 17, 64, 1000, 4097]
+    capacity = 4160
+    rng = np.random.default_rng(head_dim)
+    q = cupy.asarray(rng.standard_normal((len(lengths), 1, 16, head_dim)), dtype=cupy.float32).astype(cupy.float16)
+    caches = []
+    for _ in range(2):
+        cache = np.full((len(lengths), capacity, 2, head_dim), np.nan, np.float32)
+        for b, n in enumerate(lengths):
+            cache[b, :n] = rng.standard_normal((n, 2, head_dim))
+        caches.append(cupy.asarray(cache).astype(cupy.float16))
+    seqlens = cupy.asarray(np.array(lengths, np.int32))
+    keys = []
+    get = api.loader.get
+    monkeypatch.setattr(api.loader, "get", lambda variant, device: keys.append(variant.key) or get(variant, device))
+
+    def run():
+        api.plans.clear()
+        return cuflash.attention_with_kvcache(q, *caches, cache_seqlens=seqlens, num_splits=num_splits,
+                                              return_lse=True)
+
+    out, lse = run()
+    assert any(key.startswith("forward-mma/") and "/tma" in key for key in keys)
+    monkeypatch.setattr(api, "_kv_tma_applies", lambda problem, layouts: False)
+    keys.clear()
+    plain_out, plain_lse = run()
+    assert keys and not any("/tma" in key for key in keys)
+    assert not bool(cupy.isnan(out).any())
+    assert bool((out.view(cupy.uint16) == plain_out.view(cupy.uint16)).all())
+    assert bool((lse == plain_lse).all())

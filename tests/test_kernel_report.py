@@ -84,11 +84,17 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     assert len(beyond_a100) == 2 * len(built_in_masks()) + 1
     assert all(key.startswith("forward-mma/float32/hdim256/") for key in beyond_a100)
     hopper_only = [v for v in variants if v.key.startswith(kernel_report.HOPPER_ONLY)]
-    # the decode forward's thread-block cluster variants: Hopper on
+    # the decode forward's thread-block cluster and copy-engine K/V variants: Hopper on
     clusters = [v for v in variants if v.cluster_blocks > 1]
     assert clusters and all("/cluster" in v.key for v in clusters)
-    assert len(sm90a) == len(variants) - len(small) == (len(sm80) + len(hopper_only) + len(clusters)
-                                                         + len(beyond_a100) - len(small))
+    by_tma = {v.key for v in variants if "/tma" in v.key}
+    hopper_forms = by_tma | {v.key for v in clusters}
+    # ... where the copy-engine forms replace the one-tile decode variants of dense batches and contiguous caches
+    replaced = {v.key for v in variants if kernel_report._copy_engine_form_on_hopper(v.key)}
+    assert {key.replace("/split-keys", "/split-keys/tma") for key in replaced} == by_tma
+    assert not any("/paged" in key for key in by_tma) and not replaced & {v.key for v in sm90a}
+    assert len(sm90a) == len(variants) - len(small) - len(replaced) == (
+        len(sm80) + len(hopper_only) + len(hopper_forms) + len(beyond_a100) - len(small) - len(replaced))
     # sm_86/sm_89 (99 KiB) build only what fits them: the 99 KiB tiles, not
     # the A100 ones they replace.
     sm89 = {v.key for v in kernel_report.variants_for(variants, "sm_89")}

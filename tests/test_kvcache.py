@@ -10,7 +10,7 @@ import pytest
 
 from cuflash import api
 from cuflash._launch import PlanCache
-from cuflash._params import CACHE_APPEND_PARAMS, FORWARD_PARAMS
+from cuflash._params import CACHE_APPEND_PARAMS, FORWARD_PARAMS, WGMMA_FORWARD_PARAMS
 from cuflash._validation import TensorMeta, check_kv_cache, contiguous_strides
 from cuflash.reference import attention_reference, attention_with_kvcache_reference, kv_cache_keys
 
@@ -171,16 +171,33 @@ def test_without_an_append_the_kernels_read_cache_seqlens_directly(stand_in_hopp
     assert plan._structs[0][0]["size"]["seqused_k"] == at["cache_seqlens"]
 
 
-def test_the_forward_struct_is_a_forward_params(stand_in_hopper):
+@pytest.mark.parametrize("generation", [90, 80])
+def test_the_forward_struct_and_its_tensor_maps(stand_in_hopper, monkeypatch, generation):
+    """The forward's parameters: on Hopper with the K and V tensor maps of
+    copy-engine K/V, encoded from the pointers of the k and v slots (the
+    caches the append kernel writes too); before Hopper a plain ForwardParams."""
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
     call = _call(cache_seqlens=10, new=3)
     layouts, caches = _layouts(call, (3, 1024), 3)
     layouts["k"] = layouts["v"] = api.Layout(layouts["k"].shape[:1] + (13,) + layouts["k"].shape[2:],
                                              layouts["k"].strides, layouts["k"].itemsize)
     plan = api.kvcache_plan(call, layouts, caches)
     assert _launched(plan, stand_in_hopper)[0] == "kv-cache-append/bfloat16/cache"
-    assert plan._structs[-1].dtype == CACHE_APPEND_PARAMS and plan._structs[0].dtype == FORWARD_PARAMS
+    hopper = generation == 90
+    assert plan._structs[-1].dtype == CACHE_APPEND_PARAMS
+    assert plan._structs[0].dtype == (WGMMA_FORWARD_PARAMS if hopper else FORWARD_PARAMS)
+    assert _launched(plan, stand_in_hopper)[1].endswith("/tma") == hopper
+    assert [slot for slot, _ in plan._tensor_maps] == ([1, 2] if hopper else [])
     assert plan._structs[-1][0]["cache_seqlen"] == 10 and plan._structs[-1][0]["cache_seqlens"] == 0
     assert "seqused_k" not in plan.work_buffers  # one length for all: the forward's seqlen_k is 13
+    encoded = []
+    for _, encoder in plan._tensor_maps:
+        encoder._encode = lambda *args: encoded.append(args[3].value) or 0
+    plan._launch_kernel = lambda *args: None
+    pointers = [1024 * (i + 1) for i in range(len(api.KVCACHE_ARRAYS))]
+    plan.launch(pointers, 0)
+    at = dict(zip(api.KVCACHE_ARRAYS, pointers))
+    assert encoded == ([at["k"], at["v"]] if hopper else [])
 
 
 def test_reference_gathers_pages_in_table_order():

@@ -122,7 +122,7 @@ _TRAITS = {
     "backward-dkdv": "cuflash::BackwardDkDvSmem<cuflash::SimtTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                      "{t.warps}>>",
     "forward-mma": "cuflash::MmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
-                   "{t.kv_stages}, {split_keys}>",
+                   "{t.kv_stages}, {split_keys}, {kv_tma}>",
     "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                            "{t.warps}, {t.q_stages}>",
@@ -139,7 +139,8 @@ def _layouts():
             continue
         for dtype, tiling in family.compiled_tilings():
             expression = _TRAITS[family.name].format(e=CXX_ELEMENT_TYPE[dtype], t=tiling,
-                                                     split_keys=str(tiling.warps_split_keys).lower())
+                                                     split_keys=str(tiling.warps_split_keys).lower(),
+                                                     kv_tma=str(tiling.kv_tma).lower())
             rows.append((f"{expression}::kBytes", family.smem_bytes(tiling, dtype)))
     return rows
 

@@ -122,7 +122,9 @@ def all_variants() -> list[KernelVariant]:
             variants += _family_variants(family, dtype, tiling, layouts=LAYOUTS[1:])
         for dtype, tiling in family.compiled_tilings():
             if dtype in family.cache_dtypes:
-                variants += _family_variants(family, dtype, tiling, layouts=CACHE_LAYOUTS)
+                # Copy-engine K/V (kv_tma) spans a contiguous cache, not pages.
+                layouts = ("cache",) if tiling.kv_tma else CACHE_LAYOUTS
+                variants += _family_variants(family, dtype, tiling, layouts=layouts)
     return variants
 
 
@@ -149,15 +151,24 @@ SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "
                   "sm_90a": 227 * 1024}
 
 
+def _copy_engine_form_on_hopper(key: str) -> bool:
+    """Whether a Hopper runs the variant of ``key`` in its copy-engine K/V
+    form instead (``Tiling.kv_tma``): the one-tile decode tiles of dense
+    batches and contiguous caches."""
+    return "/split-keys" in key and "/tma" not in key and "/paged" not in key
+
+
 def variants_for(variants, arch: str) -> list[KernelVariant]:
     """The variants ``arch`` builds: the Hopper-only ones on sm_90a alone,
-    the thread-block cluster ones on Hopper, the small-shared-memory ones
-    everywhere but Hopper, and only those whose shared memory fits the
-    architecture's blocks."""
+    the thread-block cluster and copy-engine K/V ones on Hopper (where they
+    replace the one-tile decode variants they are forms of), the
+    small-shared-memory ones everywhere but Hopper, and only those whose
+    shared memory fits the architecture's blocks."""
     hopper = arch.startswith("sm_90")
     small = small_smem_only_keys() if hopper else frozenset()
     return [v for v in variants if v.key not in small and v.smem_bytes <= SMEM_PER_BLOCK[arch]
-            and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY)) and (hopper or v.cluster_blocks == 1)]
+            and (arch == "sm_90a" or not v.key.startswith(HOPPER_ONLY))
+            and (not _copy_engine_form_on_hopper(v.key) if hopper else v.cluster_blocks == 1 and "/tma" not in v.key)]
 
 
 def _translation_unit(variants) -> str:
