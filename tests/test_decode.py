@@ -208,7 +208,6 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
 
 
 def test_cluster_plans_launch_one_kernel_without_work_buffers(monkeypatch):
-
     monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
