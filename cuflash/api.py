@@ -1222,7 +1222,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     if splits == 1:
         return plain, shape, 1
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
-                if _kernel_generation(problem.device) >= 90 else None)
+                if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)
     if smallest is not None:
         # The caller's count runs as clusters where it is a cluster's;
         # decode_cluster_count picks one where the heuristic's count is small.

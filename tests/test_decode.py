@@ -205,6 +205,12 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
     # Before Hopper: no clusters.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
     assert tiling.cluster_splits == 1 and splits > 1
+    # Cluster counts switched off (the merge kernel for every count).
+    from cuflash import _tiling
+
+    monkeypatch.setattr(_tiling, "DECODE_CLUSTER_SPLITS", ())
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
+    assert tiling.cluster_splits == 1 and splits > 1
 
 
 def test_cluster_plans_launch_one_kernel_without_work_buffers(monkeypatch):
