@@ -208,8 +208,8 @@ class KernelFamily:
                  else None if tiling.cluster_splits > 1 or tiling.kv_tma else (self.function, self.params))
         if entry is None:
             raise ValueError(f"{self.name} has no entry point for {tiling}")
-        if tiling.kv_tma and layout not in ("dense", "cache"):
-            raise ValueError(f"copy-engine K/V ({tiling}) needs a dense batch or a contiguous cache, not {layout}")
+        if tiling.kv_tma and layout == "packed":
+            raise ValueError(f"copy-engine K/V ({tiling}) maps each entry's keys or pages, not a packed batch")
         extra_args, extra_key = self.tile_args(tiling)
         if self.dq_modes:
             if dq_mode not in self.dq_modes:

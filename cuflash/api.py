@@ -1216,7 +1216,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                  if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
-    if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts):
+    if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):
         plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     if splits == 1:
@@ -1238,14 +1238,20 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     return split, shape, splits
 
 
-def _kv_tma_applies(problem: AttentionProblem, layouts: dict) -> bool:
-    """Whether a decode on the one-tile tiles copies K and V by the Tensor
-    Memory Accelerator (``Tiling.kv_tma``): on Hopper and later, for a
-    dense batch or a contiguous cache (one tensor map spans the keys; a
-    paged cache's rows are gathered by cp.async), where the copy engine
-    takes K's and V's strides (``map_geometry``: multiples of 16 bytes)."""
-    if _kernel_generation(problem.device) < 90 or problem.layout not in ("dense", "cache"):
+def _kv_tma_applies(problem: AttentionProblem, layouts: dict, block_n: int) -> bool:
+    """Whether a decode on the one-tile tiles (``block_n`` keys a block)
+    copies K and V by the Tensor Memory Accelerator (``Tiling.kv_tma``): on
+    Hopper and later, for a dense batch, a contiguous cache, or a paged one
+    whose pages tile a key block in boxes of whole swizzle atoms (pages of
+    a multiple of ``block_n`` rows, or of 16 or more rows that divide it;
+    other page sizes gather rows by cp.async), where the copy engine takes
+    K's and V's strides (``map_geometry``: multiples of 16 bytes)."""
+    if _kernel_generation(problem.device) < 90 or problem.layout not in ("dense", "cache", "paged"):
         return False
+    if problem.layout == "paged":
+        page_size = problem.kv_cache.page_size
+        if not (page_size % block_n == 0 or (block_n % page_size == 0 and page_size >= 16)):
+            return False
     for name in ("k", "v"):
         layout = layouts[name]
         try:
@@ -1362,7 +1368,9 @@ def _forward_tensor_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
     Hopper forward's of Q, K and V, copy-engine K/V's of K and V (one
     swizzle panel of block_m or block_n rows a copy), encoded in ``params``
     for each call's pointers; none for the other forwards."""
-    rows = {"q": tiling.block_m, "k": tiling.block_n, "v": tiling.block_n}
+    # A paged cache's boxes are a page's rows where pages are shorter than a block.
+    kv_rows = min(tiling.block_n, problem.kv_cache.page_size) if problem.layout == "paged" else tiling.block_n
+    rows = {"q": tiling.block_m, "k": kv_rows, "v": kv_rows}
     names = ("q", "k", "v") if tiling.kernel == "wgmma" else ("k", "v") if tiling.kv_tma else ()
     maps = []
     for name in names:

@@ -34,15 +34,18 @@
 // through the block table: with two K/V buffers, the page numbers of the
 // next tile are read while this one is computed (paged_keys.cuh).
 //
-// Copy-engine K/V (kKvTma, Hopper's decode tiles on dense batches and
-// contiguous caches): one thread copies each whole key block of K and V by
-// tensor maps (tma.cuh) into swizzled buffers (MmaForwardTraits), completing
-// on the stage's mbarrier. A stream of such copies reads HBM at the rate
-// cuDNN's decoding does (3.06-3.14 TB/s measured on the H100, against
-// 2.88-2.96 for cp.async rings: docs/perf-notes.md). A block that ends past
-// its sequence's last key is copied by cp.async instead, zero-filled: a
-// cache's rows past its key count hold whatever was there, and a NaN in V
-// would survive its zero probability.
+// Copy-engine K/V (kKvTma, Hopper's decode tiles): one thread copies each
+// key block of K and V by tensor maps (tma.cuh) into swizzled buffers
+// (MmaForwardTraits), completing on the stage's mbarrier: one box of the
+// block's rows, or in a paged cache one box per page the block spans (or
+// the block's rows of one page), the pages looked up as the copies are
+// issued. A stream of such copies reads HBM at the rate cuDNN's decoding
+// does (3.06-3.14 TB/s measured on the H100, against 2.88-2.96 for cp.async
+// rings: docs/perf-notes.md). Rows past the sequence's last key arrive as
+// whatever the cache holds there (zeros past the tensor; a paged block's
+// boxes past the last key are not copied): masking sends their scores to
+// -inf, and V's rows are zeroed once landed, because a NaN there would
+// survive its zero probability.
 #include "numeric.cuh"
 #include "params.cuh"
 #include "block_info.cuh"
@@ -70,7 +73,7 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     using Traits = MmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kKvStages, kWarpsSplitKeys, kKvTma>;
     using KvTile = typename Traits::KvTile;
     constexpr bool kClustered = kClusterSplits > 1;
-    static_assert(!kKvTma || (!Batch::kPacked && !Batch::kPaged), "copy-engine K/V: one tensor map over the keys");
+    static_assert(!kKvTma || !Batch::kPacked, "copy-engine K/V: a tensor map over each entry's keys, or the pages");
     static_assert(!kClustered || (kSplitKv && kWarpsSplitKeys && !Batch::kPacked && sizeof(Element) == 2),
                   "cluster-merged splits: decoding's one-tile blocks on 16-bit inputs");
     static_assert(!kClustered || ClusterStateLayout<kBlockM, kHeadDim>::kBytes <= kKvStages * Traits::kKvTileBytes,
@@ -154,39 +157,39 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     };
     const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, params.k, k, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) { load_key_block(v_tile, params.v, v, n_block, stage); };
-    // Whether key block n_block comes by the copy engine (kKvTma): whole
-    // blocks, so every block but a sequence's last, which is the first its
-    // range visits (see the top of the file).
-    const auto copied_by_tma = [&](int n_block) { return kKvTma && (n_block + 1) * kBlockN <= ctx.seqlen_k; };
-    // K and V of key block n_block into buffer `stage` of a ring; with
-    // kKvTma a whole block.
+    // K and V of key block n_block into buffer `stage` of a ring.
     const auto load_key_values = [&](int n_block, int stage) {
         if constexpr (kKvTma) {
             if (thread == 0) {
                 const u32 full = kv_full + 8 * stage;
-                const int row = static_cast<int>(origin.k_row0) + n_block * kBlockN;
-                mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
-                tma_load_tile<KvTile>(shared_address(k_tile) + stage * Traits::kKvTileBytes, params.k_map, full, row,
-                                      origin.kv_head, origin.tensor_batch);
-                tma_load_tile<KvTile>(shared_address(v_tile) + stage * Traits::kKvTileBytes, params.v_map, full, row,
-                                      origin.kv_head, origin.tensor_batch);
+                const u32 k_buffer = shared_address(k_tile) + stage * Traits::kKvTileBytes;
+                const u32 v_buffer = shared_address(v_tile) + stage * Traits::kKvTileBytes;
+                const int n_start = n_block * kBlockN;
+                if constexpr (Batch::kPaged) {
+                    // Boxes of a page's rows (or of the block's rows in a page), up to the last key.
+                    const int box_rows = min(origin.page_size, kBlockN);
+                    const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
+                    mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
+                    for (int row0 = 0; row0 < rows; row0 += box_rows) {
+                        const int key = n_start + row0, slot = key / origin.page_size;
+                        // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
+                        const int page = min(max(__ldg(origin.pages + slot), 0), origin.num_pages - 1);
+                        const int in_page = key - slot * origin.page_size;
+                        const u32 offset = row0 * KvTile::kSwizzleBytes;
+                        tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
+                        tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
+                    }
+                } else {
+                    const int row = static_cast<int>(origin.k_row0) + n_start;
+                    mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
+                    tma_load_tile<KvTile>(k_buffer, params.k_map, full, row, origin.kv_head, origin.tensor_batch);
+                    tma_load_tile<KvTile>(v_buffer, params.v_map, full, row, origin.kv_head, origin.tensor_batch);
+                }
             }
         } else {
             load_keys(n_block, stage);
             load_values(n_block, stage);
         }
-    };
-    // With kKvTma, a partial last block into buffer 0 by cp.async,
-    // zero-filled past the sequence (only here: a second copy of this code
-    // in the loop cost ptxas 90 registers).
-    const auto load_partial_key_values = [&](int n_block) {
-        const index_t n_start = static_cast<index_t>(n_block) * kBlockN;
-        load_swizzled_tile_async<KvTile, Traits::kThreads>(shared_address(k_tile), k + n_start * params.k.row_stride,
-                                                           params.k.row_stride, ctx.seqlen_k - static_cast<int>(n_start),
-                                                           ctx.head_dim, thread);
-        load_swizzled_tile_async<KvTile, Traits::kThreads>(shared_address(v_tile), v + n_start * params.v.row_stride,
-                                                           params.v.row_stride, ctx.seqlen_k - static_cast<int>(n_start),
-                                                           ctx.head_dim, thread);
     };
     if constexpr (kKvTma) {
         if (thread == 0) {
@@ -205,13 +208,7 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
         if constexpr (kPrefetchPages) {
             pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
         }
-        if constexpr (kKvTma) {
-            if (copied_by_tma(key_range.end - 1)) {
-                load_key_values(key_range.end - 1, 0);
-            } else {
-                load_partial_key_values(key_range.end - 1);
-            }
-        } else if constexpr (kKvStages >= 2) {
+        if constexpr (kKvStages >= 2) {
             load_key_values(key_range.end - 1, 0);
         } else {
             load_keys(key_range.end - 1, 0);
@@ -282,11 +279,14 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
         // previous block, whose buffers take the block kKvStages - 1 ahead.
         cp_async_wait<kGroupsInFlight>();
         if constexpr (kKvTma) {
-            if (copied_by_tma(n_block)) {
-                mbarrier_wait(kv_full + 8 * stage, tma_phases >> stage & 1);
-                tma_phases ^= 1u << stage;
-            } else {
-                fence_async_shared();  // the copy engine may overwrite this buffer later
+            mbarrier_wait(kv_full + 8 * stage, tma_phases >> stage & 1);
+            tma_phases ^= 1u << stage;
+            if (n_start + kBlockN > ctx.seqlen_k) {
+                // V's rows past the last key to zeros (see the top of the
+                // file), before the copy engine may overwrite the buffer.
+                zero_swizzled_rows<KvTile, Traits::kThreads>(shared_address(v_tile) + stage * Traits::kKvTileBytes,
+                                                             ctx.seqlen_k - n_start, thread);
+                fence_async_shared();
             }
         }
         __syncthreads();

@@ -73,6 +73,17 @@ struct SwizzledLaneRow {
     }
 };
 
+// Zeros rows first_row .. Tile::kRows - 1 of the swizzled tile at shared
+// address `tile`, kThreads threads each storing 16-byte chunks.
+template <typename Tile, int kThreads>
+__device__ __forceinline__ void zero_swizzled_rows(u32 tile, int first_row, int thread) {
+    constexpr int kChunksPerRow = Tile::kCols / 8;
+    for (int chunk = first_row * kChunksPerRow + thread; chunk < Tile::kRows * kChunksPerRow; chunk += kThreads) {
+        const u32 address = tile + Tile::chunk_offset(chunk / kChunksPerRow, chunk % kChunksPerRow);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(address), "r"(0u) : "memory");
+    }
+}
+
 // A kRows x kCols tile of float32 in the 128-byte swizzle: kCols / 32 column
 // panels of kRows rows of 128 bytes, the 16-byte chunk c (4 floats) of row r
 // stored at chunk c ^ (r % 8). It is the layout a tensor map with the

@@ -225,41 +225,36 @@ def test_cluster_and_merge_kernel_agree():
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
-@pytest.mark.parametrize("num_splits", [1, None, 3, 8])
-def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, num_splits):
-    """Hopper's decode copies whole key blocks by tensor maps (``Tiling.kv_tma``)
-    and a last partial block by cp.async; the all-cp.async form of the same
-    kernel must give the same bits, with NaN in every cache row past an
-    entry's keys (stale rows a map would copy) and awkward lengths."""
+@pytest.mark.parametrize("page_size", [None, 16, 32, 256], ids=lambda p: "contiguous" if p is None else f"page{p}")
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page_size, num_splits):
+    """Hopper's decode copies its key blocks by tensor maps (``Tiling.kv_tma``:
+    one box a block, or a page's rows a box); the cp.async form of the same
+    kernel must give the same bits, with NaN in every cache slot that holds
+    no key (stale rows a map copies), awkward lengths, shuffled pages."""
+    from tests.test_kvcache_gpu import KvCacheCase
+
     if not _hopper():
         pytest.skip("copy-engine K/V runs on Hopper")
     cupy = _cupy()
-    lengths = [1, 17, 64, 1000, 4097]
-    capacity = 4160
-    rng = np.random.default_rng(head_dim)
-    q = cupy.asarray(rng.standard_normal((len(lengths), 1, 16, head_dim)), dtype=cupy.float32).astype(cupy.float16)
-    caches = []
-    for _ in range(2):
-        cache = np.full((len(lengths), capacity, 2, head_dim), np.nan, np.float32)
-        for b, n in enumerate(lengths):
-            cache[b, :n] = rng.standard_normal((n, 2, head_dim))
-        caches.append(cupy.asarray(cache).astype(cupy.float16))
-    seqlens = cupy.asarray(np.array(lengths, np.int32))
+    case = KvCacheCase([1, 17, 64, 1000, 4097], nheads=16, nheads_k=2, head_dim=head_dim, dtype="float16",
+                       page_size=page_size, seed=head_dim)
     keys = []
     get = api.loader.get
     monkeypatch.setattr(api.loader, "get", lambda variant, device: keys.append(variant.key) or get(variant, device))
 
     def run():
         api.plans.clear()
-        return cuflash.attention_with_kvcache(q, *caches, cache_seqlens=seqlens, num_splits=num_splits,
-                                              return_lse=True)
+        keys.clear()
+        out, lse = cuflash.attention_with_kvcache(case.q, case.k_cache, case.v_cache, cache_seqlens=case.cache_seqlens,
+                                                  block_table=case.block_table, num_splits=num_splits, return_lse=True)
+        return out, lse, [key for key in keys if key.startswith("forward-mma/")]
 
-    out, lse = run()
-    assert any(key.startswith("forward-mma/") and "/tma" in key for key in keys)
-    monkeypatch.setattr(api, "_kv_tma_applies", lambda problem, layouts: False)
-    keys.clear()
-    plain_out, plain_lse = run()
-    assert keys and not any("/tma" in key for key in keys)
+    out, lse, forward = run()
+    assert forward and all(key.endswith(("/tma", f"/tma/cluster{num_splits}")) for key in forward)
+    monkeypatch.setattr(api, "_kv_tma_applies", lambda problem, layouts, block_n: False)
+    plain_out, plain_lse, plain_forward = run()
+    assert plain_forward and not any("/tma" in key for key in plain_forward)
     assert not bool(cupy.isnan(out).any())
     assert bool((out.view(cupy.uint16) == plain_out.view(cupy.uint16)).all())
     assert bool((lse == plain_lse).all())

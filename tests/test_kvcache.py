@@ -141,11 +141,17 @@ def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(sta
     assert set(plan.work_buffers) == {"out_partial", "lse_partial", "seqused_k"}
     assert plan.work_buffers["seqused_k"] == ((2,), "int32")
     # Pointers land where each kernel reads them (struct 0: forward, 1: merge, 2: append).
-    pointers = [1000 + 16 * i for i in range(len(api.KVCACHE_ARRAYS))]
+    # 16-row pages tile a key block: on Hopper the forward copies them by tensor maps (encoded here by a stand-in).
+    assert forward.endswith("/tma") and len(plan._tensor_maps) == 2
+    encoded = []
+    for _, encoder in plan._tensor_maps:
+        encoder._encode = lambda *args: encoded.append(args[3].value) or 0
+    pointers = [1024 + 16 * i for i in range(len(api.KVCACHE_ARRAYS))]
     plan._launch_kernel = lambda *args: None
     plan.launch(pointers, 0)
     forward_struct, append_struct = plan._structs[0][0], plan._structs[2][0]
     at = dict(zip(api.KVCACHE_ARRAYS, pointers))
+    assert encoded == [at["k"], at["v"]]
     assert forward_struct["k"]["ptr"] == append_struct["k_cache"]["ptr"] == at["k"]
     assert forward_struct["v"]["ptr"] == append_struct["v_cache"]["ptr"] == at["v"]
     assert forward_struct["size"]["seqused_k"] == append_struct["seqused_k"] == at["seqused_k"]

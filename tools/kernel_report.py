@@ -122,9 +122,7 @@ def all_variants() -> list[KernelVariant]:
             variants += _family_variants(family, dtype, tiling, layouts=LAYOUTS[1:])
         for dtype, tiling in family.compiled_tilings():
             if dtype in family.cache_dtypes:
-                # Copy-engine K/V (kv_tma) spans a contiguous cache, not pages.
-                layouts = ("cache",) if tiling.kv_tma else CACHE_LAYOUTS
-                variants += _family_variants(family, dtype, tiling, layouts=layouts)
+                variants += _family_variants(family, dtype, tiling, layouts=CACHE_LAYOUTS)
     return variants
 
 
@@ -154,7 +152,8 @@ SMEM_PER_BLOCK = {"sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "
 def _copy_engine_form_on_hopper(key: str) -> bool:
     """Whether a Hopper runs the variant of ``key`` in its copy-engine K/V
     form instead (``Tiling.kv_tma``): the one-tile decode tiles of dense
-    batches and contiguous caches."""
+    batches and contiguous caches (a paged cache keeps both: page sizes that
+    do not tile a key block gather their rows by cp.async)."""
     return "/split-keys" in key and "/tma" not in key and "/paged" not in key
 
 
