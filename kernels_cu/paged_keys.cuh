@@ -75,4 +75,50 @@ struct PagedKeyRows {
     }
 };
 
+// The same for copy-engine K/V (kKvTma in flash_fwd_mma.cu): a key block
+// is copied as boxes of min(page_size, kBlockN) rows, one per page it
+// spans, by one thread, which reads their page numbers a block ahead. The
+// launcher takes this path where pages tile a block that way: a multiple
+// of kBlockN rows, or a divisor of it of at least 16 (whole swizzle atoms;
+// at most kMaxBoxes boxes). Boxes past the sequence's last key are not
+// copied (rows_copied): their table slots may not exist.
+template <int kBlockN>
+struct PagedKeyBoxes {
+    static constexpr int kMaxBoxes = kBlockN / 16;
+    int page[kMaxBoxes];
+
+    static __device__ __forceinline__ int box_rows(const SequenceRows& rows) { return min(rows.page_size, kBlockN); }
+    // Rows of the block at n_start copied: whole boxes up to the one holding the last key.
+    static __device__ __forceinline__ int rows_copied(const SequenceRows& rows, int n_start) {
+        const int box = box_rows(rows);
+        return min(kBlockN, ceil_div(rows.seqlen_k - n_start, box) * box);
+    }
+
+    // Reads the page numbers of the block of keys from n_start (a block
+    // before the sequence's first, n_start < 0, reads nothing).
+    __device__ __forceinline__ void fetch(const SequenceRows& rows, int n_start) {
+        const int box = box_rows(rows), copied = n_start >= 0 ? rows_copied(rows, n_start) : 0;
+#pragma unroll
+        for (int j = 0; j < kMaxBoxes; ++j) {
+            if (j * box < copied) {
+                // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
+                page[j] = min(max(__ldg(rows.pages + (n_start + j * box) / rows.page_size), 0), rows.num_pages - 1);
+            }
+        }
+    }
+
+    // copy(first row in the block, row in its page, page) for each box of
+    // the fetched block, which starts at n_start.
+    template <typename Copy>
+    __device__ __forceinline__ void for_each_box(const SequenceRows& rows, int n_start, Copy&& copy) const {
+        const int box = box_rows(rows), copied = rows_copied(rows, n_start);
+#pragma unroll
+        for (int j = 0; j < kMaxBoxes; ++j) {
+            if (j * box < copied) {
+                copy(j * box, (n_start + j * box) % rows.page_size, page[j]);
+            }
+        }
+    }
+};
+
 }  // namespace cuflash
