@@ -131,19 +131,8 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     // buffers are two (the next tile's are fetched while this one is
     // computed; with one buffer K and V of a tile load an iteration apart).
     using PagedRows = PagedKeyRows<kBlockN, kHeadDim, Traits::kThreads, Element>;
-    constexpr bool kPrefetchPages = Batch::kPaged && !kKvTma && kKvStages >= 2 && PagedRows::kPrefetches;
+    constexpr bool kPrefetchPages = Batch::kPaged && kKvStages >= 2 && PagedRows::kPrefetches;
     PagedRows pages;
-    // Copy-engine K/V over pages: the issuing thread's boxes, pages read a block ahead.
-    PagedKeyBoxes<kBlockN> boxes;
-    const auto prefetch_pages = [&](int n_block) {
-        if constexpr (kPrefetchPages) {
-            pages.fetch(origin, n_block * kBlockN, thread);
-        } else if constexpr (kKvTma && Batch::kPaged) {
-            if (thread == 0) {
-                boxes.fetch(origin, n_block * kBlockN);
-            }
-        }
-    };
     // Copies key block n_block of K or V (`t`, whose head's first key is
     // `rows`) into buffer `stage` of `tile`: rows a stride apart, or in a
     // paged cache gathered row by row through the block table (a page may
@@ -177,14 +166,19 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
                 const u32 v_buffer = shared_address(v_tile) + stage * Traits::kKvTileBytes;
                 const int n_start = n_block * kBlockN;
                 if constexpr (Batch::kPaged) {
-                    // The prefetched boxes (PagedKeyBoxes), up to the last key.
-                    constexpr int kRowBytes = KvTile::kBytes / kBlockN;
-                    mbarrier_arrive_expect_tx(full, 2 * boxes.rows_copied(origin, n_start) * kRowBytes);
-                    boxes.for_each_box(origin, n_start, [&](int row0, int in_page, int page) {
+                    // Boxes of a page's rows (or of the block's rows in a page), up to the last key.
+                    const int box_rows = min(origin.page_size, kBlockN);
+                    const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
+                    mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
+                    for (int row0 = 0; row0 < rows; row0 += box_rows) {
+                        const int key = n_start + row0, slot = key / origin.page_size;
+                        // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
+                        const int page = min(max(__ldg(origin.pages + slot), 0), origin.num_pages - 1);
+                        const int in_page = key - slot * origin.page_size;
                         const u32 offset = row0 * KvTile::kSwizzleBytes;
                         tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
                         tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
-                    });
+                    }
                 } else {
                     const int row = static_cast<int>(origin.k_row0) + n_start;
                     mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
@@ -211,13 +205,17 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     if (key_range.end > key_range.begin) {
         load_tile_async<kBlockM, kHeadDim, kStride, Traits::kThreads>(q_tile, q, params.q.row_stride,
                                                                       ctx.seqlen_q - m_start, ctx.head_dim, thread);
-        prefetch_pages(key_range.end - 1);
+        if constexpr (kPrefetchPages) {
+            pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
+        }
         if constexpr (kKvStages >= 2) {
             load_key_values(key_range.end - 1, 0);
         } else {
             load_keys(key_range.end - 1, 0);
         }
-        prefetch_pages(key_range.end - 2);  // read while block end - 1 is computed
+        if constexpr (kPrefetchPages) {
+            pages.fetch(origin, (key_range.end - 2) * kBlockN, thread);  // read while block end - 1 is computed
+        }
     }
     cp_async_commit();
     // Copy groups (one per key block) that may still be in flight while a
@@ -229,7 +227,9 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     for (int ahead = 1; ahead < kKvStages - 1; ++ahead) {
         if (key_range.end - 1 - ahead >= key_range.begin) {
             load_key_values(key_range.end - 1 - ahead, ahead);
-            prefetch_pages(key_range.end - 2 - ahead);
+            if constexpr (kPrefetchPages) {
+                pages.fetch(origin, (key_range.end - 2 - ahead) * kBlockN, thread);
+            }
         }
         cp_async_commit();
     }
@@ -295,7 +295,9 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
             if (next >= key_range.begin) {
                 const int next_stage = kKvStages == 2 ? stage ^ 1 : (stage == 0 ? kKvStages - 1 : stage - 1);
                 load_key_values(next, next_stage);
-                prefetch_pages(next - 1);
+                if constexpr (kPrefetchPages) {
+                    pages.fetch(origin, (next - 1) * kBlockN, thread);
+                }
             }
         } else {
             load_values(n_block, 0);
