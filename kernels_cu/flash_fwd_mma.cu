@@ -160,17 +160,24 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     // K and V of key block n_block into buffer `stage` of a ring.
     const auto load_key_values = [&](int n_block, int stage) {
         if constexpr (kKvTma) {
-            if (thread == 0) {
-                const u32 full = kv_full + 8 * stage;
-                const u32 k_buffer = shared_address(k_tile) + stage * Traits::kKvTileBytes;
-                const u32 v_buffer = shared_address(v_tile) + stage * Traits::kKvTileBytes;
-                const int n_start = n_block * kBlockN;
-                if constexpr (Batch::kPaged) {
-                    // Boxes of a page's rows (or of the block's rows in a page), up to the last key.
+            const u32 full = kv_full + 8 * stage;
+            const u32 k_buffer = shared_address(k_tile) + stage * Traits::kKvTileBytes;
+            const u32 v_buffer = shared_address(v_tile) + stage * Traits::kKvTileBytes;
+            const int n_start = n_block * kBlockN;
+            if constexpr (Batch::kPaged) {
+                // Boxes of a page's rows (or of the block's rows in a page),
+                // up to the last key: warp 0's lanes look up a page and issue
+                // a box each, so the table reads overlap (one lane's
+                // lookups would follow each other: the copies' asm orders them).
+                if (warp == 0) {
                     const int box_rows = min(origin.page_size, kBlockN);
                     const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
-                    mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
-                    for (int row0 = 0; row0 < rows; row0 += box_rows) {
+                    if (lane == 0) {
+                        mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
+                    }
+                    __syncwarp();
+                    const int row0 = lane * box_rows;
+                    if (row0 < rows) {
                         const int key = n_start + row0, slot = key / origin.page_size;
                         // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
                         const int page = min(max(__ldg(origin.pages + slot), 0), origin.num_pages - 1);
@@ -179,12 +186,12 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
                         tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
                         tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
                     }
-                } else {
-                    const int row = static_cast<int>(origin.k_row0) + n_start;
-                    mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
-                    tma_load_tile<KvTile>(k_buffer, params.k_map, full, row, origin.kv_head, origin.tensor_batch);
-                    tma_load_tile<KvTile>(v_buffer, params.v_map, full, row, origin.kv_head, origin.tensor_batch);
                 }
+            } else if (thread == 0) {
+                const int row = static_cast<int>(origin.k_row0) + n_start;
+                mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
+                tma_load_tile<KvTile>(k_buffer, params.k_map, full, row, origin.kv_head, origin.tensor_batch);
+                tma_load_tile<KvTile>(v_buffer, params.v_map, full, row, origin.kv_head, origin.tensor_batch);
             }
         } else {
             load_keys(n_block, stage);
