@@ -44,12 +44,16 @@ def test_every_variant_compiles_and_is_reported():
     # masks and, in dense batches, the heaviest policies (a window with soft
     # cap and ALiBi); packed batches on every tiling but the decode ones
     # (19 x 3 masks); KV caches, contiguous and paged, on every 16-bit
-    # tiling, decode ones included (2 x 104 x 3)
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 111 * 4 + 19 * 3 + 2 * 104 * 3
+    # tiling, decode ones included (104 x 3 each). On Hopper the one-tile
+    # tiles and their cluster forms (72) copy K and V by the Tensor Memory
+    # Accelerator in dense batches and contiguous caches (the same counts),
+    # and paged caches have both forms (176 x 3)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 111 * 4 + 19 * 3 + (104 + 176) * 3
     assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 19 * 3
-    assert sum("/cluster" in row["variant"] for row in rows) == 48 * 4 + 2 * 48 * 3
-    for layout in ("/cache/", "/paged/"):
-        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 104 * 3
+    assert sum("/cluster" in row["variant"] for row in rows) == 48 * 4 + 48 * 3 + 2 * 48 * 3
+    assert sum("/tma" in row["variant"] for row in rows) == 72 * 4 + 2 * 72 * 3
+    for layout, tilings in (("/cache/", 104), ("/paged/", 176)):
+        assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == tilings * 3
     assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 111
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
