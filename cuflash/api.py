@@ -1095,8 +1095,9 @@ def forward_tiling_for(problem: AttentionProblem, arrays, aligned: bool | None =
                       smem_limit=_shared_memory_per_block(problem.device))
     generation = _kernel_generation(problem.device)
     if problem.layout in CACHE_LAYOUTS:
-        # A KV cache's layouts are built into the mma.sync forward alone
-        # (its key tiles are gathered row by row from pages; no tensor maps).
+        # A KV cache's layouts are built into the mma.sync forward alone (the
+        # warp-specialised forward's tensor maps span no pages; the decode
+        # tiles copy pages by tensor maps on Hopper: _kv_tma_applies).
         family = FAMILY["forward-mma"]
         why = family.why_not(problem.dtype, problem.head_dim, generation, **conditions)
         if why is not None:
