@@ -555,6 +555,24 @@ def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) 
 #: Key blocks per range up to which a decode's ranges run as clusters
 #: (``decode_cluster_count``).
 DECODE_CLUSTER_RANGE_BLOCKS = 16
+#: A heuristic count above the largest cluster still runs as clusters
+#: where their ranges would be this short (``decode_clusters_apply``): the
+#: whole call is then a few microseconds, of which the merge launch is a
+#: large part. Measured on the H100 (bf16 d128, 1 x 4096 keys, 4 K/V
+#: heads, copy-engine K/V): 16 clusters of 4 key blocks 12.3 us against the
+#: merge kernel's ranges' 15.0; at 16 key blocks a range (1 x 16384) the
+#: merged ranges were faster (19.6 against 21.7).
+DECODE_CLUSTER_SHORT_RANGE_BLOCKS = 4
+
+
+def decode_clusters_apply(splits: int, key_blocks: int) -> bool:
+    """Whether a decode whose merge-kernel heuristic asks for ``splits``
+    ranges of ``key_blocks`` key blocks may run as clusters
+    (``decode_cluster_count`` then picks their count): where the heuristic
+    asks for no more than the largest cluster, or the largest cluster's
+    ranges would be at most ``DECODE_CLUSTER_SHORT_RANGE_BLOCKS`` long."""
+    largest = max(DECODE_CLUSTER_SPLITS, default=0)
+    return splits <= largest or key_blocks <= DECODE_CLUSTER_SHORT_RANGE_BLOCKS * largest
 
 
 def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> int:

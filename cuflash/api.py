@@ -35,8 +35,8 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox, map_geometry
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
-                      decode_cluster_count, decode_cluster_tiling, decode_split_count, decode_tilings,
-                      wgmma_backward_swizzles)
+                      decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
+                      decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1198,8 +1198,10 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     decoding), split-KV by ``decode_splits`` unless ``num_splits`` is 1; on
     Hopper and later, a split count of ``DECODE_CLUSTER_SPLITS`` on the
     one-tile tiles runs as thread-block clusters merged in place
-    (``decode_cluster_tiling``). A ValueError where ``num_splits`` asks for
-    splits such a call cannot have."""
+    (``decode_cluster_tiling``; without ``num_splits``, where
+    ``decode_clusters_apply``), and the one-tile tiles copy K and V by the
+    Tensor Memory Accelerator where ``_kv_tma_applies``. A ValueError where
+    ``num_splits`` asks for splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
     chosen = forward_tiling_for(shape.problem, [shape.layouts[name] for name in ("q", "k", "v", "out")], aligned)
@@ -1230,9 +1232,9 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         clusters = splits
         if num_splits is None:
             parallel, key_blocks = _decode_blocks(shape.problem, split)
-            clusters = 1 if splits > max(_tiling.DECODE_CLUSTER_SPLITS) else decode_cluster_count(
-                parallel, _multiprocessor_count(problem.device), key_blocks,
-                _decode_blocks_per_sm(shape.problem, smallest))
+            clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device), key_blocks,
+                                            _decode_blocks_per_sm(shape.problem, smallest)) \
+                if decode_clusters_apply(splits, key_blocks) else 1
         clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:
             return clustered, shape, clusters

@@ -179,6 +179,14 @@ def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
     assert decode_cluster_count(32, 132, 128, blocks_per_sm=2) == 1
 
 
+def test_clusters_apply_to_small_counts_and_short_ranges():
+    from cuflash._tiling import decode_clusters_apply
+
+    assert decode_clusters_apply(16, 1000) and decode_clusters_apply(2, 8)
+    # a count above 16: only where 16 clusters' ranges would be at most 4 key blocks
+    assert decode_clusters_apply(33, 64) and not decode_clusters_apply(33, 65)
+
+
 def _decode_plan_choice(monkeypatch, generation, blocks_per_sm=3, **problem_args):
     monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
@@ -205,6 +213,12 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
     # Before Hopper: no clusters.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
     assert tiling.cluster_splits == 1 and splits > 1
+    # A heuristic count above 16 whose ranges would be short as 16 clusters: clusters (1 x 4096 keys, 4 K/V
+    # heads: 64 key blocks); with 16 key blocks a range (1 x 16384) the merge kernel's ranges stay.
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=4096, nheads=32, nheads_k=4)()
+    assert (tiling.cluster_splits, splits) == (16, 16)
+    tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=16384, nheads=32, nheads_k=4)()
+    assert tiling.cluster_splits == 1 and splits > 16
     # Cluster counts switched off (the merge kernel for every count).
     from cuflash import _tiling
 

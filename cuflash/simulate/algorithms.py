@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, decode_cluster_count,
-                       decode_cluster_tiling, decode_split_count, decode_tilings, wave_efficient_splits)
+                       decode_cluster_tiling, decode_clusters_apply, decode_split_count, decode_tilings,
+                       wave_efficient_splits)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -427,7 +428,8 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     takes wave_efficient_splits over the machine's SMs (FlashAttention-2's
     rule), "cuflash" cuflash's launcher's decode_split_count, and where
     ``clusters`` (cuflash's one-tile decode blocks on Hopper) its
-    decode_cluster_count, whose splits merge in their cluster. The
+    decode_cluster_count (where decode_clusters_apply), whose splits merge
+    in their cluster. The
     launcher's occupancy of the kernel is modelled by shared memory alone
     (a paged cache's kernel is register-bound at two blocks an SM on the
     H100, which this does not see)."""
@@ -441,7 +443,7 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
         key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
         choose = wave_efficient_splits if splits == "auto" else decode_split_count
         splits = choose(owners * len(blocks), machine.sms, key_blocks)
-        if clusters and splits <= max(DECODE_CLUSTER_SPLITS):
+        if clusters and decode_clusters_apply(splits, key_blocks):
             counted = decode_cluster_count(owners * len(blocks), machine.sms, key_blocks, plan.fwd_blocks_per_sm)
             clustered = counted > 1
             splits = counted if clustered else splits
