@@ -605,38 +605,13 @@ def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:
     return dataclasses.replace(split, cluster_splits=splits)
 
 
-#: K/V buffers of the copy-engine decode tiles over a paged cache (the
-#: others keep the decode tiles' two). Measured on the H100 (bf16 d128, one
-#: token, one process; docs/perf-notes.md): 16-row pages, 4 K/V heads, 4 x
-#: 32 x 1024 keys 1.81 -> 2.15 TB/s, 8 heads, 1 x 16384 1.66 -> 2.01, 4 x
-#: 128 x 4096 2.80 -> 2.95, the largest calls within 1%; contiguous caches
-#: lost at the largest (3.12 -> 3.07), four buffers lost more.
-DECODE_PAGED_TMA_STAGES = 3
-
-
-def copy_engine_tiling(tiling: Tiling, layout: str) -> Tiling:
-    """The copy-engine K/V form (``Tiling.kv_tma``) of a one-tile decode
-    tiling for a batch ``layout``: a paged cache's with
-    ``DECODE_PAGED_TMA_STAGES`` K/V buffers."""
-    stages = DECODE_PAGED_TMA_STAGES if layout == "paged" else tiling.kv_stages
-    return dataclasses.replace(tiling, kv_tma=True, kv_stages=stages)
-
-
-def copy_engine_layouts(tiling: Tiling) -> tuple[str, ...] | None:
-    """The batch layouts a copy-engine tiling is built for (its stage count
-    says which, ``copy_engine_tiling``); None for other tilings."""
-    if not tiling.kv_tma:
-        return None
-    return ("paged",) if tiling.kv_stages == DECODE_PAGED_TMA_STAGES else ("dense", "cache")
-
-
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     """Every decode tiling ``decode_tilings`` (and on Hopper
     ``decode_cluster_tiling`` and the one-tile tiles' copy-engine forms,
-    ``copy_engine_tiling``) may choose for (dtype, head_dim)."""
+    ``Tiling.kv_tma``) may choose for (dtype, head_dim)."""
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
-    by_tma = tuple(copy_engine_tiling(tiling, layout) for layout in ("cache", "paged") for tiling in one_tile + clustered)
+    by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
     return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma
 
 

@@ -35,8 +35,8 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox, map_geometry
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
-                      copy_engine_tiling, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
-                      decode_split_count, decode_tilings, wgmma_backward_swizzles)
+                      decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
+                      decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1220,7 +1220,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
     if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):
-        plain, split = (copy_engine_tiling(tiling, problem.layout) for tiling in (plain, split))
+        plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     if splits == 1:
         return plain, shape, 1
