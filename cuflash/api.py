@@ -1257,6 +1257,8 @@ def _kv_tma_applies(problem: AttentionProblem, layouts: dict, block_n: int) -> b
             return False
     for name in ("k", "v"):
         layout = layouts[name]
+        if 0 in layout.shape:  # no keys (seqlen_k 0): a tensor map has no empty dimensions
+            return False
         try:
             map_geometry(layout.shape, layout.strides, TileBox(rows=8, cols=8))
         except ValueError:

@@ -408,12 +408,17 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     }
     if constexpr (kClustered) {
         // Warp 0 stages the block's rows in the V buffers (combine_warp_states
-        // used the K ones); every thread of the cluster then merges, and
+        // used the K ones, and with the unpadded copy-engine buffers the first
+        // 512 bytes of V's too: every lane of warp 0 has read them before any
+        // lane writes there); every thread of the cluster then merges, and
         // stays until every block is done reading the others' rows.
         using Staged = ClusterStateLayout<kBlockM, kHeadDim>;
         float* staged = reinterpret_cast<float*>(v_tile);
         const int rows = ctx.seqlen_q - m_start;
         if (warp == 0) {
+            if constexpr (kKvTma) {
+                __syncwarp();
+            }
             finish_forward_rows<float>(softmax, o, staged + Staged::kLse / 4, 0, 0, rows, lane,
                                        [&](int row_in_block, int dt, float2 pair) {
                                            *reinterpret_cast<float2*>(staged + row_in_block * kHeadDim + dt * 8 +

@@ -179,6 +179,18 @@ def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
     assert decode_cluster_count(32, 132, 128, blocks_per_sm=2) == 1
 
 
+def test_copy_engine_kv_on_hopper_but_not_without_keys(monkeypatch):
+    """Hopper's one-tile decode copies K and V by tensor maps; a call with
+    no keys (seqlen_k 0: a tensor map has no empty dimension) and GPUs before
+    Hopper keep cp.async."""
+    tiling, _, _ = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=1024)()
+    assert tiling.kv_tma and tiling.warps_split_keys
+    tiling, _, _ = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=0)()
+    assert not tiling.kv_tma
+    tiling, _, _ = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024)()
+    assert not tiling.kv_tma
+
+
 def test_clusters_apply_to_small_counts_and_short_ranges():
     from cuflash._tiling import decode_clusters_apply
 
