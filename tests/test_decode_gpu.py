@@ -258,3 +258,16 @@ def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page
     assert not bool(cupy.isnan(out).any())
     assert bool((out.view(cupy.uint16) == plain_out.view(cupy.uint16)).all())
     assert bool((lse == plain_lse).all())
+
+
+@pytest.mark.parametrize("batch,nheads_k", [(1, 1), (2, 2)])
+def test_decode_without_keys_gives_zeros_and_minus_inf(batch, nheads_k):
+    """One token against no keys, dense and from a cache of length 0: zeros
+    and -inf (on Hopper the copy-engine path must not map an empty tensor)."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, batch, 1, 0, 8, nheads_k, 64, cupy.float16)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert float(cupy.abs(out.astype(cupy.float32)).max()) == 0.0 and bool(cupy.isneginf(lse).all())
+    cache = cupy.zeros((batch, 32, nheads_k, 64), cupy.float16)
+    out, lse = cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=0, return_lse=True)
+    assert float(cupy.abs(out.astype(cupy.float32)).max()) == 0.0 and bool(cupy.isneginf(lse).all())
