@@ -85,6 +85,19 @@ def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox)
     return dims, tuple(byte_strides), (box.panel_cols, box.rows, 1, 1)
 
 
+def takes_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether a (batch, seqlen, heads, head_dim) array of byte ``strides``
+    can have a tensor map: no empty dimension (the driver takes none) and
+    strides ``map_geometry`` accepts."""
+    if 0 in shape:
+        return False
+    try:
+        map_geometry(shape, strides, TileBox(rows=8, cols=8))
+    except ValueError:
+        return False
+    return True
+
+
 _encode_function = None
 
 

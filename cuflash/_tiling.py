@@ -294,10 +294,11 @@ class Tiling:
     #: memory (kernels_cu/cluster_states.cuh; Hopper): no partial buffers,
     #: no merge kernel. 1: the merge kernel combines a split_kv launch's ranges
     cluster_splits: int = 1
-    #: the mma.sync forward's whole key blocks of K and V come by the Tensor
+    #: the mma.sync forward's key blocks of K and V come by the Tensor
     #: Memory Accelerator (tensor maps, swizzled buffers, an mbarrier per
-    #: stage: kKvTma in flash_fwd_mma.cu; Hopper): decode tiles of 16-bit
-    #: dense batches or contiguous caches
+    #: stage: kKvTma in flash_fwd_mma.cu; Hopper): the one-tile decode tiles
+    #: of dense batches, contiguous caches and paged ones whose pages tile a
+    #: key block (``copy_engine_box_rows``)
     kv_tma: bool = False
 
     def __post_init__(self):
@@ -339,15 +340,14 @@ class Tiling:
         ``WgmmaForwardTraits::kBytes``: Q and ``WGMMA_FORWARD_STAGES``
         unpadded (swizzled) buffers of K and V, the mbarriers, plus the
         alignment slack."""
-        if self.kernel == "mma" and self.kv_tma:
-            # Q's padded rows up to a swizzle atom, the unpadded K/V rings, their mbarriers, the alignment slack.
-            q_bytes = self.block_m * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
-            kv_bytes = 2 * self.kv_stages * self.block_n * self.head_dim_padded * ELEMENT_SIZE[dtype_name]
-            return -(-q_bytes // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT + kv_bytes + 8 * self.kv_stages + \
-                WGMMA_SMEM_ALIGNMENT
         if self.kernel == "mma":
-            rows = self.block_m + 2 * self.kv_stages * self.block_n
-            return rows * (self.head_dim_padded * ELEMENT_SIZE[dtype_name] + 16)
+            row_bytes = self.head_dim_padded * ELEMENT_SIZE[dtype_name]
+            kv_rows = 2 * self.kv_stages * self.block_n
+            if not self.kv_tma:
+                return (self.block_m + kv_rows) * (row_bytes + 16)
+            # Q's padded rows up to a swizzle atom, the unpadded K/V rings, their mbarriers, the alignment slack.
+            q_bytes = -(-self.block_m * (row_bytes + 16) // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT
+            return q_bytes + kv_rows * row_bytes + 8 * self.kv_stages + WGMMA_SMEM_ALIGNMENT
         if self.kernel == "wgmma":
             rows = self.block_m + 2 * WGMMA_FORWARD_STAGES * self.block_n
             return (rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_FORWARD_BARRIER_BYTES
@@ -603,6 +603,19 @@ def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:
     if splits not in DECODE_CLUSTER_SPLITS or not (split.split_kv and split.warps_split_keys):
         return None
     return dataclasses.replace(split, cluster_splits=splits)
+
+
+def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | None:
+    """Rows of one copy-engine box of K or V (``Tiling.kv_tma``) for key
+    blocks of ``block_n`` and a paged cache's ``page_size`` (None: not
+    paged): a block's rows, or a page's where pages are shorter; None where
+    pages do not tile a block in whole swizzle atoms (pages of a multiple
+    of ``block_n`` rows, or of 16 or more rows that divide it), whose rows
+    are gathered by cp.async. The kernel takes the same rows
+    (``load_key_values`` in flash_fwd_mma.cu)."""
+    if page_size is None or page_size % block_n == 0:
+        return block_n
+    return page_size if block_n % page_size == 0 and page_size >= 16 else None
 
 
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:

@@ -33,10 +33,10 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
-from ._tensor_maps import TensorMapEncoder, TileBox, map_geometry
+from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
-                      decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
-                      decode_tilings, wgmma_backward_swizzles)
+                      copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
+                      decode_split_count, decode_tilings, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1241,29 +1241,21 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     return split, shape, splits
 
 
+def _page_size(problem: AttentionProblem) -> int | None:
+    """A paged cache's rows a page; None for other layouts."""
+    return problem.kv_cache.page_size if problem.layout == "paged" else None
+
+
 def _kv_tma_applies(problem: AttentionProblem, layouts: dict, block_n: int) -> bool:
     """Whether a decode on the one-tile tiles (``block_n`` keys a block)
     copies K and V by the Tensor Memory Accelerator (``Tiling.kv_tma``): on
     Hopper and later, for a dense batch, a contiguous cache, or a paged one
-    whose pages tile a key block in boxes of whole swizzle atoms (pages of
-    a multiple of ``block_n`` rows, or of 16 or more rows that divide it;
-    other page sizes gather rows by cp.async), where the copy engine takes
-    K's and V's strides (``map_geometry``: multiples of 16 bytes)."""
-    if _kernel_generation(problem.device) < 90 or problem.layout not in ("dense", "cache", "paged"):
-        return False
-    if problem.layout == "paged":
-        page_size = problem.kv_cache.page_size
-        if not (page_size % block_n == 0 or (block_n % page_size == 0 and page_size >= 16)):
-            return False
-    for name in ("k", "v"):
-        layout = layouts[name]
-        if 0 in layout.shape:  # no keys (seqlen_k 0): a tensor map has no empty dimensions
-            return False
-        try:
-            map_geometry(layout.shape, layout.strides, TileBox(rows=8, cols=8))
-        except ValueError:
-            return False
-    return True
+    whose pages tile a key block (``copy_engine_box_rows``), where K and V
+    can have tensor maps (``takes_layout``: no empty dimension, strides of
+    multiples of 16 bytes)."""
+    return (_kernel_generation(problem.device) >= 90 and problem.layout != "packed"
+            and copy_engine_box_rows(block_n, _page_size(problem)) is not None
+            and all(takes_layout(layouts[name].shape, layouts[name].strides) for name in ("k", "v")))
 
 
 def _decode_blocks_per_sm(problem: AttentionProblem, tiling: Tiling) -> int:
@@ -1373,8 +1365,7 @@ def _forward_tensor_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
     Hopper forward's of Q, K and V, copy-engine K/V's of K and V (one
     swizzle panel of block_m or block_n rows a copy), encoded in ``params``
     for each call's pointers; none for the other forwards."""
-    # A paged cache's boxes are a page's rows where pages are shorter than a block.
-    kv_rows = min(tiling.block_n, problem.kv_cache.page_size) if problem.layout == "paged" else tiling.block_n
+    kv_rows = copy_engine_box_rows(tiling.block_n, _page_size(problem)) if tiling.kv_tma else tiling.block_n
     rows = {"q": tiling.block_m, "k": kv_rows, "v": kv_rows}
     names = ("q", "k", "v") if tiling.kernel == "wgmma" else ("k", "v") if tiling.kv_tma else ()
     maps = []
