@@ -26,13 +26,62 @@ from ._params import flat_fields
 class KernelLaunch:
     """One kernel launch of a plan: a compiled kernel (``cupy.RawKernel``),
     a one-dimensional grid and block, dynamic shared memory, and which of the
-    plan's parameter structs it takes."""
+    plan's parameter structs it takes. ``dependent``: launched with
+    programmatic stream serialization (Hopper and later; kernels_cu/
+    grid_dependency.cuh), so it may be scheduled before the kernel ahead of
+    it on the stream finishes; the kernel must wait for that kernel's
+    results itself (``wait_for_prerequisite_grids``) before reading them."""
 
     kernel: object
     grid: int
     threads: int
     smem_bytes: int
     struct: int = 0
+    dependent: bool = False
+
+
+# cuLaunchKernelEx's arguments (cuda.h, CUDA 12+): CUlaunchAttribute is an
+# id, padding to 8 bytes and a 64-byte value union; CUlaunchConfig the grid,
+# block, shared memory, stream and attribute array.
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attributes", ctypes.POINTER(_LaunchAttribute)),
+                ("attribute_count", ctypes.c_uint)]
+
+
+_launch_kernel_ex = None
+
+
+def launch_kernel_ex(config, function: int, arguments: int, extra) -> int:
+    """cuLaunchKernelEx from the CUDA driver library (loaded on first use):
+    the driver's status."""
+    global _launch_kernel_ex
+    if _launch_kernel_ex is None:
+        loaded = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        loaded.restype = ctypes.c_int
+        loaded.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        _launch_kernel_ex = loaded
+    return _launch_kernel_ex(config, function, arguments, extra)
+
+
+class _DependentLaunchConfig:
+    """cuLaunchKernelEx's config of a kernel launched with programmatic
+    stream serialization: built once, its stream set per call."""
+
+    def __init__(self, grid: int, threads: int, smem_bytes: int):
+        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self.config = _LaunchConfig(grid=(ctypes.c_uint * 3)(grid, 1, 1), block=(ctypes.c_uint * 3)(threads, 1, 1),
+                                    shared_mem_bytes=smem_bytes, attributes=ctypes.pointer(self.attribute),
+                                    attribute_count=1)
+        self.reference = ctypes.byref(self.config)
 
 
 def _word_index(dtype: np.dtype, field: str) -> int | None:
@@ -78,9 +127,11 @@ class LaunchPlan:
         self._writes = tuple(tuple((words[i], index) for i, index in self._targets(slot)) for slot in slots)
         # cuLaunchKernel's kernelParams: an array of one pointer, to the struct.
         self._argument_arrays = [np.array([struct.ctypes.data], dtype=np.uint64) for struct in self._structs]
+        # (function, grid, threads, shared memory, arguments, the config of a dependent launch or None)
         self._launches = tuple(
             (int(launch.kernel.kernel.ptr), launch.grid, launch.threads, launch.smem_bytes,
-             self._argument_arrays[launch.struct].ctypes.data)
+             self._argument_arrays[launch.struct].ctypes.data,
+             _DependentLaunchConfig(launch.grid, launch.threads, launch.smem_bytes) if launch.dependent else None)
             for launch in launches
         )
         self._tensor_maps = tuple((list(slots).index(slot), encoder) for slot, encoder in tensor_maps)
@@ -88,6 +139,7 @@ class LaunchPlan:
         from cupy.cuda import driver
 
         self._launch_kernel = driver.launchKernel
+        self._launch_kernel_ex = launch_kernel_ex
 
     def _targets(self, slot) -> list[tuple[int, int]]:
         """(struct index, word index) of each field ``slot`` fills."""
@@ -120,8 +172,16 @@ class LaunchPlan:
                     words[index] = pointer
             for slot, encoder in self._tensor_maps:
                 encoder.encode(pointers[slot])
-            for function, grid, threads, smem_bytes, arguments in self._launches:
-                launch_kernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, arguments, 0)
+            for function, grid, threads, smem_bytes, arguments, dependent in self._launches:
+                if dependent is None:
+                    launch_kernel(function, grid, 1, 1, threads, 1, 1, smem_bytes, stream, arguments, 0)
+                    continue
+                dependent.config.stream = stream
+                status = self._launch_kernel_ex(dependent.reference, function, arguments, None)
+                if status:
+                    from cupy.cuda import driver
+
+                    raise driver.CUDADriverError(status)
 
 
 class PlanCache:

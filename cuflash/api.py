@@ -1409,6 +1409,9 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
         partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
         struct=1)
+    # On Hopper the merge is a dependent launch: its launch latency overlaps
+    # the forward's last blocks (the forward allows it, flash_fwd_mma.cu).
+    merge = dataclasses.replace(merge, dependent=_kernel_generation(problem.device) >= 90)
     launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
     return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
                      _forward_tensor_maps(problem, layouts, tiling, forward), buffers)

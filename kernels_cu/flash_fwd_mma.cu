@@ -61,6 +61,7 @@
 #include "cluster_states.cuh"
 #include "mbarrier.cuh"
 #include "tma.cuh"
+#include "grid_dependency.cuh"
 
 namespace cuflash {
 
@@ -87,6 +88,12 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     using Operands = MmaOperands<Element, kStride>;
     static_assert(Operands::kKStep == kKStep, "one k step: 32 bytes of k in the traits and the operands");
 
+    if constexpr (kSplitKv && !kClustered) {
+        // The merge kernel follows as a dependent launch: it may be scheduled
+        // once every block of this grid has started (grid_dependency.cuh),
+        // and waits for this grid's partial results before reading them.
+        allow_dependent_launch();
+    }
     require_shared_memory<Traits>();
     unsigned char* smem = shared_tile<unsigned char>(0);
     if constexpr (kKvTma) {

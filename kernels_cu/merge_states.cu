@@ -11,6 +11,11 @@
 // sees no key does in the forward.
 //
 // One warp per row; each lane holds kVec consecutive columns per step.
+//
+// After split-KV's forward the merge is launched as a dependent kernel
+// (grid_dependency.cuh): its blocks may start while the forward finishes, and
+// wait for the forward's partial results before reading any.
+#include "grid_dependency.cuh"
 #include "numeric.cuh"
 #include "params.cuh"
 #include "warp_reduce.cuh"
@@ -43,6 +48,7 @@ constexpr int kStatesInFlight = 16;
 
 template <typename Partial, typename Out, int kVec, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
+    wait_for_prerequisite_grids();
     const int lane = threadIdx.x % 32;
     const index_t rows = params.size.seqlen_q;
     const index_t row_index = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;

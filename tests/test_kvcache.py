@@ -124,6 +124,12 @@ def _layouts(call, cache_shape, new):
     return layouts, {"k": cache, "v": cache}
 
 
+def _without_driver(plan):
+    """Makes ``plan.launch`` write its structs and maps but call no driver."""
+    plan._launch_kernel = lambda *args: None
+    plan._launch_kernel_ex = lambda *args: 0
+
+
 def _launched(plan, requested):
     """The keys of a plan's kernels in launch order (the stand-in loader
     numbers kernels by request)."""
@@ -138,6 +144,8 @@ def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(sta
     assert append == "kv-cache-append/bfloat16/paged"
     assert forward.startswith("forward-mma/bfloat16/hdim128/m16n64w4/none/paged/kv2/split/split-keys")  # GQA packed: no mask; a one-tile block
     assert merge.startswith("merge-states/float32-bfloat16")
+    # The merge is a dependent launch on Hopper (its launch latency overlaps the forward's tail).
+    assert [dependent is not None for *_, dependent in plan._launches] == [False, False, True]
     assert set(plan.work_buffers) == {"out_partial", "lse_partial", "seqused_k"}
     assert plan.work_buffers["seqused_k"] == ((2,), "int32")
     # Pointers land where each kernel reads them (struct 0: forward, 1: merge, 2: append).
@@ -147,7 +155,7 @@ def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(sta
     for _, encoder in plan._tensor_maps:
         encoder._encode = lambda *args: encoded.append(args[3].value) or 0
     pointers = [1024 + 16 * i for i in range(len(api.KVCACHE_ARRAYS))]
-    plan._launch_kernel = lambda *args: None
+    _without_driver(plan)
     plan.launch(pointers, 0)
     forward_struct, append_struct = plan._structs[0][0], plan._structs[2][0]
     at = dict(zip(api.KVCACHE_ARRAYS, pointers))
@@ -171,7 +179,7 @@ def test_without_an_append_the_kernels_read_cache_seqlens_directly(stand_in_hopp
     assert "/cache/" in forward and forward.startswith("forward-mma/") and "/causal/" in forward
     assert "/split" not in forward and plan.work_buffers == {}
     pointers = [8 * (i + 1) for i in range(len(api.KVCACHE_ARRAYS))]
-    plan._launch_kernel = lambda *args: None
+    _without_driver(plan)
     plan.launch(pointers, 0)
     at = dict(zip(api.KVCACHE_ARRAYS, pointers))
     assert plan._structs[0][0]["size"]["seqused_k"] == at["cache_seqlens"]
@@ -199,7 +207,7 @@ def test_the_forward_struct_and_its_tensor_maps(stand_in_hopper, monkeypatch, ge
     encoded = []
     for _, encoder in plan._tensor_maps:
         encoder._encode = lambda *args: encoded.append(args[3].value) or 0
-    plan._launch_kernel = lambda *args: None
+    _without_driver(plan)
     pointers = [1024 * (i + 1) for i in range(len(api.KVCACHE_ARRAYS))]
     plan.launch(pointers, 0)
     at = dict(zip(api.KVCACHE_ARRAYS, pointers))

@@ -56,7 +56,18 @@ def recorded_launches(monkeypatch):
         calls.append({"function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
                       "stream": stream, "struct_address": int(struct_address), "extra": extra})
 
+    def launch_kernel_ex(config, function, arguments, extra):
+        config = ctypes.cast(config, ctypes.POINTER(_launch._LaunchConfig)).contents
+        attributes = [config.attributes[i] for i in range(config.attribute_count)]
+        (struct_address,) = _read_struct(arguments, np.dtype(np.uint64))
+        calls.append({"function": function, "grid": tuple(config.grid), "block": tuple(config.block),
+                      "smem": config.shared_mem_bytes, "stream": config.stream or 0,
+                      "struct_address": int(struct_address), "extra": extra or 0,
+                      "attributes": [(a.id, a.value) for a in attributes]})
+        return 0
+
     monkeypatch.setattr(driver, "launchKernel", launch_kernel)
+    monkeypatch.setattr(_launch, "launch_kernel_ex", launch_kernel_ex)
     return calls
 
 
@@ -82,6 +93,40 @@ def test_plan_writes_each_pointer_into_its_field_and_launches_in_order(recorded_
     written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
     assert [written[n]["ptr"] for n in ("q", "k", "v", "out")] == [1, 2, 3, 4] and written["lse"] == 5
     assert written["size"]["cu_seqlens_q"] == 0x6000 and written["size"]["cu_seqlens_k"] == 0x7000
+
+
+def test_a_dependent_launch_allows_programmatic_stream_serialization(recorded_launches):
+    """A dependent kernel (split-KV's merge on Hopper) goes through
+    cuLaunchKernelEx with the attribute that lets it start before the kernel
+    ahead of it ends, on the call's stream, with its own struct; the others
+    through cuLaunchKernel without attributes."""
+    merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
+                 partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
+                 partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
+                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
+    plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(1), 9, 128, 512), KernelLaunch(_FakeKernel(2), 5, 64, 16, struct=1,
+                                                                               dependent=True)])
+    for stream in (0, 0x77):
+        plan.launch([11, 12, 13, 14, 15, 16, 17], stream=stream)
+        forward, merged = recorded_launches[-2:]
+        assert "attributes" not in forward and forward["grid"] == (9, 1, 1)
+        assert merged["function"] == 2 and merged["grid"] == (5, 1, 1) and merged["block"] == (64, 1, 1)
+        assert merged["smem"] == 16 and merged["stream"] == stream and merged["extra"] == 0
+        assert merged["attributes"] == [(_launch._PROGRAMMATIC_STREAM_SERIALIZATION, 1)]
+        assert _read_struct(merged["struct_address"], MERGE_PARAMS)[0]["partial"]["ptr"] == 16
+
+
+def test_a_failed_dependent_launch_raises_the_drivers_error(monkeypatch):
+    from cupy.cuda import driver
+
+    monkeypatch.setattr(_launch, "launch_kernel_ex", lambda *args: 1)  # CUDA_ERROR_INVALID_VALUE
+    # CuPy's error asks the driver for the status's name: a stand-in where there is no driver.
+    monkeypatch.setattr(driver, "CUDADriverError", type("CUDADriverError", (Exception,), {}))
+    plan = LaunchPlan(0, [_forward_struct()], api.FORWARD_SLOTS,
+                      [KernelLaunch(_FakeKernel(1), 1, 32, 0, dependent=True)])
+    with pytest.raises(driver.CUDADriverError):
+        plan.launch([1, 2, 3, 4, 5, 6, 7], stream=0)
 
 
 def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
