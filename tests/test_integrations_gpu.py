@@ -269,6 +269,55 @@ def test_torch_cuda_graph_capture_and_replay():
             torch.testing.assert_close(captured.grad, x.grad, rtol=1e-2, atol=1e-2)
 
 
+def test_torch_cuda_graph_of_a_split_decode_step():
+    """A serving loop's decode step captured once and replayed: append the
+    new token's K/V, then split-KV decoding whose merge is a dependent
+    launch on Hopper (programmatic stream serialization, captured as a
+    programmatic edge). Each replay matches the eager call bit for bit, the
+    caches included."""
+    import cupy
+
+    from cuflash import api
+
+    torch, ct = _torch(), _ct()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    k_cache, v_cache = randn(1, 4096, 4, 128), randn(1, 4096, 4, 128)
+    q, k_new, v_new = randn(1, 1, 32, 128), randn(1, 1, 4, 128), randn(1, 1, 4, 128)
+    lengths = torch.full((1,), 1000, device="cuda", dtype=torch.int32)
+
+    def step(k_cache, v_cache, lengths):
+        return ct.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, num_splits=5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels, settles the allocator
+        for _ in range(2):
+            step(k_cache, v_cache, lengths)
+    torch.cuda.current_stream().wait_stream(side)
+    if int(cupy.cuda.Device().compute_capability) >= 90:
+        assert any(dependent is not None for entry in api.plans._entries.values()
+                   for *_, dependent in entry.plan._launches), "no dependent launch in the decode step's plan"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step(k_cache, v_cache, lengths)
+    for _ in range(3):
+        for x in (q, k_new, v_new):
+            x.copy_(randn(*x.shape))
+        eager_k, eager_v, eager_lengths = k_cache.clone(), v_cache.clone(), lengths.clone()
+        graph.replay()
+        expected = step(eager_k, eager_v, eager_lengths)
+        torch.cuda.synchronize()
+        assert not static_out.isnan().any()
+        torch.testing.assert_close(static_out, expected, rtol=0, atol=0)
+        torch.testing.assert_close(k_cache, eager_k, rtol=0, atol=0)
+        torch.testing.assert_close(v_cache, eager_v, rtol=0, atol=0)
+        lengths += 1
+
+
 def test_cupy_stream_capture_allocates_nothing():
     import cupy
 
