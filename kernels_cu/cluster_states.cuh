@@ -33,6 +33,16 @@ __device__ __forceinline__ void cluster_barrier() {
     asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
+// Every thread of every block of the cluster has arrived, ordering no
+// memory access: for a block's last step, where it must not exit (its
+// shared memory gone) while another block may still read it, and the reads
+// it waits for have been used already. The released barrier above costs a
+// GPU-scope fence (MEMBAR.ALL.GPU, then ERRBAR on sm_90a), which at this
+// point waits for the block's output stores to complete.
+__device__ __forceinline__ void cluster_barrier_before_exit() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // The address, in the cluster's shared window, of `address` (this block's
 // shared memory) in block `rank`'s shared memory.
 __device__ __forceinline__ u32 cluster_shared_address(u32 address, int rank) {
@@ -109,14 +119,24 @@ __device__ __forceinline__ void merge_cluster_states(u32 staged, int rows, int h
             sum += weight[s];
         }
         const float inv_sum = seen ? 1.0f / sum : 0.0f;
+        // Every state's columns are read before any is used: each read is a
+        // round trip to another SM, and reads behind a branch on the weight
+        // would follow one another. An unseen state's values (anything, NaN
+        // included) are then selected out, not multiplied by 0.
+        float4 o[kSplits];
+#pragma unroll
+        for (int s = 0; s < kSplits; ++s) {
+            o[s] = load_cluster_float4(block_state[s] + Layout::kOutputs + (row * kHeadDim + col) * 4);
+        }
         float4 merged = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int s = 0; s < kSplits; ++s) {
-            if (weight[s] != 0.0f) {  // not w * o alone: an unseen state's o is never read
-                const float4 o = load_cluster_float4(block_state[s] + Layout::kOutputs + (row * kHeadDim + col) * 4);
-                const float w = weight[s] * inv_sum;
-                merged.x += w * o.x, merged.y += w * o.y, merged.z += w * o.z, merged.w += w * o.w;
-            }
+            const bool used = weight[s] != 0.0f;
+            const float w = weight[s] * inv_sum;
+            merged.x += used ? w * o[s].x : 0.0f;
+            merged.y += used ? w * o[s].y : 0.0f;
+            merged.z += used ? w * o[s].z : 0.0f;
+            merged.w += used ? w * o[s].w : 0.0f;
         }
         write(row, col, merged);
         if (rank == 0 && group == 0) {

@@ -453,7 +453,7 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
                 }
             },
             [&](int row, float row_lse) { lse[row] = row_lse; });
-        cluster_barrier();
+        cluster_barrier_before_exit();
         return;
     }
     if constexpr (kSplitKv) {
