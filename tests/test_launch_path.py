@@ -38,6 +38,13 @@ def _forward_struct():
                 variant=NO_VARIANT)
 
 
+def _merge_struct():
+    return pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
+                partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
+                partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
+                size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
+
+
 def _read_struct(address: int, dtype: np.dtype) -> np.ndarray:
     raw = ctypes.string_at(address, dtype.itemsize)
     return np.frombuffer(raw, dtype=dtype)
@@ -100,10 +107,7 @@ def test_a_dependent_launch_allows_programmatic_stream_serialization(recorded_la
     cuLaunchKernelEx with the attribute that lets it start before the kernel
     ahead of it ends, on the call's stream, with its own struct; the others
     through cuLaunchKernel without attributes."""
-    merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
-                 partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
-                 partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
-                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
+    merge = _merge_struct()
     plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
                       [KernelLaunch(_FakeKernel(1), 9, 128, 512), KernelLaunch(_FakeKernel(2), 5, 64, 16, struct=1,
                                                                                dependent=True)])
@@ -154,10 +158,7 @@ def test_split_plan_sends_one_array_to_different_fields_of_different_structs(rec
     the merge kernel's partial and partial_lse; the call's out and lse are
     the merge kernel's alone. A plan without splits leaves the work-buffer
     slots unused."""
-    merge = pack(MERGE_PARAMS, out=(0, 1, 2, 3), lse=0, lse_batch_stride=1, lse_head_stride=1, lse_row_stride=1,
-                 partial=(0, 1, 2, 3), partial_lse=0, partial_lse_batch_stride=1, partial_lse_head_stride=1,
-                 partial_lse_row_stride=1, num_states=2, partial_state_stride=4, partial_lse_state_stride=5,
-                 size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0))
+    merge = _merge_struct()
     plan = LaunchPlan(0, [_forward_struct(), merge], api.SPLIT_FORWARD_SLOTS,
                       [KernelLaunch(_FakeKernel(1), 1, 32, 0), KernelLaunch(_FakeKernel(2), 1, 32, 0, struct=1)])
     plan.launch([11, 12, 13, 14, 15, 16, 17], stream=0)
