@@ -137,8 +137,10 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     // A paged cache's page numbers, read a tile ahead where the K/V
     // buffers are two (the next tile's are fetched while this one is
     // computed; with one buffer K and V of a tile load an iteration apart).
+    // Not with copy-engine K/V, whose warp 0 looks the pages up as it
+    // issues the boxes.
     using PagedRows = PagedKeyRows<kBlockN, kHeadDim, Traits::kThreads, Element>;
-    constexpr bool kPrefetchPages = Batch::kPaged && kKvStages >= 2 && PagedRows::kPrefetches;
+    constexpr bool kPrefetchPages = Batch::kPaged && !kKvTma && kKvStages >= 2 && PagedRows::kPrefetches;
     PagedRows pages;
     // Copies key block n_block of K or V (`t`, whose head's first key is
     // `rows`) into buffer `stage` of `tile`: rows a stride apart, or in a
