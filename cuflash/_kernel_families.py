@@ -28,6 +28,7 @@ from ._tiling import (
     WGMMA_FORWARD_TILES,
     Tiling,
     backward_tiling,
+    copy_engine_layouts,
     every_decode_tiling,
     forward_tiling,
     mma_backward_applies,
@@ -208,8 +209,9 @@ class KernelFamily:
                  else None if tiling.cluster_splits > 1 or tiling.kv_tma else (self.function, self.params))
         if entry is None:
             raise ValueError(f"{self.name} has no entry point for {tiling}")
-        if tiling.kv_tma and layout == "packed":
-            raise ValueError(f"copy-engine K/V ({tiling}) maps each entry's keys or pages, not a packed batch")
+        if tiling.kv_tma and layout not in copy_engine_layouts(tiling):
+            raise ValueError(f"copy-engine K/V tiles {tiling} are built for {'/'.join(copy_engine_layouts(tiling))} "
+                             f"batches, not {layout}")
         extra_args, extra_key = self.tile_args(tiling)
         if self.dq_modes:
             if dq_mode not in self.dq_modes:

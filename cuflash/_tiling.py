@@ -618,14 +618,53 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
     return page_size if block_n % page_size == 0 and page_size >= 16 else None
 
 
+#: K/V buffers of the copy-engine decode tiles over a paged cache whose
+#: pages are shorter than a key block (one box per page: 16- and 32-row
+#: pages) where the launch is not clustered (``short_page_ring``); the
+#: others keep the decode tiles' two. Measured on the H100 (bf16 d128, one
+#: token; docs/perf-notes.md): 16-row pages gained at mid sizes (1 x 16384
+#: keys, 8 K/V heads 1.68 -> 2.03 TB/s; 32 x 1024, 4 heads 1.86 -> 2.18)
+#: and large ones (128 x 16384, 4 heads 2.86 -> 3.01); clustered launches
+#: lost (three buffers halve the blocks an SM holds, and with them the
+#: clusters that fit: 8 x 1024, 8 heads 2.24 -> 1.94) and so did 256-row
+#: pages at the largest calls (1-2%), which keep two.
+DECODE_SHORT_PAGE_STAGES = 3
+
+
+def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str) -> Tiling:
+    """``tiling`` with ``DECODE_SHORT_PAGE_STAGES`` K/V buffers where it is
+    an unclustered copy-engine one-tile decode tiling over pages shorter
+    than its key block (``page_size``; None: not paged) and they fit a
+    block's shared memory; else ``tiling``."""
+    applies = (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1
+               and page_size is not None and page_size < tiling.block_n)
+    if not applies:
+        return tiling
+    ringed = dataclasses.replace(tiling, kv_stages=DECODE_SHORT_PAGE_STAGES)
+    return ringed if ringed.forward_smem_bytes(dtype_name) <= MAX_SMEM_BYTES else tiling
+
+
+def copy_engine_layouts(tiling: Tiling) -> tuple[str, ...] | None:
+    """The batch layouts a copy-engine tiling is built for: a short-page
+    ring's (``short_page_ring``) paged caches only, the others dense
+    batches and both caches; None for other tilings."""
+    if not tiling.kv_tma:
+        return None
+    return ("paged",) if tiling.kv_stages == DECODE_SHORT_PAGE_STAGES else ("dense", "cache", "paged")
+
+
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     """Every decode tiling ``decode_tilings`` (and on Hopper
-    ``decode_cluster_tiling`` and the one-tile tiles' copy-engine forms,
-    ``Tiling.kv_tma``) may choose for (dtype, head_dim)."""
+    ``decode_cluster_tiling``, the one-tile tiles' copy-engine forms,
+    ``Tiling.kv_tma``, and their short-page rings, ``short_page_ring``) may
+    choose for (dtype, head_dim)."""
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
     by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
-    return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma
+    # (Any page shorter than a key block asks for the ring.)
+    rings = tuple(ring for tiling in by_tma
+                  if (ring := short_page_ring(tiling, tiling.block_n // 2, dtype_name)) != tiling)
+    return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma + rings
 
 
 def _mma_forward_tiles(dtype_name: str, padded: int, tiles: tuple[int, int, int, int],

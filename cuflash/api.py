@@ -36,7 +36,7 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
 from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
-                      decode_split_count, decode_tilings, wgmma_backward_swizzles)
+                      decode_split_count, decode_tilings, short_page_ring, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1200,7 +1200,9 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     one-tile tiles runs as thread-block clusters merged in place
     (``decode_cluster_tiling``; without ``num_splits``, where
     ``decode_clusters_apply``), and the one-tile tiles copy K and V by the
-    Tensor Memory Accelerator where ``_kv_tma_applies``. A ValueError where
+    Tensor Memory Accelerator where ``_kv_tma_applies`` (unclustered over
+    pages shorter than a key block, with ``short_page_ring``'s deeper ring).
+    A ValueError where
     ``num_splits`` asks for splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
     rows = shape.problem.seqlen_q
@@ -1223,7 +1225,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     if splits == 1:
-        return plain, shape, 1
+        return short_page_ring(plain, _page_size(problem), problem.dtype), shape, 1
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
                 if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)
     if smallest is not None:
@@ -1238,7 +1240,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:
             return clustered, shape, clusters
-    return split, shape, splits
+    return short_page_ring(split, _page_size(problem), problem.dtype), shape, splits
 
 
 def _page_size(problem: AttentionProblem) -> int | None:

@@ -35,6 +35,7 @@ from cuflash._tiling import (
     Tiling,
     backward_splits_head_dim,
     backward_tiling,
+    copy_engine_layouts,
     forward_tiling,
     mma_applies,
     mma_forward_applies,
@@ -154,7 +155,8 @@ def test_family_entries_are_consistent(family):
     assert FAMILY[family.name] is family
     assert (kernel_source_dir() / family.source).is_file()
     for dtype, tiling in family.compiled_tilings() if family.tiles else []:
-        variant = family.variant(dtype, tiling, MASKS["causal"])
+        layout = (copy_engine_layouts(tiling) or ("dense",))[0]  # a copy-engine decode tiling's own layouts
+        variant = family.variant(dtype, tiling, MASKS["causal"], layout=layout)
         assert variant.key.startswith(family.name + "/") and variant.smem_bytes <= MAX_SMEM_BYTES
         assert family.applies(dtype, tiling.head_dim_padded, 90) or family.arch != "any"
     if family.tiles:

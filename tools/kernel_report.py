@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 from cuflash._kernel_families import FAMILIES, KernelVariant, cache_append_variants, merge_variants  # noqa: E402
 from cuflash._loader import kernel_source_dir  # noqa: E402
 from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS, built_in_masks  # noqa: E402
+from cuflash._tiling import copy_engine_layouts  # noqa: E402
 
 #: Batch layouts every tiled family is built for ("dense" first); the
 #: KV-cache ones (CACHE_LAYOUTS) only where a family has them.
@@ -58,6 +59,8 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     ``HEAVIEST`` policies too."""
     policies = [(mask, SCORE_TRANSFORMS["identity"]) for mask in built_in_masks()]
     heaviest = [(MASKS[HEAVIEST[0]], SCORE_TRANSFORMS[HEAVIEST[1]])]
+    # A copy-engine decode tiling is built for its own layouts (copy_engine_layouts).
+    layouts = [layout for layout in layouts if layout in (copy_engine_layouts(tiling) or (layout,))]
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
             for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
             for mode in family.dq_modes or ("atomic",)]

@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
-from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, decode_cluster_count,
-                       decode_cluster_tiling, decode_clusters_apply, decode_split_count, decode_tilings,
-                       wave_efficient_splits)
+from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
+                       decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
+                       decode_tilings, short_page_ring, wave_efficient_splits)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -701,9 +701,16 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         decode = decode_tilings(dtype, p.head_dim, rows)[1]
         plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n, fwd_mma=True,
                        fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
-        return _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
+        plan = _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
                               clusters=machine.compute_capability >= 90
                               and decode_cluster_tiling(decode, 2) is not None)
+        # On Hopper an unclustered decode over pages shorter than a key block
+        # that the copy engine takes runs with a deeper K/V ring (short_page_ring).
+        if (machine.compute_capability >= 90 and not plan.clustered and p.page_size is not None
+                and decode.warps_split_keys and copy_engine_box_rows(decode.block_n, p.page_size) is not None):
+            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype)
+            plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype), ring.threads))
+        return plan
     return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
 
