@@ -620,24 +620,33 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
 
 #: K/V buffers of the copy-engine decode tiles over a paged cache whose
 #: pages are shorter than a key block (one box per page: 16- and 32-row
-#: pages) where the launch is not clustered (``short_page_ring``); the
-#: others keep the decode tiles' two. Measured on the H100 (bf16 d128, one
-#: token; docs/perf-notes.md): 16-row pages gained at mid sizes (1 x 16384
-#: keys, 8 K/V heads 1.68 -> 2.03 TB/s; 32 x 1024, 4 heads 1.86 -> 2.18)
-#: and large ones (128 x 16384, 4 heads 2.86 -> 3.01); clustered launches
-#: lost (three buffers halve the blocks an SM holds, and with them the
-#: clusters that fit: 8 x 1024, 8 heads 2.24 -> 1.94) and so did 256-row
-#: pages at the largest calls (1-2%), which keep two.
+#: pages) for launches that lose no occupancy by them and whose ranges are
+#: short (``short_page_ring``); the others keep the decode tiles' two.
+#: Measured on the H100 (bf16 d128, one token, 16-row pages, every point of
+#: the decode table, one process; docs/perf-notes.md): with at most two
+#: blocks an SM (three buffers leave two, two buffers three) and at most
+#: ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks a block, 32 x 1024
+#: keys, 4 K/V heads 1.82 -> 2.15 TB/s, 8 x 1024 and 32 heads +3%, 32 x
+#: 1024, 8 heads +1.6%, the others there within 0.5%; longer ranges lost
+#: up to 2% (8 x 4096, 32 heads), fuller grids 0.7-1.4% at 1024 blocks
+#: (and gained 2-5% at 512 and 2048), clustered launches lost more (fewer
+#: clusters fit), as did 256-row pages at the largest calls.
 DECODE_SHORT_PAGE_STAGES = 3
+DECODE_SHORT_PAGE_RING_RANGE_BLOCKS = 16
 
 
-def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str) -> Tiling:
+def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
+                    sms: int) -> Tiling:
     """``tiling`` with ``DECODE_SHORT_PAGE_STAGES`` K/V buffers where it is
     an unclustered copy-engine one-tile decode tiling over pages shorter
-    than its key block (``page_size``; None: not paged) and they fit a
-    block's shared memory; else ``tiling``."""
+    than its key block (``page_size``; None: not paged), its launch of
+    ``blocks`` thread blocks fits two an SM on ``sms`` SMs, each over at
+    most ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks
+    (``range_blocks``), and the buffers fit a block's shared memory; else
+    ``tiling``."""
     applies = (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1
-               and page_size is not None and page_size < tiling.block_n)
+               and page_size is not None and page_size < tiling.block_n
+               and blocks <= 2 * sms and range_blocks <= DECODE_SHORT_PAGE_RING_RANGE_BLOCKS)
     if not applies:
         return tiling
     ringed = dataclasses.replace(tiling, kv_stages=DECODE_SHORT_PAGE_STAGES)
@@ -661,9 +670,9 @@ def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
     by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
-    # (Any page shorter than a key block asks for the ring.)
+    # (A short page, one block over one key block asks for the ring.)
     rings = tuple(ring for tiling in by_tma
-                  if (ring := short_page_ring(tiling, tiling.block_n // 2, dtype_name)) != tiling)
+                  if (ring := short_page_ring(tiling, tiling.block_n // 2, dtype_name, 1, 1, 1)) != tiling)
     return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma + rings
 
 

@@ -1200,8 +1200,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     one-tile tiles runs as thread-block clusters merged in place
     (``decode_cluster_tiling``; without ``num_splits``, where
     ``decode_clusters_apply``), and the one-tile tiles copy K and V by the
-    Tensor Memory Accelerator where ``_kv_tma_applies`` (unclustered over
-    pages shorter than a key block, with ``short_page_ring``'s deeper ring).
+    Tensor Memory Accelerator where ``_kv_tma_applies`` (over pages shorter
+    than a key block, where ``short_page_ring`` says, with a deeper ring).
     A ValueError where
     ``num_splits`` asks for splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
@@ -1224,8 +1224,14 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):
         plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
+    parallel, key_blocks = _decode_blocks(shape.problem, split)
+
+    def ring(tiling: Tiling, ranges: int) -> Tiling:  # short_page_ring for this launch of `ranges` key ranges
+        return short_page_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
+                               _multiprocessor_count(problem.device))
+
     if splits == 1:
-        return short_page_ring(plain, _page_size(problem), problem.dtype), shape, 1
+        return ring(plain, 1), shape, 1
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
                 if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)
     if smallest is not None:
@@ -1233,14 +1239,13 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         # decode_cluster_count picks one where the heuristic's count is small.
         clusters = splits
         if num_splits is None:
-            parallel, key_blocks = _decode_blocks(shape.problem, split)
             clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device), key_blocks,
                                             _decode_blocks_per_sm(shape.problem, smallest)) \
                 if decode_clusters_apply(splits, key_blocks) else 1
         clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:
             return clustered, shape, clusters
-    return short_page_ring(split, _page_size(problem), problem.dtype), shape, splits
+    return ring(split, splits), shape, splits
 
 
 def _page_size(problem: AttentionProblem) -> int | None:

@@ -226,12 +226,14 @@ def test_cluster_and_merge_kernel_agree():
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("page_size", [None, 16, 32, 256], ids=lambda p: "contiguous" if p is None else f"page{p}")
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("num_splits", [1, 3, 5, 8])
 def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page_size, num_splits):
     """Hopper's decode copies its key blocks by tensor maps (``Tiling.kv_tma``:
     one box a block, or a page's rows a box); the cp.async form of the same
     kernel must give the same bits, with NaN in every cache slot that holds
-    no key (stale rows a map copies), awkward lengths, shuffled pages."""
+    no key (stale rows a map copies), awkward lengths, shuffled pages. Five
+    ranges of 13 key blocks over short pages take the deeper ring
+    (``short_page_ring``)."""
     from tests.test_kvcache_gpu import KvCacheCase
 
     if not _hopper():
@@ -252,6 +254,8 @@ def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page
 
     out, lse, forward = run()
     assert forward and all(key.endswith(("/tma", f"/tma/cluster{num_splits}")) for key in forward)
+    ring = page_size in (16, 32) and num_splits == 5
+    assert all(("/kv3/" in key) == ring for key in forward), forward
     monkeypatch.setattr(api, "_kv_tma_applies", lambda problem, layouts, block_n: False)
     plain_out, plain_lse, plain_forward = run()
     assert plain_forward and not any("/tma" in key for key in plain_forward)

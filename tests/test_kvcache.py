@@ -228,3 +228,23 @@ def test_reference_gathers_pages_in_table_order():
                                                 causal=True)
     expected, expected_lse = attention_reference(q[1:], new[1][None], new[1][None], causal=True)
     assert np.allclose(out[1:], expected, equal_nan=False) and np.array_equal(lse[1:], expected_lse)
+
+
+@pytest.mark.parametrize("batch,nheads_k,pages,page_size,stages,form", [
+    (32, 4, 64, 16, 3, "/tma"),             # 128 blocks of 16 key blocks: the short-page ring
+    (8, 32, 64, 16, 3, "/tma"),             # 256 blocks (two an SM) of 16 key blocks
+    (32, 32, 64, 16, 2, "/tma"),            # 1024 blocks: three buffers would cost occupancy
+    (32, 4, 256, 16, 2, "/split-keys/tma"),  # two ranges of 32 key blocks: too long
+    (32, 4, 4, 256, 2, "/tma"),             # 256-row pages: one box a key block
+    (1, 8, 64, 16, 2, "/cluster8"),         # clustered: fewer clusters would fit
+])
+def test_short_pages_take_a_deeper_ring_where_the_launch_keeps_its_occupancy(stand_in_hopper, monkeypatch, batch,
+                                                                             nheads_k, pages, page_size, stages,
+                                                                             form):
+    monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 3)
+    cache = (batch * pages, page_size)
+    call = _call(batch=batch, nheads=32, nheads_k=nheads_k, cache=cache, paged=pages, causal=False)
+    layouts, caches = _layouts(call, cache, 0)
+    plan = api.kvcache_plan(call, layouts, caches)
+    (forward,) = [key for key in _launched(plan, stand_in_hopper) if key.startswith("forward-mma/")]
+    assert f"/paged/kv{stages}/" in forward and forward.endswith(form), forward

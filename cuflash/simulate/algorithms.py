@@ -704,12 +704,19 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         plan = _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
                               clusters=machine.compute_capability >= 90
                               and decode_cluster_tiling(decode, 2) is not None)
-        # On Hopper an unclustered decode over pages shorter than a key block
-        # that the copy engine takes runs with a deeper K/V ring (short_page_ring).
+        # On Hopper a decode over pages shorter than a key block that the
+        # copy engine takes may run with a deeper K/V ring (short_page_ring).
         if (machine.compute_capability >= 90 and not plan.clustered and p.page_size is not None
                 and decode.warps_split_keys and copy_engine_box_rows(decode.block_n, p.page_size) is not None):
-            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype)
-            plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype), ring.threads))
+            query_blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, plan.pack)
+            owners = p.kv_heads if plan.pack > 1 else p.heads
+            key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in query_blocks)])
+            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype,
+                                   owners * len(query_blocks) * plan.splits, _cdiv(key_blocks, plan.splits),
+                                   machine.sms)
+            if ring.kv_stages != decode.kv_stages:
+                plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype),
+                                                                      ring.threads))
         return plan
     return _decoding_plan(plan, p, machine, splits=1, pack=False)
 
