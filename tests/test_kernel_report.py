@@ -124,8 +124,10 @@ def test_fast_path_spill_gate_command_line(only):
     # cluster counts of the one-tile split beside its own (dense only), and
     # all nine for KV caches, contiguous and paged; the one-tile ones (two
     # and four cluster counts) in their copy-engine K/V form instead, and
-    # for paged caches in both forms; the Hopper forward's short-sequence tile
-    expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3, "forward-wgmma": 2 * (4 + 3),
+    # for paged caches in both forms, and there the one-tile ones without
+    # and with split-KV with the short-page ring (three K/V buffers) too;
+    # the Hopper forward's short-sequence tile
+    expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * 3, "forward-wgmma": 2 * (4 + 3),
                 "backward-dkdv-wgmma": (4 + 3) * 2}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
