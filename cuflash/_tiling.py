@@ -624,7 +624,7 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
 #: short (``short_page_ring``); the others keep the decode tiles' two.
 #: Measured on the H100 (bf16 d128, one token, 16-row pages, every point of
 #: the decode table, one process; docs/perf-notes.md): with at most two
-#: blocks an SM (three buffers leave two, two buffers three) and at most
+#: blocks an SM (at d128 three buffers leave two, two buffers three) and at most
 #: ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks a block, 32 x 1024
 #: keys, 4 K/V heads 1.82 -> 2.15 TB/s, 8 x 1024 and 32 heads +3%, 32 x
 #: 1024, 8 heads +1.6%, the others there within 0.5%; longer ranges lost
@@ -636,30 +636,36 @@ DECODE_SHORT_PAGE_RING_RANGE_BLOCKS = 16
 
 
 def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
-                    sms: int) -> Tiling:
+                    sms: int, smem_per_block: int | None = None) -> Tiling:
     """``tiling`` with ``DECODE_SHORT_PAGE_STAGES`` K/V buffers where it is
     an unclustered copy-engine one-tile decode tiling over pages shorter
-    than its key block (``page_size``; None: not paged), its launch of
-    ``blocks`` thread blocks fits two an SM on ``sms`` SMs, each over at
-    most ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks
-    (``range_blocks``), and the buffers fit a block's shared memory; else
-    ``tiling``."""
+    than its key block (``page_size``; None: not paged), the buffers fit a
+    block's shared memory (``smem_per_block``, the GPU's; None: Hopper's),
+    its launch of ``blocks`` thread blocks still fits one wave of the
+    blocks an SM holds with them on ``sms`` SMs (two at d128 on a Hopper,
+    one at d192 and d256), and each block covers at most
+    ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks (``range_blocks``);
+    else ``tiling``."""
     applies = (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1
                and page_size is not None and page_size < tiling.block_n
-               and blocks <= 2 * sms and range_blocks <= DECODE_SHORT_PAGE_RING_RANGE_BLOCKS)
+               and range_blocks <= DECODE_SHORT_PAGE_RING_RANGE_BLOCKS)
     if not applies:
         return tiling
     ringed = dataclasses.replace(tiling, kv_stages=DECODE_SHORT_PAGE_STAGES)
-    return ringed if ringed.forward_smem_bytes(dtype_name) <= MAX_SMEM_BYTES else tiling
+    limit = MAX_SMEM_BYTES if smem_per_block is None else smem_per_block
+    need = ringed.forward_smem_bytes(dtype_name)
+    return ringed if need <= limit and blocks <= limit // need * sms else tiling
 
 
 def copy_engine_layouts(tiling: Tiling) -> tuple[str, ...] | None:
     """The batch layouts a copy-engine tiling is built for: a short-page
-    ring's (``short_page_ring``) paged caches only, the others dense
-    batches and both caches; None for other tilings."""
+    ring's (``short_page_ring``: more K/V buffers than the decode tiles'
+    table gives) paged caches only, the others dense batches and both
+    caches; None for other tilings."""
     if not tiling.kv_tma:
         return None
-    return ("paged",) if tiling.kv_stages == DECODE_SHORT_PAGE_STAGES else ("dense", "cache", "paged")
+    table_stages = MMA_DECODE_SPLIT_KEYS_TILES[tiling.head_dim_padded][3]
+    return ("paged",) if tiling.kv_stages > table_stages else ("dense", "cache", "paged")
 
 
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:

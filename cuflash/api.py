@@ -1228,7 +1228,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
 
     def ring(tiling: Tiling, ranges: int) -> Tiling:  # short_page_ring for this launch of `ranges` key ranges
         return short_page_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
-                               _multiprocessor_count(problem.device))
+                               _multiprocessor_count(problem.device), _shared_memory_per_block(problem.device))
 
     if splits == 1:
         return ring(plain, 1), shape, 1

@@ -35,8 +35,10 @@ __device__ __forceinline__ void cluster_barrier() {
 
 // Every thread of every block of the cluster has arrived, ordering no
 // memory access: for a block's last step, where it must not exit (its
-// shared memory gone) while another block may still read it, and the reads
-// it waits for have been used already. The released barrier above costs a
+// shared memory gone) while another block may still read it. A relaxed
+// arrive orders nothing in PTX's memory model; the reads it must follow are
+// complete because every value they returned feeds a store issued before
+// it (merge_cluster_states' callers write each merged value). The released barrier above costs a
 // GPU-scope fence (MEMBAR.ALL.GPU, then ERRBAR on sm_90a), which at this
 // point waits for the block's output stores to complete.
 __device__ __forceinline__ void cluster_barrier_before_exit() {

@@ -2,6 +2,7 @@
 the C++ side (each family's traits and the parameter structs), checked by
 compiling a host program with nvcc: no GPU."""
 
+import dataclasses
 import re
 import subprocess
 
@@ -481,3 +482,25 @@ def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
     assert select("backward-dkdv", "bfloat16", 256, 80, smem_limit=163 * 1024) == mma_backward_tiling("bfloat16", 256)
     reason = FAMILY["forward-mma"].why_not("float32", 128, 86, tf32x3=True, smem_limit=small)
     assert reason == f"needs 135168 bytes of shared memory per block, the GPU gives {small}"
+
+
+def test_short_page_ring_only_where_the_launch_keeps_its_occupancy():
+    """Three K/V buffers over short pages (``short_page_ring``) where the
+    launch's blocks still fit one wave of what an SM holds with them (two
+    at d128 on a Hopper, one at d192 and d256), ranges are short, and the
+    GPU's blocks have the shared memory; two otherwise."""
+    from cuflash._tiling import decode_cluster_tiling, decode_tilings, short_page_ring
+
+    for head_dim, per_sm in ((128, 2), (192, 1), (256, 1)):
+        split = dataclasses.replace(decode_tilings("bfloat16", head_dim, 8)[1], kv_tma=True)
+
+        def stages(page_size=16, blocks=10, range_blocks=16, smem=None):
+            return short_page_ring(split, page_size, "bfloat16", blocks, range_blocks, 132, smem).kv_stages
+
+        assert stages() == stages(blocks=per_sm * 132) == 3, head_dim
+        assert stages(blocks=per_sm * 132 + 1) == 2  # a second wave, or fewer blocks an SM than two buffers leave
+        assert stages(range_blocks=17) == 2 and stages(page_size=64) == 2 and stages(page_size=None) == 2
+        assert stages(smem=99 * 1024) == 2  # sm_120's 99 KiB blocks
+        assert short_page_ring(decode_cluster_tiling(split, 4), 16, "bfloat16", 10, 4, 132).kv_stages == 2
+        cp_async = dataclasses.replace(split, kv_tma=False)
+        assert short_page_ring(cp_async, 16, "bfloat16", 10, 4, 132) == cp_async
