@@ -635,26 +635,33 @@ DECODE_SHORT_PAGE_STAGES = 3
 DECODE_SHORT_PAGE_RING_RANGE_BLOCKS = 16
 
 
-def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
-                    sms: int, smem_per_block: int | None = None) -> Tiling:
-    """``tiling`` with ``DECODE_SHORT_PAGE_STAGES`` K/V buffers where it is
-    an unclustered copy-engine one-tile decode tiling over pages shorter
-    than its key block (``page_size``; None: not paged), the buffers fit a
-    block's shared memory (``smem_per_block``, the GPU's; None: Hopper's),
-    its launch of ``blocks`` thread blocks still fits one wave of the
-    blocks an SM holds with them on ``sms`` SMs (two at d128 on a Hopper,
-    one at d192 and d256), and each block covers at most
-    ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks (``range_blocks``);
-    else ``tiling``."""
-    applies = (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1
-               and page_size is not None and page_size < tiling.block_n
-               and range_blocks <= DECODE_SHORT_PAGE_RING_RANGE_BLOCKS)
-    if not applies:
-        return tiling
+def short_page_ring_form(tiling: Tiling, dtype_name: str, smem_per_block: int | None = None) -> Tiling | None:
+    """The ``DECODE_SHORT_PAGE_STAGES``-buffer form of an unclustered
+    copy-engine one-tile decode tiling, where it fits a block's shared
+    memory (``smem_per_block``, the GPU's; None: Hopper's); None for other
+    tilings or where it does not fit."""
+    if not (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1):
+        return None
     ringed = dataclasses.replace(tiling, kv_stages=DECODE_SHORT_PAGE_STAGES)
     limit = MAX_SMEM_BYTES if smem_per_block is None else smem_per_block
-    need = ringed.forward_smem_bytes(dtype_name)
-    return ringed if need <= limit and blocks <= limit // need * sms else tiling
+    return ringed if ringed.forward_smem_bytes(dtype_name) <= limit else None
+
+
+def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
+                    sms: int, smem_per_block: int | None = None) -> Tiling:
+    """``tiling``'s ``short_page_ring_form`` where it has one, the pages are
+    shorter than its key block (``page_size``; None: not paged), its launch
+    of ``blocks`` thread blocks still fits one wave of the blocks an SM
+    holds in that form on ``sms`` SMs (two at d128 on a Hopper, one at d192
+    and d256), and each block covers at most
+    ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks (``range_blocks``);
+    else ``tiling``."""
+    ringed = short_page_ring_form(tiling, dtype_name, smem_per_block)
+    if ringed is None or page_size is None or page_size >= tiling.block_n \
+            or range_blocks > DECODE_SHORT_PAGE_RING_RANGE_BLOCKS:
+        return tiling
+    limit = MAX_SMEM_BYTES if smem_per_block is None else smem_per_block
+    return ringed if blocks <= limit // ringed.forward_smem_bytes(dtype_name) * sms else tiling
 
 
 def copy_engine_layouts(tiling: Tiling) -> tuple[str, ...] | None:
@@ -676,9 +683,7 @@ def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
     by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
-    # (A short page, one block over one key block asks for the ring.)
-    rings = tuple(ring for tiling in by_tma
-                  if (ring := short_page_ring(tiling, tiling.block_n // 2, dtype_name, 1, 1, 1)) != tiling)
+    rings = tuple(ring for tiling in by_tma if (ring := short_page_ring_form(tiling, dtype_name)) is not None)
     return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma + rings
 
 

@@ -420,6 +420,15 @@ class _TiledPlan:
     clustered: bool = False
 
 
+def _decode_grid(p: Problem, plan: _TiledPlan, pack: int) -> tuple[int, int]:
+    """A decode forward's thread blocks without splits (owners x query
+    blocks, ``pack`` query heads a block's rows) and its key blocks per
+    sequence (at least one), as cuflash.api._decode_blocks counts them."""
+    blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, pack)
+    owners = p.kv_heads if pack > 1 else p.heads
+    return owners * len(blocks), max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
+
+
 def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pack: bool,
                    clusters: bool = False) -> _TiledPlan:
     """The plan with the problem's split-KV and GQA-packing choices where it
@@ -438,13 +447,11 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     splits = splits if p.num_splits is None else p.num_splits
     clustered = False
     if splits in ("auto", "cuflash"):
-        blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, rows)
-        owners = p.kv_heads if rows > 1 else p.heads
-        key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in blocks)])
+        parallel, key_blocks = _decode_grid(p, plan, rows)
         choose = wave_efficient_splits if splits == "auto" else decode_split_count
-        splits = choose(owners * len(blocks), machine.sms, key_blocks)
+        splits = choose(parallel, machine.sms, key_blocks)
         if clusters and decode_clusters_apply(splits, key_blocks):
-            counted = decode_cluster_count(owners * len(blocks), machine.sms, key_blocks, plan.fwd_blocks_per_sm)
+            counted = decode_cluster_count(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm)
             clustered = counted > 1
             splits = counted if clustered else splits
     elif clusters:
@@ -708,12 +715,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         # copy engine takes may run with a deeper K/V ring (short_page_ring).
         if (machine.compute_capability >= 90 and not plan.clustered and p.page_size is not None
                 and decode.warps_split_keys and copy_engine_box_rows(decode.block_n, p.page_size) is not None):
-            query_blocks = query_sweep(p, plan.fwd_m, plan.fwd_n, plan.pack)
-            owners = p.kv_heads if plan.pack > 1 else p.heads
-            key_blocks = max([1, *(_cdiv(b.keys, plan.fwd_n) for b in query_blocks)])
-            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype,
-                                   owners * len(query_blocks) * plan.splits, _cdiv(key_blocks, plan.splits),
-                                   machine.sms)
+            parallel, key_blocks = _decode_grid(p, plan, plan.pack)
+            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype, parallel * plan.splits,
+                                   _cdiv(key_blocks, plan.splits), machine.sms)
             if ring.kv_stages != decode.kv_stages:
                 plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype),
                                                                       ring.threads))
