@@ -22,7 +22,7 @@
 // Decoding's query blocks are one m16 tile (the query rows that share a
 // K/V head) whose warps split each key block's keys (kWarpsSplitKeys,
 // MmaForwardTraits), each with its own softmax state, merged at the end
-// through shared memory (combine_warp_states).
+// through shared memory (WarpStateMerge, forward_epilogue.cuh).
 //
 // Split-KV (kSplitKv, decoding): each query block's keys are cut into
 // params.num_splits ranges (split_key_blocks), one thread block each, which
@@ -166,6 +166,19 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     };
     const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, params.k, k, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) { load_key_block(v_tile, params.v, v, n_block, stage); };
+    // Copy-engine K/V over pages: warp 0's lanes issue a box each, a page's
+    // rows (or the block's rows in a page). Each lane reads its box's page
+    // number for the block issued next as it issues this one's, so the
+    // table read (a dependent global load) is off the loop's critical path:
+    // nothing uses the loaded value until then (the clamp neither).
+    const int box_rows = Batch::kPaged ? min(origin.page_size, kBlockN) : kBlockN;
+    int next_box_page = 0;
+    const auto read_box_page = [&](int n_block) {
+        const int row0 = lane * box_rows, key = n_block * kBlockN + row0;
+        if (warp == 0 && n_block >= key_range.begin && row0 < kBlockN && key < ctx.seqlen_k) {
+            next_box_page = __ldg(origin.pages + key / origin.page_size);
+        }
+    };
     // K and V of key block n_block into buffer `stage` of a ring.
     const auto load_key_values = [&](int n_block, int stage) {
         if constexpr (kKvTma) {
@@ -174,12 +187,9 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
             const u32 v_buffer = shared_address(v_tile) + stage * Traits::kKvTileBytes;
             const int n_start = n_block * kBlockN;
             if constexpr (Batch::kPaged) {
-                // Boxes of a page's rows (or of the block's rows in a page),
-                // up to the last key: warp 0's lanes look up a page and issue
-                // a box each, so the table reads overlap (one lane's
-                // lookups would follow each other: the copies' asm orders them).
+                // Boxes up to the last key, from the page numbers read when
+                // the block before was issued (read_box_page).
                 if (warp == 0) {
-                    const int box_rows = min(origin.page_size, kBlockN);
                     const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
                     if (lane == 0) {
                         mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
@@ -187,14 +197,14 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
                     __syncwarp();
                     const int row0 = lane * box_rows;
                     if (row0 < rows) {
-                        const int key = n_start + row0, slot = key / origin.page_size;
-                        // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
-                        const int page = min(max(__ldg(origin.pages + slot), 0), origin.num_pages - 1);
-                        const int in_page = key - slot * origin.page_size;
+                        const int in_page = (n_start + row0) % origin.page_size;
                         const u32 offset = row0 * KvTile::kSwizzleBytes;
+                        // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
+                        const int page = min(max(next_box_page, 0), origin.num_pages - 1);
                         tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
                         tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
                     }
+                    read_box_page(n_block - 1);  // blocks are issued from the last to the first
                 }
             } else if (thread == 0) {
                 const int row = static_cast<int>(origin.k_row0) + n_start;
@@ -223,6 +233,9 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
                                                                       ctx.seqlen_q - m_start, ctx.head_dim, thread);
         if constexpr (kPrefetchPages) {
             pages.fetch(origin, (key_range.end - 1) * kBlockN, thread);
+        }
+        if constexpr (kKvTma && Batch::kPaged) {
+            read_box_page(key_range.end - 1);
         }
         if constexpr (kKvStages >= 2) {
             load_key_values(key_range.end - 1, 0);
@@ -406,56 +419,90 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
 
     if constexpr (kWarpsSplitKeys) {
         // Every warp is done with the K/V buffers (and no copy is in
-        // flight) before they take the warps' states; warp 0 then holds the
-        // block's and writes it.
+        // flight) before they take the warps' states (WarpStateMerge); every
+        // thread then writes a share of the block's merged rows.
         cp_async_wait<0>();
         __syncthreads();
-        combine_warp_states<kBlockM, kHeadDim, kWarps>(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
-        if (!kClustered && warp != 0) {
-            return;
-        }
-    }
-    if constexpr (kClustered) {
-        // Warp 0 stages the block's rows in the V buffers (combine_warp_states
-        // used the K ones, and with the unpadded copy-engine buffers the first
-        // 512 bytes of V's too: every lane of warp 0 has read them before any
-        // lane writes there); every thread of the cluster then merges, and
-        // stays until every block is done reading the others' rows.
-        using Staged = ClusterStateLayout<kBlockM, kHeadDim>;
-        float* staged = reinterpret_cast<float*>(v_tile);
-        const int rows = ctx.seqlen_q - m_start;
-        if (warp == 0) {
-            if constexpr (kKvTma) {
-                __syncwarp();
-            }
-            finish_forward_rows<float>(softmax, o, staged + Staged::kLse / 4, 0, 0, rows, lane,
-                                       [&](int row_in_block, int dt, float2 pair) {
-                                           *reinterpret_cast<float2*>(staged + row_in_block * kHeadDim + dt * 8 +
-                                                                      2 * (lane % 4)) = pair;
-                                       });
-        }
-        cluster_barrier();
+        using Merge = WarpStateMerge<kBlockM, kHeadDim, kWarps>;
+        static_assert(Merge::kBytes <= 2 * kKvStages * Traits::kKvTileBytes, "the warps' states fit in the K/V buffers");
+        Merge merged;
+        merged.merge(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
         const QueryBlock block =
             query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
-        Element* out = block.query_row<Element>(params.out, block.head, block.m_start);
-        float* lse = params.lse_row(block.tensor_batch, block.head) + block.q_row0 + block.m_start;
+        const int rows = ctx.seqlen_q - block.m_start;  // of the block, in the problem
         const int head_dim = ctx.head_dim;
-        merge_cluster_states<kClusterSplits, kBlockM, kHeadDim, Traits::kThreads>(
-            shared_address(staged), rows, head_dim, thread,
-            [&](int row, int col, float4 merged) {
-                Element* dst = out + static_cast<index_t>(row) * params.out.row_stride + col;
-                if (col + 4 <= head_dim) {
-                    *reinterpret_cast<uint2*>(dst) =
-                        make_uint2(pack_pair<Element>(merged.x, merged.y), pack_pair<Element>(merged.z, merged.w));
-                } else {
-                    const float values[4] = {merged.x, merged.y, merged.z, merged.w};
-                    for (int i = 0; col + i < head_dim; ++i) {
-                        dst[i] = from_float<Element>(values[i]);
+        float* lse = params.lse_row(block.tensor_batch, block.head) + block.q_row0 + block.m_start;
+        if constexpr (kClustered) {
+            // The block's rows, normalised, and their log-sum-exp staged in
+            // the V buffers (the merge's buffer may reach into them: merge
+            // ended with a barrier); every thread of the cluster then merges
+            // the cluster's states, and stays until every block is done
+            // reading the others' rows.
+            using Staged = ClusterStateLayout<kBlockM, kHeadDim>;
+            float* staged = reinterpret_cast<float*>(v_tile);
+            merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
+                *reinterpret_cast<float2*>(staged + row * kHeadDim + col) = pair;
+            });
+            merged.for_each_row_lse(thread, [&](int row, float row_lse) { staged[Staged::kLse / 4 + row] = row_lse; });
+            cluster_barrier();
+            Element* out = block.query_row<Element>(params.out, block.head, block.m_start);
+            merge_cluster_states<kClusterSplits, kBlockM, kHeadDim, Traits::kThreads>(
+                shared_address(staged), rows, head_dim, thread,
+                [&](int row, int col, float4 values) {
+                    Element* dst = out + static_cast<index_t>(row) * params.out.row_stride + col;
+                    if (col + 4 <= head_dim) {
+                        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_pair<Element>(values.x, values.y),
+                                                                    pack_pair<Element>(values.z, values.w));
+                    } else {
+                        const float parts[4] = {values.x, values.y, values.z, values.w};
+                        for (int i = 0; col + i < head_dim; ++i) {
+                            dst[i] = from_float<Element>(parts[i]);
+                        }
                     }
+                },
+                [&](int row, float row_lse) { lse[row] = row_lse; });
+            cluster_barrier_before_exit();
+        } else if constexpr (kSplitKv) {
+            // A split's rows: float32 pairs, each quad's 32 bytes of a row at once.
+            float* out = block.query_row<float>(params.out, block.head, block.m_start) +
+                         block.split * params.out_split_stride;
+            merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
+                if (row < rows && col < head_dim) {
+                    *reinterpret_cast<float2*>(out + static_cast<index_t>(row) * params.out.row_stride + col) = pair;
                 }
-            },
-            [&](int row, float row_lse) { lse[row] = row_lse; });
-        cluster_barrier_before_exit();
+            });
+            merged.for_each_row_lse(thread, [&](int row, float row_lse) {
+                if (row < rows) {
+                    lse[block.split * params.lse_split_stride + row] = row_lse;
+                }
+            });
+        } else {
+            // Staged in the Q tile (free: Q was last read in the key loop,
+            // before merge's barriers), then 16-byte coalesced stores.
+            using Pair = StagedPair<Element>;
+            merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
+                *reinterpret_cast<typename Pair::Type*>(q_tile + row * kStride + col) = Pair::make(pair.x, pair.y);
+            });
+            merged.for_each_row_lse(thread, [&](int row, float row_lse) {
+                if (row < rows) {
+                    lse[row] = row_lse;
+                }
+            });
+            __syncthreads();
+            constexpr int kChunksPerRow = kHeadDim * kElementBytes / 16;
+            Element* out = block.query_row<Element>(params.out, block.head, block.m_start);
+#pragma unroll
+            for (int i = 0; i < ceil_div(kBlockM * kChunksPerRow, Traits::kThreads); ++i) {
+                const int chunk = thread + i * Traits::kThreads;
+                const int row = chunk / kChunksPerRow;
+                const int col = chunk % kChunksPerRow * (16 / kElementBytes);
+                if ((kBlockM * kChunksPerRow % Traits::kThreads == 0 || chunk < kBlockM * kChunksPerRow) &&
+                    row < rows && col < head_dim) {
+                    *reinterpret_cast<uint4*>(out + static_cast<index_t>(row) * params.out.row_stride + col) =
+                        *reinterpret_cast<const uint4*>(q_tile + row * kStride + col);
+                }
+            }
+        }
         return;
     }
     if constexpr (kSplitKv) {

@@ -48,7 +48,7 @@ struct TensorCoreForwardShape {
 // products are those of its own keys, so the block computes each score
 // once rather than kWarps times over empty rows, and the warps' softmax
 // states and outputs are merged through shared memory at the end
-// (combine_warp_states).
+// (WarpStateMerge, forward_epilogue.cuh).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kKvStages_,
           bool kWarpsSplitKeys_ = false, bool kKvSwizzled_ = false>
 struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
@@ -95,9 +95,6 @@ struct MmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, 
 
     static_assert(kRowsPerWarp % 16 == 0 && (kWarpsSplitKeys || kBlockM % kWarps == 0), "each warp owns whole m16 tiles");
     static_assert(kWarpKeys % 16 == 0, "each warp owns whole k16 steps of keys");
-    // combine_warp_states: every warp's output (float) and row statistics in the K/V buffers.
-    static constexpr int kCombineBytes = kWarpsSplitKeys ? kWarps * kBlockM * (kHeadDim + 2) * 4 : 0;
-    static_assert(kCombineBytes <= 2 * kKvStages * kKvTileBytes, "the warps' states fit in the K/V buffers");
     static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0 && kHeadDim <= 256, "k16 steps over keys and head dim");
     static_assert((kStride * int(sizeof(Element)) / 16) % 2 == 1, "odd chunks per row: conflict-free ldmatrix");
     static_assert(kMTiles * (kDTiles + kNTiles) * 4 <= 192, "accumulators beyond this would spill");
