@@ -498,6 +498,20 @@ DECODE_MIN_SPLIT_BLOCKS = 16
 #: keys, GQA 32/8 on the H100, 32 ranges (256 of 264 slots) streamed 2.60
 #: TB/s, the 85% rule's 29 2.43.
 DECODE_WAVE_TOLERANCE = 1.0
+#: A decode launch of more blocks than the SMs hold at once, but at most
+#: DECODE_TAIL_SPLIT_WAVES times as many, runs as clusters of two key
+#: ranges where each keeps DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS key blocks
+#: (``decode_tail_split``): unsplit, its second wave leaves most SMs idle.
+#: Measured on the H100 (bf16 d128, 4 K/V heads x 128 sequences: 512
+#: blocks, 396 held at once; GPU us with launches queued, unsplit -> two
+#: ranges in clusters): 4096 keys 362.3 -> 358.5 (16-row pages 376.3 ->
+#: 364.1), 16384 keys 1411.6 -> 1386.6 (1493.7 -> 1419.7); the same two
+#: ranges merged by the merge kernel lost the gain on contiguous caches
+#: (367.7, 1394.8); three and four ranges no better; halves of 8 key
+#: blocks (1024 keys) 95.0 -> 97.4, and launches of 2.6 waves or more
+#: (1024-2048 blocks) 1-5% slower split.
+DECODE_TAIL_SPLIT_WAVES = 1.5
+DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS = 32
 
 
 def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max_splits: int = 128,
@@ -518,19 +532,37 @@ def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max
     return min(s for s in candidates if efficiency[s] >= tolerance * best)
 
 
-def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
+def decode_tail_split(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> bool:
+    """Whether a decode forward of ``parallel_blocks`` unsplit blocks and
+    ``key_blocks`` key blocks per sequence, whose kernel's SMs (``sms``)
+    hold ``blocks_per_sm`` blocks each, runs as clusters of two key ranges
+    (``DECODE_TAIL_SPLIT_WAVES``): past one wave, within 1.5, each range
+    keeping ``DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS`` key blocks."""
+    held = blocks_per_sm * sms
+    return (2 in DECODE_CLUSTER_SPLITS and held < parallel_blocks <= DECODE_TAIL_SPLIT_WAVES * held
+            and key_blocks >= 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS)
+
+
+def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int,
+                       cluster_blocks_per_sm: int | None = None) -> int:
     """The launcher's split-KV count for a decode forward of
     ``parallel_blocks`` thread blocks without splits and ``key_blocks`` key
     blocks per sequence on ``sms`` SMs (cuflash.api.decode_splits; the
     simulator models cuflash with it): the count whose blocks fill one wave
     of ``DECODE_BLOCKS_PER_SM`` blocks per SM best where every key range
     keeps ``DECODE_MIN_SPLIT_BLOCKS`` key blocks, else of one block per SM;
-    then no more ranges than the key blocks make non-empty."""
+    then no more ranges than the key blocks make non-empty. Where the GPU
+    runs split ranges as clusters (``cluster_blocks_per_sm``: the blocks an
+    SM holds of that kernel; None: no clusters), two where
+    ``decode_tail_split`` says."""
     def one_wave(slots: int) -> int:
         return wave_efficient_splits(parallel_blocks, slots, key_blocks,
                                      max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
                                      tolerance=DECODE_WAVE_TOLERANCE)
 
+    if cluster_blocks_per_sm is not None and decode_tail_split(parallel_blocks, sms, key_blocks,
+                                                               cluster_blocks_per_sm):
+        return 2
     splits = one_wave(DECODE_BLOCKS_PER_SM * sms)
     if key_blocks < DECODE_MIN_SPLIT_BLOCKS * splits:
         splits = one_wave(sms)
@@ -553,7 +585,15 @@ def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) 
 
 
 #: Key blocks per range up to which a decode's ranges run as clusters
-#: (``decode_cluster_count``).
+#: (``decode_cluster_count``), but for clusters of two, which run ranges of
+#: any length: measured on the H100 (bf16 d128, GPU us with launches
+#: queued; the heuristic's count through the merge kernel -> the same count
+#: as clusters), two ranges gained at 32 key blocks a range (4 x 32 x 4096
+#: keys, 4 K/V heads 98.1 -> 94.6, 16-row pages 101.0 -> 97.2; 8 x 16 x
+#: 4096 96.8 -> 93.8) and at 128 (4 x 32 x 16384 352.3 -> 349.3), while
+#: four and eight lost at 128-256 key blocks a range (8 x 8 x 65536, 8
+#: heads 693.8 -> 716.5; 32 x 1 x 65536 349.7 -> 358.0) and broke even at
+#: 32-64.
 DECODE_CLUSTER_RANGE_BLOCKS = 16
 #: A heuristic count above the largest cluster still runs as clusters
 #: where their ranges would be this short (``decode_clusters_apply``): the
@@ -583,16 +623,19 @@ def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks
     the largest of ``DECODE_CLUSTER_SPLITS`` whose blocks fit in one SM's
     slot fewer than the kernel's ``blocks_per_sm`` on every SM (at least
     one) with two key blocks a range, where the ranges are then at most
-    ``DECODE_CLUSTER_RANGE_BLOCKS`` long; 1 otherwise (the merge kernel
-    combines the heuristic's ranges). Measured on the H100 (bf16 d128, one
+    ``DECODE_CLUSTER_RANGE_BLOCKS`` long (any length for two); two past one wave where
+    ``decode_tail_split`` says; 1 otherwise (the merge kernel combines the
+    heuristic's ranges). Measured on the H100 (bf16 d128, one
     token; docs/perf-notes.md, "Decoding"): clusters win where the merge
     launch is a large part of a short call and lose on long ranges (paged
     caches up to 1.5x slower at 64 key blocks a range, contiguous ones 5%
     at 32) and with their blocks filling every slot."""
+    if decode_tail_split(parallel_blocks, sms, key_blocks, blocks_per_sm):
+        return 2
     fitting = [c for c in DECODE_CLUSTER_SPLITS
                if parallel_blocks * c <= max(1, blocks_per_sm - 1) * sms and 2 * c <= key_blocks]
     clusters = max(fitting, default=1)
-    return clusters if key_blocks <= DECODE_CLUSTER_RANGE_BLOCKS * clusters else 1
+    return clusters if clusters == 2 or key_blocks <= DECODE_CLUSTER_RANGE_BLOCKS * clusters else 1
 
 
 def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:

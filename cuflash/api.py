@@ -34,7 +34,7 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
-from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MAX_SMEM_BYTES, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tilings, short_page_ring, wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
@@ -1162,7 +1162,13 @@ def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | N
     empty."""
     parallel, key_blocks = _decode_blocks(problem, tiling)
     if num_splits is None:
-        return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks)
+        # With clusters (Hopper), the blocks an SM holds by shared memory (no compile; the cluster form's
+        # own count, by the occupancy calculator, then decides in decode_cluster_count).
+        held = None
+        if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90:
+            limit = _shared_memory_per_block(problem.device) or MAX_SMEM_BYTES
+            held = max(1, limit // tiling.forward_smem_bytes(problem.dtype))
+        return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks, held)
     per_split = -(-key_blocks // min(num_splits, key_blocks))
     return -(-key_blocks // per_split)
 

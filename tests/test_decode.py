@@ -121,6 +121,8 @@ def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
     from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MIN_SPLIT_BLOCKS, wave_efficient_splits
 
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
     _, split = decode_tilings("bfloat16", 128)
     # 1 x 131072 keys, 8 K/V heads (packed GQA): 8 x 33 blocks fill 264 slots exactly
     long = dataclasses.replace(_problem(batch=1, seqlen_k=131072), seqlen_q=4, nheads=8, causal=False)
@@ -132,6 +134,42 @@ def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
     two_per_sm = wave_efficient_splits(16 * 8, DECODE_BLOCKS_PER_SM * 132, 16)
     assert two_per_sm > 1 and 16 < DECODE_MIN_SPLIT_BLOCKS * two_per_sm  # two per SM: ranges too short
     assert api.decode_splits(short, split, None) == 1  # one per SM: one range each fills the GPU
+
+
+@pytest.mark.parametrize("generation", [90, 80])
+def test_a_launch_just_past_one_wave_splits_long_keys_in_two(monkeypatch, generation):
+    """More blocks than the SMs hold at once but at most 1.5 times as many
+    (DECODE_TAIL_SPLIT_WAVES): on Hopper, two key ranges where each keeps
+    DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS key blocks, as a cluster of two
+    (measured faster on the H100: the unsplit second wave leaves most SMs
+    idle; the merge kernel's two ranges lost the gain); unsplit below one
+    wave, past 1.5 waves, with shorter halves, or without clusters."""
+    from cuflash._tiling import (DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS, DECODE_TAIL_SPLIT_WAVES, decode_cluster_count,
+                                 decode_clusters_apply)
+
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
+    split = dataclasses.replace(decode_tilings("bfloat16", 128, 8)[1], kv_tma=True)  # one tile, copy-engine form
+    held = 227 * 1024 // split.forward_smem_bytes("bfloat16") * 132
+    assert held == 396  # three one-tile blocks an SM
+
+    def splits(batch, seqlen_k, kv_heads=4):
+        problem = dataclasses.replace(_problem(batch=batch, seqlen_k=seqlen_k), seqlen_q=8, nheads=kv_heads,
+                                      causal=False)
+        return api.decode_splits(problem, split, None)
+
+    # 4 K/V heads x 128 sequences: 512 blocks, 1.29 waves
+    assert 1 < 512 / held <= DECODE_TAIL_SPLIT_WAVES
+    long_enough = 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS * split.block_n
+    tail = 2 if generation >= 90 else 1
+    assert splits(128, long_enough) == tail and splits(128, 16384) == tail
+    if generation >= 90:  # and the two run as a cluster, not through the merge kernel
+        key_blocks = 16384 // split.block_n
+        assert decode_clusters_apply(2, key_blocks) and decode_cluster_count(512, 132, key_blocks, 3) == 2
+    assert splits(128, long_enough - split.block_n) == 1  # halves one key block short
+    assert splits(256, 16384) == 1  # 1024 blocks, 2.6 waves
+    assert splits(96, 16384) == 1  # 384 blocks: one wave
 
 
 @pytest.mark.parametrize("smem_kib,head_dim,expected", [(227, 192, (16, True)), (227, 256, (16, True)),

@@ -234,7 +234,7 @@ def test_reference_gathers_pages_in_table_order():
     (32, 4, 64, 16, 3, "/tma"),             # 128 blocks of 16 key blocks: the short-page ring
     (8, 32, 64, 16, 3, "/tma"),             # 256 blocks (two an SM) of 16 key blocks
     (32, 32, 64, 16, 2, "/tma"),            # 1024 blocks: three buffers would cost occupancy
-    (32, 4, 256, 16, 2, "/split-keys/tma"),  # two ranges of 32 key blocks: too long
+    (32, 4, 256, 16, 2, "/tma/cluster2"),   # two ranges of 32 key blocks: a cluster of two, no ring
     (32, 4, 4, 256, 2, "/tma"),             # 256-row pages: one box a key block
     (1, 8, 64, 16, 2, "/cluster8"),         # clustered: fewer clusters would fit
 ])

@@ -448,8 +448,9 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     clustered = False
     if splits in ("auto", "cuflash"):
         parallel, key_blocks = _decode_grid(p, plan, rows)
-        choose = wave_efficient_splits if splits == "auto" else decode_split_count
-        splits = choose(parallel, machine.sms, key_blocks)
+        splits = (wave_efficient_splits(parallel, machine.sms, key_blocks) if splits == "auto"
+                  else decode_split_count(parallel, machine.sms, key_blocks,
+                                          plan.fwd_blocks_per_sm if clusters else None))
         if clusters and decode_clusters_apply(splits, key_blocks):
             counted = decode_cluster_count(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm)
             clustered = counted > 1
