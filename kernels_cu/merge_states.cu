@@ -40,11 +40,13 @@ __device__ __forceinline__ void load_as_float(const Partial* src, float (&dst)[k
 // The merge is a chain of dependent memory reads (the log-sum-exps, then
 // every state's output), so latency, not bytes, is its cost at decoding's
 // sizes, and split-KV's partial results may have left L2 by the time they
-// are merged: each lane holds the log-sum-exp of one state of every 32
-// (read once; warp reductions give the maximum and the sum), and the output
-// loop issues kStatesInFlight states' reads before it adds any, each
-// state's weight broadcast from its lane by a shuffle.
-constexpr int kStatesInFlight = 16;
+// are merged. Each lane holds the log-sum-exp of one state of every 32
+// (warp reductions give the maximum and the sum), and the reads of up to
+// 32 states' columns are issued before anything is computed from them,
+// the first 32 together with the log-sum-exps: decoding's usual 32 or
+// fewer states cost one round trip, not three. Each state's weight is
+// broadcast from its lane by a shuffle.
+constexpr int kStatesInFlight = 32;
 
 template <typename Partial, typename Out, int kVec, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
@@ -66,9 +68,23 @@ __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(con
     const auto state_lse = [&](int state) {
         return state < num_states ? lse_in[state * params.partial_lse_state_stride] : negative_infinity();
     };
+    const Partial* in = params.partial.row_ptr<const Partial>(batch, head, row);
+    Out* out = params.out.row_ptr<Out>(batch, head, row);
+    // kStatesInFlight states' kVec columns from col (states first...): every
+    // read is issued (one past the states or columns reads state 0's column
+    // 0, inside the buffer) and weighed 0 where unused.
+    float value[kStatesInFlight][kVec];
+    const auto load_states = [&](int first, int col) {
+#pragma unroll
+        for (int j = 0; j < kStatesInFlight; ++j) {
+            const bool used = first + j < num_states && col < head_dim;
+            load_as_float<kVec>(in + (used ? (first + j) * params.partial_state_stride + col : 0), value[j]);
+        }
+    };
     // States lane, lane + 32, ...: the first in a register (decoding's
     // splits are mostly at most 32), the others read again where needed.
     const float first_lse = state_lse(lane);
+    load_states(0, lane * kVec);
     float max_lse = first_lse;
     for (int s = lane + 32; s < num_states; s += 32) {
         max_lse = fmaxf(max_lse, state_lse(s));
@@ -88,40 +104,26 @@ __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(con
     }
     const float inv_sum = seen ? 1.0f / sum : 0.0f;
 
-    const Partial* in = params.partial.row_ptr<const Partial>(batch, head, row);
-    Out* out = params.out.row_ptr<Out>(batch, head, row);
     // Column steps are warp-uniform (every lane takes the shuffles); lanes
     // past the head dim write nothing.
     for (int step = 0; step < head_dim; step += 32 * kVec) {
         const int col = step + lane * kVec;
         const bool has_columns = col < head_dim;
         float acc[kVec] = {};
-        for (int first = 0; first < num_states && seen; first += 32) {
-            // This lane's weight of state first + lane (0: never read, see above).
+        for (int first = 0; first < num_states; first += kStatesInFlight) {
+            if (step > 0 || first > 0) {
+                load_states(first, col);
+            }
+            // This lane's weight of state first + lane (0 past the states, or where none was seen).
             const float own_weight = weight_of(first == 0 ? first_lse : state_lse(first + lane)) * inv_sum;
-            const int count = min(32, num_states - first);
-            for (int group = 0; group < count; group += kStatesInFlight) {
-                float weight[kStatesInFlight];
-                float value[kStatesInFlight][kVec];
 #pragma unroll
-                for (int j = 0; j < kStatesInFlight; ++j) {
-                    const int state = group + j;
-                    // Every read is issued (one past the states or columns
-                    // reads state `first`'s column 0, inside the buffer) and
-                    // used only where its weight is not 0.
-                    const bool used = state < count && has_columns;
-                    weight[j] = __shfl_sync(0xffffffffu, own_weight, state & 31);
-                    weight[j] = used ? weight[j] : 0.0f;
-                    load_as_float<kVec>(
-                        in + (first + (used ? state : 0)) * params.partial_state_stride + (used ? col : 0), value[j]);
-                }
+            for (int j = 0; j < kStatesInFlight; ++j) {
+                const float shared_weight = __shfl_sync(0xffffffffu, own_weight, j);  // every lane shuffles
+                const float weight = first + j < num_states && has_columns ? shared_weight : 0.0f;
 #pragma unroll
-                for (int j = 0; j < kStatesInFlight; ++j) {
-#pragma unroll
-                    for (int i = 0; i < kVec; ++i) {
-                        // Not weight * value alone: 0 * NaN (an unread state's) is NaN.
-                        acc[i] += weight[j] != 0.0f ? weight[j] * value[j][i] : 0.0f;
-                    }
+                for (int i = 0; i < kVec; ++i) {
+                    // Not weight * value alone: 0 * NaN (an unread state's) is NaN.
+                    acc[i] += weight != 0.0f ? weight * value[j][i] : 0.0f;
                 }
             }
         }

@@ -100,7 +100,7 @@ def _merge_reference(outs, lses):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [1, 7, 64, 256])
-@pytest.mark.parametrize("num_states", [1, 2, 5])
+@pytest.mark.parametrize("num_states", [1, 2, 5, 33, 70])  # past 32: the merge reads 32 states at a time
 def test_merge_attention_states_matches_float64(dtype, head_dim, num_states):
     cupy = _cupy()
     rng = np.random.default_rng(head_dim * 10 + num_states)
