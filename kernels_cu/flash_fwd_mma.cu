@@ -425,21 +425,24 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
         __syncthreads();
         using Merge = WarpStateMerge<kBlockM, kHeadDim, kWarps>;
         static_assert(Merge::kBytes <= 2 * kKvStages * Traits::kKvTileBytes, "the warps' states fit in the K/V buffers");
-        Merge merged;
-        merged.merge(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
+        // (Recomputed before the merge, not after: after it, ptxas spilled a
+        // main-loop register of the d64 causal split variant.)
         const QueryBlock block =
             query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+        Merge merged;
+        merged.merge(softmax, o, reinterpret_cast<float*>(k_tile), warp, lane);
         const int rows = ctx.seqlen_q - block.m_start;  // of the block, in the problem
         const int head_dim = ctx.head_dim;
         float* lse = params.lse_row(block.tensor_batch, block.head) + block.q_row0 + block.m_start;
         if constexpr (kClustered) {
             // The block's rows, normalised, and their log-sum-exp staged in
-            // the V buffers (the merge's buffer may reach into them: merge
-            // ended with a barrier); every thread of the cluster then merges
-            // the cluster's states, and stays until every block is done
-            // reading the others' rows.
+            // the V buffers (the merge's buffer may reach into them: a
+            // barrier first); every thread of the cluster then merges the
+            // cluster's states, and stays until every block is done reading
+            // the others' rows.
             using Staged = ClusterStateLayout<kBlockM, kHeadDim>;
             float* staged = reinterpret_cast<float*>(v_tile);
+            __syncthreads();
             merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
                 *reinterpret_cast<float2*>(staged + row * kHeadDim + col) = pair;
             });
@@ -466,19 +469,21 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
             // A split's rows: float32 pairs, each quad's 32 bytes of a row at once.
             float* out = block.query_row<float>(params.out, block.head, block.m_start) +
                          block.split * params.out_split_stride;
-            merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
+            float* split_lse = lse + block.split * params.lse_split_stride;
+            const index_t row_stride = params.out.row_stride;
+            merged.for_each_pair(warp, lane, [=](int row, int col, float2 pair) {
                 if (row < rows && col < head_dim) {
-                    *reinterpret_cast<float2*>(out + static_cast<index_t>(row) * params.out.row_stride + col) = pair;
+                    *reinterpret_cast<float2*>(out + static_cast<index_t>(row) * row_stride + col) = pair;
                 }
             });
-            merged.for_each_row_lse(thread, [&](int row, float row_lse) {
+            merged.for_each_row_lse(thread, [=](int row, float row_lse) {
                 if (row < rows) {
-                    lse[block.split * params.lse_split_stride + row] = row_lse;
+                    split_lse[row] = row_lse;
                 }
             });
         } else {
             // Staged in the Q tile (free: Q was last read in the key loop,
-            // before merge's barriers), then 16-byte coalesced stores.
+            // before merge's first barrier), then 16-byte coalesced stores.
             using Pair = StagedPair<Element>;
             merged.for_each_pair(warp, lane, [&](int row, int col, float2 pair) {
                 *reinterpret_cast<typename Pair::Type*>(q_tile + row * kStride + col) = Pair::make(pair.x, pair.y);

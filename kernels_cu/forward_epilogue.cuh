@@ -67,8 +67,8 @@ __device__ __forceinline__ void finish_forward_rows(const FragmentOnlineSoftmax<
 // fragments of it scaled by the rows' factors (weight / merged sum).
 //
 // `buffer`: shared memory for kBytes, free for the taking (every warp past
-// its last read of it); merge ends with a barrier, after which the buffer
-// may be overwritten.
+// its last read of it); other threads may still read it when merge
+// returns (a barrier before it is overwritten).
 template <int kBlockM, int kHeadDim, int kWarps>
 struct WarpStateMerge {
     static constexpr int kMTiles = kBlockM / 16;
@@ -87,7 +87,7 @@ struct WarpStateMerge {
     // group, (z, w) of row group + 8, normalised.
     float4 merged[kGroupsPerThread];
     // Thread t < kBlockM: row t's natural-log log-sum-exp (-inf where no warp saw a key).
-    float lse;
+    float lse = 0.0f;
 
     __device__ __forceinline__ void merge(const FragmentOnlineSoftmax<kMTiles>& softmax,
                                           const float (&o)[kMTiles][kDTiles][4], float* buffer, int warp, int lane) {
@@ -155,7 +155,6 @@ struct WarpStateMerge {
                 }
             }
         }
-        __syncthreads();
     }
 
     // row_lse(row, lse) for the row this thread holds the log-sum-exp of, if any.
