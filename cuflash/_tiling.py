@@ -533,36 +533,33 @@ def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max
 
 
 def decode_tail_split(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> bool:
-    """Whether a decode forward of ``parallel_blocks`` unsplit blocks and
-    ``key_blocks`` key blocks per sequence, whose kernel's SMs (``sms``)
-    hold ``blocks_per_sm`` blocks each, runs as clusters of two key ranges
+    """Whether a decode forward that ``decode_split_count`` leaves unsplit
+    (``parallel_blocks`` blocks, ``key_blocks`` key blocks per sequence),
+    whose two-block cluster form's SMs (``sms``) hold ``blocks_per_sm``
+    blocks each, runs as clusters of two key ranges instead
     (``DECODE_TAIL_SPLIT_WAVES``): past one wave, within 1.5, each range
-    keeping ``DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS`` key blocks."""
+    keeping ``DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS`` key blocks. The caller
+    asks only where that cluster form exists."""
     held = blocks_per_sm * sms
     return (2 in DECODE_CLUSTER_SPLITS and held < parallel_blocks <= DECODE_TAIL_SPLIT_WAVES * held
             and key_blocks >= 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS)
 
 
-def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int,
-                       cluster_blocks_per_sm: int | None = None) -> int:
+def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
     """The launcher's split-KV count for a decode forward of
     ``parallel_blocks`` thread blocks without splits and ``key_blocks`` key
     blocks per sequence on ``sms`` SMs (cuflash.api.decode_splits; the
     simulator models cuflash with it): the count whose blocks fill one wave
     of ``DECODE_BLOCKS_PER_SM`` blocks per SM best where every key range
     keeps ``DECODE_MIN_SPLIT_BLOCKS`` key blocks, else of one block per SM;
-    then no more ranges than the key blocks make non-empty. Where the GPU
-    runs split ranges as clusters (``cluster_blocks_per_sm``: the blocks an
-    SM holds of that kernel; None: no clusters), two where
-    ``decode_tail_split`` says."""
+    then no more ranges than the key blocks make non-empty. (Where this
+    says 1, a launch past one wave may still take two clustered ranges:
+    ``decode_tail_split``.)"""
     def one_wave(slots: int) -> int:
         return wave_efficient_splits(parallel_blocks, slots, key_blocks,
                                      max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
                                      tolerance=DECODE_WAVE_TOLERANCE)
 
-    if cluster_blocks_per_sm is not None and decode_tail_split(parallel_blocks, sms, key_blocks,
-                                                               cluster_blocks_per_sm):
-        return 2
     splits = one_wave(DECODE_BLOCKS_PER_SM * sms)
     if key_blocks < DECODE_MIN_SPLIT_BLOCKS * splits:
         splits = one_wave(sms)
@@ -585,8 +582,8 @@ def decode_tilings(dtype_name: str, head_dim: int, rows: int = DECODE_MAX_ROWS) 
 
 
 #: Key blocks per range up to which a decode's ranges run as clusters
-#: (``decode_cluster_count``), but for clusters of two, which run ranges of
-#: any length: measured on the H100 (bf16 d128, GPU us with launches
+#: (``decode_cluster_count``), but where the heuristic's two ranges run as
+#: clusters of two, at any length: measured on the H100 (bf16 d128, GPU us with launches
 #: queued; the heuristic's count through the merge kernel -> the same count
 #: as clusters), two ranges gained at 32 key blocks a range (4 x 32 x 4096
 #: keys, 4 K/V heads 98.1 -> 94.6, 16-row pages 101.0 -> 97.2; 8 x 16 x
@@ -615,7 +612,7 @@ def decode_clusters_apply(splits: int, key_blocks: int) -> bool:
     return splits <= largest or key_blocks <= DECODE_CLUSTER_SHORT_RANGE_BLOCKS * largest
 
 
-def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> int:
+def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int, splits: int) -> int:
     """The split count a decode forward of ``parallel_blocks`` unsplit
     blocks and ``key_blocks`` key blocks per sequence runs as thread-block
     clusters (``decode_cluster_tiling``) when the merge-kernel heuristic
@@ -623,19 +620,17 @@ def decode_cluster_count(parallel_blocks: int, sms: int, key_blocks: int, blocks
     the largest of ``DECODE_CLUSTER_SPLITS`` whose blocks fit in one SM's
     slot fewer than the kernel's ``blocks_per_sm`` on every SM (at least
     one) with two key blocks a range, where the ranges are then at most
-    ``DECODE_CLUSTER_RANGE_BLOCKS`` long (any length for two); two past one wave where
-    ``decode_tail_split`` says; 1 otherwise (the merge kernel combines the
-    heuristic's ranges). Measured on the H100 (bf16 d128, one
+    ``DECODE_CLUSTER_RANGE_BLOCKS`` long (at any length where that is two
+    and the heuristic asked for two, ``splits``); 1 otherwise (the merge
+    kernel combines the heuristic's ranges). Measured on the H100 (bf16 d128, one
     token; docs/perf-notes.md, "Decoding"): clusters win where the merge
     launch is a large part of a short call and lose on long ranges (paged
     caches up to 1.5x slower at 64 key blocks a range, contiguous ones 5%
     at 32) and with their blocks filling every slot."""
-    if decode_tail_split(parallel_blocks, sms, key_blocks, blocks_per_sm):
-        return 2
     fitting = [c for c in DECODE_CLUSTER_SPLITS
                if parallel_blocks * c <= max(1, blocks_per_sm - 1) * sms and 2 * c <= key_blocks]
     clusters = max(fitting, default=1)
-    return clusters if clusters == 2 or key_blocks <= DECODE_CLUSTER_RANGE_BLOCKS * clusters else 1
+    return clusters if clusters == splits == 2 or key_blocks <= DECODE_CLUSTER_RANGE_BLOCKS * clusters else 1
 
 
 def decode_cluster_tiling(split: Tiling, splits: int) -> Tiling | None:

@@ -34,9 +34,10 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
-from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MAX_SMEM_BYTES, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
-                      decode_split_count, decode_tilings, short_page_ring, wgmma_backward_swizzles)
+                      decode_split_count, decode_tail_split, decode_tilings, short_page_ring,
+                      wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1162,13 +1163,7 @@ def decode_splits(problem: AttentionProblem, tiling: Tiling, num_splits: int | N
     empty."""
     parallel, key_blocks = _decode_blocks(problem, tiling)
     if num_splits is None:
-        # With clusters (Hopper), the blocks an SM holds by shared memory (no compile; the cluster form's
-        # own count, by the occupancy calculator, then decides in decode_cluster_count).
-        held = None
-        if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90:
-            limit = _shared_memory_per_block(problem.device) or MAX_SMEM_BYTES
-            held = max(1, limit // tiling.forward_smem_bytes(problem.dtype))
-        return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks, held)
+        return decode_split_count(parallel, _multiprocessor_count(problem.device), key_blocks)
     per_split = -(-key_blocks // min(num_splits, key_blocks))
     return -(-key_blocks // per_split)
 
@@ -1236,17 +1231,24 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         return short_page_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
                                _multiprocessor_count(problem.device), _shared_memory_per_block(problem.device))
 
-    if splits == 1:
-        return ring(plain, 1), shape, 1
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
                 if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)
+    sms = _multiprocessor_count(problem.device)
+    if splits == 1:
+        # Past one wave, two clustered ranges where decode_tail_split says
+        # (the occupancy of the cluster form: compiled only for such launches).
+        pair = decode_cluster_tiling(split, 2) if smallest is not None and num_splits is None else None
+        if (pair is not None and parallel > sms and key_blocks >= 2 * _tiling.DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS
+                and decode_tail_split(parallel, sms, key_blocks, _decode_blocks_per_sm(shape.problem, pair))):
+            return pair, shape, 2
+        return ring(plain, 1), shape, 1
     if smallest is not None:
         # The caller's count runs as clusters where it is a cluster's;
         # decode_cluster_count picks one where the heuristic's count is small.
         clusters = splits
         if num_splits is None:
-            clusters = decode_cluster_count(parallel, _multiprocessor_count(problem.device), key_blocks,
-                                            _decode_blocks_per_sm(shape.problem, smallest)) \
+            clusters = decode_cluster_count(parallel, sms, key_blocks, _decode_blocks_per_sm(shape.problem, smallest),
+                                            splits) \
                 if decode_clusters_apply(splits, key_blocks) else 1
         clustered = decode_cluster_tiling(split, clusters)
         if clustered is not None:

@@ -138,38 +138,35 @@ def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
 
 @pytest.mark.parametrize("generation", [90, 80])
 def test_a_launch_just_past_one_wave_splits_long_keys_in_two(monkeypatch, generation):
-    """More blocks than the SMs hold at once but at most 1.5 times as many
-    (DECODE_TAIL_SPLIT_WAVES): on Hopper, two key ranges where each keeps
-    DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS key blocks, as a cluster of two
+    """More blocks than the SMs hold at once of the two-block cluster form
+    (the occupancy calculator's count) but at most 1.5 times as many
+    (DECODE_TAIL_SPLIT_WAVES): on Hopper, two key ranges as a cluster of
+    two where each keeps DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS key blocks
     (measured faster on the H100: the unsplit second wave leaves most SMs
     idle; the merge kernel's two ranges lost the gain); unsplit below one
-    wave, past 1.5 waves, with shorter halves, or without clusters."""
-    from cuflash._tiling import (DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS, DECODE_TAIL_SPLIT_WAVES, decode_cluster_count,
-                                 decode_clusters_apply)
+    wave, past 1.5 waves, with shorter halves, without clusters, or where
+    the caller gives the count."""
+    from cuflash._tiling import DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS, DECODE_TAIL_SPLIT_WAVES
 
-    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
-    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
-    monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
-    split = dataclasses.replace(decode_tilings("bfloat16", 128, 8)[1], kv_tma=True)  # one tile, copy-engine form
-    held = 227 * 1024 // split.forward_smem_bytes("bfloat16") * 132
-    assert held == 396  # three one-tile blocks an SM
-
-    def splits(batch, seqlen_k, kv_heads=4):
-        problem = dataclasses.replace(_problem(batch=batch, seqlen_k=seqlen_k), seqlen_q=8, nheads=kv_heads,
-                                      causal=False)
-        return api.decode_splits(problem, split, None)
-
-    # 4 K/V heads x 128 sequences: 512 blocks, 1.29 waves
+    held = 3 * 132  # three one-tile blocks an SM
     assert 1 < 512 / held <= DECODE_TAIL_SPLIT_WAVES
-    long_enough = 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS * split.block_n
-    tail = 2 if generation >= 90 else 1
-    assert splits(128, long_enough) == tail and splits(128, 16384) == tail
-    if generation >= 90:  # and the two run as a cluster, not through the merge kernel
-        key_blocks = 16384 // split.block_n
-        assert decode_clusters_apply(2, key_blocks) and decode_cluster_count(512, 132, key_blocks, 3) == 2
-    assert splits(128, long_enough - split.block_n) == 1  # halves one key block short
-    assert splits(256, 16384) == 1  # 1024 blocks, 2.6 waves
-    assert splits(96, 16384) == 1  # 384 blocks: one wave
+
+    def choice(batch, seqlen_k, blocks_per_sm=3, num_splits=None):
+        choose = _decode_plan_choice(monkeypatch, generation, blocks_per_sm, batch=batch, seqlen_k=seqlen_k,
+                                     nheads=32, nheads_k=4, causal=False)
+        tiling, _, splits = choose(num_splits)
+        return tiling.cluster_splits, splits
+
+    block_n = 64
+    long_enough = 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS * block_n
+    # 4 K/V heads x 128 sequences: 512 blocks, 1.29 waves
+    tail = (2, 2) if generation >= 90 else (1, 1)
+    assert choice(128, long_enough) == tail and choice(128, 16384) == tail
+    assert choice(128, long_enough - block_n) == (1, 1)  # halves one key block short
+    assert choice(256, 16384) == (1, 1)  # 1024 blocks, 2.6 waves
+    assert choice(96, 16384) == (1, 1)  # 384 blocks: one wave
+    assert choice(128, 16384, blocks_per_sm=4) == (1, 1)  # four an SM: 512 blocks fit one wave
+    assert choice(128, 16384, num_splits=1) == (1, 1)
 
 
 @pytest.mark.parametrize("smem_kib,head_dim,expected", [(227, 192, (16, True)), (227, 256, (16, True)),
@@ -201,20 +198,25 @@ def test_cluster_counts_fit_a_slot_fewer_than_the_kernel_holds():
 
     assert DECODE_CLUSTER_SPLITS == (2, 4, 8, 16)
     # 32 K/V heads x 1 sequence, 16 key blocks: three blocks an SM -> 8 (256 <= 264); two -> 4 (128 <= 132)
-    assert decode_cluster_count(32, 132, 16, blocks_per_sm=3) == 8
-    assert decode_cluster_count(32, 132, 16, blocks_per_sm=2) == 4
-    assert decode_cluster_count(32, 132, 16, blocks_per_sm=1) == 4
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=3, splits=16) == 8
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=2, splits=16) == 4
+    assert decode_cluster_count(32, 132, 16, blocks_per_sm=1, splits=16) == 4
     # 4 blocks, 16 key blocks: 16 ranges would be one key block each
-    assert decode_cluster_count(4, 132, 16, blocks_per_sm=3) == 8
-    assert decode_cluster_count(4, 132, 64, blocks_per_sm=3) == 16
+    assert decode_cluster_count(4, 132, 16, blocks_per_sm=3, splits=16) == 8
+    assert decode_cluster_count(4, 132, 64, blocks_per_sm=3, splits=16) == 16
     # nothing fits: the merge kernel's ranges stay
-    assert decode_cluster_count(200, 132, 64, blocks_per_sm=2) == 1
-    assert decode_cluster_count(4, 132, 3, blocks_per_sm=3) == 1
+    assert decode_cluster_count(200, 132, 64, blocks_per_sm=2, splits=16) == 1
+    assert decode_cluster_count(4, 132, 3, blocks_per_sm=3, splits=16) == 1
     # long ranges stay with the merge kernel: beyond 16 key blocks a range
-    assert decode_cluster_count(32, 132, 128, blocks_per_sm=3) == 8
-    assert decode_cluster_count(32, 132, 256, blocks_per_sm=3) == 1
-    assert decode_cluster_count(32, 132, 64, blocks_per_sm=2) == 4
-    assert decode_cluster_count(32, 132, 128, blocks_per_sm=2) == 1
+    assert decode_cluster_count(32, 132, 128, blocks_per_sm=3, splits=16) == 8
+    assert decode_cluster_count(32, 132, 256, blocks_per_sm=3, splits=16) == 1
+    assert decode_cluster_count(32, 132, 64, blocks_per_sm=2, splits=16) == 4
+    assert decode_cluster_count(32, 132, 128, blocks_per_sm=2, splits=16) == 1
+    # the heuristic's two ranges run as clusters of two at any length (4 K/V heads x 32 x 4096 keys: 128
+    # blocks, 64 key blocks), a count of three as the merge kernel's
+    assert decode_cluster_count(128, 132, 64, blocks_per_sm=3, splits=2) == 2
+    assert decode_cluster_count(128, 132, 1024, blocks_per_sm=3, splits=2) == 2
+    assert decode_cluster_count(80, 132, 1024, blocks_per_sm=3, splits=3) == 1
 
 
 def test_copy_engine_kv_on_hopper_but_not_without_keys(monkeypatch):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from .._kernel_families import FAMILY, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
-                       decode_tilings, short_page_ring, wave_efficient_splits)
+                       decode_tail_split, decode_tilings, short_page_ring, wave_efficient_splits)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -448,11 +448,14 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     clustered = False
     if splits in ("auto", "cuflash"):
         parallel, key_blocks = _decode_grid(p, plan, rows)
-        splits = (wave_efficient_splits(parallel, machine.sms, key_blocks) if splits == "auto"
-                  else decode_split_count(parallel, machine.sms, key_blocks,
-                                          plan.fwd_blocks_per_sm if clusters else None))
-        if clusters and decode_clusters_apply(splits, key_blocks):
-            counted = decode_cluster_count(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm)
+        choose = wave_efficient_splits if splits == "auto" else decode_split_count
+        splits = choose(parallel, machine.sms, key_blocks)
+        if clusters and splits == 1 and choose is decode_split_count:
+            # past one wave, two clustered ranges (decode_tail_split)
+            clustered = decode_tail_split(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm)
+            splits = 2 if clustered else 1
+        elif clusters and decode_clusters_apply(splits, key_blocks):
+            counted = decode_cluster_count(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm, splits)
             clustered = counted > 1
             splits = counted if clustered else splits
     elif clusters:
