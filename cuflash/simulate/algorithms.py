@@ -437,8 +437,9 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     takes wave_efficient_splits over the machine's SMs (FlashAttention-2's
     rule), "cuflash" cuflash's launcher's decode_split_count, and where
     ``clusters`` (cuflash's one-tile decode blocks on Hopper) its
-    decode_cluster_count (where decode_clusters_apply), whose splits merge
-    in their cluster. The
+    decode_cluster_count (where decode_clusters_apply; an unsplit launch
+    past one wave: decode_tail_split's two), whose splits merge in their
+    cluster. The
     launcher's occupancy of the kernel is modelled by shared memory alone
     (a paged cache's kernel is register-bound at two blocks an SM on the
     H100, which this does not see)."""
