@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Head dims the kernels are compiled for. A head_dim between two entries runs
@@ -532,17 +532,21 @@ def wave_efficient_splits(parallel_blocks: int, slots: int, key_blocks: int, max
     return min(s for s in candidates if efficiency[s] >= tolerance * best)
 
 
-def decode_tail_split(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: int) -> bool:
+def decode_tail_split(parallel_blocks: int, sms: int, key_blocks: int, blocks_per_sm: Callable[[], int]) -> bool:
     """Whether a decode forward that ``decode_split_count`` leaves unsplit
     (``parallel_blocks`` blocks, ``key_blocks`` key blocks per sequence),
-    whose two-block cluster form's SMs (``sms``) hold ``blocks_per_sm``
+    whose two-block cluster form's SMs (``sms``) hold ``blocks_per_sm()``
     blocks each, runs as clusters of two key ranges instead
     (``DECODE_TAIL_SPLIT_WAVES``): past one wave, within 1.5, each range
     keeping ``DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS`` key blocks. The caller
-    asks only where that cluster form exists."""
-    held = blocks_per_sm * sms
-    return (2 in DECODE_CLUSTER_SPLITS and held < parallel_blocks <= DECODE_TAIL_SPLIT_WAVES * held
-            and key_blocks >= 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS)
+    asks only where that cluster form exists; ``blocks_per_sm`` is called
+    only past the cheap conditions (the launcher compiles the form to learn
+    it: at least one block an SM, so no more blocks than SMs never asks)."""
+    if not (2 in DECODE_CLUSTER_SPLITS and parallel_blocks > sms
+            and key_blocks >= 2 * DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS):
+        return False
+    held = blocks_per_sm() * sms
+    return held < parallel_blocks <= DECODE_TAIL_SPLIT_WAVES * held
 
 
 def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:

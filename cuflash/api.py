@@ -1227,19 +1227,19 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     splits = 1 if num_splits == 1 else decode_splits(shape.problem, split, num_splits)
     parallel, key_blocks = _decode_blocks(shape.problem, split)
 
+    sms = _multiprocessor_count(problem.device)
+
     def ring(tiling: Tiling, ranges: int) -> Tiling:  # short_page_ring for this launch of `ranges` key ranges
         return short_page_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
-                               _multiprocessor_count(problem.device), _shared_memory_per_block(problem.device))
+                               sms, _shared_memory_per_block(problem.device))
 
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
                 if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)
-    sms = _multiprocessor_count(problem.device)
     if splits == 1:
-        # Past one wave, two clustered ranges where decode_tail_split says
-        # (the occupancy of the cluster form: compiled only for such launches).
+        # Past one wave, two clustered ranges where decode_tail_split says (by the cluster form's occupancy).
         pair = decode_cluster_tiling(split, 2) if smallest is not None and num_splits is None else None
-        if (pair is not None and parallel > sms and key_blocks >= 2 * _tiling.DECODE_TAIL_SPLIT_MIN_RANGE_BLOCKS
-                and decode_tail_split(parallel, sms, key_blocks, _decode_blocks_per_sm(shape.problem, pair))):
+        if pair is not None and decode_tail_split(parallel, sms, key_blocks,
+                                                  lambda: _decode_blocks_per_sm(shape.problem, pair)):
             return pair, shape, 2
         return ring(plain, 1), shape, 1
     if smallest is not None:

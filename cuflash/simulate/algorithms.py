@@ -449,11 +449,12 @@ def _decoding_plan(plan: _TiledPlan, p: Problem, machine: Machine, *, splits, pa
     clustered = False
     if splits in ("auto", "cuflash"):
         parallel, key_blocks = _decode_grid(p, plan, rows)
-        choose = wave_efficient_splits if splits == "auto" else decode_split_count
+        launchers = splits == "cuflash"
+        choose = decode_split_count if launchers else wave_efficient_splits
         splits = choose(parallel, machine.sms, key_blocks)
-        if clusters and splits == 1 and choose is decode_split_count:
+        if clusters and launchers and splits == 1:
             # past one wave, two clustered ranges (decode_tail_split)
-            clustered = decode_tail_split(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm)
+            clustered = decode_tail_split(parallel, machine.sms, key_blocks, lambda: plan.fwd_blocks_per_sm)
             splits = 2 if clustered else 1
         elif clusters and decode_clusters_apply(splits, key_blocks):
             counted = decode_cluster_count(parallel, machine.sms, key_blocks, plan.fwd_blocks_per_sm, splits)
