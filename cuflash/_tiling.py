@@ -481,17 +481,25 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     return None if tiles is None else _mma_forward_tiles(dtype_name, padded, tiles)
 
 
-#: Decode blocks an SM runs at once, the slots split-KV fills (two of the
-#: decode tiles' 87 KB fit an H100 SM), where each key range keeps at least
-#: DECODE_MIN_SPLIT_BLOCKS key blocks; one per SM otherwise. Measured on
-#: the H100 (commits b20e290, 2478a19; bf16 d128): twice the SMs' count of
-#: long key ranges streamed K/V faster than one range per SM: 1 x 131072
-#: keys, GQA 32/8: contiguous 2.41 -> 2.60 TB/s, paged (16-row pages) 1.62
-#: -> 2.39; MHA 2.77 -> 2.83; three per SM lost (2.07). Short ranges lost:
-#: 1 x 4096 keys, GQA 32/4, 0.40 -> 0.30 (one key block a range); 32 x
-#: 1024, 32/4, 2.10 -> 1.82 (split where one range each filled the GPU).
-DECODE_BLOCKS_PER_SM = 2
-DECODE_MIN_SPLIT_BLOCKS = 16
+#: Split-KV fills one wave of one decode block an SM, each block with a
+#: ring of three K/V buffers (``decode_ring``, on Hopper's copy engine):
+#: the bytes in flight of two blocks of two buffers an SM, with half the
+#: blocks' fixed costs and half the states to merge. Measured on the H100
+#: (bf16 d128, one token, GPU us with launches queued, one process;
+#: docs/perf-notes.md, "Decoding: one block an SM"): against two blocks an
+#: SM of two buffers each (kept from b20e290 until then), 1 x 65536 keys,
+#: 4 K/V heads 57.0 -> 55.3 (16-row pages 58.4 -> 55.8), 1 x 131072 100.6
+#: -> 98.0, 8 heads 185.8 -> 182.9, 32 x 4096, 4 heads 97.0 -> 94.2; the
+#: other points of the decode table within 1% (the worst, 8 x 65536, 4
+#: heads, 16-row pages, 368.7 -> 372.3).
+DECODE_BLOCKS_PER_SM = 1
+#: The merge kernel reads up to this many states' columns in one round
+#: trip (``kStatesInFlight``, kernels_cu/merge_states.cu); a count just past
+#: it, within DECODE_MERGE_ROUND_TOLERANCE of filling the wave as well,
+#: takes it instead: 1 x 131072 keys, 4 K/V heads on the H100, 33 ranges
+#: (132 blocks) 100.1 us, 32 (128 blocks) 98.0.
+DECODE_MERGE_STATES_A_ROUND = 32
+DECODE_MERGE_ROUND_TOLERANCE = 0.95
 #: cuflash's decode takes, among split counts that fit the slots in one
 #: wave, the one that fills it best (wave_efficient_splits' tolerance 1),
 #: not FlashAttention-2's smallest within 85% of the best: at 1 x 131072
@@ -554,19 +562,17 @@ def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
     ``parallel_blocks`` thread blocks without splits and ``key_blocks`` key
     blocks per sequence on ``sms`` SMs (cuflash.api.decode_splits; the
     simulator models cuflash with it): the count whose blocks fill one wave
-    of ``DECODE_BLOCKS_PER_SM`` blocks per SM best where every key range
-    keeps ``DECODE_MIN_SPLIT_BLOCKS`` key blocks, else of one block per SM;
-    then no more ranges than the key blocks make non-empty. (Where this
-    says 1, a launch past one wave may still take two clustered ranges:
+    of ``DECODE_BLOCKS_PER_SM`` blocks per SM best, no more than
+    ``DECODE_MERGE_STATES_A_ROUND`` where that fills it nearly as well, and
+    no more ranges than the key blocks make non-empty. (Where this says 1,
+    a launch past one wave may still take two clustered ranges:
     ``decode_tail_split``.)"""
-    def one_wave(slots: int) -> int:
-        return wave_efficient_splits(parallel_blocks, slots, key_blocks,
-                                     max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
-                                     tolerance=DECODE_WAVE_TOLERANCE)
-
-    splits = one_wave(DECODE_BLOCKS_PER_SM * sms)
-    if key_blocks < DECODE_MIN_SPLIT_BLOCKS * splits:
-        splits = one_wave(sms)
+    slots = DECODE_BLOCKS_PER_SM * sms
+    splits = wave_efficient_splits(parallel_blocks, slots, key_blocks,
+                                   max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
+                                   tolerance=DECODE_WAVE_TOLERANCE)
+    if DECODE_MERGE_STATES_A_ROUND < splits <= DECODE_MERGE_STATES_A_ROUND / DECODE_MERGE_ROUND_TOLERANCE:
+        splits = DECODE_MERGE_STATES_A_ROUND
     per_split = -(-key_blocks // min(splits, key_blocks))
     return -(-key_blocks // per_split)
 
@@ -660,72 +666,80 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
     return page_size if block_n % page_size == 0 and page_size >= 16 else None
 
 
-#: K/V buffers of the copy-engine decode tiles over a paged cache whose
+#: K/V buffers of the copy-engine decode tiles (``decode_ring``) in
+#: launches of at most DECODE_DEEP_RING_BLOCKS_PER_SM blocks an SM (every
+#: split launch, ``DECODE_BLOCKS_PER_SM``), and over a paged cache whose
 #: pages are shorter than a key block (one box per page: 16- and 32-row
-#: pages) for launches that lose no occupancy by them and whose ranges are
-#: short (``short_page_ring``); the others keep the decode tiles' two.
-#: Measured on the H100 (bf16 d128, one token, 16-row pages, every point of
-#: the decode table, one process; docs/perf-notes.md): with at most two
-#: blocks an SM (at d128 three buffers leave two, two buffers three) and at most
+#: pages) in launches that lose no occupancy by them and whose ranges are
+#: short; the others keep the decode tiles' two. Measured on the H100
+#: (bf16 d128, one token, every point of the decode table, one process;
+#: docs/perf-notes.md): at one block an SM, 32 x 1024 keys, 4 K/V heads
+#: (unsplit) 2.29 -> 2.37 TB/s (256-row pages 2.22 -> 2.37), 32 x 4096
+#: 94.3 -> 93.1 us, no point slower by more than 1%; four buffers no
+#: better (92.6, 28.4 against 28.1 us). Over short pages at up to two blocks an
+#: SM (at d128 three buffers leave two, two buffers three) and at most
 #: ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks a block, 32 x 1024
 #: keys, 4 K/V heads 1.82 -> 2.15 TB/s, 8 x 1024 and 32 heads +3%, 32 x
 #: 1024, 8 heads +1.6%, the others there within 0.5%; longer ranges lost
 #: up to 2% (8 x 4096, 32 heads), fuller grids 0.7-1.4% at 1024 blocks
 #: (and gained 2-5% at 512 and 2048), clustered launches lost more (fewer
 #: clusters fit), as did 256-row pages at the largest calls.
-DECODE_SHORT_PAGE_STAGES = 3
+DECODE_RING_STAGES = 3
+DECODE_DEEP_RING_BLOCKS_PER_SM = 1
 DECODE_SHORT_PAGE_RING_RANGE_BLOCKS = 16
 
 
-def short_page_ring_form(tiling: Tiling, dtype_name: str, smem_per_block: int | None = None) -> Tiling | None:
-    """The ``DECODE_SHORT_PAGE_STAGES``-buffer form of an unclustered
+def decode_ring_form(tiling: Tiling, dtype_name: str, smem_per_block: int | None = None) -> Tiling | None:
+    """The ``DECODE_RING_STAGES``-buffer form of an unclustered
     copy-engine one-tile decode tiling, where it fits a block's shared
     memory (``smem_per_block``, the GPU's; None: Hopper's); None for other
     tilings or where it does not fit."""
     if not (tiling.kv_tma and tiling.warps_split_keys and tiling.cluster_splits == 1):
         return None
-    ringed = dataclasses.replace(tiling, kv_stages=DECODE_SHORT_PAGE_STAGES)
+    ringed = dataclasses.replace(tiling, kv_stages=DECODE_RING_STAGES)
     limit = MAX_SMEM_BYTES if smem_per_block is None else smem_per_block
     return ringed if ringed.forward_smem_bytes(dtype_name) <= limit else None
 
 
-def short_page_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
-                    sms: int, smem_per_block: int | None = None) -> Tiling:
-    """``tiling``'s ``short_page_ring_form`` where it has one, the pages are
-    shorter than its key block (``page_size``; None: not paged), its launch
-    of ``blocks`` thread blocks still fits one wave of the blocks an SM
-    holds in that form on ``sms`` SMs (two at d128 on a Hopper, one at d192
-    and d256), and each block covers at most
-    ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks (``range_blocks``);
-    else ``tiling``."""
-    ringed = short_page_ring_form(tiling, dtype_name, smem_per_block)
-    if ringed is None or page_size is None or page_size >= tiling.block_n \
-            or range_blocks > DECODE_SHORT_PAGE_RING_RANGE_BLOCKS:
+def decode_ring(tiling: Tiling, page_size: int | None, dtype_name: str, blocks: int, range_blocks: int,
+                sms: int, smem_per_block: int | None = None) -> Tiling:
+    """``tiling``'s ``decode_ring_form`` where it has one and either its
+    launch of ``blocks`` thread blocks is at most
+    ``DECODE_DEEP_RING_BLOCKS_PER_SM`` blocks an SM on ``sms`` SMs, or the
+    pages are shorter than its key block (``page_size``; None: not paged),
+    the launch still fits one wave of the blocks an SM holds in that form
+    (two at d128 on a Hopper, one at d192 and d256), and each block covers
+    at most ``DECODE_SHORT_PAGE_RING_RANGE_BLOCKS`` key blocks
+    (``range_blocks``); else ``tiling``."""
+    ringed = decode_ring_form(tiling, dtype_name, smem_per_block)
+    if ringed is None:
+        return tiling
+    if blocks <= DECODE_DEEP_RING_BLOCKS_PER_SM * sms:
+        return ringed
+    if page_size is None or page_size >= tiling.block_n or range_blocks > DECODE_SHORT_PAGE_RING_RANGE_BLOCKS:
         return tiling
     limit = MAX_SMEM_BYTES if smem_per_block is None else smem_per_block
     return ringed if blocks <= limit // ringed.forward_smem_bytes(dtype_name) * sms else tiling
 
 
 def copy_engine_layouts(tiling: Tiling) -> tuple[str, ...] | None:
-    """The batch layouts a copy-engine tiling is built for: a short-page
-    ring's (``short_page_ring``: more K/V buffers than the decode tiles'
-    table gives) paged caches only, the others dense batches and both
-    caches; None for other tilings."""
-    if not tiling.kv_tma:
-        return None
-    table_stages = MMA_DECODE_SPLIT_KEYS_TILES[tiling.head_dim_padded][3]
-    return ("paged",) if tiling.kv_stages > table_stages else ("dense", "cache", "paged")
+    """The batch layouts a copy-engine tiling is built for: dense batches
+    and both caches (a ring of ``DECODE_RING_STAGES`` buffers too:
+    ``decode_ring`` gives it to any launch of at most
+    ``DECODE_DEEP_RING_BLOCKS_PER_SM`` blocks an SM); None for other
+    tilings."""
+    return ("dense", "cache", "paged") if tiling.kv_tma else None
 
 
 def every_decode_tiling(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
     """Every decode tiling ``decode_tilings`` (and on Hopper
     ``decode_cluster_tiling``, the one-tile tiles' copy-engine forms,
-    ``Tiling.kv_tma``, and their short-page rings, ``short_page_ring``) may
+    ``Tiling.kv_tma``, and their deeper rings, ``decode_ring``) may
     choose for (dtype, head_dim)."""
     one_tile = decode_tilings(dtype_name, head_dim, DECODE_SPLIT_KEYS_MAX_ROWS)
     clustered = tuple(decode_cluster_tiling(one_tile[1], splits) for splits in DECODE_CLUSTER_SPLITS) if one_tile else ()
     by_tma = tuple(dataclasses.replace(tiling, kv_tma=True) for tiling in one_tile + clustered)
-    rings = tuple(ring for tiling in by_tma if (ring := short_page_ring_form(tiling, dtype_name)) is not None)
+    rings = tuple(ring for tiling in by_tma if (ring := decode_ring_form(tiling, dtype_name)) is not None)
     return one_tile + decode_tilings(dtype_name, head_dim, DECODE_MAX_ROWS) + clustered + by_tma + rings
 
 

@@ -36,7 +36,7 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
 from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
-                      decode_split_count, decode_tail_split, decode_tilings, short_page_ring,
+                      decode_split_count, decode_tail_split, decode_tilings, decode_ring,
                       wgmma_backward_swizzles)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
@@ -1201,8 +1201,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
     one-tile tiles runs as thread-block clusters merged in place
     (``decode_cluster_tiling``; without ``num_splits``, where
     ``decode_clusters_apply``), and the one-tile tiles copy K and V by the
-    Tensor Memory Accelerator where ``_kv_tma_applies`` (over pages shorter
-    than a key block, where ``short_page_ring`` says, with a deeper ring).
+    Tensor Memory Accelerator where ``_kv_tma_applies`` (with a deeper ring
+    where ``decode_ring`` says).
     A ValueError where
     ``num_splits`` asks for splits such a call cannot have."""
     shape = decode_shape(problem, layouts)
@@ -1229,8 +1229,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
 
     sms = _multiprocessor_count(problem.device)
 
-    def ring(tiling: Tiling, ranges: int) -> Tiling:  # short_page_ring for this launch of `ranges` key ranges
-        return short_page_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
+    def ring(tiling: Tiling, ranges: int) -> Tiling:  # decode_ring for this launch of `ranges` key ranges
+        return decode_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
                                sms, _shared_memory_per_block(problem.device))
 
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))

@@ -113,27 +113,34 @@ def test_merge_checks_name_the_argument():
         check_merge(_meta("outs", (3, 2, 5, 4, 8), "int32"), lses, None, None)
 
 
-def test_long_key_ranges_fill_two_blocks_per_sm_short_ones_one(monkeypatch):
-    """Split-KV fills one wave of two decode blocks per SM, as exactly as
-    the key blocks allow, while each key range keeps
-    DECODE_MIN_SPLIT_BLOCKS key blocks (measured faster on the H100); one
-    block per SM otherwise (measured faster for short caches)."""
-    from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MIN_SPLIT_BLOCKS, wave_efficient_splits
+def test_split_kv_fills_one_block_an_sm_and_the_merges_round(monkeypatch):
+    """Split-KV fills one wave of one decode block per SM, as exactly as the
+    key blocks allow (measured faster on the H100 than two blocks an SM,
+    with three K/V buffers a block); a count just past the merge kernel's
+    states a round trip (DECODE_MERGE_STATES_A_ROUND) that fills the wave
+    nearly as well takes it instead; none where the grid already nearly
+    fills the GPU."""
+    from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MERGE_STATES_A_ROUND, wave_efficient_splits
 
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
     monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
     monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
     _, split = decode_tilings("bfloat16", 128)
-    # 1 x 131072 keys, 8 K/V heads (packed GQA): 8 x 33 blocks fill 264 slots exactly
+    assert DECODE_BLOCKS_PER_SM == 1 and DECODE_MERGE_STATES_A_ROUND == 32
+    # 1 x 131072 keys, 8 K/V heads (packed GQA): 8 x 16 blocks of 132 slots
     long = dataclasses.replace(_problem(batch=1, seqlen_k=131072), seqlen_q=4, nheads=8, causal=False)
-    assert DECODE_BLOCKS_PER_SM * 132 == 264 and api.decode_splits(long, split, None) == 33
-    assert wave_efficient_splits(8, 264, 131072 // split.block_n) == 29  # FlashAttention-2's 85% rule
-    # 8 x 16384: 64 parallel blocks, 4 ranges (256 of 264 slots), not a second wave
-    assert api.decode_splits(dataclasses.replace(long, batch=8, seqlen_k=16384), split, None) == 4
-    short = dataclasses.replace(long, batch=16, seqlen_k=1024)
-    two_per_sm = wave_efficient_splits(16 * 8, DECODE_BLOCKS_PER_SM * 132, 16)
-    assert two_per_sm > 1 and 16 < DECODE_MIN_SPLIT_BLOCKS * two_per_sm  # two per SM: ranges too short
-    assert api.decode_splits(short, split, None) == 1  # one per SM: one range each fills the GPU
+    assert api.decode_splits(long, split, None) == 16
+    assert wave_efficient_splits(8, 132, 131072 // split.block_n) == 15  # FlashAttention-2's 85% rule
+    # 4 K/V heads: 33 ranges fill 132 slots, 32 fill 128 in one merge round trip
+    four = dataclasses.replace(long, nheads=4)
+    assert wave_efficient_splits(4, 132, 2048, max_splits=33, tolerance=1.0) == 33
+    assert api.decode_splits(four, split, None) == 32
+    # 3 K/V heads: 44 ranges (132 slots) against 32 (96): past the round's tolerance
+    assert api.decode_splits(dataclasses.replace(long, nheads=3), split, None) == 44
+    # 8 x 16384: 64 parallel blocks, 2 ranges (128 of 132 slots), not a second wave
+    assert api.decode_splits(dataclasses.replace(long, batch=8, seqlen_k=16384), split, None) == 2
+    # 16 x 1024: 128 blocks unsplit nearly fill the GPU
+    assert api.decode_splits(dataclasses.replace(long, batch=16, seqlen_k=1024), split, None) == 1
 
 
 @pytest.mark.parametrize("generation", [90, 80])
@@ -179,6 +186,7 @@ def test_decode_tiles_fit_the_gpus_shared_memory(monkeypatch, smem_kib, head_dim
     monkeypatch.setattr(api, "_kernel_generation", lambda device: 90 if smem_kib == 227 else 80)
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 128)
     monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: smem_kib * 1024)
+    monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 1)  # the occupancy, without a GPU
     problem = _problem(batch=1, seqlen_k=65536, head_dim=head_dim)
     tiling, shape, splits = api._forward_tiles(problem, _layouts(problem), True, None)
     assert tiling.forward_smem_bytes("bfloat16") <= smem_kib * 1024
@@ -256,12 +264,12 @@ def test_hopper_decodes_few_ranges_as_clusters(monkeypatch):
     assert (tiling.cluster_splits, splits) == (4, 4)
     tiling, _, splits = choose(3)  # not a cluster's count: the merge kernel
     assert (tiling.cluster_splits, splits, tiling.split_kv) == (1, 3, True)
-    # A long cache over few heads takes more ranges than a cluster holds: the merge kernel.
+    # A long cache over few heads: ranges too long for a cluster, the merge kernel (three K/V buffers).
     tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=131072)()
-    assert tiling.cluster_splits == 1 and splits > 16
-    # Ranges of a cluster's count but too long (the heuristic's 8 of 32 key blocks): the merge kernel.
+    assert tiling.cluster_splits == 1 and splits == 16 and tiling.kv_stages == 3
+    # Ranges of a cluster's count but too long (the heuristic's 4 of 64 key blocks): the merge kernel.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 90, batch=1, seqlen_k=16384, nheads=32, nheads_k=32)()
-    assert tiling.cluster_splits == 1 and splits == 8
+    assert tiling.cluster_splits == 1 and splits == 4
     # Before Hopper: no clusters.
     tiling, _, splits = _decode_plan_choice(monkeypatch, 80, batch=1, seqlen_k=1024, nheads=32, nheads_k=32)()
     assert tiling.cluster_splits == 1 and splits > 1

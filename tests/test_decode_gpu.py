@@ -3,6 +3,8 @@
 split-KV (key ranges in separate blocks, merged by their log-sum-exp), and
 ``merge_attention_states``. Outputs are poisoned with NaN before each run."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -231,9 +233,11 @@ def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page
     """Hopper's decode copies its key blocks by tensor maps (``Tiling.kv_tma``:
     one box a block, or a page's rows a box); the cp.async form of the same
     kernel must give the same bits, with NaN in every cache slot that holds
-    no key (stale rows a map copies), awkward lengths, shuffled pages. Five
-    ranges of 13 key blocks over short pages take the deeper ring
-    (``short_page_ring``)."""
+    no key (stale rows a map copies), awkward lengths, shuffled pages.
+    Unclustered launches (50 blocks at most) take the deeper ring where it
+    fits (``decode_ring``)."""
+    from cuflash import _tiling
+    from cuflash._tiling import decode_ring_form, decode_tilings
     from tests.test_kvcache_gpu import KvCacheCase
 
     if not _hopper():
@@ -254,7 +258,8 @@ def test_copy_engine_kv_matches_cp_async_bit_for_bit(monkeypatch, head_dim, page
 
     out, lse, forward = run()
     assert forward and all(key.endswith(("/tma", f"/tma/cluster{num_splits}")) for key in forward)
-    ring = page_size in (16, 32) and num_splits == 5
+    one_tile = dataclasses.replace(decode_tilings("float16", head_dim, 8)[1], kv_tma=True)
+    ring = num_splits not in _tiling.DECODE_CLUSTER_SPLITS and decode_ring_form(one_tile, "float16") is not None
     assert all(("/kv3/" in key) == ring for key in forward), forward
     monkeypatch.setattr(api, "_kv_tma_applies", lambda problem, layouts, block_n: False)
     plain_out, plain_lse, plain_forward = run()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cuflash._masks import built_in_masks
+from cuflash._tiling import DECODE_RING_STAGES
 from tests.helpers import needs_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,10 +97,15 @@ def test_hopper_only_variants_are_left_out_of_other_architectures():
     by_tma = {v.key for v in variants if "/tma" in v.key}
     hopper_forms = by_tma | {v.key for v in clusters}
     # ... where the copy-engine forms replace the one-tile decode variants of dense batches and contiguous
-    # caches (paged ones keep theirs: page sizes that do not tile a key block)
+    # caches (paged ones keep theirs: page sizes that do not tile a key block); their rings of three
+    # K/V buffers (decode_ring) have no cp.async form
     replaced = {v.key for v in variants if kernel_report._copy_engine_form_on_hopper(v.key)}
+    rings = {key for key in by_tma if f"/kv{DECODE_RING_STAGES}/" in key}
+    assert rings and all(f"/kv{DECODE_RING_STAGES}/" not in key for key in replaced)
     assert {key.replace("/split-keys", "/split-keys/tma") for key in replaced} == {
-        key for key in by_tma if "/paged" not in key}
+        key for key in by_tma - rings if "/paged" not in key}
+    assert {"paged" if "/paged/" in key else "cache" if "/cache/" in key else "dense" for key in rings} == {
+        "paged", "cache", "dense"}
     assert any("/paged" in key for key in by_tma) and not replaced & {v.key for v in sm90a}
     assert len(sm90a) == len(variants) - len(small) - len(replaced) == (
         len(sm80) + len(hopper_only) + len(hopper_forms) + len(beyond_a100) - len(small) - len(replaced))
@@ -126,10 +132,11 @@ def test_fast_path_spill_gate_command_line(only):
     # cluster counts of the one-tile split beside its own (dense only), and
     # all nine for KV caches, contiguous and paged; the one-tile ones (two
     # and four cluster counts) in their copy-engine K/V form instead, and
-    # for paged caches in both forms, and there the one-tile ones without
-    # and with split-KV with the short-page ring (three K/V buffers) too;
-    # the Hopper forward's short-sequence tile
-    expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * 3, "forward-wgmma": 2 * (4 + 3),
+    # for paged caches in both forms; the one-tile ones without and with
+    # split-KV with a ring of three K/V buffers (decode_ring) for dense
+    # batches and both caches too; the Hopper forward's short-sequence tile
+    expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * (4 + 3 + 3),
+                "forward-wgmma": 2 * (4 + 3),
                 "backward-dkdv-wgmma": (4 + 3) * 2}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 

@@ -231,16 +231,18 @@ def test_reference_gathers_pages_in_table_order():
 
 
 @pytest.mark.parametrize("batch,nheads_k,pages,page_size,stages,form", [
-    (32, 4, 64, 16, 3, "/tma"),             # 128 blocks of 16 key blocks: the short-page ring
-    (8, 32, 64, 16, 3, "/tma"),             # 256 blocks (two an SM) of 16 key blocks
+    (32, 4, 64, 16, 3, "/tma"),             # 128 blocks of 16 key blocks: one an SM
+    (32, 4, 256, 16, 3, "/tma"),            # 128 blocks of 64 key blocks: one an SM, any range
+    (32, 4, 4, 256, 3, "/tma"),             # 256-row pages at one block an SM
+    (8, 32, 64, 16, 3, "/tma"),             # 256 blocks (two an SM) of 16 key blocks: short pages
+    (64, 4, 256, 16, 2, "/tma"),            # 256 blocks of 64 key blocks: short pages, long ranges
+    (64, 4, 4, 256, 2, "/tma"),             # 256 blocks over 256-row pages
     (32, 32, 64, 16, 2, "/tma"),            # 1024 blocks: three buffers would cost occupancy
-    (32, 4, 256, 16, 2, "/tma/cluster2"),   # two ranges of 32 key blocks: a cluster of two, no ring
-    (32, 4, 4, 256, 2, "/tma"),             # 256-row pages: one box a key block
+    (128, 4, 256, 16, 2, "/tma/cluster2"),  # 512 blocks, 1.3 waves: two ranges a cluster of two, no ring
     (1, 8, 64, 16, 2, "/cluster8"),         # clustered: fewer clusters would fit
 ])
-def test_short_pages_take_a_deeper_ring_where_the_launch_keeps_its_occupancy(stand_in_hopper, monkeypatch, batch,
-                                                                             nheads_k, pages, page_size, stages,
-                                                                             form):
+def test_deeper_ring_where_the_launch_keeps_its_occupancy(stand_in_hopper, monkeypatch, batch, nheads_k, pages,
+                                                          page_size, stages, form):
     monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 3)
     cache = (batch * pages, page_size)
     call = _call(batch=batch, nheads=32, nheads_k=nheads_k, cache=cache, paged=pages, causal=False)

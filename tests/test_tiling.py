@@ -484,23 +484,30 @@ def test_families_whose_tiles_exceed_the_gpus_shared_memory_are_not_picked():
     assert reason == f"needs 135168 bytes of shared memory per block, the GPU gives {small}"
 
 
-def test_short_page_ring_only_where_the_launch_keeps_its_occupancy():
-    """Three K/V buffers over short pages (``short_page_ring``) where the
-    launch's blocks still fit one wave of what an SM holds with them (two
-    at d128 on a Hopper, one at d192 and d256), ranges are short, and the
-    GPU's blocks have the shared memory; two otherwise."""
-    from cuflash._tiling import decode_cluster_tiling, decode_tilings, short_page_ring
+def test_decode_ring_at_one_block_an_sm_or_over_short_pages():
+    """Three K/V buffers (``decode_ring``) for any cache where the launch is
+    at most one block an SM; over short pages also where its blocks still
+    fit one wave of what an SM holds with them (two at d128 on a Hopper,
+    one at d192 and d256) and ranges are short; never where the GPU's
+    blocks lack the shared memory, for clustered or cp.async tiles."""
+    from cuflash._tiling import decode_cluster_tiling, decode_ring, decode_tilings
 
     for head_dim, per_sm in ((128, 2), (192, 1), (256, 1)):
         split = dataclasses.replace(decode_tilings("bfloat16", head_dim, 8)[1], kv_tma=True)
 
-        def stages(page_size=16, blocks=10, range_blocks=16, smem=None):
-            return short_page_ring(split, page_size, "bfloat16", blocks, range_blocks, 132, smem).kv_stages
+        def stages(page_size=16, blocks=200, range_blocks=16, smem=None):
+            return decode_ring(split, page_size, "bfloat16", blocks, range_blocks, 132, smem).kv_stages
 
-        assert stages() == stages(blocks=per_sm * 132) == 3, head_dim
+        # one block an SM: any cache, any range
+        for page_size in (None, 16, 64, 256):
+            assert stages(page_size, blocks=132, range_blocks=1000) == 3, (head_dim, page_size)
+        assert stages(page_size=None, blocks=133) == 2 and stages(page_size=256, blocks=133) == 2
+        # short pages past one block an SM
+        assert stages(blocks=per_sm * 132) == 3, head_dim
         assert stages(blocks=per_sm * 132 + 1) == 2  # a second wave, or fewer blocks an SM than two buffers leave
-        assert stages(range_blocks=17) == 2 and stages(page_size=64) == 2 and stages(page_size=None) == 2
-        assert stages(smem=99 * 1024) == 2  # sm_120's 99 KiB blocks
-        assert short_page_ring(decode_cluster_tiling(split, 4), 16, "bfloat16", 10, 4, 132).kv_stages == 2
+        assert stages(range_blocks=17) == 2 or per_sm == 1
+        assert stages(blocks=133, range_blocks=17) == 2 and stages(blocks=133, page_size=64) == 2
+        assert stages(smem=99 * 1024) == 2 and stages(blocks=10, smem=99 * 1024) == 2  # sm_120's 99 KiB blocks
+        assert decode_ring(decode_cluster_tiling(split, 4), 16, "bfloat16", 10, 4, 132).kv_stages == 2
         cp_async = dataclasses.replace(split, kv_tma=False)
-        assert short_page_ring(cp_async, 16, "bfloat16", 10, 4, 132) == cp_async
+        assert decode_ring(cp_async, 16, "bfloat16", 10, 4, 132) == cp_async

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from .._kernel_families import FAMILY, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
-                       decode_tail_split, decode_tilings, short_page_ring, wave_efficient_splits)
+                       decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -717,12 +717,12 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         plan = _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
                               clusters=machine.compute_capability >= 90
                               and decode_cluster_tiling(decode, 2) is not None)
-        # On Hopper a decode over pages shorter than a key block that the
-        # copy engine takes may run with a deeper K/V ring (short_page_ring).
-        if (machine.compute_capability >= 90 and not plan.clustered and p.page_size is not None
+        # On Hopper a decode the copy engine takes runs with a deeper K/V
+        # ring at one block an SM, or over short pages (decode_ring).
+        if (machine.compute_capability >= 90 and not plan.clustered
                 and decode.warps_split_keys and copy_engine_box_rows(decode.block_n, p.page_size) is not None):
             parallel, key_blocks = _decode_grid(p, plan, plan.pack)
-            ring = short_page_ring(replace(decode, kv_tma=True), p.page_size, dtype, parallel * plan.splits,
+            ring = decode_ring(replace(decode, kv_tma=True), p.page_size, dtype, parallel * plan.splits,
                                    _cdiv(key_blocks, plan.splits), machine.sms)
             if ring.kv_stages != decode.kv_stages:
                 plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype),
