@@ -1350,7 +1350,8 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
                                                               layout=problem.layout)
         grid = _grid_size(num_m_blocks * splits, problem, problem.nheads, "the forward pass")
-        launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes))
+        launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes,
+                                     dependent=_forward_launch_dependent(problem, tiling)))
     params = pack(
         _forward_params_struct(tiling),
         **{name: tensor_ref(layouts[name]) for name in names},
@@ -1427,9 +1428,21 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
     # On Hopper the merge is a dependent launch: its launch latency overlaps
     # the forward's last blocks (the forward allows it, flash_fwd_mma.cu).
     merge = dataclasses.replace(merge, dependent=_kernel_generation(problem.device) >= 90)
-    launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0), merge]
+    launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0,
+                             dependent=_forward_launch_dependent(problem, tiling)), merge]
     return PlanParts([forward, merge_params], SPLIT_FORWARD_SLOTS, launches,
                      _forward_tensor_maps(problem, layouts, tiling, forward), buffers)
+
+
+def _forward_launch_dependent(problem: AttentionProblem, tiling: Tiling) -> bool:
+    """Whether a forward on ``tiling`` is launched as a dependent of the
+    kernel ahead of it on the stream (``KernelLaunch.dependent``): the
+    mma.sync forward on Hopper, whose blocks set up their shared memory
+    (mbarriers, tensor-map prefetches) and then wait for that kernel before
+    any global access (flash_fwd_mma.cu). A decode step's launch latency
+    and set-up then overlap the kernel before it: the previous step's merge
+    or forward, which let it start early."""
+    return tiling.kernel == "mma" and _kernel_generation(problem.device) >= 90
 
 
 def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, deterministic: bool,
