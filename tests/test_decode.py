@@ -330,3 +330,13 @@ def test_cluster_tilings_are_split_kv_decode_tiles_built_for_hopper_only():
     assert kernel_report.variants_for([variant], "sm_90a") == [variant]
     assert kernel_report.variants_for([variant], "sm_90") == [variant]
     assert kernel_report.variants_for([variant], "sm_80") == []
+
+
+@pytest.mark.parametrize("generation,kernel,dependent", [(90, "mma", True), (80, "mma", False), (90, "wgmma", False)])
+def test_the_mma_forward_is_a_dependent_launch_on_hopper(monkeypatch, generation, kernel, dependent):
+    """The mma.sync forward (whose blocks wait for the kernel ahead before
+    any global access, flash_fwd_mma.cu) is launched with programmatic
+    stream serialization on Hopper; the others are not (they do not wait)."""
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: generation)
+    tiling = dataclasses.replace(decode_tilings("bfloat16", 128)[1], kernel=kernel)
+    assert api._forward_launch_dependent(_problem(batch=1, seqlen_k=4096), tiling) is dependent

@@ -142,11 +142,12 @@ def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(sta
     plan = api.kvcache_plan(call, layouts, caches)
     append, forward, merge = _launched(plan, stand_in_hopper)
     assert append == "kv-cache-append/bfloat16/paged"
-    # GQA packed: no mask; a one-tile block; 16-row pages, merged by the merge kernel: the short-page ring.
+    # GQA packed: no mask; a one-tile block; 16-row pages, merged by the merge kernel: the deeper ring.
     assert forward.startswith("forward-mma/bfloat16/hdim128/m16n64w4/none/paged/kv3/split/split-keys")
     assert merge.startswith("merge-states/float32-bfloat16")
-    # The merge is a dependent launch on Hopper (its launch latency overlaps the forward's tail).
-    assert [dependent is not None for *_, dependent in plan._launches] == [False, False, True]
+    # On Hopper the forward and the merge are dependent launches (their launch latency overlaps the tail of
+    # the kernel before them; both wait for it before reading its results).
+    assert [dependent is not None for *_, dependent in plan._launches] == [False, True, True]
     assert set(plan.work_buffers) == {"out_partial", "lse_partial", "seqused_k"}
     assert plan.work_buffers["seqused_k"] == ((2,), "int32")
     # Pointers land where each kernel reads them (struct 0: forward, 1: merge, 2: append).
