@@ -14,8 +14,10 @@
 //
 // After split-KV's forward the merge is launched as a dependent kernel
 // (grid_dependency.cuh): its blocks may start while the forward finishes, and
-// wait for the forward's partial results before reading any. It lets the
-// kernel after it start early in turn.
+// wait for the forward's partial results before reading any. It does not
+// let the kernel after it start early (the next decode step's forward,
+// placed beside this call's forward, measured up to 1.4 us slower): that
+// kernel starts as this one's blocks exit.
 #include "grid_dependency.cuh"
 #include "numeric.cuh"
 #include "params.cuh"
@@ -51,7 +53,6 @@ constexpr int kStatesInFlight = 32;
 
 template <typename Partial, typename Out, int kVec, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
-    allow_dependent_launch();  // the next decode step's forward (flash_fwd_mma.cu) waits for this grid itself
     wait_for_prerequisite_grids();
     const int lane = threadIdx.x % 32;
     const index_t rows = params.size.seqlen_q;
