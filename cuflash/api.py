@@ -1439,9 +1439,9 @@ def _forward_launch_dependent(problem: AttentionProblem, tiling: Tiling) -> bool
     kernel ahead of it on the stream (``KernelLaunch.dependent``): the
     mma.sync forward on Hopper, whose blocks set up their shared memory
     (mbarriers, tensor-map prefetches) and then wait for that kernel before
-    any global access (flash_fwd_mma.cu). A decode step's launch latency
-    and set-up then overlap the kernel before it: the previous step's merge
-    or forward, which let it start early."""
+    any global access (flash_fwd_mma.cu). It is then scheduled as the
+    blocks of the kernel before it exit, not after that kernel completes,
+    and its set-up overlaps that kernel's end."""
     return tiling.kernel == "mma" and _kernel_generation(problem.device) >= 90
 
 

@@ -231,11 +231,9 @@ def kvcache_markdown(result: dict) -> str:
         f"`{env['commit']}`, {env['date']}; GPU time with launches queued (CUDA events, medians). cuflash: "
         "`attention_with_kvcache` with per-sequence `cache_seqlens`, the cache contiguous or paged (16- and "
         "256-row pages in shuffled order); SDPA (flash, cuDNN; `enable_gqa=True`) on the same keys, contiguous. "
-        "TB/s of K/V read (once per K/V head); ratios against the better SDPA backend. With launches queued, "
-        "each call follows the same call: on Hopper cuflash's forward is a dependent launch (its launch and "
-        "set-up overlap the kernel before it, which the previous call's merge lets start early), worth about "
-        "1 us a call here; after a kernel that does not let it start early (a user's projection, the L2 flush "
-        "below) it starts as that kernel's blocks exit.", "",
+        "TB/s of K/V read (once per K/V head); ratios against the better SDPA backend. On Hopper cuflash's "
+        "forward is a dependent launch: it is scheduled as the blocks of the kernel before it (here the same "
+        "call's) exit, and its set-up overlaps that kernel's end.", "",
         "| K/V heads | batch | keys | K/V MB | contiguous | paged 16 | paged 256 | SDPA flash | SDPA cuDNN | "
         "contiguous / best | paged 16 / best | paged 256 / best |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
