@@ -69,7 +69,8 @@ class KernelCost:
 #: (FlashAttention-2's mma.sync code) in the same run, 20% forward and 21%
 #: backward.
 #: cuflash's mma.sync kernels (sm_80/sm_89, or Hopper without sm_90a) take
-#: flash2's constants: same instructions, not fitted on their own. flash1
+#: flash2's constants: same instructions, not fitted on their own; on Hopper
+#: its decode blocks ("decode") take their own, fitted to the decode table. flash1
 #: takes flash2's pipes with its own grid and HBM round trips.
 KERNEL_COSTS = {
     ("cuflash", "fwd", 90): KernelCost(0.60, 0.40, 0, 2500, "wgmma forward, warp-specialised: one "
@@ -78,6 +79,15 @@ KERNEL_COSTS = {
     ("cuflash", "bwd", 90): KernelCost(0.60, 0.80, 1000, 10000, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
                                                                  "behind the element-wise work of the other"),
+    # Fitted to benchmarks/h100_kvcache.json (the decode table, 00762d5: 48
+    # points x contiguous, 16- and 256-row pages) by a grid search over the
+    # block and step cycles minimising the largest relative error, the
+    # pipes' constants left at flash2's (a decode block's products and
+    # exponentials are too small to fit them): largest error 28.9%, mean
+    # 11.2% over the 144 rows (flash2's constants: 97.9%, mean 16.0%).
+    ("cuflash", "decode", 90): KernelCost(0.55, 0.50, 800, 1500, "mma.sync decode blocks on Hopper: copy-engine "
+                                                                "K/V through a ring, one query tile, the warps' "
+                                                                "states merged together"),
     ("flash2", "fwd", 0): KernelCost(0.55, 0.50, 500, 5000, "FlashAttention-2 forward (mma.sync; several "
                                                            "blocks per SM interleave their pipes)"),
     ("flash2", "bwd", 0): KernelCost(0.55, 0.00, 3000, 20000, "FlashAttention-2 backward (mma.sync)"),
@@ -86,12 +96,13 @@ KERNEL_COSTS = {
 
 def kernel_cost(algorithm: str, pass_name: str, machine: Machine) -> KernelCost:
     """The constants of an algorithm's kernel on a machine's generation
-    (cuflash: the Hopper kernels on compute capability 9.0, below it the
-    mma.sync kernels with flash2's constants; flash1 and flash2 the same
+    (cuflash: the Hopper kernels on compute capability 9.0, ``pass_name``
+    "decode" its decode blocks there; below it the mma.sync kernels with
+    flash2's forward or backward constants; flash1 and flash2 the same
     everywhere)."""
     if algorithm == "cuflash" and machine.compute_capability >= 90:
         return KERNEL_COSTS[("cuflash", pass_name, 90)]
-    return KERNEL_COSTS[("flash2", pass_name, 0)]
+    return KERNEL_COSTS[("flash2", "fwd" if pass_name == "decode" else pass_name, 0)]
 
 
 @dataclass(frozen=True)
@@ -219,8 +230,10 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
             if plan.splits > 1 and not plan.clustered:
                 # the merge kernel: partial O and LSE in (from L2), O and LSE out
                 merge = heads * nq * (d * e + f)
-            # cuflash's decode tiles run its mma.sync forward, whose constants are flash2's
-            cost = kernel_cost("flash2" if plan.fwd_mma else algorithm, "fwd", machine)
+            # cuflash's decode tiles run its mma.sync forward: on Hopper with
+            # the decode blocks' own constants, before it flash2's
+            cost = kernel_cost(algorithm, "decode", machine) if plan.fwd_mma else kernel_cost(algorithm, "fwd",
+                                                                                              machine)
             out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
                               forward_dram - merge, cost))
             if merge:
