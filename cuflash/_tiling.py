@@ -494,10 +494,11 @@ def mma_forward_hopper_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
 #: heads, 16-row pages, 368.7 -> 372.3).
 DECODE_BLOCKS_PER_SM = 1
 #: The merge kernel reads up to this many states' columns in one round
-#: trip (``kStatesInFlight``, kernels_cu/merge_states.cu); a count just past
-#: it, within DECODE_MERGE_ROUND_TOLERANCE of filling the wave as well,
-#: takes it instead: 1 x 131072 keys, 4 K/V heads on the H100, 33 ranges
-#: (132 blocks) 100.1 us, 32 (128 blocks) 98.0.
+#: trip (``kStatesInFlight``, kernels_cu/merge_states.cu); a count past it
+#: takes it instead where that many ranges are longer by at most
+#: 1 / DECODE_MERGE_ROUND_TOLERANCE: 1 x 131072 keys, 4 K/V heads on the
+#: H100, 33 ranges of 63 key blocks (132 blocks) 100.1 us, 32 of 64 (128
+#: blocks) 98.0. (Not measured past 1.6% longer ranges.)
 DECODE_MERGE_STATES_A_ROUND = 32
 DECODE_MERGE_ROUND_TOLERANCE = 0.95
 #: cuflash's decode takes, among split counts that fit the slots in one
@@ -563,15 +564,18 @@ def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
     blocks per sequence on ``sms`` SMs (cuflash.api.decode_splits; the
     simulator models cuflash with it): the count whose blocks fill one wave
     of ``DECODE_BLOCKS_PER_SM`` blocks per SM best, no more than
-    ``DECODE_MERGE_STATES_A_ROUND`` where that fills it nearly as well, and
-    no more ranges than the key blocks make non-empty. (Where this says 1,
+    ``DECODE_MERGE_STATES_A_ROUND`` where that many ranges are nearly as
+    short (``DECODE_MERGE_ROUND_TOLERANCE``), and no more ranges than the
+    key blocks make non-empty. (Where this says 1,
     a launch past one wave may still take two clustered ranges:
     ``decode_tail_split``.)"""
     slots = DECODE_BLOCKS_PER_SM * sms
     splits = wave_efficient_splits(parallel_blocks, slots, key_blocks,
                                    max_splits=min(128, -(-slots // max(parallel_blocks, 1))),
                                    tolerance=DECODE_WAVE_TOLERANCE)
-    if DECODE_MERGE_STATES_A_ROUND < splits <= DECODE_MERGE_STATES_A_ROUND / DECODE_MERGE_ROUND_TOLERANCE:
+    if splits > DECODE_MERGE_STATES_A_ROUND and (DECODE_MERGE_ROUND_TOLERANCE
+                                                 * -(-key_blocks // DECODE_MERGE_STATES_A_ROUND)
+                                                 <= -(-key_blocks // splits)):
         splits = DECODE_MERGE_STATES_A_ROUND
     per_split = -(-key_blocks // min(splits, key_blocks))
     return -(-key_blocks // per_split)
@@ -668,7 +672,7 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
 
 #: K/V buffers of the copy-engine decode tiles (``decode_ring``) in
 #: launches of at most DECODE_DEEP_RING_BLOCKS_PER_SM blocks an SM (every
-#: split launch, ``DECODE_BLOCKS_PER_SM``), and over a paged cache whose
+#: split launch of the heuristic's count, ``DECODE_BLOCKS_PER_SM``), and over a paged cache whose
 #: pages are shorter than a key block (one box per page: 16- and 32-row
 #: pages) in launches that lose no occupancy by them and whose ranges are
 #: short; the others keep the decode tiles' two. Measured on the H100

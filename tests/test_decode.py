@@ -116,10 +116,10 @@ def test_merge_checks_name_the_argument():
 def test_split_kv_fills_one_block_an_sm_and_the_merges_round(monkeypatch):
     """Split-KV fills one wave of one decode block per SM, as exactly as the
     key blocks allow (measured faster on the H100 than two blocks an SM,
-    with three K/V buffers a block); a count just past the merge kernel's
-    states a round trip (DECODE_MERGE_STATES_A_ROUND) that fills the wave
-    nearly as well takes it instead; none where the grid already nearly
-    fills the GPU."""
+    with three K/V buffers a block); a count past the merge kernel's states
+    a round trip (DECODE_MERGE_STATES_A_ROUND) takes it instead where its
+    ranges are nearly as short; none where the grid already nearly fills
+    the GPU."""
     from cuflash._tiling import DECODE_BLOCKS_PER_SM, DECODE_MERGE_STATES_A_ROUND, wave_efficient_splits
 
     monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
@@ -135,8 +135,13 @@ def test_split_kv_fills_one_block_an_sm_and_the_merges_round(monkeypatch):
     four = dataclasses.replace(long, nheads=4)
     assert wave_efficient_splits(4, 132, 2048, max_splits=33, tolerance=1.0) == 33
     assert api.decode_splits(four, split, None) == 32
-    # 3 K/V heads: 44 ranges (132 slots) against 32 (96): past the round's tolerance
+    # 3 K/V heads: 44 ranges (132 slots) against 32 (96): ranges of 47 key blocks against 64
     assert api.decode_splits(dataclasses.replace(long, nheads=3), split, None) == 44
+    # 33 ranges whose 32 would be longer past the tolerance stay: 257 key blocks (33 of 8 against 32 of 9,
+    # which rounds to 29), 1089 (33 of 33 against 35)
+    for key_blocks in (257, 1089):
+        keys = dataclasses.replace(four, seqlen_k=key_blocks * split.block_n)
+        assert api.decode_splits(keys, split, None) == 33, key_blocks
     # 8 x 16384: 64 parallel blocks, 2 ranges (128 of 132 slots), not a second wave
     assert api.decode_splits(dataclasses.replace(long, batch=8, seqlen_k=16384), split, None) == 2
     # 16 x 1024: 128 blocks unsplit nearly fill the GPU

@@ -136,6 +136,39 @@ def _launched(plan, requested):
     return [requested[function - 1] for function, *_ in plan._launches]
 
 
+@pytest.mark.parametrize("cache,paged,new,batch", [((600, 16), 512, 1, 2), ((3, 1024), None, 0, 3),
+                                                  ((64, 1024), None, 0, 64), ((4, 128), None, 0, 4)])
+def test_every_dependent_launch_is_of_a_kernel_that_waits(monkeypatch, cache, paged, new, batch):
+    """A kernel launched with programmatic stream serialization may start
+    before the kernel ahead of it has finished, so its source must wait for
+    that kernel (``wait_for_prerequisite_grids``, grid_dependency.cuh):
+    split and unsplit decodes, clustered or not, with an append."""
+    from pathlib import Path
+
+    from cuflash._loader import kernel_source_dir
+
+    variants = []
+
+    def get(variant, device):
+        variants.append(variant)
+        return SimpleNamespace(kernel=SimpleNamespace(ptr=len(variants)))
+
+    monkeypatch.setattr(api.loader, "get", get)
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 3)
+    monkeypatch.setattr(api, "plans", PlanCache())
+    call = _call(batch=batch, cache=cache, paged=paged, new=new, causal=False)
+    layouts, caches = _layouts(call, cache, new)
+    plan = api.kvcache_plan(call, layouts, caches)
+    dependent = [variants[function - 1] for function, *_, config in plan._launches if config is not None]
+    assert dependent and any(variant.key.startswith("forward-mma/") for variant in dependent)
+    for variant in dependent:
+        source = (Path(kernel_source_dir()) / variant.source).read_text()
+        assert "wait_for_prerequisite_grids();" in source, variant.key
+
+
 def test_a_paged_decode_appends_first_then_runs_split_kv_on_the_paged_kernel(stand_in_hopper):
     call = _call(batch=2, cache=(600, 16), paged=512, new=1, cache_seqlens="array")
     layouts, caches = _layouts(call, (600, 16), 1)
