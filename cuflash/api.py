@@ -1437,11 +1437,9 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
 def _forward_launch_dependent(problem: AttentionProblem, tiling: Tiling) -> bool:
     """Whether a forward on ``tiling`` is launched as a dependent of the
     kernel ahead of it on the stream (``KernelLaunch.dependent``): the
-    mma.sync forward on Hopper, whose blocks set up their shared memory
-    (mbarriers, tensor-map prefetches) and then wait for that kernel before
+    mma.sync forward on Hopper, whose blocks wait for that kernel before
     any global access (flash_fwd_mma.cu). It is then scheduled as the
-    blocks of the kernel before it exit, not after that kernel completes,
-    and its set-up overlaps that kernel's end."""
+    blocks of the kernel before it exit, not after that kernel completes."""
     return tiling.kernel == "mma" and _kernel_generation(problem.device) >= 90
 
 

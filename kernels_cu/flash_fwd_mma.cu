@@ -107,21 +107,11 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     Element* k_tile = reinterpret_cast<Element*>(smem + Traits::kK);
     Element* v_tile = reinterpret_cast<Element*>(smem + Traits::kV);
     const u32 kv_full = shared_address(smem + Traits::kKvFull);  // stage s's mbarrier: kv_full + 8 s (kKvTma)
-    if constexpr (kKvTma) {
-        if (threadIdx.x == 0) {
-            prefetch_tensor_map(params.k_map);
-            prefetch_tensor_map(params.v_map);
-            for (int s = 0; s < kKvStages; ++s) {
-                mbarrier_init(kv_full + 8 * s, 1);
-            }
-            mbarrier_init_fence();
-        }
-        __syncthreads();
-    }
     // Launched as a dependent (decoding on Hopper), this block may start
-    // while the kernel ahead of it on the stream runs: everything above
-    // touches only this block's shared memory; every global access, reads
-    // (the sequence lengths first) and writes alike, follows the wait.
+    // while the kernel ahead of it on the stream runs: every global access,
+    // reads (the sequence lengths first) and writes alike, follows the
+    // wait. (The mbarriers are initialised below, not before it: there the
+    // d128 causal two-block cluster variant spilled.)
     wait_for_prerequisite_grids();
 
     // This block's query tile. Computed again for the epilogue (block_index
@@ -237,6 +227,15 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
             load_values(n_block, stage);
         }
     };
+    if constexpr (kKvTma) {
+        if (thread == 0) {
+            for (int s = 0; s < kKvStages; ++s) {
+                mbarrier_init(kv_full + 8 * s, 1);
+            }
+            mbarrier_init_fence();
+        }
+        __syncthreads();
+    }
     // A block whose rows see no key (causal, seqlen_q > seqlen_k) loads
     // nothing and writes zeros and -inf.
     if (key_range.end > key_range.begin) {

@@ -31,14 +31,6 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
         : "memory");
 }
 
-// Brings `map` (a __grid_constant__ parameter) into the copy engine's
-// descriptor cache ahead of its first copy. It reads the kernel's own
-// parameters, nothing an earlier kernel writes, so a dependent launch may
-// issue it before wait_for_prerequisite_grids (grid_dependency.cuh).
-__device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {
-    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(&map)) : "memory");
-}
-
 // Loads a kRows x Tile::kCols tile whose first row is `row` into a swizzled
 // tile (SwizzledTile, swizzled_tile.cuh) at `dst`: one box per column panel
 // (the map's box is kPanelCols wide and kRows tall, in the tile's swizzle).
