@@ -48,16 +48,18 @@ def test_every_variant_compiles_and_is_reported():
     # tiling, decode ones included (104 x 3 each). On Hopper the one-tile
     # tiles and their cluster forms (72) copy K and V by the Tensor Memory
     # Accelerator in dense batches and contiguous caches (the same counts),
-    # and paged caches have both forms (176 x 3) and the one-tile tiles'
-    # copy-engine short-page ring (three K/V buffers) too (24 x 3)
-    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == 111 * 4 + 19 * 3 + (104 + 200) * 3
+    # and paged caches have both forms (176 x 3); the one-tile tiles'
+    # copy-engine ring of three K/V buffers (decode_ring) is built for all
+    # three layouts (24 x 4 dense, 24 x 3 each cache)
+    assert sum(row["variant"].startswith("forward-mma/") for row in rows) == (
+        111 * 4 + 19 * 3 + (104 + 176) * 3 + 24 * 4 + 2 * 24 * 3)
     assert sum("/packed" in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == 19 * 3
     assert sum("/cluster" in row["variant"] for row in rows) == 48 * 4 + 48 * 3 + 2 * 48 * 3
-    assert sum("/tma" in row["variant"] for row in rows) == 72 * 4 + 2 * 72 * 3 + 24 * 3
-    assert sum("/kv3/" in row["variant"] and "/tma" in row["variant"] for row in rows) == 24 * 3
-    for layout, tilings in (("/cache/", 104), ("/paged/", 200)):
+    assert sum("/tma" in row["variant"] for row in rows) == 72 * 4 + 2 * 72 * 3 + 24 * 4 + 2 * 24 * 3
+    assert sum("/kv3/" in row["variant"] and "/tma" in row["variant"] for row in rows) == 24 * 4 + 2 * 24 * 3
+    for layout, tilings in (("/cache/", 104 + 24), ("/paged/", 176 + 24)):
         assert sum(layout in row["variant"] and row["variant"].startswith("forward-mma/") for row in rows) == tilings * 3
-    assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 111
+    assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 111 + 24
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
