@@ -566,8 +566,8 @@ def decode_split_count(parallel_blocks: int, sms: int, key_blocks: int) -> int:
     of ``DECODE_BLOCKS_PER_SM`` blocks per SM best, no more than
     ``DECODE_MERGE_STATES_A_ROUND`` where that many ranges are nearly as
     short (``DECODE_MERGE_ROUND_TOLERANCE``), and no more ranges than the
-    key blocks make non-empty. (Where this says 1,
-    a launch past one wave may still take two clustered ranges:
+    key blocks make non-empty. (Where this says 1, a launch past one wave
+    may still take two clustered ranges:
     ``decode_tail_split``.)"""
     slots = DECODE_BLOCKS_PER_SM * sms
     splits = wave_efficient_splits(parallel_blocks, slots, key_blocks,
@@ -672,8 +672,8 @@ def copy_engine_box_rows(block_n: int, page_size: int | None = None) -> int | No
 
 #: K/V buffers of the copy-engine decode tiles (``decode_ring``) in
 #: launches of at most DECODE_DEEP_RING_BLOCKS_PER_SM blocks an SM (every
-#: split launch of the heuristic's count, ``DECODE_BLOCKS_PER_SM``), and over a paged cache whose
-#: pages are shorter than a key block (one box per page: 16- and 32-row
+#: split launch of the heuristic's count, ``DECODE_BLOCKS_PER_SM``), and
+#: over a paged cache whose pages are shorter than a key block (one box per page: 16- and 32-row
 #: pages) in launches that lose no occupancy by them and whose ranges are
 #: short; the others keep the decode tiles' two. Measured on the H100
 #: (bf16 d128, one token, every point of the decode table, one process;

@@ -1231,7 +1231,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
 
     def ring(tiling: Tiling, ranges: int) -> Tiling:  # decode_ring for this launch of `ranges` key ranges
         return decode_ring(tiling, _page_size(problem), problem.dtype, parallel * ranges, -(-key_blocks // ranges),
-                               sms, _shared_memory_per_block(problem.device))
+                           sms, _shared_memory_per_block(problem.device))
 
     smallest = (decode_cluster_tiling(split, min(_tiling.DECODE_CLUSTER_SPLITS))
                 if _tiling.DECODE_CLUSTER_SPLITS and _kernel_generation(problem.device) >= 90 else None)

@@ -138,7 +138,7 @@ def _launched(plan, requested):
 
 @pytest.mark.parametrize("cache,paged,new,batch", [((600, 16), 512, 1, 2), ((3, 1024), None, 0, 3),
                                                   ((64, 1024), None, 0, 64), ((4, 128), None, 0, 4)])
-def test_every_dependent_launch_is_of_a_kernel_that_waits(monkeypatch, cache, paged, new, batch):
+def test_every_dependent_launch_is_of_a_kernel_that_waits(stand_in_hopper, monkeypatch, cache, paged, new, batch):
     """A kernel launched with programmatic stream serialization may start
     before the kernel ahead of it has finished, so its source must wait for
     that kernel (``wait_for_prerequisite_grids``, grid_dependency.cuh):
@@ -148,17 +148,10 @@ def test_every_dependent_launch_is_of_a_kernel_that_waits(monkeypatch, cache, pa
     from cuflash._loader import kernel_source_dir
 
     variants = []
-
-    def get(variant, device):
-        variants.append(variant)
-        return SimpleNamespace(kernel=SimpleNamespace(ptr=len(variants)))
-
-    monkeypatch.setattr(api.loader, "get", get)
-    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
-    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
-    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    record_key = api.loader.get  # the stand-in's: numbers the kernels by request
+    monkeypatch.setattr(api.loader, "get", lambda variant, device: variants.append(variant) or record_key(variant,
+                                                                                                         device))
     monkeypatch.setattr(api, "_decode_blocks_per_sm", lambda problem, tiling: 3)
-    monkeypatch.setattr(api, "plans", PlanCache())
     call = _call(batch=batch, cache=cache, paged=paged, new=new, causal=False)
     layouts, caches = _layouts(call, cache, new)
     plan = api.kvcache_plan(call, layouts, caches)

@@ -233,7 +233,7 @@ def kvcache_markdown(result: dict) -> str:
         "256-row pages in shuffled order); SDPA (flash, cuDNN; `enable_gqa=True`) on the same keys, contiguous. "
         "TB/s of K/V read (once per K/V head); ratios against the better SDPA backend. On Hopper cuflash's "
         "forward is a dependent launch: it is scheduled as the blocks of the kernel before it (here the same "
-        "call's) exit, and its set-up overlaps that kernel's end.", "",
+        "call's) exit.", "",
         "| K/V heads | batch | keys | K/V MB | contiguous | paged 16 | paged 256 | SDPA flash | SDPA cuDNN | "
         "contiguous / best | paged 16 / best | paged 256 / best |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -723,7 +723,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
                 and decode.warps_split_keys and copy_engine_box_rows(decode.block_n, p.page_size) is not None):
             parallel, key_blocks = _decode_grid(p, plan, plan.pack)
             ring = decode_ring(replace(decode, kv_tma=True), p.page_size, dtype, parallel * plan.splits,
-                                   _cdiv(key_blocks, plan.splits), machine.sms)
+                               _cdiv(key_blocks, plan.splits), machine.sms)
             if ring.kv_stages != decode.kv_stages:
                 plan = replace(plan, fwd_blocks_per_sm=_blocks_per_sm(machine, ring.forward_smem_bytes(dtype),
                                                                       ring.threads))

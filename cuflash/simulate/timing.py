@@ -232,8 +232,7 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
                 merge = heads * nq * (d * e + f)
             # cuflash's decode tiles run its mma.sync forward: on Hopper with
             # the decode blocks' own constants, before it flash2's
-            cost = kernel_cost(algorithm, "decode", machine) if plan.fwd_mma else kernel_cost(algorithm, "fwd",
-                                                                                              machine)
+            cost = kernel_cost(algorithm, "decode" if plan.fwd_mma else "fwd", machine)
             out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
                               forward_dram - merge, cost))
             if merge:
