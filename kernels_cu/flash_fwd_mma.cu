@@ -147,8 +147,8 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     // A paged cache's page numbers, read a tile ahead where the K/V
     // buffers are two (the next tile's are fetched while this one is
     // computed; with one buffer K and V of a tile load an iteration apart).
-    // Not with copy-engine K/V, whose warp 0 looks the pages up as it
-    // issues the boxes.
+    // Not with copy-engine K/V, whose issuing threads look the pages up as
+    // they issue the boxes.
     using PagedRows = PagedKeyRows<kBlockN, kHeadDim, Traits::kThreads, Element>;
     constexpr bool kPrefetchPages = Batch::kPaged && !kKvTma && kKvStages >= 2 && PagedRows::kPrefetches;
     PagedRows pages;
@@ -176,16 +176,22 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     };
     const auto load_keys = [&](int n_block, int stage) { load_key_block(k_tile, params.k, k, n_block, stage); };
     const auto load_values = [&](int n_block, int stage) { load_key_block(v_tile, params.v, v, n_block, stage); };
-    // Copy-engine K/V over pages: warp 0's lanes issue a box each, a page's
-    // rows (or the block's rows in a page). Each lane reads its box's page
-    // number for the block issued next as it issues this one's, so the
-    // table read (a dependent global load) is off the loop's critical path:
-    // nothing uses the loaded value until then (the clamp neither).
+    // Copy-engine K/V over pages: a box each page's rows (or the block's
+    // rows in a page), box b issued by lane b / kWarps of warp b % kWarps.
+    // Spread over the warps, not issued by one: the warp that issues a
+    // block's copies reaches the loop's next barrier late, by more the more
+    // copies it issues (all from warp 0, 16-row pages took 17.5 us where
+    // 32-row ones took 15.8, the bytes being the same: 1 x 16384 keys, 4 K/V
+    // heads, K/V in L2; spread, 15.0 and 14.9, H100). Each thread reads its
+    // box's page number for the block issued next as it issues this one's,
+    // so the table read (a dependent global load) is off the loop's critical
+    // path: nothing uses the loaded value until then (the clamp neither).
     const int box_rows = Batch::kPaged ? min(origin.page_size, kBlockN) : kBlockN;
+    const int box_row0 = (lane * kWarps + warp) * box_rows;  // this thread's box's first row in a key block
     int next_box_page = 0;
     const auto read_box_page = [&](int n_block) {
-        const int row0 = lane * box_rows, key = n_block * kBlockN + row0;
-        if (warp == 0 && n_block >= key_range.begin && row0 < kBlockN && key < ctx.seqlen_k) {
+        const int key = n_block * kBlockN + box_row0;
+        if (n_block >= key_range.begin && box_row0 < kBlockN && key < ctx.seqlen_k) {
             next_box_page = __ldg(origin.pages + key / origin.page_size);
         }
     };
@@ -198,24 +204,23 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
             const int n_start = n_block * kBlockN;
             if constexpr (Batch::kPaged) {
                 // Boxes up to the last key, from the page numbers read when
-                // the block before was issued (read_box_page).
-                if (warp == 0) {
-                    const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
-                    if (lane == 0) {
-                        mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
-                    }
-                    __syncwarp();
-                    const int row0 = lane * box_rows;
-                    if (row0 < rows) {
-                        const int in_page = (n_start + row0) % origin.page_size;
-                        const u32 offset = row0 * KvTile::kSwizzleBytes;
-                        // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
-                        const int page = min(max(next_box_page, 0), origin.num_pages - 1);
-                        tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
-                        tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
-                    }
-                    read_box_page(n_block - 1);  // blocks are issued from the last to the first
+                // the block before was issued (read_box_page). Boxes of other
+                // warps may land before thread 0 expects their bytes: the
+                // stage's tx-count may go below zero, and its phase cannot
+                // complete before thread 0's arrival, which brings the total.
+                const int rows = min(kBlockN, ceil_div(ctx.seqlen_k - n_start, box_rows) * box_rows);
+                if (thread == 0) {
+                    mbarrier_arrive_expect_tx(full, 2 * rows * (KvTile::kBytes / kBlockN));
                 }
+                if (box_row0 < rows) {
+                    const int in_page = (n_start + box_row0) % origin.page_size;
+                    const u32 offset = box_row0 * KvTile::kSwizzleBytes;
+                    // Clamped as paged_key_row does: a bad page number reads a wrong page, inside the cache.
+                    const int page = min(max(next_box_page, 0), origin.num_pages - 1);
+                    tma_load_tile<KvTile>(k_buffer + offset, params.k_map, full, in_page, origin.kv_head, page);
+                    tma_load_tile<KvTile>(v_buffer + offset, params.v_map, full, in_page, origin.kv_head, page);
+                }
+                read_box_page(n_block - 1);  // blocks are issued from the last to the first
             } else if (thread == 0) {
                 const int row = static_cast<int>(origin.k_row0) + n_start;
                 mbarrier_arrive_expect_tx(full, 2 * KvTile::kBytes);
