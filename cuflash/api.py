@@ -1425,8 +1425,8 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
         partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
         struct=1)
-    # On Hopper the merge is a dependent launch: its launch latency overlaps
-    # the forward's last blocks (the forward allows it, flash_fwd_mma.cu).
+    # On Hopper the merge is a dependent launch: it is scheduled as the
+    # forward's blocks exit, its launch latency overlapping the last ones.
     merge = dataclasses.replace(merge, dependent=_kernel_generation(problem.device) >= 90)
     launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0,
                              dependent=_forward_launch_dependent(problem, tiling)), merge]

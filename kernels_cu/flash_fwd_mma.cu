@@ -88,16 +88,6 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     using Operands = MmaOperands<Element, kStride>;
     static_assert(Operands::kKStep == kKStep, "one k step: 32 bytes of k in the traits and the operands");
 
-    if constexpr (kSplitKv && !kClustered) {
-        // The merge kernel follows as a dependent launch: it may be scheduled
-        // once every block of this grid has started (grid_dependency.cuh),
-        // and waits for this grid's partial results before reading them.
-        // (Not the other forms: a next decode step's forward scheduled
-        // early would take SM slots beside this grid's blocks, and measured
-        // up to 16% slower on the H100 at 256-1024 unsplit blocks and with
-        // clusters.)
-        allow_dependent_launch();
-    }
     require_shared_memory<Traits>();
     unsigned char* smem = shared_tile<unsigned char>(0);
     if constexpr (kKvTma) {

@@ -13,11 +13,13 @@
 // One warp per row; each lane holds kVec consecutive columns per step.
 //
 // After split-KV's forward the merge is launched as a dependent kernel
-// (grid_dependency.cuh): its blocks may start while the forward finishes, and
-// wait for the forward's partial results before reading any. It does not
-// let the kernel after it start early (the next decode step's forward,
-// placed beside this call's forward, measured up to 1.4 us slower): that
-// kernel starts as this one's blocks exit.
+// (grid_dependency.cuh): its blocks are scheduled as the forward's exit,
+// and wait for the forward's partial results before reading any. Neither
+// lets the kernel after it start earlier: with the forward allowing it at
+// its start (the merge's blocks placed beside the forward's), a call of
+// 1 x 16384 keys over 4 K/V heads took 15.5 us against 14.6 without; with
+// the merge allowing it, the next call's forward was placed beside this
+// one's (up to 1.4 us slower).
 #include "grid_dependency.cuh"
 #include "numeric.cuh"
 #include "params.cuh"
