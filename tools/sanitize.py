@@ -115,11 +115,11 @@ def main() -> int:
                         failures.append(f"varlen d{head_dim} causal={causal} deterministic={deterministic}: "
                                         f"{name} not finite")
         print(f"varlen head_dim {head_dim}: ran", flush=True)
-    # KV caches: paged (pages of 1, 16 and 256 rows, shuffled, out-of-range
+    # KV caches: paged (pages of 1, 16, 32 and 256 rows, shuffled, out-of-range
     # page numbers among the unused slots) and contiguous, entries of 0 to
     # 1000 keys, rows appended; decoding (split-KV) and chunked prefill.
     lengths = cupy.asarray([0, 17, 1000], dtype=cupy.int32)
-    for page_size in (None, 1, 16, 256):
+    for page_size in (None, 1, 16, 32, 256):
         for seqlen_q in (1, 80):
             q, _, _ = _inputs(128, seqlen_q, 1, seed=seqlen_q)
             q = cupy.concatenate([q] * 3)
