@@ -152,25 +152,65 @@ struct QueryBlock : SequenceRows {
     int split;
 };
 
-// This block's query tile; with kLongestFirst (a mask whose later rows see
-// more keys) the last tiles are handed out first. The splits of one query
-// tile are neighbours in the grid (they read the same Q rows). Like
+// A query tile's place in the grid: what query_block knows before it reads
+// the GPU's memory (the sequence's rows), from the parameters and the block
+// index alone. With kLongestFirst (a mask whose later rows see more keys)
+// the last tiles are handed out first. The splits of one query tile are
+// neighbours in the grid (they read the same Q rows).
+struct QueryCoordinates {
+    index_t batch, head, kv_head;
+    int m_start;
+    int split;
+
+    // Makes the compiler compute these here, not after the asm that follows
+    // (a dependent launch computes them before it waits for the kernel ahead).
+    __device__ __forceinline__ void materialise() const {
+        asm volatile("" ::"l"(batch), "l"(head), "l"(kv_head), "r"(m_start), "r"(split));
+    }
+};
+
+// Reads the parameters Batch::rows reads first (the key counts' address;
+// the offsets' where packed) into the constant cache: a dependent launch
+// does it before its wait, and finds them there after it.
+__device__ __forceinline__ void warm_sequence_parameters(const ProblemSize& size) {
+    asm volatile("" ::"l"(size.seqused_k), "l"(size.cu_seqlens_q), "l"(size.cu_seqlens_k));
+}
+
+template <bool kLongestFirst>
+__device__ __forceinline__ QueryCoordinates query_coordinates(const ProblemSize& size, index_t num_m_blocks,
+                                                              int block_m, index_t num_splits = 1) {
+    const BlockCoordinates c = block_coordinates(num_m_blocks * num_splits, size.nheads);
+    const int tile = static_cast<int>(c.tile / num_splits);
+    QueryCoordinates q;
+    q.batch = c.batch;
+    q.head = c.head;
+    q.kv_head = size.kv_head_of(c.head);
+    q.m_start = (kLongestFirst ? counted_from_end(tile, num_m_blocks) : tile) * block_m;
+    q.split = static_cast<int>(c.tile % num_splits);
+    return q;
+}
+
+// The query tile at `c`, with its sequence's rows.
+template <typename Batch>
+__device__ __forceinline__ QueryBlock query_block_at(const ProblemSize& size, const QueryCoordinates& c) {
+    QueryBlock block;
+    static_cast<SequenceRows&>(block) = Batch::rows(size, c.batch);
+    block.batch = c.batch;
+    block.head = c.head;
+    block.kv_head = c.kv_head;
+    block.m_start = c.m_start;
+    block.split = c.split;
+    return block;
+}
+
+// This block's query tile (query_coordinates, query_block_at). Like
 // block_coordinates it is recomputed wherever it is called, so a kernel can
 // call it again in its epilogue instead of keeping batch, head and first row
 // in registers.
 template <typename Batch, bool kLongestFirst>
 __device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m,
                                                   index_t num_splits = 1) {
-    const BlockCoordinates c = block_coordinates(num_m_blocks * num_splits, size.nheads);
-    const int tile = static_cast<int>(c.tile / num_splits);
-    QueryBlock block;
-    static_cast<SequenceRows&>(block) = Batch::rows(size, c.batch);
-    block.batch = c.batch;
-    block.head = c.head;
-    block.kv_head = size.kv_head_of(c.head);
-    block.m_start = (kLongestFirst ? counted_from_end(tile, num_m_blocks) : tile) * block_m;
-    block.split = static_cast<int>(c.tile % num_splits);
-    return block;
+    return query_block_at<Batch>(size, query_coordinates<kLongestFirst>(size, num_m_blocks, block_m, num_splits));
 }
 
 // Split-KV: a sequence's key blocks cut into num_splits ranges of equal

@@ -100,16 +100,21 @@ __device__ __forceinline__ void forward_mma_block(const Params& params) {
     // Launched as a dependent (decoding on Hopper), this block may start
     // while the kernel ahead of it on the stream runs: every global access,
     // reads (the sequence lengths first) and writes alike, follows the
-    // wait. (The mbarriers are initialised below, not before it: there the
-    // d128 causal two-block cluster variant spilled.)
+    // wait. The block's place in the grid (parameters and block index only)
+    // is computed before it, its parameter reads and divisions overlapping
+    // the kernel ahead. (The mbarriers are initialised below, not before
+    // it: there the d128 causal two-block cluster variant spilled.)
+    const index_t num_splits = kSplitKv ? params.num_splits : 1;
+    const QueryCoordinates coordinates =
+        query_coordinates<Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+    coordinates.materialise();
+    warm_sequence_parameters(params.size);
     wait_for_prerequisite_grids();
 
     // This block's query tile. Computed again for the epilogue (block_index
     // is volatile), so that batch, head and m_start do not hold registers
     // through the main loop, where the accumulators need every one.
-    const index_t num_splits = kSplitKv ? params.num_splits : 1;
-    const QueryBlock origin =
-        query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, num_splits);
+    const QueryBlock origin = query_block_at<Batch>(params.size, coordinates);
     const BlockContext<Mask, Score> ctx(params, origin);
     // A packed batch's grid covers its longest sequence; the blocks past a
     // shorter one's end have no rows.
