@@ -1425,8 +1425,8 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
         partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
         struct=1)
-    # On Hopper the merge is a dependent launch: it is scheduled as the
-    # forward's blocks exit, its launch latency overlapping the last ones.
+    # On Hopper the merge is a dependent launch: scheduled once the forward's
+    # blocks have exited, its launch latency overlaps the forward's completion.
     merge = dataclasses.replace(merge, dependent=_kernel_generation(problem.device) >= 90)
     launches = [KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes, 0,
                              dependent=_forward_launch_dependent(problem, tiling)), merge]
@@ -1438,8 +1438,9 @@ def _forward_launch_dependent(problem: AttentionProblem, tiling: Tiling) -> bool
     """Whether a forward on ``tiling`` is launched as a dependent of the
     kernel ahead of it on the stream (``KernelLaunch.dependent``): the
     mma.sync forward on Hopper, whose blocks wait for that kernel before
-    any global access (flash_fwd_mma.cu). It is then scheduled as the
-    blocks of the kernel before it exit, not after that kernel completes."""
+    any global access (flash_fwd_mma.cu). It is then scheduled once the
+    blocks of the kernel before it have exited, not after that kernel has
+    completed and flushed its writes."""
     return tiling.kernel == "mma" and _kernel_generation(problem.device) >= 90
 
 

@@ -170,8 +170,8 @@ struct QueryCoordinates {
 };
 
 // Reads the parameters Batch::rows reads first (the key counts' address;
-// the offsets' where packed) into the constant cache: a dependent launch
-// does it before its wait, and finds them there after it.
+// the offsets' where packed) into registers: a dependent launch does it
+// before its wait, so that their constant-cache misses come before it too.
 __device__ __forceinline__ void warm_sequence_parameters(const ProblemSize& size) {
     asm volatile("" ::"l"(size.seqused_k), "l"(size.cu_seqlens_q), "l"(size.cu_seqlens_k));
 }

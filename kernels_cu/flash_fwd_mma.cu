@@ -34,11 +34,12 @@
 // through the block table: with two K/V buffers, the page numbers of the
 // next tile are read while this one is computed (paged_keys.cuh).
 //
-// Copy-engine K/V (kKvTma, Hopper's decode tiles): one thread copies each
-// key block of K and V by tensor maps (tma.cuh) into swizzled buffers
+// Copy-engine K/V (kKvTma, Hopper's decode tiles): K and V of each key
+// block come by tensor maps (tma.cuh) into swizzled buffers
 // (MmaForwardTraits), completing on the stage's mbarrier: one box of the
-// block's rows, or in a paged cache one box per page the block spans (or
-// the block's rows of one page), the pages looked up as the copies are
+// block's rows, copied by thread 0, or in a paged cache one box per page
+// the block spans (or the block's rows of one page), each box copied by its
+// own thread, the warps taking turns, the pages looked up as the copies are
 // issued. A stream of such copies reads HBM at the rate cuDNN's decoding
 // does (3.06-3.14 TB/s measured on the H100, against 2.88-2.96 for cp.async
 // rings: docs/perf-notes.md). Rows past the sequence's last key arrive as

@@ -1,13 +1,14 @@
 // Programmatic dependent launch (sm_90): a kernel launched with the
 // programmatic stream serialization attribute (cuflash/_launch.py,
-// KernelLaunch.dependent) is scheduled as the blocks of the kernel ahead of
-// it on the stream exit, not after that kernel completes. Its blocks then
-// wait in `wait_for_prerequisite_grids` until the earlier kernel has
-// completed and its memory writes are visible, so the dependent kernel's
-// launch latency overlaps the earlier kernel's tail instead of following it.
+// KernelLaunch.dependent) may be scheduled once every block of the kernel
+// ahead of it on the stream has exited (or let it start earlier), before
+// that kernel has completed and its memory writes are flushed. Its blocks
+// then wait in `wait_for_prerequisite_grids` until the earlier kernel has
+// completed and its writes are visible, so the dependent kernel's launch
+// latency overlaps the earlier kernel's completion instead of following it.
 //
-// No cuflash kernel lets its dependents start earlier than its blocks'
-// exits (griddepcontrol.launch_dependents): every place it was tried
+// No cuflash kernel lets its dependents start before its blocks have all
+// exited (griddepcontrol.launch_dependents): every place it was tried
 // measured slower on the H100, a next call's blocks placed beside the
 // running ones (docs/perf-notes.md, decoding).
 //

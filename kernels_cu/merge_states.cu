@@ -13,8 +13,8 @@
 // One warp per row; each lane holds kVec consecutive columns per step.
 //
 // After split-KV's forward the merge is launched as a dependent kernel
-// (grid_dependency.cuh): its blocks are scheduled as the forward's exit,
-// and wait for the forward's partial results before reading any. Neither
+// (grid_dependency.cuh): scheduled once the forward's blocks have exited,
+// its blocks wait for the forward's partial results before reading any. Neither
 // lets the kernel after it start earlier: with the forward allowing it at
 // its start (the merge's blocks placed beside the forward's), a call of
 // 1 x 16384 keys over 4 K/V heads took 15.5 us against 14.6 without; with

@@ -232,8 +232,8 @@ def kvcache_markdown(result: dict) -> str:
         "`attention_with_kvcache` with per-sequence `cache_seqlens`, the cache contiguous or paged (16- and "
         "256-row pages in shuffled order); SDPA (flash, cuDNN; `enable_gqa=True`) on the same keys, contiguous. "
         "TB/s of K/V read (once per K/V head); ratios against the better SDPA backend. On Hopper cuflash's "
-        "forward is a dependent launch: it is scheduled as the blocks of the kernel before it (here the same "
-        "call's) exit.", "",
+        "forward is a dependent launch: it is scheduled once the blocks of the kernel before it (here the same "
+        "call's) have exited.", "",
         "| K/V heads | batch | keys | K/V MB | contiguous | paged 16 | paged 256 | SDPA flash | SDPA cuDNN | "
         "contiguous / best | paged 16 / best | paged 256 / best |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
