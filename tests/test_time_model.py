@@ -270,15 +270,20 @@ def test_readme_has_simulate_examples():
 
 def test_the_decode_blocks_constants_fit_the_decode_table():
     """cuflash's decode blocks on Hopper take their own block and step
-    cycles (KERNEL_COSTS["cuflash", "decode", 90]), fitted to the decode
-    table: every cuflash row within 30% (flash2's constants were 98% over on
-    the smallest calls); before Hopper they take flash2's forward's."""
+    cycles and DRAM efficiency and latency (KERNEL_COSTS["cuflash",
+    "decode", 90]), fitted to the decode tables: every cuflash row within
+    25%, 6% on average (without the DRAM terms 29%, 9%; flash2's constants
+    were 98% over on the smallest calls); before Hopper they take flash2's
+    forward's, which have no DRAM terms."""
     from cuflash.simulate.machines import MACHINES
     from cuflash.simulate.timing import compare_with_bench, decode_table_rows, kernel_cost
 
     bench = json.loads((REPO / "benchmarks" / "h100_kvcache.json").read_text())
     records = [r for r in compare_with_bench(decode_table_rows(bench["decode"]), MACHINES["h100"])
                if r["algorithm"] == "cuflash"]
-    assert len(records) == 144 and max(abs(r["error"]) for r in records) < 0.30
+    errors = [abs(r["error"]) for r in records]
+    assert len(records) == 144 and max(errors) < 0.25 and sum(errors) / len(errors) < 0.06
+    flash2 = KERNEL_COSTS[("flash2", "fwd", 0)]
+    assert (flash2.dram_efficiency, flash2.dram_latency_cycles) == (1.0, 0.0)
     assert kernel_cost("cuflash", "decode", MACHINES["h100"]) == KERNEL_COSTS[("cuflash", "decode", 90)]
     assert kernel_cost("cuflash", "decode", MACHINES["a100"]) == KERNEL_COSTS[("flash2", "fwd", 0)]

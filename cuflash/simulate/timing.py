@@ -24,9 +24,11 @@ their work lands on the SMs:
   softmax), 1 hides them entirely (FlashAttention-3's ping-pong). Blocks
   resident on one SM share its pipes, so a block's time there is
   ``blocks_per_sm`` times its time alone.
-* **DRAM.** A kernel takes at least its DRAM bytes over the bandwidth; the
-  element-wise kernels of the backward (delta, the dQ conversion) are that
-  alone.
+* **DRAM.** A kernel takes at least its DRAM bytes over the bandwidth
+  (times the fraction of it the kernel's stream reaches, plus the cycles
+  before its first loads land: cuflash's decode blocks, fitted; 1 and 0
+  elsewhere); the element-wise kernels of the backward (delta, the dQ
+  conversion) are that alone.
 
 The constants of each kernel (``KERNEL_COSTS``: tensor efficiency, overlap,
 cycles per step and per block) are fitted to the H100 measurements in
@@ -56,6 +58,11 @@ class KernelCost:
     step_cycles: float  #: fixed cycles per step (barriers, pointer and mask work, pipeline fill)
     block_cycles: float  #: fixed cycles per thread block (prologue, epilogue, first loads)
     note: str
+    #: fraction of the machine's DRAM bandwidth the kernel's stream reaches
+    dram_efficiency: float = 1.0
+    #: cycles before a launch that reads DRAM streams at that rate (its
+    #: first loads' round trip under load, which no other block's bytes hide)
+    dram_latency_cycles: float = 0.0
 
 
 #: Per algorithm, pass and (cuflash) kernel generation. Fitted to
@@ -79,15 +86,20 @@ KERNEL_COSTS = {
     ("cuflash", "bwd", 90): KernelCost(0.60, 0.80, 1000, 10000, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
                                                                  "behind the element-wise work of the other"),
-    # Fitted to benchmarks/h100_kvcache.json (the decode table, 00762d5: 48
-    # points x contiguous, 16- and 256-row pages) by a grid search over the
-    # block and step cycles minimising the largest relative error, the
-    # pipes' constants left at flash2's (a decode block's products and
-    # exponentials are too small to fit them): largest error 28.9%, mean
-    # 11.2% over the 144 rows (flash2's constants: 97.9%, mean 16.0%).
-    ("cuflash", "decode", 90): KernelCost(0.55, 0.50, 800, 1500, "mma.sync decode blocks on Hopper: copy-engine "
+    # Fitted to the decode tables of f33f082 and 69d542b (two H100s; 48
+    # points x contiguous, 16- and 256-row pages each) by a grid search over
+    # the block and step cycles, the DRAM latency and efficiency, minimising
+    # the largest relative error (and half the mean), the pipes' constants
+    # left at flash2's (a decode block's products and exponentials are too
+    # small to fit them): largest error 19.7% and 20.1%, mean 4.4% and 4.7%
+    # over each table's 144 rows (without the DRAM terms: 28.3% and 29.2%,
+    # means 11.0% and 9.4%). The two DRAM terms are what the traces showed
+    # (docs/perf-notes.md): copy-engine streams at 3.08 of the preset's 3.35
+    # TB/s, and about a microsecond before a call's first K/V lands.
+    ("cuflash", "decode", 90): KernelCost(0.55, 0.50, 700, 1000, "mma.sync decode blocks on Hopper: copy-engine "
                                                                 "K/V through a ring, one query tile, the warps' "
-                                                                "states merged together"),
+                                                                "states merged together",
+                                          dram_efficiency=0.92, dram_latency_cycles=1800),
     ("flash2", "fwd", 0): KernelCost(0.55, 0.50, 500, 5000, "FlashAttention-2 forward (mma.sync; several "
                                                            "blocks per SM interleave their pipes)"),
     ("flash2", "bwd", 0): KernelCost(0.55, 0.00, 3000, 20000, "FlashAttention-2 backward (mma.sync)"),
@@ -171,7 +183,10 @@ def time_launch(launch: Launch, machine: Machine) -> Launch:
                      for count, work in launch.blocks]
         launch.compute_seconds = _makespan(durations, slots)
         launch.waves = sum(count for count, _ in launch.blocks) / slots
-    launch.memory_seconds = launch.dram_bytes / (machine.hbm_bandwidth * launch.bandwidth_share)
+    efficiency = launch.cost.dram_efficiency if launch.cost is not None else 1.0
+    launch.memory_seconds = launch.dram_bytes / (machine.hbm_bandwidth * launch.bandwidth_share * efficiency)
+    if launch.cost is not None and launch.dram_bytes > 0:
+        launch.memory_seconds += launch.cost.dram_latency_cycles / machine.clock_hz
     launch.seconds = max(launch.compute_seconds, launch.memory_seconds) + machine.launch_seconds
     return launch
 
