@@ -278,11 +278,13 @@ def test_the_decode_blocks_constants_fit_the_decode_table():
     from cuflash.simulate.machines import MACHINES
     from cuflash.simulate.timing import compare_with_bench, decode_table_rows, kernel_cost
 
-    bench = json.loads((REPO / "benchmarks" / "h100_kvcache.json").read_text())
-    records = [r for r in compare_with_bench(decode_table_rows(bench["decode"]), MACHINES["h100"])
-               if r["algorithm"] == "cuflash"]
-    errors = [abs(r["error"]) for r in records]
-    assert len(records) == 144 and max(errors) < 0.25 and sum(errors) / len(errors) < 0.06
+    # The latest table and the one before it, on another H100 (both fitted).
+    for name in ("h100_kvcache.json", "h100-f33f082_kvcache.json"):
+        bench = json.loads((REPO / "benchmarks" / name).read_text())
+        records = [r for r in compare_with_bench(decode_table_rows(bench["decode"]), MACHINES["h100"])
+                   if r["algorithm"] == "cuflash"]
+        errors = [abs(r["error"]) for r in records]
+        assert len(records) == 144 and max(errors) < 0.25 and sum(errors) / len(errors) < 0.06, name
     flash2 = KERNEL_COSTS[("flash2", "fwd", 0)]
     assert (flash2.dram_efficiency, flash2.dram_latency_cycles) == (1.0, 0.0)
     assert kernel_cost("cuflash", "decode", MACHINES["h100"]) == KERNEL_COSTS[("cuflash", "decode", 90)]

@@ -86,7 +86,8 @@ KERNEL_COSTS = {
     ("cuflash", "bwd", 90): KernelCost(0.60, 0.80, 1000, 10000, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
                                                                  "behind the element-wise work of the other"),
-    # Fitted to the decode tables of f33f082 and 69d542b (two H100s; 48
+    # Fitted to the decode tables of f33f082 and 69d542b (two H100s:
+    # benchmarks/h100-f33f082_kvcache.json and h100_kvcache.json; 48
     # points x contiguous, 16- and 256-row pages each) by a grid search over
     # the block and step cycles, the DRAM latency and efficiency, minimising
     # the largest relative error (and half the mean), the pipes' constants
