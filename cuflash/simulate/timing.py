@@ -101,8 +101,15 @@ KERNEL_COSTS = {
                                                                 "K/V through a ring, one query tile, the warps' "
                                                                 "states merged together",
                                           dram_efficiency=0.92, dram_latency_cycles=1800),
+    # Its DRAM efficiency from the same decode tables' SDPA flash column
+    # (flash-decoding), where it alone binds: 0.80 of the preset's rate
+    # (2.7 TB/s, what SDPA's flash backend reads on large calls): mean error
+    # 14.1% / 14.7% -> 7.9% / 8.6%, and the model orders it and cuflash as
+    # measured at 48 of 48 points (29 at 1.0); the FlashAttention-2 grid's
+    # rows, compute-bound, unchanged.
     ("flash2", "fwd", 0): KernelCost(0.55, 0.50, 500, 5000, "FlashAttention-2 forward (mma.sync; several "
-                                                           "blocks per SM interleave their pipes)"),
+                                                           "blocks per SM interleave their pipes)",
+                                     dram_efficiency=0.80),
     ("flash2", "bwd", 0): KernelCost(0.55, 0.00, 3000, 20000, "FlashAttention-2 backward (mma.sync)"),
 }
 
