@@ -114,6 +114,11 @@ KERNEL_COSTS = {
 }
 
 
+#: The DRAM terms of a launch without a kernel cost (element-wise kernels):
+#: the machine's rate, no latency.
+_NO_KERNEL_COST = KernelCost(1.0, 0.0, 0, 0, "element-wise: DRAM time alone")
+
+
 def kernel_cost(algorithm: str, pass_name: str, machine: Machine) -> KernelCost:
     """The constants of an algorithm's kernel on a machine's generation
     (cuflash: the Hopper kernels on compute capability 9.0, ``pass_name``
@@ -191,10 +196,10 @@ def time_launch(launch: Launch, machine: Machine) -> Launch:
                      for count, work in launch.blocks]
         launch.compute_seconds = _makespan(durations, slots)
         launch.waves = sum(count for count, _ in launch.blocks) / slots
-    efficiency = launch.cost.dram_efficiency if launch.cost is not None else 1.0
-    launch.memory_seconds = launch.dram_bytes / (machine.hbm_bandwidth * launch.bandwidth_share * efficiency)
-    if launch.cost is not None and launch.dram_bytes > 0:
-        launch.memory_seconds += launch.cost.dram_latency_cycles / machine.clock_hz
+    cost = launch.cost or _NO_KERNEL_COST
+    launch.memory_seconds = launch.dram_bytes / (machine.hbm_bandwidth * launch.bandwidth_share * cost.dram_efficiency)
+    if launch.dram_bytes > 0:
+        launch.memory_seconds += cost.dram_latency_cycles / machine.clock_hz
     launch.seconds = max(launch.compute_seconds, launch.memory_seconds) + machine.launch_seconds
     return launch
 
