@@ -223,8 +223,23 @@ struct UserMask : SequenceBounds {
           head(static_cast<int>(head_index)),
           row_shift(0) {}
 
+    // The rule in the generated three steps (cuflash.mods.rule_parts): the
+    // parts of a row (what reads no key position), of a key (what reads no
+    // query position), and their combination: fragment masking takes each
+    // row's and key's parts once, not once per score.
+    static constexpr bool kFactoredRule = true;
+    using RowPart = typename Rule::Row;
+    using KeyPart = typename Rule::Key;
+    __device__ __forceinline__ RowPart row_part(int row) const {
+        return Rule::row(arrays, batch, head, row + row_shift);
+    }
+    __device__ __forceinline__ KeyPart key_part(int key) const { return Rule::key(arrays, batch, head, key); }
+    __device__ __forceinline__ bool rule_of(const RowPart& row_values, const KeyPart& key_values, int row,
+                                            int key) const {
+        return Rule::combine(row_values, key_values, arrays, batch, head, row + row_shift, key);
+    }
     __device__ __forceinline__ bool rule(int row, int key) const {
-        return Rule::visible(arrays, batch, head, row + row_shift, key);
+        return rule_of(row_part(row), key_part(key), row, key);
     }
     __device__ __forceinline__ UserMask rows_from(int first_row) const {
         UserMask shifted = *this;
@@ -260,6 +275,8 @@ struct UserMask : SequenceBounds {
 
 // Whether a mask skips tiles by a tile map (UserMask); the others do not.
 CUFLASH_FLAG_TRAIT(HasTileMap, kTileMap);
+// Whether a mask's rule comes as row and key parts (UserMask).
+CUFLASH_FLAG_TRAIT(HasFactoredRule, kFactoredRule);
 
 // The mask of a block's sequences for query head `head` of batch entry
 // `batch` (only a user mask reads them).
@@ -319,10 +336,19 @@ __device__ __forceinline__ bool key_block_needs_mask(const Mask& mask, int first
     return n_start + block_n > mask.seqlen_k || mask.rule_hides_keys(first_row, rows, n_start, block_n);
 }
 
+// Row and column of element s[mt][nt][half * 2 + c] of mma accumulator
+// fragments (layout in mma.cuh) of a warp whose fragment rows start at row0
+// and columns at col0.
+__device__ __forceinline__ int fragment_row(int row0, int mt, int half, int lane) {
+    return row0 + mt * 16 + lane / 4 + half * 8;
+}
+__device__ __forceinline__ int fragment_col(int col0, int nt, int c, int lane) {
+    return col0 + nt * 8 + 2 * (lane % 4) + c;
+}
+
 // Calls f(value, row, col) for every element of mma accumulator fragments
-// s[kMTiles][kNTiles][4] (layout in mma.cuh) of a warp whose fragment rows
-// start at row0 and columns at col0. The same walk serves transposed scores
-// S^T, whose rows are keys and columns query rows.
+// s[kMTiles][kNTiles][4]. The same walk serves transposed scores S^T, whose
+// rows are keys and columns query rows.
 template <int kMTiles, int kNTiles, typename F>
 __device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kNTiles][4], int row0, int col0, int lane,
                                                           F&& f) {
@@ -330,10 +356,46 @@ __device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kN
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int row = row0 + mt * 16 + lane / 4 + (i / 2) * 8;
+            const int row = fragment_row(row0, mt, i / 2, lane);
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt) {
-                f(s[mt][nt][i], row, col0 + nt * 8 + 2 * (lane % 4) + i % 2);
+                f(s[mt][nt][i], row, fragment_col(col0, nt, i % 2, lane));
+            }
+        }
+    }
+}
+
+// The same walk with a value derived once per fragment row (row_value(row))
+// and once per column (col_value(col)): f(value, row, col, its row's value,
+// its column's value). A factored mask rule's parts (HasFactoredRule) come
+// this way, so that what depends on a row or a key alone (an array read
+// indexed by one position: a document id) is computed twice a row and a
+// key of the tile, not once per score.
+template <int kMTiles, int kNTiles, typename RowValue, typename ColValue, typename F>
+__device__ __forceinline__ void for_each_fragment_element_by_line(float (&s)[kMTiles][kNTiles][4], int row0, int col0,
+                                                                  int lane, RowValue&& row_value,
+                                                                  ColValue&& col_value, F&& f) {
+    decltype(row_value(0)) row_values[kMTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            row_values[mt][half] = row_value(fragment_row(row0, mt, half, lane));
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int col = fragment_col(col0, nt, c, lane);
+            const auto col_values = col_value(col);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    f(s[mt][nt][half * 2 + c], fragment_row(row0, mt, half, lane), col, row_values[mt][half],
+                      col_values);
+                }
             }
         }
     }
@@ -344,11 +406,22 @@ __device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kN
 template <typename Mask, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_mask_to_fragments(const Mask& mask, float (&s)[kMTiles][kNTiles][4], int row0,
                                                         int key0, int lane) {
-    for_each_fragment_element(s, row0, key0, lane, [&](float& score, int row, int key) {
-        if (!key_visible(mask, row, key)) {
-            score = negative_infinity();
-        }
-    });
+    if constexpr (HasFactoredRule<Mask>::value) {
+        for_each_fragment_element_by_line(
+            s, row0, key0, lane, [&](int row) { return mask.row_part(row); },
+            [&](int key) { return mask.key_part(key); },
+            [&](float& score, int row, int key, const auto& row_values, const auto& key_values) {
+                if (!(key < mask.seqlen_k && mask.rule_of(row_values, key_values, row, key))) {
+                    score = negative_infinity();
+                }
+            });
+    } else {
+        for_each_fragment_element(s, row0, key0, lane, [&](float& score, int row, int key) {
+            if (!key_visible(mask, row, key)) {
+                score = negative_infinity();
+            }
+        });
+    }
 }
 
 // The same for transposed scores S^T (rows are keys from key0, columns query
@@ -357,11 +430,22 @@ __device__ __forceinline__ void apply_mask_to_fragments(const Mask& mask, float 
 template <typename Mask, int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_mask_to_transposed_fragments(const Mask& mask, float (&s)[kMTiles][kNTiles][4],
                                                                    int key0, int row0, int lane) {
-    for_each_fragment_element(s, key0, row0, lane, [&](float& score, int key, int row) {
-        if (row >= mask.seqlen_q || !key_visible(mask, row, key)) {
-            score = negative_infinity();
-        }
-    });
+    if constexpr (HasFactoredRule<Mask>::value) {
+        for_each_fragment_element_by_line(
+            s, key0, row0, lane, [&](int key) { return mask.key_part(key); },
+            [&](int row) { return mask.row_part(row); },
+            [&](float& score, int key, int row, const auto& key_values, const auto& row_values) {
+                if (!(row < mask.seqlen_q && key < mask.seqlen_k && mask.rule_of(row_values, key_values, row, key))) {
+                    score = negative_infinity();
+                }
+            });
+    } else {
+        for_each_fragment_element(s, key0, row0, lane, [&](float& score, int key, int row) {
+            if (row >= mask.seqlen_q || !key_visible(mask, row, key)) {
+                score = negative_infinity();
+            }
+        });
+    }
 }
 
 }  // namespace cuflash

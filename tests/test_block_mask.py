@@ -123,7 +123,7 @@ def test_generated_rule_is_the_condition():
     trace = mods.trace_mask_mod(same_document, {"doc": np.zeros((2, 10), dtype=np.int32)})
     cxx, code = mods.mask_rule(trace)
     assert cxx.startswith("cuflash::UserRule_same_document_")
-    assert "static __device__ __forceinline__ bool visible" in code
+    assert "static CUFLASH_HOST_DEVICE bool visible" in code and "struct Row { int p0; };" in code
     assert register_user_mask(trace).rule_cxx == cxx
 
 

@@ -126,6 +126,35 @@ def test_generated_mask_code_is_the_condition(tmp_path, fn):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("fn", MASK_MODS, ids=lambda f: f.__name__)
+def test_generated_rule_in_parts_is_the_condition(tmp_path, fn):
+    """The kernels' rule (mask_rule): its row part, key part and their
+    combination give the condition at every point."""
+    arrays = _arrays(fn.__name__)
+    trace = mods.trace_mask_mod(fn, arrays)
+    cxx, code = mods.mask_rule(trace)
+    got = _run_generated(tmp_path, code, arrays, f"{cxx}::combine({cxx}::row(arrays, b, h, q_idx), "
+                         f"{cxx}::key(arrays, b, h, kv_idx), arrays, b, h, q_idx, kv_idx)")
+    np.testing.assert_array_equal(got.astype(bool), mods.evaluate_mask_mod(fn, GRID, arrays))
+
+
+def test_rule_parts_split_what_reads_one_position():
+    """What reads no key position is a row part, what reads the key but
+    not the query position a key part; what reads both stays per score."""
+    rows, keys = mods.rule_parts(mods.trace_mask_mod(document_mask, _arrays("document_mask")).value)
+    assert [(p.op, mods.reads_variable(p, "q_idx"), mods.reads_variable(p, "kv_idx")) for p in rows] == [
+        ("load", True, False)]
+    assert [(p.op, mods.reads_variable(p, "q_idx"), mods.reads_variable(p, "kv_idx")) for p in keys] == [
+        ("load", False, True)]
+    rows, keys = mods.rule_parts(mods.trace_mask_mod(window_or_sink).value)
+    assert [p.op for p in rows] == ["not"] and not mods.reads_variable(rows[0], "q_idx")  # ~(h != 1): per head
+    assert [p.op for p in keys] == ["=="] and mods.reads_variable(keys[0], "kv_idx")  # kv_idx == 0
+    cxx, code = mods.mask_rule(mods.trace_mask_mod(document_mask, _arrays("document_mask")))
+    combine = code[code.index("combine("):code.index("visible(")]
+    assert "arrays[0]" not in combine and "(row.p0 == key.p0)" in combine  # no array read per score
+
+
+@needs_nvcc
 def test_integer_division_and_modulo_are_pythons(tmp_path):
     def floors(score, b, h, q_idx, kv_idx):
         return (q_idx - 5) // (kv_idx - 4) * 100 + (q_idx - 5) % (kv_idx - 4)
