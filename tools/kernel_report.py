@@ -83,12 +83,13 @@ def spill_limit(key: str) -> int:
     if "dropout" in key:
         return 256
     if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/")):
-        # A user mask (cuflash.mods) evaluated per score beside the mma.sync
-        # kernels' accumulators (255 registers at d128 already): its array
-        # reads spill there, up to 200 bytes for a document mask in the d128
-        # forward, 16 in the backwards (README: limits). Hopper runs the
-        # wgmma kernels, which do not.
-        return 256 if key.startswith("forward-mma/") else 64
+        # A user mask (cuflash.mods) evaluated beside the mma.sync kernels'
+        # accumulators (255 registers at d128 already) spills there: a
+        # document mask 20 bytes in the d128 forward (200 before its array
+        # reads came once a row and a key, cuflash.mods.rule_parts), a
+        # window written as a mask function up to 72 in the d128 backward
+        # (README: limits). Hopper runs the wgmma kernels, which do not.
+        return 256 if key.startswith("forward-mma/") else 80
     other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
     if not key.startswith(FAST_PATH):
         return 64
