@@ -866,8 +866,8 @@ def rule_parts(expr: Expr) -> tuple[list[Expr], list[Expr]]:
     read no key position (the same for every key of a query row: a
     document id ``doc[b, q_idx]``) and those that read the key position but
     no query position (``doc[b, kv_idx]``), constants and plain variables
-    left out. A kernel computes each row's parts once and each key's once
-    per key block, then only what combines them per score."""
+    left out. A kernel's thread computes the parts of each of its rows and
+    keys once per tile, then only what combines them per score."""
     memo, rows, keys, seen, stack = {}, {}, {}, set(), [expr]
     while stack:
         node = stack.pop()

@@ -182,9 +182,12 @@ struct WindowMask : SequenceBounds {
 };
 
 // A user mask (cuflash.mods: mask_mod traced into CUDA C). Rule is the
-// generated struct, whose
+// generated struct (cuflash.mods.mask_rule), whose
 //   static bool visible(const void* const* arrays, int b, int h, int q_idx, int kv_idx)
-// is the user's condition; the tile map (tile_map.cuh, built on the GPU from
+// is the user's condition, and which gives it in parts too: Row row(arrays,
+// b, h, q_idx) and Key key(arrays, b, h, kv_idx), what reads one position
+// alone, combine(row, key, arrays, b, h, q_idx, kv_idx) the rest, kParts
+// how many parts there are (0: a rule of the positions alone); the tile map (tile_map.cuh, built on the GPU from
 // the same rule at the kernel's tiles) says which tiles it hides wholly
 // (the kernels skip them: VisitedKeyBlocks, the backward's QueryBlockWalk),
 // which it shows wholly (no element masking) and which are partial. The
@@ -375,9 +378,10 @@ __device__ __forceinline__ void for_each_fragment_element(float (&s)[kMTiles][kN
 // The same walk with a value derived once per fragment row (row_value(row))
 // and once per column (col_value(col)): f(value, row, col, its row's value,
 // its column's value). A factored mask rule's parts (HasFactoredRule) come
-// this way, so that what depends on a row or a key alone (an array read
-// indexed by one position: a document id) is computed twice a row and a
-// key of the tile, not once per score.
+// this way: what depends on a row or a key alone (an array read indexed by
+// one position: a document id) is computed once for each of the thread's
+// rows and columns in a tile (a row by the four lanes that hold it, a key
+// by the eight), not once per score.
 template <int kMTiles, int kNTiles, typename RowValue, typename ColValue, typename F>
 __device__ __forceinline__ void for_each_fragment_element_by_line(float (&s)[kMTiles][kNTiles][4], int row0, int col0,
                                                                   int lane, RowValue&& row_value,

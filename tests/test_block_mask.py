@@ -161,3 +161,26 @@ def test_user_masks_compile_into_the_kernels():
         assert row["registers"] > 0, row
         assert row["spill_stores"] <= kernel_report.spill_limit(variant.key), row
     assert "fill_tile_states" in kernel_report._translation_unit([builder])
+
+
+@needs_nvcc
+def test_hopper_forward_takes_a_causal_document_mask_without_spilling():
+    """The fast path (the wgmma forward, d128): a mask reading two
+    document ids per score spilled 8-20 bytes there before its rule came in
+    parts (the ids once a row and a key, mods.rule_parts); now none."""
+    import sys
+
+    from cuflash._kernel_families import FAMILY
+    from cuflash._loader import kernel_source_dir
+
+    sys.path.insert(0, str(kernel_source_dir().parent / "tools"))
+    import kernel_report
+
+    def causal_document(b, h, q_idx, kv_idx, doc):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+
+    mask = register_user_mask(mods.trace_mask_mod(causal_document, {"doc": np.zeros((2, 4096), dtype=np.int32)}))
+    family = FAMILY["forward-wgmma"]
+    (row,) = kernel_report.compile_report([family.variant("bfloat16", family.tiles_on("bfloat16", 128, 90), mask)],
+                                          "sm_90a")
+    assert row["registers"] > 0 and row["spill_stores"] == 0 and row["spill_loads"] == 0, row

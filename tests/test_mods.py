@@ -46,6 +46,10 @@ def window_or_sink(b, h, q_idx, kv_idx):
     return ((q_idx - kv_idx <= 3) & (kv_idx <= q_idx)) | (kv_idx == 0) | ~(h != 1)
 
 
+def causal_band(b, h, q_idx, kv_idx):  # positions alone: a rule without parts
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 5)
+
+
 def _arrays(name):
     rng = np.random.default_rng(0)
     # values exactly representable in bfloat16, so every dtype reads the same numbers
@@ -59,7 +63,7 @@ def _arrays(name):
 
 
 SCORE_MODS = [relative_bias, softcap_causal, alibi, smooth, out_of_range]
-MASK_MODS = [document_mask, window_or_sink]
+MASK_MODS = [document_mask, window_or_sink, causal_band]
 
 
 def _c_array(name: str, array: np.ndarray) -> str:

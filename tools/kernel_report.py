@@ -84,12 +84,15 @@ def spill_limit(key: str) -> int:
         return 256
     if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/")):
         # A user mask (cuflash.mods) evaluated beside the mma.sync kernels'
-        # accumulators (255 registers at d128 already) spills there: a
-        # document mask 20 bytes in the d128 forward (200 before its array
-        # reads came once a row and a key, cuflash.mods.rule_parts), a
-        # window written as a mask function up to 72 in the d128 backward
-        # (README: limits). Hopper runs the wgmma kernels, which do not.
-        return 256 if key.startswith("forward-mma/") else 80
+        # accumulators (255 registers at d128 already) spills there, at d128
+        # (bf16): a causal document mask up to 44 bytes in the forward (228
+        # before its array reads came once a row and a key,
+        # cuflash.mods.rule_parts), up to 88 in the dK/dV kernel on sm_90a
+        # (108 before; 40 on sm_80), a window written as a mask function up
+        # to 72 (README: limits). Of the Hopper kernels the wgmma forward
+        # does not spill with one; its dK/dV kernel does, 12-20 bytes with a
+        # document mask at d128, as before the parts.
+        return 256 if key.startswith("forward-mma/") else 96
     other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
     if not key.startswith(FAST_PATH):
         return 64
