@@ -19,7 +19,8 @@ fits in L2:
   blocks run in waves of ``sms * blocks_per_sm``, the tiles of one head are
   consecutive in the grid, and the shared data of the heads in flight at once
   (``ceil(concurrent / tiles_per_head) + 1`` heads) stays in L2 if it fits;
-  then it comes from DRAM once, otherwise once per wave over that head;
+  then it comes from DRAM once, otherwise once per wave over that head (in
+  the forward, the keys the wave's blocks visit, ``wave_key_reads``);
 * ``flash1`` (one thread block per head, looping over all tiles): the
   head's Q, O, l, m (and dO, dQ in the backward) are re-read on every outer
   step; they hit iff all concurrent blocks' working sets fit in L2.
@@ -135,6 +136,22 @@ def reread_factor(machine: Machine, tiles_per_head: int, concurrent: int, shared
     if _fits(machine, heads_in_flight * shared_bytes_per_head):
         return 1
     return _cdiv(tiles_per_head, concurrent)
+
+
+def wave_key_reads(blocks: list[QueryBlock], concurrent: int) -> int:
+    """Keys a head's query blocks bring from DRAM when its K/V do not stay
+    in L2 between waves (``reread_factor`` > 1): each wave of ``concurrent``
+    blocks, in the grid's order (the longest first where later rows see
+    more keys: the grid hands causal blocks out last first), reads the keys
+    its blocks visit once between them, so a causal head's later waves read
+    only the shorter prefixes their blocks see."""
+    order = sorted(blocks, key=lambda b: b.key_start + b.keys, reverse=True)
+    total = 0
+    for first in range(0, len(order), concurrent):
+        wave = [b for b in order[first:first + concurrent] if b.keys]
+        if wave:
+            total += max(b.key_start + b.keys for b in wave) - min(b.key_start for b in wave)
+    return total
 
 
 def _blocks_per_sm(machine: Machine, smem_bytes: int, threads: int) -> int:
@@ -484,11 +501,12 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
     concurrent = machine.sms * plan.fwd_blocks_per_sm
     factor = reread_factor(machine, len(blocks), concurrent, 2 * p.seqlen_k * d * e)
     kv_owners = p.kv_heads if factor == 1 else owners
+    kv_dram_keys = distinct_keys if factor == 1 else wave_key_reads(dense, concurrent)
     split_note = f" × {plan.splits} splits" if plan.splits > 1 else ""
     t.read("Q", owners * rows_read * d * e, element_size=e, dram=heads * p.seqlen_q * d * e,
            formula=f"Q_i once per query block{split_note}: B·H·Nq·d")
     for tensor in ("K", "V"):
-        t.read(tensor, owners * keys_visited * d * e, element_size=e, dram=kv_owners * factor * distinct_keys * d * e,
+        t.read(tensor, owners * keys_visited * d * e, element_size=e, dram=kv_owners * kv_dram_keys * d * e,
                formula=f"{tensor}_j for every visited (i, j): {'B·H_kv' if plan.pack > 1 else 'B·H'}·Σ_i keys_i·d "
                        f"(Tr = {len(unsplit)} query blocks{split_note})")
     if p.page_size is not None:
@@ -534,8 +552,9 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
         b.rows * _cdiv(b.keys, plan.fwd_n) for b in blocks) * d,
         "forward: matmul 4·B·H·Σ rows·keys·d over visited tiles; other 4 per score + d per row per tile "
         "(rescale) and at the end (normalise)")
-    t.notes.append(f"forward: K/V from DRAM {'once per K/V head' if factor == 1 else f'{factor}× per head'} "
-                   f"({concurrent} blocks in flight)")
+    t.notes.append(f"forward: K/V from DRAM {'once per K/V head' if factor == 1 else 'once per wave of a head'} "
+                   f"({concurrent} blocks in flight"
+                   f"{'' if factor == 1 else f'; {kv_dram_keys / max(distinct_keys, 1):.2f}× its keys'})")
     if plan.pack > 1:
         t.notes.append(f"forward: GQA packing, the {plan.pack} query heads of a K/V head in one block's rows")
     if plan.splits > 1:
