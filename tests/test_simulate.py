@@ -396,3 +396,21 @@ def test_cuflash_decodes_as_its_launcher_does():
     # a prefill keeps the forward's own tiles, unsplit
     prefill = cuflash_plan(Problem(batch=1, nheads=32, nheads_k=8, seqlen_q=4096, seqlen_k=4096, head_dim=128), h100)
     assert plan.fwd_m != prefill.fwd_m and (prefill.splits, prefill.pack) == (1, 1)
+
+
+def test_kv_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
+    """One causal 64k sequence over 32 heads (d128, H100: 512 query tiles of
+    128 rows a head, 132 in flight, a head's 33.5 MB of K and V beyond what
+    L2 keeps between waves). The grid hands the longest tiles out first, so
+    the waves reach key blocks 512, 380, 248 and 116: 1256 key blocks of K
+    from DRAM a head, not four times 512 (ncu measured about 1.6 times a
+    head's K/V there, docs/io-validation.md)."""
+    problem = Problem(batch=1, nheads=32, nheads_k=32, seqlen_q=65536, head_dim=128, element_size=2, causal=True)
+    traffic = run("cuflash", problem, MACHINES["h100"], "fwd")
+    (k_read,) = [term for term in traffic.terms if term.tensor == "K"]
+    assert k_read.dram == 32 * (512 + 380 + 248 + 116) * 128 * 128 * 2
+    # K/V that stay in L2 (the FlashAttention-2 grid's 16k) are read once a head, as before
+    within = run("cuflash", Problem(batch=1, nheads=16, seqlen_q=16384, head_dim=128, causal=True),
+                 MACHINES["h100"], "fwd")
+    (k_within,) = [term for term in within.terms if term.tensor == "K"]
+    assert k_within.dram == 16 * 16384 * 128 * 2
