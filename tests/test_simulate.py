@@ -398,7 +398,7 @@ def test_cuflash_decodes_as_its_launcher_does():
     assert plan.fwd_m != prefill.fwd_m and (prefill.splits, prefill.pack) == (1, 1)
 
 
-def test_kv_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
+def test_data_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
     """One causal 64k sequence over 32 heads (d128, H100: 512 query tiles of
     128 rows a head, 132 in flight, a head's 33.5 MB of K and V beyond what
     L2 keeps between waves). The grid hands the longest tiles out first, so
@@ -409,6 +409,13 @@ def test_kv_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
     traffic = run("cuflash", problem, MACHINES["h100"], "fwd")
     (k_read,) = [term for term in traffic.terms if term.tensor == "K"]
     assert k_read.dram == 32 * (512 + 380 + 248 + 116) * 128 * 128 * 2
+    # The backward likewise: key block j (of 128 keys) visits the query rows
+    # from 128 j on, and the grid hands out key block 0 first, so its waves
+    # of 132 reach 512, 380, 248 and 116 blocks of 128 rows of Q, dO and the
+    # accumulator.
+    backward = run("cuflash", problem, MACHINES["h100"], "bwd")
+    (q_read,) = [term for term in backward.terms if term.tensor == "Q"]
+    assert q_read.dram == 32 * (512 + 380 + 248 + 116) * 128 * 128 * 2
     # K/V that stay in L2 (the FlashAttention-2 grid's 16k) are read once a head, as before
     within = run("cuflash", Problem(batch=1, nheads=16, seqlen_q=16384, head_dim=128, causal=True),
                  MACHINES["h100"], "fwd")

@@ -19,8 +19,8 @@ fits in L2:
   blocks run in waves of ``sms * blocks_per_sm``, the tiles of one head are
   consecutive in the grid, and the shared data of the heads in flight at once
   (``ceil(concurrent / tiles_per_head) + 1`` heads) stays in L2 if it fits;
-  then it comes from DRAM once, otherwise once per wave over that head (in
-  the forward, the keys the wave's blocks visit, ``wave_key_reads``);
+  then it comes from DRAM once, otherwise once per wave over that head, as
+  far as the wave's blocks reach (``wave_reach``);
 * ``flash1`` (one thread block per head, looping over all tiles): the
   head's Q, O, l, m (and dO, dQ in the backward) are re-read on every outer
   step; they hit iff all concurrent blocks' working sets fit in L2.
@@ -138,19 +138,19 @@ def reread_factor(machine: Machine, tiles_per_head: int, concurrent: int, shared
     return _cdiv(tiles_per_head, concurrent)
 
 
-def wave_key_reads(blocks: list[QueryBlock], concurrent: int) -> int:
-    """Keys a head's query blocks bring from DRAM when its K/V do not stay
-    in L2 between waves (``reread_factor`` > 1): each wave of ``concurrent``
-    blocks, in the grid's order (the longest first where later rows see
-    more keys: the grid hands causal blocks out last first), reads the keys
-    its blocks visit once between them, so a causal head's later waves read
-    only the shorter prefixes their blocks see."""
-    order = sorted(blocks, key=lambda b: b.key_start + b.keys, reverse=True)
+def wave_reach(spans: list[tuple[int, int]], concurrent: int) -> int:
+    """What a head's blocks bring from DRAM of the data they share when it
+    does not stay in L2 between waves (``reread_factor`` > 1): ``spans`` is
+    each block's visited range (first, count) of that data (the forward's
+    keys, the backward's query rows). Each wave of ``concurrent`` blocks, the
+    longest first (the grids hand causal blocks out that way), reads the
+    union of its blocks' ranges once between them; so a causal head's later
+    waves read only the shorter ranges their blocks visit."""
+    order = sorted((span for span in spans if span[1]), key=lambda span: span[1], reverse=True)
     total = 0
     for first in range(0, len(order), concurrent):
-        wave = [b for b in order[first:first + concurrent] if b.keys]
-        if wave:
-            total += max(b.key_start + b.keys for b in wave) - min(b.key_start for b in wave)
+        wave = order[first:first + concurrent]
+        total += max(a + n for a, n in wave) - min(a for a, _ in wave)
     return total
 
 
@@ -501,7 +501,7 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
     concurrent = machine.sms * plan.fwd_blocks_per_sm
     factor = reread_factor(machine, len(blocks), concurrent, 2 * p.seqlen_k * d * e)
     kv_owners = p.kv_heads if factor == 1 else owners
-    kv_dram_keys = distinct_keys if factor == 1 else wave_key_reads(dense, concurrent)
+    kv_dram_keys = distinct_keys if factor == 1 else wave_reach([(b.key_start, b.keys) for b in dense], concurrent)
     split_note = f" × {plan.splits} splits" if plan.splits > 1 else ""
     t.read("Q", owners * rows_read * d * e, element_size=e, dram=heads * p.seqlen_q * d * e,
            formula=f"Q_i once per query block{split_note}: B·H·Nq·d")
@@ -590,15 +590,18 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     concurrent = machine.sms * plan.bwd_blocks_per_sm
     shared = per_owner_heads * (2 * nq * d * e + 2 * nq * f + (0 if deterministic else nq * d * f))
     factor = reread_factor(machine, len(sweep), concurrent, shared)
+    # Rows from DRAM a head: once, or each wave's (the rows a key block
+    # visits are a suffix: nq - rows on).
+    dram_rows = distinct_rows if factor == 1 else wave_reach([(nq - b.rows, b.rows) for b in dense], concurrent)
     t.read("K", owners * nk * d * e, element_size=e, formula="K_j once per key block")
     t.read("V", owners * nk * d * e, element_size=e, formula="V_j once per key block")
     for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
-        t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * distinct_rows * size * factor,
+        t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * dram_rows * size,
                formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j (Tc = {len(sweep)} key blocks)")
     if not deterministic:
-        t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * distinct_rows * d * f * factor,
+        t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * dram_rows * d * f,
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
-        t.read("dQ_accum", 0, element_size=f, dram=heads * distinct_rows * d * f * factor,
+        t.read("dQ_accum", 0, element_size=f, dram=heads * dram_rows * d * f,
                formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
     for tensor in ("dK", "dV") if plan.native_gqa else _gradient_names(p):
         t.write(tensor, owners * nk * d * e, element_size=e, formula=f"{tensor}_j once per key block")
