@@ -187,12 +187,13 @@ struct WindowMask : SequenceBounds {
 // is the user's condition, and which gives it in parts too: Row row(arrays,
 // b, h, q_idx) and Key key(arrays, b, h, kv_idx), what reads one position
 // alone, combine(row, key, arrays, b, h, q_idx, kv_idx) the rest, kParts
-// how many parts there are (0: a rule of the positions alone); the tile map (tile_map.cuh, built on the GPU from
-// the same rule at the kernel's tiles) says which tiles it hides wholly
-// (the kernels skip them: VisitedKeyBlocks, the backward's QueryBlockWalk),
-// which it shows wholly (no element masking) and which are partial. The
-// rule reads the batch entry and head, so a key-major backward builds the
-// mask of each query head it visits (BlockContext::mask_of_head).
+// how many parts there are (0: a rule of the positions alone). The tile
+// map (tile_map.cuh, built on the GPU from the same rule at the kernel's
+// tiles) says which tiles it hides wholly (the kernels skip them:
+// VisitedKeyBlocks, the backward's QueryBlockWalk), which it shows wholly
+// (no element masking) and which are partial. The rule reads the batch
+// entry and head, so a key-major backward builds the mask of each query
+// head it visits (BlockContext::mask_of_head).
 template <typename Rule>
 struct UserMask : SequenceBounds {
     // The grid hands out the last query tiles first: the common user masks

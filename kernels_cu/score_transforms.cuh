@@ -174,7 +174,7 @@ __device__ __forceinline__ void for_each_fragment_row(int row0, int key0, int la
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            f(mt, i, row0 + mt * 16 + lane / 4 + (i / 2) * 8, key0 + 2 * (lane % 4) + i % 2);
+            f(mt, i, fragment_row(row0, mt, i / 2, lane), fragment_col(key0, 0, i % 2, lane));
         }
     }
 }
@@ -219,8 +219,8 @@ __device__ __forceinline__ void apply_score_transform_transposed(const Score& sc
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const int key = key0 + mt * 16 + lane / 4 + (i / 2) * 8;
-                const int first_row = row0 + 2 * (lane % 4) + i % 2;
+                const int key = fragment_row(key0, mt, i / 2, lane);
+                const int first_row = fragment_col(row0, 0, i % 2, lane);
                 const float distance0 = static_cast<float>(first_row + score.diagonal_offset - key);
 #pragma unroll
                 for (int nt = 0; nt < kNTiles; ++nt) {
