@@ -716,9 +716,15 @@ def cuda_function(name: str, expr: Expr, specs: tuple[ArraySpec, ...], with_scor
     parameters = (["float score"] if with_score else []) + [f"int {p}" for p in POSITIONS]
     parameters.append("const void* const* arrays")
     body = cuda_statements(expr, specs, "result")
-    unused = "".join(f"    (void){p};\n" for p in (["score"] if with_score else []) + list(POSITIONS) + ["arrays"])
+    unused = _void_casts((["score"] if with_score else []) + list(POSITIONS) + ["arrays"], "    ")
     return (f"CUFLASH_HOST_DEVICE {_C_TYPES[expr.kind]} {name}({', '.join(parameters)}) {{\n{unused}"
             + "".join(f"    {line}\n" for line in body) + "    return result;\n}\n")
+
+
+def _void_casts(names, indent: str) -> str:
+    """Statements that mark generated functions' parameters used (a
+    function of the positions alone still takes every one)."""
+    return "".join(f"{indent}(void){name};\n" for name in names)
 
 
 #: Arrays a call may pass to its score function (VariantParams::user_arrays).
@@ -894,8 +900,7 @@ def _part_function(struct: str, function: str, position: str, parts: list[Expr],
     body = "".join(f"        {line}\n" for line in writer.lines)
     return (f"    struct {struct} {{{fields} }};\n"
             f"    static CUFLASH_HOST_DEVICE {struct} {function}(const void* const* arrays, int b, int h, "
-            f"int {position}) {{\n"
-            f"        (void)arrays;\n        (void)b;\n        (void)h;\n        (void){position};\n{body}"
+            f"int {position}) {{\n{_void_casts(('arrays', 'b', 'h', position), '        ')}{body}"
             f"        return {struct}{{{', '.join(values)}}};\n    }}\n")
 
 
@@ -918,7 +923,7 @@ def mask_rule(trace: MaskModTrace) -> tuple[str, str]:
     combined.names |= {part._key: f"key.p{i}" for i, part in enumerate(key_parts)}
     result = combined.emit(trace.value)
     body = "".join(f"        {line}\n" for line in combined.lines)
-    unused = "".join(f"        (void){p};\n" for p in ("row", "key", "arrays", *POSITIONS))
+    unused = _void_casts(("row", "key", "arrays", *POSITIONS), "        ")
     code = f"""
 #include "{HEADER}"
 namespace cuflash {{
