@@ -188,10 +188,21 @@ WGMMA_FORWARD_SHORT_TILES = {
     128: (64, 64, 8, 2),
 }
 SHORT_SEQUENCE_KEYS = 512
-#: Stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``)
-#: and its mbarriers: Q full, then full and empty for K and V per stage.
-WGMMA_FORWARD_STAGES = 2
-WGMMA_FORWARD_BARRIER_BYTES = 8 * (1 + 4 * WGMMA_FORWARD_STAGES)
+#: Most stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``):
+#: three where the blocks of an SM hold them, else two (``_wgmma_forward_tiles``).
+#: A step multiplies by K_i and V_{i-1}, and V_{i-2}'s buffer is freed only
+#: as step i starts (flash_fwd_wgmma.cu), so with two stages a V tile has one
+#: step to arrive.
+WGMMA_FORWARD_MAX_STAGES = 3
+#: Shared memory of one SM that resident blocks share (H100: 228 KiB), each
+#: block also taking ``SMEM_RESERVED_PER_BLOCK`` for the system.
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_BLOCK = 1024
+
+
+def wgmma_forward_barrier_bytes(stages: int) -> int:
+    """The Hopper forward's mbarriers: Q full, then full and empty for K and V per stage."""
+    return 8 * (1 + 4 * stages)
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
 #: warps, Q/dO buffers). Warp-specialised like the forward: warpgroup 0
@@ -274,7 +285,7 @@ class Tiling:
     #: flash_fwd_wgmma.cu, flash_bwd_wgmma.cu)
     kernel: str = "simt"
     #: K/V buffers of the mma.sync forward (1, or a ring of 2 to 4, see
-    #: MmaForwardTraits); the wgmma forward always double-buffers
+    #: MmaForwardTraits); of the wgmma forward's ring (2 or 3)
     kv_stages: int = 1
     #: Q/dO buffers of the tensor-core backwards (1 or 2, see
     #: MmaBackwardTraits, WgmmaBackwardTraits)
@@ -337,9 +348,9 @@ class Tiling:
         rows padded by 16 bytes (with ``kv_tma``, K and V unpadded and
         swizzled after Q rounded up to a swizzle atom, their mbarriers and
         the alignment slack); for the wgmma forward
-        ``WgmmaForwardTraits::kBytes``: Q and ``WGMMA_FORWARD_STAGES``
-        unpadded (swizzled) buffers of K and V, the mbarriers, plus the
-        alignment slack."""
+        ``WgmmaForwardTraits::kBytes``: Q and ``kv_stages`` unpadded
+        (swizzled) buffers of K and V, the mbarriers, plus the alignment
+        slack."""
         if self.kernel == "mma":
             row_bytes = self.head_dim_padded * ELEMENT_SIZE[dtype_name]
             kv_rows = 2 * self.kv_stages * self.block_n
@@ -349,9 +360,9 @@ class Tiling:
             q_bytes = -(-self.block_m * (row_bytes + 16) // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT
             return q_bytes + kv_rows * row_bytes + 8 * self.kv_stages + WGMMA_SMEM_ALIGNMENT
         if self.kernel == "wgmma":
-            rows = self.block_m + 2 * WGMMA_FORWARD_STAGES * self.block_n
-            return (rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name] + WGMMA_FORWARD_BARRIER_BYTES
-                    + WGMMA_SMEM_ALIGNMENT)
+            rows = self.block_m + 2 * self.kv_stages * self.block_n
+            return (rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name]
+                    + wgmma_forward_barrier_bytes(self.kv_stages) + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
@@ -816,10 +827,22 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
     """The Hopper forward's ``Tiling`` of a table entry (block_m, block_n, warps, blocks per SM), its shared
     memory checked against the budget."""
     block_m, block_n, warps, blocks_per_sm = entry
-    tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
-                    blocks_per_sm=blocks_per_sm)
+    tiling = with_wgmma_forward_stages(Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps,
+                                              kernel="wgmma", blocks_per_sm=blocks_per_sm), dtype_name)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
+
+
+def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:
+    """``tiling`` (a Hopper forward's) with the most K/V stages, up to
+    ``WGMMA_FORWARD_MAX_STAGES``, whose shared memory its ``blocks_per_sm``
+    resident blocks hold; two where none more fit."""
+    for stages in range(WGMMA_FORWARD_MAX_STAGES, 2, -1):
+        staged = dataclasses.replace(tiling, kv_stages=stages)
+        smem = staged.forward_smem_bytes(dtype_name)
+        if smem <= MAX_SMEM_BYTES and tiling.blocks_per_sm * (smem + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM:
+            return staged
+    return dataclasses.replace(tiling, kv_stages=2)
 
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:

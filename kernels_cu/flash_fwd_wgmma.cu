@@ -50,11 +50,11 @@ namespace cuflash {
 constexpr int kForwardProducerRegisters = 24;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kBlocksPerSm>
+          typename Batch, int kBlocksPerSm, int kStages>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps>;
+    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
     using QTile = typename Traits::QTile;
     using KvTile = typename Traits::KvTile;
     using Ring = RingPosition<Traits::kStages>;
@@ -117,21 +117,28 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 tma_load_tile<QTile>(base + Traits::kQ, params.q_map, q_full, block.q_row0 + block.m_start, block.head,
                                      block.tensor_batch);
             }
-            Ring ring;
-            for (int i = 0; i < visits.count; ++i) {
-                const int n_start = visits.n_block(i) * kBlockN;
-                const u32 k_full = Traits::k_full(base, ring.stage), v_full = Traits::v_full(base, ring.stage);
+            // K_i and V_{i-1}, in the order the consumers take them (a step
+            // multiplies by K_i and by V_{i-1}); V lags K by one block.
+            const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i) {
                 // Waiting for the phase before the current one: on the first
                 // pass over the ring every buffer is free at once.
-                mbarrier_wait(Traits::k_empty(base, ring.stage), ring.phase ^ 1);
-                mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
-                tma_load_tile<KvTile>(base + Traits::kK + ring.stage * KvTile::kBytes, params.k_map, k_full,
-                                      block.k_row0 + n_start, block.kv_head, block.tensor_batch);
-                mbarrier_wait(Traits::v_empty(base, ring.stage), ring.phase ^ 1);
-                mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
-                tma_load_tile<KvTile>(base + Traits::kV + ring.stage * KvTile::kBytes, params.v_map, v_full,
-                                      block.k_row0 + n_start, block.kv_head, block.tensor_batch);
-                ring.advance();
+                mbarrier_wait(empty, at.phase ^ 1);
+                mbarrier_arrive_expect_tx(full, KvTile::kBytes);
+                tma_load_tile<KvTile>(base + kv_base + at.stage * KvTile::kBytes, map, full,
+                                      block.k_row0 + visits.n_block(i) * kBlockN, block.kv_head, block.tensor_batch);
+            };
+            Ring k_ring, v_ring;
+            for (int i = 0; i <= visits.count; ++i) {
+                if (i < visits.count) {
+                    load(params.k_map, Traits::kK, Traits::k_full(base, k_ring.stage), Traits::k_empty(base, k_ring.stage),
+                         k_ring, i);
+                    k_ring.advance();
+                }
+                if (i > 0) {
+                    load(params.v_map, Traits::kV, Traits::v_full(base, v_ring.stage), Traits::v_empty(base, v_ring.stage),
+                         v_ring, i - 1);
+                    v_ring.advance();
+                }
             }
         }
     } else {
@@ -175,26 +182,25 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         float o[1][kDTiles][4];
         fill_fragments(o, 0.0f);
         float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(o);
-        u32 p[Traits::kPvSteps][4];  // the previous key block's P, the A operand of its P V
+        using PFragments = u32[Traits::kPvSteps][4];  // a key block's P, the A operand of its P V
+        // P in two register sets: the softmax packs block i's into one while
+        // P_{i-1} V_{i-1} still reads the other. With dropout one set: its
+        // Philox rounds beside two sets spill the heaviest policies (window,
+        // soft cap, ALiBi and dropout at head dims 96-256), so P_{i-1} V_{i-1}
+        // lands before the softmax's P is dropped and packed, as P V then no
+        // longer overlaps the softmax's end.
+        constexpr bool kTwoPSets = !Score::kDropout;
+        PFragments p_even, p_second;
+        PFragments& p_odd = kTwoPSets ? p_second : p_even;
+        float pending_rescale[2];  // the factors for O before P_{i-1} V_{i-1} is added
         FragmentOnlineSoftmax<1> softmax;
         softmax.init();
 
-        if (n_blocks > 0) {
-            mbarrier_wait(q_full, 0);
-            if (kConsumers > 1 && consumer == kConsumers - 1) {
-                named_barrier_arrive(1, 256);
-            }
-        }
         Ring ring;      // K_i's and V_i's buffer
         Ring previous;  // V_{i-1}'s
-        for (int i = 0; i < n_blocks; ++i) {
-            const int n_start = visits.n_block(i) * kBlockN;
-            mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
-
-            float s[1][kNTiles][4];
-            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
-            take_turn();
-            wgmma_fence();  // P and the rescaled O were written by this thread since the last wgmma
+        Ring retired;   // V_{i-2}'s
+        const auto issue_s = [&](float(&s_flat)[kBlockN / 2]) {
+            wgmma_fence();  // O, rescaled, and P were written by this thread since the last wgmma
 #pragma unroll
             for (int ks = 0; ks < Traits::kQkSteps; ++ks) {
                 Wgmma<Element, kBlockN>::ss(s_flat, q_descriptor + kmajor_k_step<QTile>(ks),
@@ -202,60 +208,108 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                                             ks > 0);
             }
             wgmma_commit();
-            if (i > 0) {
-                mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
-#pragma unroll
-                for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                    Wgmma<Element, kHeadDim>::rs(o_flat, p[ps],
-                                                 v_descriptor + previous.stage * kBufferStep + mn_major_k_step<KvTile>(ps),
-                                                 1);
-                }
-                wgmma_commit();
-                pass_turn(i == n_blocks - 1);
-                wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
-            } else {
-                pass_turn(i == n_blocks - 1);
-                wgmma_wait<0>();
-            }
-            pin_registers(s_flat);
-            mbarrier_arrive(Traits::k_empty(base, ring.stage));
-
-            apply_score_transform(ctx.score, s, warp_row, n_start, lane);
-            if (key_block_needs_mask(ctx.mask, warp_row, 16, n_start, kBlockN)) {
-                apply_mask_to_fragments(ctx.mask, s, warp_row, n_start, lane);
-            }
-            float rescale[2];
-            softmax.update(s, ctx.scale_log2, rescale);
-
-            wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed in O
-            pin_registers(o_flat);
-            if (i > 0) {
-                mbarrier_arrive(Traits::v_empty(base, previous.stage));
-            }
-            scale_fragment_rows(o, rescale);
-            // Dropout once P_{i-1} V_{i-1} has landed: the previous P's
-            // registers are free then, and the Philox rounds fit beside S and O.
-            drop_probabilities(ctx.score, s, warp_row, n_start, lane);
-            // P rounded to the element type (its float32 row sums were taken before rounding).
-#pragma unroll
-            for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                pack_a_fragment<Element>(p[ps], s[0][2 * ps], s[0][2 * ps + 1]);
-            }
-            previous = ring;
-            ring.advance();
-        }
-        if (n_blocks > 0) {
-            // The last block's P V, once its V has landed.
-            mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
-            wgmma_fence();
+        };
+        const auto issue_pv = [&](const PFragments& p) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
                 Wgmma<Element, kHeadDim>::rs(o_flat, p[ps],
                                              v_descriptor + previous.stage * kBufferStep + mn_major_k_step<KvTile>(ps), 1);
             }
             wgmma_commit();
+        };
+        // Once P_{i-2} V_{i-2} has landed: frees V_{i-2}'s buffer and scales O
+        // for block i-1, whose P V comes next.
+        const auto land_and_rescale = [&](int i) {
             wgmma_wait<0>();
             pin_registers(o_flat);
+            if (i > 1) {
+                mbarrier_arrive(Traits::v_empty(base, retired.stage));
+            }
+            scale_fragment_rows(o, pending_rescale);
+            // Kept here: left free, the compiler sinks the products to their
+            // use, past the wgmma fence, and ptxas then serialises the wgmma.
+            pin_registers(o_flat);
+        };
+        // S_i has landed: scores to P_i in p_next, and the factors O needs before P_i V_i.
+        const auto scores_to_p = [&](float(&s)[1][kNTiles][4], float(&s_flat)[kBlockN / 2], int n_start,
+                                     PFragments& p_next) {
+            pin_registers(s_flat);
+            mbarrier_arrive(Traits::k_empty(base, ring.stage));
+            apply_score_transform(ctx.score, s, warp_row, n_start, lane);
+            if (key_block_needs_mask(ctx.mask, warp_row, 16, n_start, kBlockN)) {
+                apply_mask_to_fragments(ctx.mask, s, warp_row, n_start, lane);
+            }
+            softmax.update(s, ctx.scale_log2, pending_rescale);
+            if constexpr (!kTwoPSets) {
+                wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed: its P's registers take P_i
+            }
+            drop_probabilities(ctx.score, s, warp_row, n_start, lane);
+            // P rounded to the element type (its float32 row sums were taken before rounding).
+#pragma unroll
+            for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
+                pack_a_fragment<Element>(p_next[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+            }
+            retired = previous;
+            previous = ring;
+            ring.advance();
+        };
+        // Step i > 0: S_i and P_{i-1} V_{i-1} are issued together in the turn;
+        // the softmax of S_i runs while P_{i-1} V_{i-1} is in the tensor
+        // cores, and that product's wait comes only at the next step's start.
+        // (A wait after the softmax, in the same basic block, ptxas hoists
+        // above the exponentials: it schedules a wgmma wait as early as the
+        // block allows, and the overlap is lost.)
+        const auto step = [&](int i, const PFragments& p_pending, PFragments& p_next) {
+            const int n_start = visits.n_block(i) * kBlockN;
+            land_and_rescale(i);
+            mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
+            mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
+            float s[1][kNTiles][4];
+            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+            take_turn();
+            issue_s(s_flat);
+            issue_pv(p_pending);
+            pass_turn(i == n_blocks - 1);
+            wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
+            scores_to_p(s, s_flat, n_start, p_next);
+        };
+
+        if (n_blocks > 0) {
+            mbarrier_wait(q_full, 0);
+            if (kConsumers > 1 && consumer == kConsumers - 1) {
+                named_barrier_arrive(1, 256);
+            }
+            mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
+            float s[1][kNTiles][4];
+            float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
+            take_turn();
+            issue_s(s_flat);
+            pass_turn(n_blocks == 1);
+            wgmma_wait<0>();
+            scores_to_p(s, s_flat, visits.n_block(0) * kBlockN, p_even);
+        }
+        // The last block's P V, once the one before it has landed.
+        const auto finish = [&](const PFragments& p_last) {
+            land_and_rescale(n_blocks);
+            mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
+            wgmma_fence();
+            issue_pv(p_last);
+            wgmma_wait<0>();
+            pin_registers(o_flat);
+        };
+        // Two steps a pass, so that each P set is named at compile time (a
+        // runtime index would put both sets in local memory).
+        for (int i = 1; n_blocks > 0; i += 2) {
+            if (i == n_blocks) {
+                finish(p_even);
+                break;
+            }
+            step(i, p_even, p_odd);
+            if (i + 1 == n_blocks) {
+                finish(p_odd);
+                break;
+            }
+            step(i + 1, p_odd, p_even);
         }
 
         // Epilogue. This warpgroup's last product reading Q finished before

@@ -186,17 +186,17 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 // and of K and V through a ring of kStages buffers), the other kWarps / 4 - 1
 // warpgroups are consumers, each owning 64 query rows (one wgmma m64 tile)
 // of the kBlockM. Per consumer thread the accumulators are S (kBlockN / 2
-// floats), O (kHeadDim / 2) and the previous block's P (kBlockN / 4
-// registers), all live at once while P V overlaps the softmax. After the
-// tiles come the mbarriers: Q full, then per stage K full, K empty, V full,
-// V empty.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+// floats), O (kHeadDim / 2) and two key blocks' P (kBlockN / 4 registers
+// each: the one P V reads and the one the softmax packs), all live at once
+// while P V overlaps the softmax. After the tiles come the mbarriers: Q
+// full, then per stage K full, K empty, V full, V empty.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
     static constexpr int kConsumerWarpgroups = kWarps / 4 - 1;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-    static constexpr int kStages = 2;
+    static constexpr int kStages = kStages_;
 
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KvTile = SwizzledTile<kBlockN, kHeadDim>;
@@ -226,7 +226,8 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     // (kBlockN) and O's (kHeadDim) must be widths of the Wgmma table.
     static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "k16 steps over the head dim and the keys");
     static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
-    static_assert(kBlockN / 2 + kHeadDim / 2 + kBlockN / 4 <= 192, "accumulators beyond this would spill");
+    static_assert(kBlockN / 2 + kHeadDim / 2 + 2 * (kBlockN / 4) <= 192, "accumulators beyond this would spill");
+    static_assert(kStages == 2 || kStages == 3, "a ring of two or three K and V buffers");
     static_assert(QTile::kBytes % 1024 == 0 && KvTile::kBytes % 1024 == 0, "every tile starts on a swizzle atom");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };

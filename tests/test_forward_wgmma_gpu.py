@@ -9,6 +9,7 @@ attention output. The kernel fills the same tiles by tensor maps; the tests
 after the probe run it on the layouts and strides those maps must describe. The forward grid of test_forward_gpu.py runs through the
 kernel itself (float16/bfloat16, every head dim a multiple of 8 up to 256) on Hopper."""
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -248,21 +249,26 @@ def test_negative_strides_take_a_kernel_without_tensor_maps():
     (32, (64, 128, 8, 2)),
     (128, (64, 64, 8, 2)),     # one consumer, two blocks per SM at head dim 128
     (256, (128, 32, 12, 1)),   # narrow key blocks: many ring passes per query block
+    (128, (128, 128, 12, 1, 2)),  # a ring of two K/V buffers (the table's tile takes three)
+    (64, (128, 64, 12, 1, 2)),
 ])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_forward_other_tiles(head_dim, tile, causal):
     """Tiles the table may take (measured candidates, docs/perf-notes.md),
     run through a plan made with them, against float64: the number of
     consumer warpgroups (1 skips the turns), blocks per SM (the register
-    budget setmaxnreg moves) and key-block widths all change the pipeline."""
-    from cuflash._tiling import Tiling
+    budget setmaxnreg moves), key-block widths and the K/V ring's stages (the
+    most that fit, or the fifth entry) all change the pipeline."""
+    from cuflash._tiling import Tiling, with_wgmma_forward_stages
     from cuflash.reference import attention_reference
     from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
 
     cupy = _cupy()
-    block_m, block_n, warps, blocks_per_sm = tile
-    tiling = Tiling(head_dim_padded=head_dim, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
-                    blocks_per_sm=blocks_per_sm)
+    block_m, block_n, warps, blocks_per_sm = tile[:4]
+    tiling = with_wgmma_forward_stages(Tiling(head_dim_padded=head_dim, block_m=block_m, block_n=block_n,
+                                              warps=warps, kernel="wgmma", blocks_per_sm=blocks_per_sm), "bfloat16")
+    if len(tile) > 4:
+        tiling = dataclasses.replace(tiling, kv_stages=tile[4])
     q, k, v = random_qkv(cupy, 2, 333, 517, 4, 2, head_dim, cupy.dtype("bfloat16"), layout="bhsd",
                          seed=head_dim + block_m)
     problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=causal,

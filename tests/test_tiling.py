@@ -125,7 +125,7 @@ _TRAITS = {
                      "{t.warps}>>",
     "forward-mma": "cuflash::MmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
                    "{t.kv_stages}, {split_keys}, {kv_tma}>",
-    "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}>",
+    "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, {t.kv_stages}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                            "{t.warps}, {t.q_stages}>",
     "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
@@ -377,7 +377,7 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
     printed = _run_host_program(tmp_path, "\n".join([
         'printf("%g\\n", (double)cuflash::FragmentOnlineSoftmax<1>::kRescaleSlack);',
-        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12>::kAlignment);',
+        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12, 2>::kAlignment);',
         'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 64, 128, 12, 2>::kAlignment);',
         'printf("%d\\n", cuflash::kMaxSmemBytes);',
     ]), extra_include="online_softmax.cuh")

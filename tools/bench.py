@@ -134,21 +134,24 @@ def measure_user(sdpa_inputs, dout_t, causal) -> tuple[dict, dict]:
 
 def _parse_tiles(specs: list[str]) -> dict[int, list]:
     """``HD=[KERNEL:]BMxBNwW[sS][bB]``: an extra cuflash column for head dim
-    HD with that kernel ("mma", the default, or "wgmma"), tile, warps, (mma)
-    K/V buffers and (wgmma) blocks per SM."""
-    from cuflash._tiling import Tiling
+    HD with that kernel ("mma", the default, or "wgmma"), tile, warps, K/V
+    buffers (wgmma: the most that fit where not given) and (wgmma) blocks
+    per SM."""
+    from cuflash._tiling import Tiling, with_wgmma_forward_stages
 
     tiles: dict[int, list] = {}
     for spec in specs:
         head_dim, shape = spec.split("=")
         kernel, shape = shape.split(":") if ":" in shape else ("mma", shape)
         shape, blocks = shape.split("b") if "b" in shape else (shape, "1")
-        shape, stages = shape.split("s") if "s" in shape else (shape, "1")
+        shape, stages = shape.split("s") if "s" in shape else (shape, None)
         mn, warps = shape.split("w")
         block_m, block_n = mn.split("x")
-        tiles.setdefault(int(head_dim), []).append(
-            Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
-                   kernel=kernel, kv_stages=int(stages), blocks_per_sm=int(blocks)))
+        tiling = Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
+                        kernel=kernel, kv_stages=int(stages or 1), blocks_per_sm=int(blocks))
+        if kernel == "wgmma" and stages is None:
+            tiling = with_wgmma_forward_stages(tiling, "bfloat16")
+        tiles.setdefault(int(head_dim), []).append(tiling)
     return tiles
 
 
@@ -175,8 +178,8 @@ def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, f
     timings = {}
     for t in tilings:
         plan = api.forward_plan(problem, layouts, aligned=True, tiling=t)
-        label = f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}" + (
-            f"s{t.kv_stages}" if t.kernel == "mma" else f"b{t.blocks_per_sm}")
+        label = f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}s{t.kv_stages}" + (
+            "" if t.kernel == "mma" else f"b{t.blocks_per_sm}")
         timings[label] = time_gpu(lambda: plan.launch(pointers, stream), calls=calls, repeats=repeats)
     return timings
 
