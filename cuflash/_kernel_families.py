@@ -30,6 +30,7 @@ from ._tiling import (
     backward_tiling,
     copy_engine_layouts,
     every_decode_tiling,
+    wgmma_forward_persistent,
     forward_tiling,
     mma_backward_applies,
     mma_backward_tiling,
@@ -132,6 +133,9 @@ class KernelFamily:
     #: (dtype, head_dim) -> its tiles for short sequences (at most
     #: ``SHORT_SEQUENCE_KEYS`` keys each), dense or packed, else None
     short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
+    #: the persistent form of a tiling, where the family has one (the Hopper
+    #: forward's, for calls without a mask on dense batches)
+    persistent_form: Callable[[str, Tiling], Tiling | None] = lambda dtype_name, tiling: None
     #: dtypes it is also built for in the KV-cache batch layouts
     #: (``CACHE_LAYOUTS``: a contiguous or paged cache), every tiling
     cache_dtypes: tuple[str, ...] = ()
@@ -258,6 +262,8 @@ class KernelFamily:
         tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
                     for choose in (self.hopper_tiles, self.small_smem_tiles, self.short_tiles)
                     if (other := choose(dtype, head_dim)) is not None]
+        tilings += [(dtype, persistent) for dtype, tiling in tilings
+                    if (persistent := self.persistent_form(dtype, tiling)) is not None]
         if other_tiles:
             tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
                         for other in self.other_tiles(dtype, head_dim)]
@@ -309,8 +315,9 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
                  needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiling,
-                 tile_args=lambda t: ((str(t.blocks_per_sm), str(t.kv_stages)),
-                                     f"/b{t.blocks_per_sm}/s{t.kv_stages}")),
+                 persistent_form=lambda dtype, t: wgmma_forward_persistent(t, dtype, "none", "dense"),
+                 tile_args=lambda t: ((str(t.blocks_per_sm), str(t.kv_stages), "true" if t.persistent else "false"),
+                                     f"/b{t.blocks_per_sm}/s{t.kv_stages}" + ("/persistent" if t.persistent else ""))),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
                  arch="sm_80", kernel="mma", dtypes=MMA_DTYPES + (MMA_3XTF32_DTYPE,),
                  head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,

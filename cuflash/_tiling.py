@@ -200,9 +200,9 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_BLOCK = 1024
 
 
-def wgmma_forward_barrier_bytes(stages: int) -> int:
-    """The Hopper forward's mbarriers: Q full, then full and empty for K and V per stage."""
-    return 8 * (1 + 4 * stages)
+def wgmma_forward_barrier_bytes(stages: int, q_buffers: int = 1) -> int:
+    """The Hopper forward's mbarriers: Q full and empty per Q buffer, then full and empty for K and V per stage."""
+    return 8 * (2 * q_buffers + 4 * stages)
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
 #: warps, Q/dO buffers). Warp-specialised like the forward: warpgroup 0
@@ -311,6 +311,10 @@ class Tiling:
     #: of dense batches, contiguous caches and paged ones whose pages tile a
     #: key block (``copy_engine_box_rows``)
     kv_tma: bool = False
+    #: the wgmma forward's blocks are persistent: one per resident slot, each
+    #: walking the query tiles gridDim.x apart with Q double-buffered, so a
+    #: tile's copies start while the previous tile runs (``wgmma_forward_persistent``)
+    persistent: bool = False
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -348,9 +352,9 @@ class Tiling:
         rows padded by 16 bytes (with ``kv_tma``, K and V unpadded and
         swizzled after Q rounded up to a swizzle atom, their mbarriers and
         the alignment slack); for the wgmma forward
-        ``WgmmaForwardTraits::kBytes``: Q and ``kv_stages`` unpadded
-        (swizzled) buffers of K and V, the mbarriers, plus the alignment
-        slack."""
+        ``WgmmaForwardTraits::kBytes``: Q (two buffers where
+        ``persistent``) and ``kv_stages`` unpadded (swizzled) buffers of K
+        and V, the mbarriers, plus the alignment slack."""
         if self.kernel == "mma":
             row_bytes = self.head_dim_padded * ELEMENT_SIZE[dtype_name]
             kv_rows = 2 * self.kv_stages * self.block_n
@@ -360,9 +364,10 @@ class Tiling:
             q_bytes = -(-self.block_m * (row_bytes + 16) // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT
             return q_bytes + kv_rows * row_bytes + 8 * self.kv_stages + WGMMA_SMEM_ALIGNMENT
         if self.kernel == "wgmma":
-            rows = self.block_m + 2 * self.kv_stages * self.block_n
+            q_buffers = 2 if self.persistent else 1
+            rows = q_buffers * self.block_m + 2 * self.kv_stages * self.block_n
             return (rows * self.head_dim_padded * ELEMENT_SIZE[dtype_name]
-                    + wgmma_forward_barrier_bytes(self.kv_stages) + WGMMA_SMEM_ALIGNMENT)
+                    + wgmma_forward_barrier_bytes(self.kv_stages, q_buffers) + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
@@ -831,6 +836,19 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
                                               kernel="wgmma", blocks_per_sm=blocks_per_sm), dtype_name)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
+
+
+def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, layout: str,
+                             dropout: bool = False) -> Tiling:
+    """``tiling`` (a Hopper forward's) persistent where every query tile of
+    the call does the same work (no mask, a dense batch: the blocks' static
+    share of the tiles is then even; a causal mask's would not be), with the
+    stages that then fit (``with_wgmma_forward_stages``); as it is
+    otherwise, and with dropout (whose Philox rounds beside the tile walk's
+    registers spill: 304 bytes at head dim 256)."""
+    if mask_name != "none" or layout != "dense" or dropout:
+        return tiling
+    return with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
 
 
 def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:

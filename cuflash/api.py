@@ -37,7 +37,7 @@ from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tail_split, decode_tilings, decode_ring,
-                      wgmma_backward_swizzles)
+                      wgmma_backward_swizzles, wgmma_forward_persistent)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1220,7 +1220,11 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                 f"rows of {problem.dtype} on the {chosen.kernel} kernel, so leave num_splits=None")
         short = (family_of("forward", chosen.kernel).short_tiles(problem.dtype, problem.head_dim)
                  if problem.seqlen_k <= SHORT_SEQUENCE_KEYS else None)
-        return short or chosen, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
+        tiling = short or chosen
+        if tiling.kernel == "wgmma":
+            tiling = wgmma_forward_persistent(tiling, problem.dtype, problem.mask.name, problem.layout,
+                                              problem.score.dropout)
+        return tiling, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
     if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):
         plain, split = (dataclasses.replace(tiling, kv_tma=True) for tiling in (plain, split))
@@ -1350,6 +1354,8 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         variant = family_of("forward", tiling.kernel).variant(problem.dtype, tiling, problem.mask, problem.score,
                                                               layout=problem.layout)
         grid = _grid_size(num_m_blocks * splits, problem, problem.nheads, "the forward pass")
+        if tiling.persistent:  # one block per resident slot, each walking the tiles gridDim.x apart
+            grid = min(grid, _multiprocessor_count(problem.device) * tiling.blocks_per_sm)
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes,
                                      dependent=_forward_launch_dependent(problem, tiling)))
     params = pack(

@@ -176,10 +176,12 @@ __device__ __forceinline__ void warm_sequence_parameters(const ProblemSize& size
     asm volatile("" ::"l"(size.seqused_k), "l"(size.cu_seqlens_q), "l"(size.cu_seqlens_k));
 }
 
+// The query tile of grid coordinates c (query tiles, each cut in num_splits
+// key ranges, fastest).
 template <bool kLongestFirst>
-__device__ __forceinline__ QueryCoordinates query_coordinates(const ProblemSize& size, index_t num_m_blocks,
-                                                              int block_m, index_t num_splits = 1) {
-    const BlockCoordinates c = block_coordinates(num_m_blocks * num_splits, size.nheads);
+__device__ __forceinline__ QueryCoordinates query_coordinates_from(const ProblemSize& size, const BlockCoordinates& c,
+                                                                   index_t num_m_blocks, int block_m,
+                                                                   index_t num_splits) {
     const int tile = static_cast<int>(c.tile / num_splits);
     QueryCoordinates q;
     q.batch = c.batch;
@@ -188,6 +190,22 @@ __device__ __forceinline__ QueryCoordinates query_coordinates(const ProblemSize&
     q.m_start = (kLongestFirst ? counted_from_end(tile, num_m_blocks) : tile) * block_m;
     q.split = static_cast<int>(c.tile % num_splits);
     return q;
+}
+
+// This block's query tile.
+template <bool kLongestFirst>
+__device__ __forceinline__ QueryCoordinates query_coordinates(const ProblemSize& size, index_t num_m_blocks,
+                                                              int block_m, index_t num_splits = 1) {
+    return query_coordinates_from<kLongestFirst>(size, block_coordinates(num_m_blocks * num_splits, size.nheads),
+                                                 num_m_blocks, block_m, num_splits);
+}
+
+// Query tile `linear` of the flattened grid, unsplit (a persistent block's tiles).
+template <bool kLongestFirst>
+__device__ __forceinline__ QueryCoordinates query_coordinates_of(const ProblemSize& size, index_t num_m_blocks,
+                                                                 int block_m, index_t linear) {
+    return query_coordinates_from<kLongestFirst>(size, block_coordinates_of(linear, num_m_blocks, size.nheads),
+                                                 num_m_blocks, block_m, 1);
 }
 
 // The query tile at `c`, with its sequence's rows.
@@ -211,6 +229,13 @@ template <typename Batch, bool kLongestFirst>
 __device__ __forceinline__ QueryBlock query_block(const ProblemSize& size, index_t num_m_blocks, int block_m,
                                                   index_t num_splits = 1) {
     return query_block_at<Batch>(size, query_coordinates<kLongestFirst>(size, num_m_blocks, block_m, num_splits));
+}
+
+// Query tile `linear` (query_coordinates_of, query_block_at).
+template <typename Batch, bool kLongestFirst>
+__device__ __forceinline__ QueryBlock query_block_of(const ProblemSize& size, index_t num_m_blocks, int block_m,
+                                                     index_t linear) {
+    return query_block_at<Batch>(size, query_coordinates_of<kLongestFirst>(size, num_m_blocks, block_m, linear));
 }
 
 // Split-KV: a sequence's key blocks cut into num_splits ranges of equal

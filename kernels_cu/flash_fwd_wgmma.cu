@@ -1,7 +1,11 @@
 // FlashAttention forward on Hopper's warpgroup tensor cores (wgmma, sm_90a;
 // float16, bfloat16), warp-specialised.
 //
-// One thread block per (query block, head, batch). Warpgroup 0 is the
+// One thread block per (query block, head, batch), or persistent (the
+// launcher's choice without a mask on dense batches, where every tile does
+// the same work): one block per resident slot, walking the query tiles
+// gridDim.x apart, Q double-buffered and the K/V rings running on across
+// tiles, so that a tile's copies overlap the previous tile. Warpgroup 0 is the
 // producer: it hands most of its registers back (setmaxnreg) and one of its
 // threads issues every copy with the Tensor Memory Accelerator (tma.cuh):
 // the query tile once, then K and V tiles through a ring of kStages shared
@@ -50,14 +54,15 @@ namespace cuflash {
 constexpr int kForwardProducerRegisters = 24;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kBlocksPerSm, int kStages>
+          typename Batch, int kBlocksPerSm, int kStages, bool kPersistent>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
+    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kPersistent>;
     using QTile = typename Traits::QTile;
     using KvTile = typename Traits::KvTile;
     using Ring = RingPosition<Traits::kStages>;
+    using QRing = RingPosition<Traits::kQBuffers>;
     constexpr int kNTiles = Traits::kNTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kConsumers = Traits::kConsumerWarpgroups;
@@ -71,7 +76,6 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     require_shared_memory<Traits>();
     unsigned char* smem;
     const u32 base = aligned_shared_base<Traits::kAlignment>(smem);
-    const u32 q_full = base + Traits::kQFull;
 
     const int thread = threadIdx.x;
     // Role and row indices through a shuffle from lane 0: the compiler then
@@ -79,14 +83,29 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // branches asynchronous (in a path it must treat as divergent it
     // serialises every wgmma, C7520).
     const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
-    // A packed batch's grid covers its longest sequence; the blocks past a
-    // shorter one's end have no rows (the whole block leaves, before any barrier).
-    if (const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-        Batch::kPacked && block.m_start >= block.seqlen_q) {
+    // The query tiles of this block: its own (blockIdx.x), or persistent,
+    // every gridDim.x-th from it.
+    // (Fewer than 2^31: the launcher's grid of one block per tile would not fit otherwise.)
+    const int num_tiles = static_cast<int>(params.num_m_blocks * params.size.nheads * params.size.batch);
+    const int tile_stride = kPersistent ? static_cast<int>(gridDim.x) : num_tiles;
+    const auto tile_block = [&](int tile) {
+        return query_block_of<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, tile);
+    };
+    // A packed batch's grid covers its longest sequence; the tiles past a
+    // shorter one's end have no rows (a block of one such tile leaves before
+    // any barrier; a persistent block skips it on every side).
+    const auto tile_is_empty = [&](const QueryBlock& block) {
+        return Batch::kPacked && block.m_start >= block.seqlen_q;
+    };
+    if (!kPersistent && tile_is_empty(tile_block(block_index()))) {
         return;
     }
     if (thread == 0) {
-        mbarrier_init(q_full, 1);
+#pragma unroll
+        for (int b = 0; b < Traits::kQBuffers; ++b) {
+            mbarrier_init(Traits::q_full(base, b), 1);
+            mbarrier_init(Traits::q_empty(base, b), Traits::kConsumerThreads);
+        }
 #pragma unroll
         for (int s = 0; s < Traits::kStages; ++s) {
             // Full: the producer's arrival with the tile's bytes. Empty: every
@@ -106,99 +125,124 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     if (warpgroup == 0) {
         release_registers<kForwardProducerRegisters>();
         if (thread == 0) {
-            const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
-            const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
-            const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
-            // Tensor-map coordinates are tensor rows: a packed batch's tiles
-            // that run past a sequence's end copy the next sequence's rows,
-            // which the mask hides like the zeros past a dense one.
-            if (visits.count > 0) {
-                mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-                tma_load_tile<QTile>(base + Traits::kQ, params.q_map, q_full, block.q_row0 + block.m_start, block.head,
-                                     block.tensor_batch);
-            }
-            // K_i and V_{i-1}, in the order the consumers take them (a step
-            // multiplies by K_i and by V_{i-1}); V lags K by one block.
-            const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i) {
-                // Waiting for the phase before the current one: on the first
-                // pass over the ring every buffer is free at once.
-                mbarrier_wait(empty, at.phase ^ 1);
-                mbarrier_arrive_expect_tx(full, KvTile::kBytes);
-                tma_load_tile<KvTile>(base + kv_base + at.stage * KvTile::kBytes, map, full,
-                                      block.k_row0 + visits.n_block(i) * kBlockN, block.kv_head, block.tensor_batch);
-            };
+            // The rings run on across tiles: a tile's first K/V copies start
+            // as soon as the previous tile's consumers free their buffers.
             Ring k_ring, v_ring;
-            for (int i = 0; i <= visits.count; ++i) {
-                if (i < visits.count) {
-                    load(params.k_map, Traits::kK, Traits::k_full(base, k_ring.stage), Traits::k_empty(base, k_ring.stage),
-                         k_ring, i);
-                    k_ring.advance();
+            QRing q_ring;
+            for (int tile = blockIdx.x; tile < num_tiles; tile += tile_stride) {
+                const QueryBlock block = tile_block(tile);
+                if (tile_is_empty(block)) {
+                    continue;
                 }
-                if (i > 0) {
-                    load(params.v_map, Traits::kV, Traits::v_full(base, v_ring.stage), Traits::v_empty(base, v_ring.stage),
-                         v_ring, i - 1);
-                    v_ring.advance();
+                const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
+                const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
+                // Q's buffer is free once the consumers have staged and
+                // stored the output of the tile before last in it.
+                const u32 q_full = Traits::q_full(base, q_ring.stage);
+                mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
+                if (visits.count > 0) {
+                    // Tensor-map coordinates are tensor rows: a packed batch's
+                    // tiles that run past a sequence's end copy the next
+                    // sequence's rows, which the mask hides like the zeros
+                    // past a dense one.
+                    mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+                    tma_load_tile<QTile>(base + Traits::kQ + q_ring.stage * QTile::kBytes, params.q_map, q_full,
+                                         block.q_row0 + block.m_start, block.head, block.tensor_batch);
+                } else {
+                    mbarrier_arrive(q_full);  // no keys to see: the buffer only stages the output
+                }
+                q_ring.advance();
+                // K_i and V_{i-1}, in the order the consumers take them (a
+                // step multiplies by K_i and by V_{i-1}); V lags K by one block.
+                const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i) {
+                    // Waiting for the phase before the current one: on the
+                    // first pass over the ring every buffer is free at once.
+                    mbarrier_wait(empty, at.phase ^ 1);
+                    mbarrier_arrive_expect_tx(full, KvTile::kBytes);
+                    tma_load_tile<KvTile>(base + kv_base + at.stage * KvTile::kBytes, map, full,
+                                          block.k_row0 + visits.n_block(i) * kBlockN, block.kv_head,
+                                          block.tensor_batch);
+                };
+                for (int i = 0; i <= visits.count; ++i) {
+                    if (i < visits.count) {
+                        load(params.k_map, Traits::kK, Traits::k_full(base, k_ring.stage),
+                             Traits::k_empty(base, k_ring.stage), k_ring, i);
+                        k_ring.advance();
+                    }
+                    if (i > 0) {
+                        load(params.v_map, Traits::kV, Traits::v_full(base, v_ring.stage),
+                             Traits::v_empty(base, v_ring.stage), v_ring, i - 1);
+                        v_ring.advance();
+                    }
                 }
             }
         }
-    } else {
-        claim_registers<kConsumerRegisters>();
-        // This block's query tile, computed again for the epilogue (see
-        // block_index) so that it holds no registers through the main loop.
-        const QueryBlock origin = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+        return;
+    }
+
+    claim_registers<kConsumerRegisters>();
+    const int consumer = warpgroup - 1;
+    const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
+    const int warp_row0 = warp * 16;  // a warp's 16 accumulator rows: consumer * 64 + (warp % 4) * 16
+
+    // Ping-pong: consumer c issues its products after barrier 1 + c, which
+    // the previous consumer (cyclically) arrives at once it has issued its
+    // own. In each tile the last consumer hands the first turn out, and does
+    // not pass its last one on: every arrival meets a wait.
+    const auto take_turn = [&]() {
+        if constexpr (kConsumers > 1) {
+            named_barrier_sync(1 + consumer, 256);
+        }
+    };
+    const auto pass_turn = [&](bool last) {
+        if constexpr (kConsumers > 1) {
+            if (!(last && consumer == kConsumers - 1)) {
+                named_barrier_arrive(1 + (consumer + 1) % kConsumers, 256);
+            }
+        }
+    };
+
+    // Descriptors (wgmma.cuh): K-major Q (this consumer's 64 rows) and K,
+    // MN-major V; k16 steps by kmajor_k_step and mn_major_k_step.
+    const u64 k_descriptor = kmajor_descriptor<KvTile>(base, Traits::kK);
+    const u64 v_descriptor = mn_major_descriptor<KvTile>(base, Traits::kV);
+    constexpr u64 kBufferStep = KvTile::kBytes >> 4;  // the next K or V buffer, in descriptor units
+    using PFragments = u32[Traits::kPvSteps][4];  // a key block's P, the A operand of its P V
+    // P in two register sets: the softmax packs block i's into one while
+    // P_{i-1} V_{i-1} still reads the other. With dropout one set: its
+    // Philox rounds beside two sets spill the heaviest policies (window,
+    // soft cap, ALiBi and dropout at head dims 96-256), so P_{i-1} V_{i-1}
+    // lands before the softmax's P is dropped and packed, as P V then no
+    // longer overlaps the softmax's end.
+    constexpr bool kTwoPSets = !Score::kDropout;
+
+    // K_i's and V_i's buffer (on across tiles, as the producer's); V_{i-1}'s
+    // is ring.template behind<1>() and V_{i-2}'s ring.template behind<2>() once S_{i-1} has
+    // been turned into P (scores_to_p advances the ring).
+    Ring ring;
+    // One query tile, Q in buffer q_buffer (its full barrier's phase q_phase).
+    const auto consume_tile = [&](int tile, int q_buffer, u32 q_phase) {
+        // Read afresh in each tile: what a persistent block's compiler would
+        // otherwise hoist out of the tile loop (the lane and what derives from
+        // it) stays live through the main loop and spills (see lane_index_now).
+        const int lane = lane_index_now();
+        const QueryBlock origin = tile_block(tile);
         const BlockContext<Mask, Score> ctx(params, origin);
-        const int consumer = warpgroup - 1;
-        const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
-        const int lane = thread % 32;
-        const int warp_row0 = warp * 16;  // a warp's 16 accumulator rows: consumer * 64 + (warp % 4) * 16
         const int warp_row = origin.m_start + warp_row0;
         const VisitedKeyBlocks<Mask> visits(ctx.mask, origin.m_start, kBlockM, kBlockN);
         const int n_blocks = visits.count;
-
-        // Ping-pong: consumer c issues its products after barrier 1 + c,
-        // which the previous consumer (cyclically) arrives at once it has
-        // issued its own. The last consumer hands the first turn out, and
-        // does not pass its last one on: every arrival meets a wait.
-        const auto take_turn = [&]() {
-            if constexpr (kConsumers > 1) {
-                named_barrier_sync(1 + consumer, 256);
-            }
-        };
-        const auto pass_turn = [&](bool last) {
-            if constexpr (kConsumers > 1) {
-                if (!(last && consumer == kConsumers - 1)) {
-                    named_barrier_arrive(1 + (consumer + 1) % kConsumers, 256);
-                }
-            }
-        };
-
-        // Descriptors (wgmma.cuh): K-major Q (this consumer's 64 rows) and K,
-        // MN-major V; k16 steps by kmajor_k_step and mn_major_k_step.
-        const u64 q_descriptor = kmajor_descriptor<QTile>(base, Traits::kQ + consumer * 64 * QTile::kSwizzleBytes);
-        const u64 k_descriptor = kmajor_descriptor<KvTile>(base, Traits::kK);
-        const u64 v_descriptor = mn_major_descriptor<KvTile>(base, Traits::kV);
-        constexpr u64 kBufferStep = KvTile::kBytes >> 4;  // the next K or V buffer, in descriptor units
+        const u64 q_descriptor = kmajor_descriptor<QTile>(
+            base, Traits::kQ + q_buffer * QTile::kBytes + consumer * 64 * QTile::kSwizzleBytes);
 
         float o[1][kDTiles][4];
         fill_fragments(o, 0.0f);
         float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(o);
-        using PFragments = u32[Traits::kPvSteps][4];  // a key block's P, the A operand of its P V
-        // P in two register sets: the softmax packs block i's into one while
-        // P_{i-1} V_{i-1} still reads the other. With dropout one set: its
-        // Philox rounds beside two sets spill the heaviest policies (window,
-        // soft cap, ALiBi and dropout at head dims 96-256), so P_{i-1} V_{i-1}
-        // lands before the softmax's P is dropped and packed, as P V then no
-        // longer overlaps the softmax's end.
-        constexpr bool kTwoPSets = !Score::kDropout;
         PFragments p_even, p_second;
         PFragments& p_odd = kTwoPSets ? p_second : p_even;
         float pending_rescale[2];  // the factors for O before P_{i-1} V_{i-1} is added
         FragmentOnlineSoftmax<1> softmax;
         softmax.init();
 
-        Ring ring;      // K_i's and V_i's buffer
-        Ring previous;  // V_{i-1}'s
-        Ring retired;   // V_{i-2}'s
         const auto issue_s = [&](float(&s_flat)[kBlockN / 2]) {
             wgmma_fence();  // O, rescaled, and P were written by this thread since the last wgmma
 #pragma unroll
@@ -213,7 +257,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
                 Wgmma<Element, kHeadDim>::rs(o_flat, p[ps],
-                                             v_descriptor + previous.stage * kBufferStep + mn_major_k_step<KvTile>(ps), 1);
+                                             v_descriptor + ring.template behind<1>().stage * kBufferStep +
+                                                 mn_major_k_step<KvTile>(ps),
+                                             1);
             }
             wgmma_commit();
         };
@@ -223,7 +269,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             wgmma_wait<0>();
             pin_registers(o_flat);
             if (i > 1) {
-                mbarrier_arrive(Traits::v_empty(base, retired.stage));
+                mbarrier_arrive(Traits::v_empty(base, ring.template behind<2>().stage));
             }
             scale_fragment_rows(o, pending_rescale);
             // Kept here: left free, the compiler sinks the products to their
@@ -249,8 +295,6 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
                 pack_a_fragment<Element>(p_next[ps], s[0][2 * ps], s[0][2 * ps + 1]);
             }
-            retired = previous;
-            previous = ring;
             ring.advance();
         };
         // Step i > 0: S_i and P_{i-1} V_{i-1} are issued together in the turn;
@@ -263,6 +307,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             const int n_start = visits.n_block(i) * kBlockN;
             land_and_rescale(i);
             mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
+            const Ring previous = ring.template behind<1>();
             mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
             float s[1][kNTiles][4];
             float(&s_flat)[kBlockN / 2] = reinterpret_cast<float(&)[kBlockN / 2]>(s);
@@ -273,9 +318,21 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             wgmma_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
             scores_to_p(s, s_flat, n_start, p_next);
         };
+        // The last block's P V, once the one before it has landed; then its
+        // V buffer is free too.
+        const auto finish = [&](const PFragments& p_last) {
+            land_and_rescale(n_blocks);
+            const Ring previous = ring.template behind<1>();
+            mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
+            wgmma_fence();
+            issue_pv(p_last);
+            wgmma_wait<0>();
+            pin_registers(o_flat);
+            mbarrier_arrive(Traits::v_empty(base, previous.stage));
+        };
 
+        mbarrier_wait(Traits::q_full(base, q_buffer), q_phase);
         if (n_blocks > 0) {
-            mbarrier_wait(q_full, 0);
             if (kConsumers > 1 && consumer == kConsumers - 1) {
                 named_barrier_arrive(1, 256);
             }
@@ -288,15 +345,6 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             wgmma_wait<0>();
             scores_to_p(s, s_flat, visits.n_block(0) * kBlockN, p_even);
         }
-        // The last block's P V, once the one before it has landed.
-        const auto finish = [&](const PFragments& p_last) {
-            land_and_rescale(n_blocks);
-            mbarrier_wait(Traits::v_full(base, previous.stage), previous.phase);
-            wgmma_fence();
-            issue_pv(p_last);
-            wgmma_wait<0>();
-            pin_registers(o_flat);
-        };
         // Two steps a pass, so that each P set is named at compile time (a
         // runtime index would put both sets in local memory).
         for (int i = 1; n_blocks > 0; i += 2) {
@@ -316,9 +364,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // its last wait, and no other warpgroup reads these rows, so each
         // warp stages its normalised output rows in its own rows of the Q
         // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
-        const QueryBlock block = query_block<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM);
+        const QueryBlock block = tile_block(tile);
         const int first_row = block.m_start;
-        unsigned char* const q_tile = smem + Traits::kQ;
+        unsigned char* const q_tile = Traits::q_tile(smem, q_buffer);
         finish_forward_rows<Element>(
             softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0, first_row, warp_row0,
             ctx.seqlen_q, lane,
@@ -328,6 +376,22 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         __syncwarp();
         store_warp_rows<QTile>(block.query_row<Element>(params.out, block.head, first_row), params.out.row_stride,
                                q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
+        // The staged rows were read back (the stores took them into
+        // registers) and written by ordinary stores: ordered before the
+        // copy engine refills the buffer with a later tile's Q.
+        fence_async_shared();
+        mbarrier_arrive(Traits::q_empty(base, q_buffer));
+    };
+    if constexpr (kPersistent) {
+        QRing q_ring;
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+            if (!tile_is_empty(tile_block(tile))) {
+                consume_tile(tile, q_ring.stage, q_ring.phase);
+                q_ring.advance();
+            }
+        }
+    } else {
+        consume_tile(blockIdx.x, 0, 0);
     }
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).

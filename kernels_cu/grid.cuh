@@ -24,14 +24,19 @@ __device__ __forceinline__ unsigned block_index() {
     return index;
 }
 
-__device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles, index_t nheads) {
-    index_t linear = block_index();
+// The coordinates of block `linear` of the flattened grid (a persistent
+// block's tiles are such indices; see block_coordinates).
+__device__ __forceinline__ BlockCoordinates block_coordinates_of(index_t linear, index_t num_tiles, index_t nheads) {
     BlockCoordinates c;
     c.tile = static_cast<int>(linear % num_tiles);
     linear /= num_tiles;
     c.head = linear % nheads;
     c.batch = linear / nheads;
     return c;
+}
+
+__device__ __forceinline__ BlockCoordinates block_coordinates(index_t num_tiles, index_t nheads) {
+    return block_coordinates_of(block_index(), num_tiles, nheads);
 }
 
 // Tile `tile` counted from the last. Blocks are dispatched roughly in

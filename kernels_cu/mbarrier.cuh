@@ -68,6 +68,22 @@ struct RingPosition {
             phase ^= 1;
         }
     }
+    // The position kBack advances before this one (derived rather than kept:
+    // registers are scarce where it is needed).
+    template <int kBack>
+    __device__ __forceinline__ RingPosition behind() const {
+        RingPosition p = *this;
+#pragma unroll
+        for (int k = 0; k < kBack; ++k) {
+            if (p.stage == 0) {
+                p.stage = kStages - 1;
+                p.phase ^= 1;
+            } else {
+                --p.stage;
+            }
+        }
+        return p;
+    }
 };
 
 }  // namespace cuflash

@@ -188,24 +188,29 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 // of the kBlockM. Per consumer thread the accumulators are S (kBlockN / 2
 // floats), O (kHeadDim / 2) and two key blocks' P (kBlockN / 4 registers
 // each: the one P V reads and the one the softmax packs), all live at once
-// while P V overlaps the softmax. After the tiles come the mbarriers: Q
-// full, then per stage K full, K empty, V full, V empty.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_>
+// while P V overlaps the softmax. A persistent block (kPersistent: it
+// walks query tiles gridDim.x apart) double-buffers Q, so that the next
+// tile's arrives while this one's runs (and its output is staged in its
+// own buffer). After the tiles come the mbarriers: Q full and Q empty per Q
+// buffer, then per stage K full, K empty, V full, V empty.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
     static constexpr int kConsumerWarpgroups = kWarps / 4 - 1;
     static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
     static constexpr int kStages = kStages_;
+    static constexpr bool kPersistent = kPersistent_;
+    static constexpr int kQBuffers = kPersistent ? 2 : 1;
 
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KvTile = SwizzledTile<kBlockN, kHeadDim>;
-    static constexpr int kQ = 0;
-    static constexpr int kK = kQ + QTile::kBytes;                // kStages K buffers
+    static constexpr int kQ = 0;                                 // kQBuffers Q buffers
+    static constexpr int kK = kQ + kQBuffers * QTile::kBytes;    // kStages K buffers
     static constexpr int kV = kK + kStages * KvTile::kBytes;     // kStages V buffers
     static constexpr int kBarriers = kV + kStages * KvTile::kBytes;
-    static constexpr int kQFull = kBarriers;
-    static constexpr int kKFull = kQFull + 8;                    // per stage: K full, K empty, V full, V empty
+    static constexpr int kQFull = kBarriers;                     // per Q buffer: Q full, Q empty
+    static constexpr int kKFull = kQFull + 16 * kQBuffers;       // per stage: K full, K empty, V full, V empty
     static constexpr int kLayoutBytes = kKFull + 4 * 8 * kStages;
     // Swizzle atoms must be 1024-byte aligned; the dynamic shared memory is
     // only guaranteed 16, so the launch asks for this much more and the
@@ -218,6 +223,11 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static __device__ __forceinline__ u32 k_empty(u32 base, int s) { return base + kKFull + 32 * s + 8; }
     static __device__ __forceinline__ u32 v_full(u32 base, int s) { return base + kKFull + 32 * s + 16; }
     static __device__ __forceinline__ u32 v_empty(u32 base, int s) { return base + kKFull + 32 * s + 24; }
+    static __device__ __forceinline__ u32 q_full(u32 base, int b) { return base + kQFull + 16 * b; }
+    static __device__ __forceinline__ u32 q_empty(u32 base, int b) { return base + kQFull + 16 * b + 8; }
+    static __device__ __forceinline__ unsigned char* q_tile(unsigned char* smem, int b) {
+        return smem + kQ + b * QTile::kBytes;
+    }
 
     static_assert(sizeof(typename Shape::Element) == 2, "wgmma forward: float16 and bfloat16");
     static_assert(kWarps % 4 == 0 && kConsumerWarpgroups >= 1 && kBlockM == 64 * kConsumerWarpgroups,

@@ -15,7 +15,7 @@ import pytest
 
 from cuflash import api
 from cuflash._loader import builds_sm90a, compile_options, kernel_source_dir, _nvrtc_version
-from cuflash._validation import check_forward, meta_of
+from cuflash._validation import check_forward, check_variants, meta_of
 
 from tests.helpers import random_qkv
 from tests.test_forward_gpu import run_and_check
@@ -282,4 +282,46 @@ def test_wgmma_forward_other_tiles(head_dim, tile, causal):
     scale = head_dim ** -0.5
     ref_out, ref_lse = attention_reference(q, k, v, causal=causal, softmax_scale=scale)
     assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, causal=causal, softmax_scale=scale))
+    assert_lse_close(lse, ref_lse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, mask):
+    """Persistent blocks (one per resident slot) walking several query tiles
+    each, unevenly (more tiles than slots, not a multiple of them): Q in two
+    buffers, the K/V rings running on across tiles, the output staged in each
+    tile's own Q buffer. The launcher takes this form without a mask only;
+    the kernel is the same for any mask, so causal and a window check the
+    tiles whose key walks differ in length."""
+    from cuflash._tiling import wgmma_forward_persistent, wgmma_forward_tiling
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    tiling = wgmma_forward_persistent(wgmma_forward_tiling("bfloat16", head_dim), "bfloat16", "none", "dense")
+    assert tiling.persistent
+    batch, seqlen, heads = 3, 1501, 12
+    q, k, v = random_qkv(cupy, batch, seqlen, seqlen, heads, heads, head_dim, cupy.dtype("bfloat16"),
+                         seed=head_dim + len(mask))
+    window = (300, 20) if mask == "window" else None
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=mask == "causal",
+                            softmax_scale=None)
+    if window:
+        problem = check_variants(problem, window_size=window)
+    assert problem.mask.name == mask
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    lse = cupy.full((batch, heads, seqlen), cupy.nan, dtype=cupy.float32)
+    layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
+    plan = api.forward_plan(problem, layouts, aligned=True, tiling=tiling)
+    tiles = batch * heads * -(-seqlen // tiling.block_m)
+    grid = plan._launches[0][1]
+    assert grid < tiles and tiles % grid, (grid, tiles)
+    plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr], cupy.cuda.get_current_stream().ptr)
+    kwargs = {"causal": mask == "causal", "softmax_scale": head_dim ** -0.5}
+    if window:
+        kwargs["window_size"] = window
+    ref_out, ref_lse = attention_reference(q, k, v, **kwargs)
+    assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, **kwargs))
     assert_lse_close(lse, ref_lse)

@@ -125,7 +125,7 @@ _TRAITS = {
                      "{t.warps}>>",
     "forward-mma": "cuflash::MmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
                    "{t.kv_stages}, {split_keys}, {kv_tma}>",
-    "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, {t.kv_stages}>",
+    "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, {t.kv_stages}, {persistent}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
                            "{t.warps}, {t.q_stages}>",
     "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
@@ -142,7 +142,8 @@ def _layouts():
         for dtype, tiling in family.compiled_tilings():
             expression = _TRAITS[family.name].format(e=CXX_ELEMENT_TYPE[dtype], t=tiling,
                                                      split_keys=str(tiling.warps_split_keys).lower(),
-                                                     kv_tma=str(tiling.kv_tma).lower())
+                                                     kv_tma=str(tiling.kv_tma).lower(),
+                                                     persistent=str(tiling.persistent).lower())
             rows.append((f"{expression}::kBytes", family.smem_bytes(tiling, dtype)))
     return rows
 
@@ -377,7 +378,7 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
     printed = _run_host_program(tmp_path, "\n".join([
         'printf("%g\\n", (double)cuflash::FragmentOnlineSoftmax<1>::kRescaleSlack);',
-        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12, 2>::kAlignment);',
+        'printf("%d\\n", cuflash::WgmmaForwardTraits<__half, 64, 128, 64, 12, 2, false>::kAlignment);',
         'printf("%d\\n", cuflash::WgmmaBackwardTraits<__half, 64, 64, 128, 12, 2>::kAlignment);',
         'printf("%d\\n", cuflash::kMaxSmemBytes);',
     ]), extra_include="online_softmax.cuh")
