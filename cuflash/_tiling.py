@@ -838,15 +838,25 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
     return tiling
 
 
+#: Keys per sequence up to which the Hopper forward runs persistent blocks
+#: (``wgmma_forward_persistent``). Measured on the H100 (bf16, FA2 grid, one
+#: process, f928f3f's kernel): at 512 keys 0.226 -> 0.196 ms (d64) and 0.176
+#: -> 0.159 (d128), at 1k +4% / -1%, from 2k 1-11% slower (d128 16k 3.13
+#: against 3.51 ms; not explained: docs/perf-notes.md).
+PERSISTENT_FORWARD_KEYS = 512
+
+
 def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, layout: str,
-                             dropout: bool = False) -> Tiling:
+                             dropout: bool = False, seqlen_k: int = 0) -> Tiling:
     """``tiling`` (a Hopper forward's) persistent where every query tile of
     the call does the same work (no mask, a dense batch: the blocks' static
-    share of the tiles is then even; a causal mask's would not be), with the
-    stages that then fit (``with_wgmma_forward_stages``); as it is
-    otherwise, and with dropout (whose Philox rounds beside the tile walk's
-    registers spill: 304 bytes at head dim 256)."""
-    if mask_name != "none" or layout != "dense" or dropout:
+    share of the tiles is then even; a causal mask's would not be) and its
+    walks are short (at most ``PERSISTENT_FORWARD_KEYS`` keys, where a
+    block's prologue and epilogue weigh most), with the stages that then fit
+    (``with_wgmma_forward_stages``); as it is otherwise, and with dropout
+    (whose Philox rounds beside the tile walk's registers spill: 304 bytes at
+    head dim 256)."""
+    if mask_name != "none" or layout != "dense" or dropout or seqlen_k > PERSISTENT_FORWARD_KEYS:
         return tiling
     return with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
 

@@ -1223,7 +1223,7 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
         tiling = short or chosen
         if tiling.kernel == "wgmma":
             tiling = wgmma_forward_persistent(tiling, problem.dtype, problem.mask.name, problem.layout,
-                                              problem.score.dropout)
+                                              problem.score.dropout, problem.seqlen_k)
         return tiling, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
     if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):
