@@ -255,6 +255,60 @@ def compile_report(variants, arch: str) -> list[dict]:
     return rows
 
 
+def cuobjdump() -> str | None:
+    """cuobjdump: on the PATH, or from the nvidia-cuda-cuobjdump wheel (the
+    test extra's, with nvidia-cuda-nvdisasm, which it runs); None where
+    neither is."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("nvidia")
+    except ImportError:
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        for candidate in sorted(Path(location).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    return None
+
+
+def sass_of(variant, arch: str = "sm_90a") -> list[str]:
+    """One variant's SASS instructions (opcode and operands, one a line),
+    compiled alone as NVRTC compiles it at run time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, cubin = Path(tmp) / "variant.cu", Path(tmp) / "variant.cubin"
+        source.write_text(_translation_unit([variant]))
+        subprocess.run(["nvcc", "-std=c++17", "-cubin", _ARCH_FLAGS[arch], f"-I{kernel_source_dir()}", str(source),
+                        "-o", str(cubin)], capture_output=True, text=True, check=True)
+        tool = cuobjdump()
+        # cuobjdump runs nvdisasm, which the wheels put beside it
+        path = os.pathsep.join([str(Path(tool).parent), os.environ.get("PATH", "")])
+        listing = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True,
+                                 env={**os.environ, "PATH": path}).stdout
+    return [re.sub(r"\s*;.*", "", line.split("*/", 1)[1]).strip()
+            for line in listing.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+
+
+def exponentials_after_score_waits(sass: list[str]) -> list[int]:
+    """For each wait for a score product alone (``WARPGROUP.DEPBAR.LE gsb0,
+    0x1``: S_i, with P_{i-1} V_{i-1} still running), how many exponentials
+    (``MUFU.EX2``) follow it before the next wgmma wait of any depth. The
+    Hopper forward's softmax overlaps its own P V only where that count is
+    the block's exponentials: ptxas hoists a wait for everything (``0x0``)
+    above them when it shares their basic block (docs/perf-notes.md)."""
+    counts, current = [], None
+    for instruction in sass:
+        if "WARPGROUP.DEPBAR.LE" in instruction:
+            if current is not None:
+                counts.append(current)
+            current = 0 if instruction.endswith("0x1") else None
+        elif current is not None and "MUFU.EX2" in instruction:
+            current += 1
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=sorted(_ARCH_FLAGS), help="default: sm_90a and sm_80")
