@@ -147,9 +147,10 @@ MMA_BACKWARD_99KIB_TILES = {
 #: consumer warpgroup per 64 query rows computes, so warps = 4 + block_m / 16.
 #: The register budget is set (launch bounds, setmaxnreg) for that many
 #: resident blocks per SM. Per consumer thread S takes block_n / 2
-#: registers, O head_dim / 2 and the previous P block_n / 4 (<= 192
-#: together); K and V go through a ring of two buffers each, so the larger
-#: head dims take fewer keys per block. Head dims whose bucket is missing
+#: registers, O head_dim / 2 and two blocks' P block_n / 4 each (<= 192
+#: together); K and V go through a ring of two or three buffers each
+#: (``with_wgmma_forward_stages``), so the larger head dims take fewer keys
+#: per block. Head dims whose bucket is missing
 #: here run on the mma.sync kernel. d32/d64 run one consumer per block and
 #: two blocks per SM (faster at every measured length than three consumers
 #: of 192 rows: docs/perf-notes.md).
@@ -858,7 +859,9 @@ def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, la
     head dim 256)."""
     if mask_name != "none" or layout != "dense" or dropout or seqlen_k > PERSISTENT_FORWARD_KEYS:
         return tiling
-    return with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
+    persistent = with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
+    _check_budget(persistent.forward_smem_bytes(dtype_name), f"forward {persistent} for {dtype_name}")
+    return persistent
 
 
 def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:
