@@ -190,7 +190,7 @@ WGMMA_FORWARD_SHORT_TILES = {
 }
 SHORT_SEQUENCE_KEYS = 512
 #: Most stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``):
-#: three where the blocks of an SM hold them, else two (``_wgmma_forward_tiles``).
+#: three where the blocks of an SM hold them, else two (``with_wgmma_forward_stages``).
 #: A step multiplies by K_i and V_{i-1}, and V_{i-2}'s buffer is freed only
 #: as step i starts (flash_fwd_wgmma.cu), so with two stages a V tile has one
 #: step to arrive.
@@ -204,6 +204,8 @@ SMEM_RESERVED_PER_BLOCK = 1024
 def wgmma_forward_barrier_bytes(stages: int, q_buffers: int = 1) -> int:
     """The Hopper forward's mbarriers: Q full and empty per Q buffer, then full and empty for K and V per stage."""
     return 8 * (2 * q_buffers + 4 * stages)
+
+
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per
 #: compiled head dim: (block_m query rows per step, block_n keys per block,
 #: warps, Q/dO buffers). Warp-specialised like the forward: warpgroup 0

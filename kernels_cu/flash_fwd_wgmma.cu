@@ -84,8 +84,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // serialises every wgmma, C7520).
     const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
     // The query tiles of this block: its own (blockIdx.x), or persistent,
-    // every gridDim.x-th from it.
-    // (Fewer than 2^31: the launcher's grid of one block per tile would not fit otherwise.)
+    // every gridDim.x-th from it (fewer than 2^31 in all: the launcher's
+    // grid of one block per tile would not fit otherwise).
     const int num_tiles = static_cast<int>(params.num_m_blocks * params.size.nheads * params.size.batch);
     const int tile_stride = kPersistent ? static_cast<int>(gridDim.x) : num_tiles;
     const auto tile_block = [&](int tile) {
@@ -216,9 +216,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // longer overlaps the softmax's end.
     constexpr bool kTwoPSets = !Score::kDropout;
 
-    // K_i's and V_i's buffer (on across tiles, as the producer's); V_{i-1}'s
-    // is ring.template behind<1>() and V_{i-2}'s ring.template behind<2>() once S_{i-1} has
-    // been turned into P (scores_to_p advances the ring).
+    // K_i's and V_i's buffer, running on across tiles as the producer's
+    // rings do. Once scores_to_p has advanced it past block i-1, V_{i-1}'s
+    // buffer is one position behind it and V_{i-2}'s two (RingPosition::behind).
     Ring ring;
     // One query tile, Q in buffer q_buffer (its full barrier's phase q_phase).
     const auto consume_tile = [&](int tile, int q_buffer, u32 q_phase) {
@@ -364,6 +364,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // its last wait, and no other warpgroup reads these rows, so each
         // warp stages its normalised output rows in its own rows of the Q
         // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
+        // The tile's rows computed again rather than kept from `origin`, so
+        // that they hold no registers through the main loop.
         const QueryBlock block = tile_block(tile);
         const int first_row = block.m_start;
         unsigned char* const q_tile = Traits::q_tile(smem, q_buffer);
