@@ -1,9 +1,10 @@
 """The kernels' parameter structs as NumPy structured dtypes.
 
 CuPy passes a one-element structured array to a kernel as a struct by value.
-Field order and types here must match ``kernels_cu/params.cuh``; every field
-is 8 bytes, so the aligned layout has no padding. tests/test_tiling.py
-compiles a host program that prints the C++ offsets and compares them.
+Field order and types here must match ``kernels_cu/params.cuh``; the dtypes
+are aligned as a C compiler aligns the structs (a lone float32 before an
+8-byte field is padded). tests/test_tiling.py compiles a host program that
+prints the C++ offsets and compares them.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ PROBLEM_SIZE = np.dtype(
 #: The dropout seed and offset (or the seed's GPU address) are written by
 #: each call (plan slots).
 VARIANT_PARAMS = np.dtype(
-    [("window_left", _INDEX), ("window_right", _INDEX), ("softcap", np.float64), ("alibi_slopes", _POINTER),
-     ("alibi_batch_stride", _INDEX), ("inverse_scale", np.float64), ("dropout_seed", np.uint64),
-     ("dropout_offset", np.uint64), ("dropout_threshold", _INDEX), ("dropout_inverse_keep", np.float64),
+    [("window_left", _INDEX), ("window_right", _INDEX), ("softcap", np.float32),
+     ("inverse_softcap", np.float32), ("alibi_slopes", _POINTER), ("alibi_batch_stride", _INDEX),
+     ("inverse_scale", np.float32), ("scale", np.float32), ("dropout_seed", np.uint64),
+     ("dropout_offset", np.uint64), ("dropout_threshold", _INDEX), ("dropout_inverse_keep", np.float32),
      ("dropout_seed_pointer", _POINTER), *[(f"user_array{i}", _POINTER) for i in range(4)],
      ("tile_map", _POINTER), ("tile_map_batch_stride", _INDEX), ("tile_map_head_stride", _INDEX),
      ("tile_map_block_m", _INDEX), ("tile_map_block_n", _INDEX)],
@@ -46,7 +48,7 @@ VARIANT_PARAMS = np.dtype(
 )
 
 #: VariantParams of a call with no window, soft cap, ALiBi or dropout.
-NO_VARIANT = (0, 0, 0.0, 0, 0, 0.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+NO_VARIANT = tuple(0 for _ in VARIANT_PARAMS.names)
 
 FORWARD_PARAMS = np.dtype(
     [
@@ -56,7 +58,7 @@ FORWARD_PARAMS = np.dtype(
         ("lse_head_stride", _INDEX),
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
-        ("softmax_scale_log2", np.float64),
+        ("softmax_scale_log2", np.float32),
         ("num_splits", _INDEX),
         ("out_split_stride", _INDEX),
         ("lse_split_stride", _INDEX),
@@ -112,8 +114,8 @@ BACKWARD_PARAMS = np.dtype(
         ("num_m_blocks", _INDEX),
         ("num_n_blocks", _INDEX),
         ("rotate_walks", _INDEX),
-        ("softmax_scale_log2", np.float64),
-        ("softmax_scale", np.float64),
+        ("softmax_scale_log2", np.float32),
+        ("softmax_scale", np.float32),
         ("variant", VARIANT_PARAMS),
     ],
     align=True,
@@ -144,7 +146,7 @@ WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", 
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 4 * 8 + 20 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE

@@ -281,8 +281,11 @@ def _variant_fields(problem: AttentionProblem, tiling: Tiling | None = None) -> 
         right = problem.seqlen_q if right < 0 else right
     scale = problem.softmax_scale
     threshold = problem.dropout_threshold
-    fields = dict(window_left=left, window_right=right, softcap=problem.softcap / scale if problem.softcap else 0.0,
+    # Real values are computed in double and rounded once to the structs' float32.
+    cap = problem.softcap / scale if problem.softcap else 0.0
+    fields = dict(window_left=left, window_right=right, softcap=cap, inverse_softcap=1.0 / cap if cap else 0.0,
                   alibi_batch_stride=problem.alibi_batch_stride or 0, inverse_scale=1.0 / scale if scale else 0.0,
+                  scale=scale,
                   dropout_threshold=threshold,
                   dropout_inverse_keep=1.0 / dropout_keep_probability(problem.dropout_p) if threshold else 0.0)
     if problem.tile_map_dims is not None:

@@ -830,8 +830,8 @@ struct {name} {{
 {members}
     __device__ __forceinline__ {name}(const VariantParams& variant, SequenceBounds, index_t batch, index_t head)
         : arrays(variant.user_arrays),
-          scale(static_cast<float>(1.0 / variant.inverse_scale)),
-          inverse_scale(static_cast<float>(variant.inverse_scale)),
+          scale(variant.scale),
+          inverse_scale(variant.inverse_scale),
           b(static_cast<int>(batch)),
           h(static_cast<int>(head)) {{
 {hoisted}    }}

@@ -301,7 +301,7 @@ struct BlockContext {
           seqlen_q(mask.seqlen_q),
           seqlen_k(mask.seqlen_k),
           head_dim(params.size.head_dim_int()),
-          scale_log2(static_cast<float>(params.softmax_scale_log2)) {}
+          scale_log2(params.softmax_scale_log2) {}
 
     // The score transform of query head `head` of the block's batch entry
     // (a key block's walk visits every head of its K/V head).

@@ -38,7 +38,7 @@ struct DropoutMask {
         : head(static_cast<u32>(query_head)),
           batch(static_cast<u32>(batch_entry)),
           threshold(static_cast<u32>(variant.dropout_threshold)),
-          inverse_keep(static_cast<float>(variant.dropout_inverse_keep)) {
+          inverse_keep(variant.dropout_inverse_keep) {
         const unsigned long long seed =
             variant.dropout_seed_pointer != nullptr ? *variant.dropout_seed_pointer : variant.dropout_seed;
         const unsigned long long offset = variant.dropout_offset;

@@ -64,7 +64,7 @@ flash_backward_dkdv_kernel(const BackwardParams params) {
     if (Batch::kPacked && block.n_start >= ctx.seqlen_k) {
         return;
     }
-    const float scale = static_cast<float>(params.softmax_scale);
+    const float scale = params.softmax_scale;
 
     const int thread = threadIdx.x;
     const int key_in_block = thread / kLanesPerKey;
@@ -249,7 +249,7 @@ flash_backward_dq_kernel(const BackwardParams params) {
     // Stage dQ in the Q tile and store it coalesced.
     __syncthreads();
     stage_row<Smem::kColsPerLane, kLanesPerRow>(q_tile + row_in_block * kStride, dq,
-                                                static_cast<float>(params.softmax_scale), lane);
+                                                params.softmax_scale, lane);
     __syncthreads();
     store_tile<kBlockM, kHeadDimPadded, kStride, Traits::kThreads>(block.query_row<Element>(params.dq, head, m_start),
                                                                    params.dq.row_stride, q_tile, ctx.seqlen_q - m_start,

@@ -20,31 +20,143 @@ struct QueryRow {
 
 __device__ __forceinline__ QueryRow query_row(index_t r, const ProblemSize& size) {
     QueryRow q;
+    const index_t rows_per_entry = size.tensor_seqlen_q();
+    // 32-bit divisions where the row count allows (a 64-bit one is a
+    // subroutine of ~70 instructions, paid per row here).
+    if (size.total_q * size.nheads <= 0xffffffffll) {
+        const unsigned index = static_cast<unsigned>(r), heads = static_cast<unsigned>(size.nheads);
+        const unsigned rest = index / heads, per_entry = static_cast<unsigned>(rows_per_entry);
+        q.head = index - rest * heads;
+        q.row = rest % per_entry;
+        q.batch = rest / per_entry;
+        return q;
+    }
     q.head = r % size.nheads;
     const index_t rest = r / size.nheads;
-    const index_t rows_per_entry = size.tensor_seqlen_q();
     q.row = rest % rows_per_entry;
     q.batch = rest / rows_per_entry;
     return q;
 }
 
-// Calls f(r, row, lane) for every query row r of the problem with one warp
-// per row, grid-stride (r is uniform per warp: shuffles inside f see all
-// lanes).
-template <int kWarps, typename F>
-__device__ __forceinline__ void for_each_query_row_by_warp(const ProblemSize& size, F&& f) {
+// Calls f(r, row, lane, valid) for every query row r of the problem with
+// kLanesPerRow lanes per row (a power of two dividing 32), grid-stride. Every
+// lane of a warp makes the same calls, so f may shuffle within its row's
+// lanes; `valid` is false for a group past the last row (its r is clamped to
+// a real row, and f must not write).
+template <int kLanesPerRow, int kWarps, typename F>
+__device__ __forceinline__ void for_each_query_row(const ProblemSize& size, F&& f) {
+    constexpr int kRowsPerWarp = 32 / kLanesPerRow;
     const index_t rows = size.total_q * size.nheads;
     const int lane = threadIdx.x % 32;
-    const index_t first = static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const index_t step = static_cast<index_t>(gridDim.x) * kWarps;
-    for (index_t r = first; r < rows; r += step) {
-        f(r, query_row(r, size), lane);
+    const index_t first = (static_cast<index_t>(blockIdx.x) * kWarps + threadIdx.x / 32) * kRowsPerWarp;
+    const index_t step = static_cast<index_t>(gridDim.x) * kWarps * kRowsPerWarp;
+    for (index_t r0 = first; r0 < rows; r0 += step) {
+        const index_t r = r0 + lane / kLanesPerRow;
+        const bool valid = r < rows;
+        const index_t row = valid ? r : rows - 1;
+        f(row, query_row(row, size), lane % kLanesPerRow, valid);
     }
 }
 
-// delta = rowsum(dO * O), one warp per query row; also zeroes the row's dQ
-// accumulator when there is one, and the dQ turn counters of the ordered
-// mode, which saves separate memset passes.
+// Whether every row of `t` starts on a 16-byte boundary (whole chunks of 8
+// 16-bit elements): the pointer and every stride. Uniform over the grid.
+template <typename Element>
+__device__ __forceinline__ bool rows_in_chunks(const TensorRef& t, int head_dim) {
+    static_assert(sizeof(Element) == 2, "chunks of 8 16-bit elements");
+    return head_dim % 8 == 0 && reinterpret_cast<unsigned long long>(t.ptr) % 16 == 0 && t.batch_stride % 8 == 0 &&
+           t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
+}
+
+// Calls body.template run<kLanesPerRow>() with the fewest lanes per row
+// (4, 8, 16 or 32) that cover a row of head_dim 16-bit elements in 16-byte
+// chunks, one chunk a lane (rows past 256 elements: several a lane).
+template <typename Body>
+__device__ __forceinline__ void with_lanes_per_row(int head_dim, Body&& body) {
+    const int chunks = head_dim / 8;
+    if (chunks <= 4) {
+        body.template run<4>();
+    } else if (chunks <= 8) {
+        body.template run<8>();
+    } else if (chunks <= 16) {
+        body.template run<16>();
+    } else {
+        body.template run<32>();
+    }
+}
+
+// The dot product of 8 16-bit elements of a and b, added to sum.
+template <typename Element>
+__device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float sum) {
+    const Element* x = reinterpret_cast<const Element*>(&a);
+    const Element* y = reinterpret_cast<const Element*>(&b);
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        const float2 u = load_pair(x + i), v = load_pair(y + i);
+        sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
+    }
+    return sum;
+}
+
+template <typename Element, int kWarps>
+struct PreprocessInChunks {
+    const BackwardParams& params;
+    int head_dim;
+
+    template <int kLanesPerRow>
+    __device__ __forceinline__ void run() const {
+        for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub, bool valid) {
+            const uint4* o = reinterpret_cast<const uint4*>(params.out.row_ptr<const Element>(q.batch, q.head, q.row));
+            const uint4* dout =
+                reinterpret_cast<const uint4*>(params.dout.row_ptr<const Element>(q.batch, q.head, q.row));
+            float sum = 0.0f;
+            for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
+                sum = dot_chunk<Element>(o[c], dout[c], sum);
+            }
+            sum = group_allreduce_sum<kLanesPerRow>(sum);
+            if (!valid) {
+                return;
+            }
+            if (sub == 0) {
+                params.delta_row(q.batch, q.head)[q.row] = sum;
+            }
+            if (params.dq_accum != nullptr) {  // rows of a multiple of 8 floats: 32-byte aligned
+                float4* acc = reinterpret_cast<float4*>(params.dq_accum + r * head_dim);
+                for (int c = sub; c < head_dim / 4; c += kLanesPerRow) {
+                    acc[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+            }
+        });
+    }
+};
+
+template <typename Element, int kWarps>
+struct ConvertDqInChunks {
+    const BackwardParams& params;
+    int head_dim;
+
+    template <int kLanesPerRow>
+    __device__ __forceinline__ void run() const {
+        for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub, bool valid) {
+            if (!valid) {
+                return;
+            }
+            uint4* dq = reinterpret_cast<uint4*>(params.dq.row_ptr<Element>(q.batch, q.head, q.row));
+            const float4* acc = reinterpret_cast<const float4*>(params.dq_accum + r * head_dim);
+            for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
+                const float4 lo = acc[2 * c], hi = acc[2 * c + 1];
+                dq[c] = make_uint4(pack_pair<Element>(lo.x, lo.y), pack_pair<Element>(lo.z, lo.w),
+                                   pack_pair<Element>(hi.x, hi.y), pack_pair<Element>(hi.z, hi.w));
+            }
+        });
+    }
+};
+
+// delta = rowsum(dO * O); also zeroes the row's dQ accumulator when there
+// is one, and the dQ turn counters of the ordered mode, which saves separate
+// memset passes. 16-bit rows in whole 16-byte chunks take one chunk a lane
+// and several rows a warp (one warp a row, two elements a lane, read the
+// bandwidth at ~60% at head dims 64-128: 120-154 us against cuDNN's 91-96
+// on the FlashAttention-2 grid, docs/perf-notes.md); other rows one warp.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {
@@ -56,7 +168,13 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
             params.dq_semaphore[i] = 0;
         }
     }
-    for_each_query_row_by_warp<kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane) {
+    if constexpr (sizeof(Element) == 2) {
+        if (rows_in_chunks<Element>(params.out, head_dim) && rows_in_chunks<Element>(params.dout, head_dim)) {
+            with_lanes_per_row(head_dim, PreprocessInChunks<Element, kWarps>{params, head_dim});
+            return;
+        }
+    }
+    for_each_query_row<32, kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane, bool valid) {
         const Element* o = params.out.row_ptr<const Element>(q.batch, q.head, q.row);
         const Element* dout = params.dout.row_ptr<const Element>(q.batch, q.head, q.row);
         float sum = 0.0f;
@@ -91,14 +209,22 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
     });
 }
 
-// dq (input dtype, any strides) = the float32 accumulator, already scaled.
-// One warp per query row, as in the preprocessing: the row's coordinates
-// take 64-bit divisions, which per element would cost more than the copy.
+// dq (input dtype, any strides) = the float32 accumulator, already scaled;
+// rows in whole 16-byte chunks a chunk a lane, others one warp a row.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_convert_dq_kernel(const BackwardParams params) {
     const int head_dim = params.size.head_dim_int();
-    for_each_query_row_by_warp<kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane) {
+    if constexpr (sizeof(Element) == 2) {
+        if (rows_in_chunks<Element>(params.dq, head_dim)) {
+            with_lanes_per_row(head_dim, ConvertDqInChunks<Element, kWarps>{params, head_dim});
+            return;
+        }
+    }
+    for_each_query_row<32, kWarps>(params.size, [&](index_t r, const QueryRow& q, int lane, bool valid) {
+        if (!valid) {
+            return;
+        }
         Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
         const float* acc = params.dq_accum + r * head_dim;
         if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {

@@ -66,7 +66,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
     if (Batch::kPacked && block.n_start >= ctx.seqlen_k) {
         return;
     }
-    const float scale = static_cast<float>(params.softmax_scale);
+    const float scale = params.softmax_scale;
 
     const int thread = threadIdx.x;
     const int warp = thread / 32;

@@ -195,7 +195,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     claim_registers<kConsumerRegisters>();
     const int consumer = warpgroup - 1;
     const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
-    const float scale = static_cast<float>(params.softmax_scale);
+    const float scale = params.softmax_scale;
     // The consumer's keys, its queries of S^T and dP^T inside the query
     // block, and its columns of dK and dV (see WgmmaBackwardTraits).
     const int key_group = kSplitHeadDim ? 0 : consumer;

@@ -1,7 +1,7 @@
 // Tensor-core building blocks (sm_80 and later): the warp-wide matrix
 // multiply-accumulate mma.sync.m16n8k16 with float32 accumulators, ldmatrix
-// loads of its operands from shared memory, and packing of float32 pairs
-// into 16-bit operand registers.
+// loads of its operands from shared memory (float32 pairs are packed into
+// 16-bit operand registers by numeric.cuh's pack_pair).
 //
 // Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with
 // lane = 4 * group + quad (group = lane / 4, quad = lane % 4):
@@ -17,33 +17,6 @@
 #include "numeric.cuh"
 
 namespace cuflash {
-
-// 16-bit element types the tensor-core path supports, with their PTX names.
-template <typename Element>
-struct MmaElement;
-
-template <>
-struct MmaElement<__half> {
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        const __half2 pair = __floats2half2_rn(lo, hi);
-        return *reinterpret_cast<const u32*>(&pair);
-    }
-};
-
-template <>
-struct MmaElement<__nv_bfloat16> {
-    static __device__ __forceinline__ u32 pack(float lo, float hi) {
-        const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-        return *reinterpret_cast<const u32*>(&pair);
-    }
-};
-
-// Two float32 values rounded to one register of two 16-bit elements, `lo` in
-// the low half (the element with the smaller column index in a fragment).
-template <typename Element>
-__device__ __forceinline__ u32 pack_pair(float lo, float hi) {
-    return MmaElement<Element>::pack(lo, hi);
-}
 
 // d += a * b for one 16 x 8 x 16 tile, float32 accumulation.
 template <typename Element>

@@ -99,6 +99,15 @@ __device__ __forceinline__ void store_pair(Element* p, float2 v) {
     *reinterpret_cast<typename Pair::Storage*>(p) = Pair::from_float2(v);
 }
 
+// Two float32 values rounded to one register of two 16-bit elements, `lo` in
+// the low half (the element with the smaller column index in a fragment).
+template <typename Element>
+__device__ __forceinline__ u32 pack_pair(float lo, float hi) {
+    static_assert(sizeof(Element) == 2, "two 16-bit elements a register");
+    const typename ElementPair<Element>::Storage pair = ElementPair<Element>::from_float2(make_float2(lo, hi));
+    return *reinterpret_cast<const u32*>(&pair);
+}
+
 // 2^x with one MUFU.EX2 (ex2.approx.ftz, about 2 ulp): exp2f would add
 // range handling for denormal results, which probabilities below 2^-126 do
 // not need. exp2_fast(-inf) = +0, which masked scores rely on.

@@ -73,26 +73,31 @@ struct ProblemSize {
 //                              [i + off - window_left, i + off + window_right],
 //                              off = seqlen_k - seqlen_q (the launcher turns an
 //                              unbounded side into one past every key)
-//   softcap                    SoftcapScore: the cap in raw-score units,
-//                              softcap / softmax_scale
+//   softcap, inverse_softcap   SoftcapScore: the cap in raw-score units,
+//                              softcap / softmax_scale, and its inverse
 //   alibi_slopes               WithAlibi: float32 slopes, head h of batch
 //                              entry b at b * alibi_batch_stride + h
 //                              (stride 0: one slope per head)
-//   inverse_scale              1 / softmax_scale: WithAlibi's bias in
-//                              raw-score units
+//   inverse_scale, scale       1 / softmax_scale (WithAlibi's bias in
+//                              raw-score units) and softmax_scale
+// Every real-valued field is float32, rounded once on the host: a double
+// here is converted where the kernel reads it, and ptxas re-reads and
+// re-converts it inside the main loops rather than hold a register (F2F.F64
+// and a DSETP on the slow double-precision pipe each step: ~7% of the Hopper
+// backward's stall samples at d128, docs/perf-notes.md).
 struct VariantParams {
     index_t window_left, window_right;
-    double softcap;
+    float softcap, inverse_softcap;
     const float* alibi_slopes;
     index_t alibi_batch_stride;
-    double inverse_scale;
+    float inverse_scale, scale;
     // Dropout (dropout.cuh): the call's seed and offset, the 16-bit threshold
     // below which a probability is dropped (0: none) and 1 / (1 - p); where
     // dropout_seed_pointer is set the seed is read from the GPU there
     // instead (a JAX PRNG key's 64 bits, a value that changes under jit).
     unsigned long long dropout_seed, dropout_offset;
     index_t dropout_threshold;
-    double dropout_inverse_keep;
+    float dropout_inverse_keep;
     const unsigned long long* dropout_seed_pointer;
     // The arrays a user score or mask function reads (cuflash/mods.py), by
     // the order the call names them; null where unused.
@@ -111,7 +116,7 @@ struct ForwardParams {
     index_t lse_batch_stride, lse_head_stride;
     ProblemSize size;
     index_t num_m_blocks;       // ceil(seqlen_q / kBlockM): the grid is flattened over it
-    double softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
+    float softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
     // Split-KV (the mma.sync forward with kSplitKv): each query block's keys
     // are cut into num_splits ranges, one thread block each; out and lse then
     // point at float32 partial results, split s's at s * out_split_stride and
@@ -204,8 +209,8 @@ struct BackwardParams {
     ProblemSize size;
     index_t num_m_blocks, num_n_blocks;
     index_t rotate_walks;  // 1: key block j walks a head's query blocks from j (QueryBlockWalk, dq_turn)
-    double softmax_scale_log2;  // softmax_scale * log2(e)
-    double softmax_scale;
+    float softmax_scale_log2;  // softmax_scale * log2(e)
+    float softmax_scale;
     VariantParams variant;
 
     // The forward's log-sum-exp and delta of (batch, head) of the tensors,
@@ -225,7 +230,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 4 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the

@@ -54,7 +54,7 @@ struct SoftcapScore {
     float cap, inverse_cap;
 
     __device__ __forceinline__ SoftcapScore(const VariantParams& variant, SequenceBounds, index_t, index_t)
-        : cap(static_cast<float>(variant.softcap)), inverse_cap(static_cast<float>(1.0 / variant.softcap)) {}
+        : cap(variant.softcap), inverse_cap(variant.inverse_softcap) {}
     __device__ __forceinline__ float transform(float raw, int, int) const {
         return cap * (kPreciseTanh ? tanhf(raw * inverse_cap) : tanh_fast(raw * inverse_cap));
     }
@@ -84,7 +84,7 @@ struct WithAlibi {
                                          index_t head)
         : inner(variant, bounds, batch, head),
           raw_slope(variant.alibi_slopes[batch * variant.alibi_batch_stride + head] *
-                    static_cast<float>(variant.inverse_scale)),
+                    variant.inverse_scale),
           diagonal_offset(bounds.seqlen_k - bounds.seqlen_q) {}
     __device__ __forceinline__ float bias(int row, int key) const {
         return -raw_slope * static_cast<float>(abs(row + diagonal_offset - key));

@@ -185,3 +185,29 @@ def test_hopper_forward_softmax_runs_beside_its_own_p_v(head_dim, mask):
         counts = kernel_report.exponentials_after_score_waits(
             kernel_report.sass_of(family.variant("bfloat16", form, MASKS[mask])))
         assert counts and all(count >= per_thread for count in counts), (form, counts)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("family_name", ["forward-wgmma", "backward-dkdv-wgmma"])
+@pytest.mark.parametrize("score", [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["identity", "softcap-alibi", "dropout"])
+def test_hopper_kernels_have_no_double_precision_instructions(family_name, score):
+    """No float64 instruction in the Hopper kernels' SASS. Their scale, soft
+    cap, ALiBi scale and dropout factor were float64 parameters, converted
+    where read; ptxas re-read and converted them inside the main loops
+    (F2F.F64 and a DSETP each step on the slow double-precision pipe: ~7% of
+    the backward's stall samples at d128; the soft cap's reciprocal a DFMA
+    sequence). They are float32 now, rounded once on the host."""
+    import kernel_report
+
+    if kernel_report.cuobjdump() is None:
+        pytest.skip("needs cuobjdump (the test extra's nvidia-cuda-cuobjdump)")
+    from cuflash._kernel_families import FAMILY
+    from cuflash._masks import MASKS, score_for
+    from cuflash._tiling import wgmma_forward_tiling
+
+    family = FAMILY[family_name]
+    tiling = (wgmma_forward_tiling("bfloat16", 128) if family_name == "forward-wgmma"
+              else family.tiles("bfloat16", 128))
+    sass = kernel_report.sass_of(family.variant("bfloat16", tiling, MASKS["causal"], score_for(*score)))
+    assert sass and kernel_report.double_precision_instructions(sass) == []

@@ -235,17 +235,26 @@ def test_scores_follow_softcap_and_slopes():
 
 def test_variant_fields_are_what_the_kernels_read():
     """VariantParams: a window's unbounded side reaches past every key; the
-    cap and ALiBi's scale in raw-score units."""
+    cap (and its inverse) and ALiBi's scale in raw-score units; every real
+    value rounded once to the struct's float32 (params.cuh)."""
+    from cuflash._params import VARIANT_PARAMS
+
+    def fields(problem):
+        values = api._variant_fields(problem)
+        assert len(values) == len(VARIANT_PARAMS.names)
+        return {name: value for name, value in zip(VARIANT_PARAMS.names, values) if value}
+
     problem = check_variants(_problem(scale=0.125), window_size=(-1, 5), softcap=30.0,
                              alibi_slopes=_slopes((2, 4)))
-    assert api._variant_fields(problem) == (200, 5, 240.0, 0, 4, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert fields(problem) == dict(window_left=200, window_right=5, softcap=240.0, inverse_softcap=1 / 240.0,
+                                   alibi_batch_stride=4, inverse_scale=8.0, scale=0.125)
     problem = check_variants(_problem(), window_size=(7, -1))
     assert api._variant_fields(problem)[:2] == (7, 100)
-    assert api._variant_fields(_problem()) == (0, 0, 0.0, 0, 0, 8.0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert fields(_problem()) == dict(inverse_scale=8.0, scale=0.125)
     # Dropout: the 16-bit threshold and 1 / keep of the rounded p; the seed
     # and offset (0 here) are plan slots written by each call.
-    fields = api._variant_fields(check_variants(_problem(), dropout_p=0.25))
-    assert fields[6:] == (0, 0, 16384, 65536 / 49152, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+    assert fields(check_variants(_problem(), dropout_p=0.25)) == dict(
+        inverse_scale=8.0, scale=0.125, dropout_threshold=16384, dropout_inverse_keep=65536 / 49152)
 
 
 def test_cxx_types_take_the_precise_tanh_for_float32_only():

@@ -309,6 +309,17 @@ def exponentials_after_score_waits(sass: list[str]) -> list[int]:
     return counts
 
 
+_DOUBLE_PRECISION = re.compile(r"(^|\s)(DADD|DMUL|DFMA|DSETP|DMNMX|MUFU\.(RCP|RSQ)64H)\b|\bF2F\.[A-Z0-9.]*F64|\b[FI]2[FI]\.F64")
+
+
+def double_precision_instructions(sass: list[str]) -> list[str]:
+    """The instructions of ``sass`` on the double-precision pipe (arithmetic,
+    compares, reciprocals and conversions to or from float64). The
+    attention kernels have none: a float64 parameter read in a main loop is
+    re-read and converted there each step (docs/perf-notes.md)."""
+    return [instruction for instruction in sass if _DOUBLE_PRECISION.search(instruction)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=sorted(_ARCH_FLAGS), help="default: sm_90a and sm_80")
