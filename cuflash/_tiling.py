@@ -847,23 +847,42 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
 #: -> 0.159 (d128), at 1k +4% / -1%, from 2k 1-11% slower (d128 16k 3.13
 #: against 3.51 ms; not explained: docs/perf-notes.md).
 PERSISTENT_FORWARD_KEYS = 512
+#: The same for a causal mask, whose tiles' walks differ in length: the
+#: blocks take them in pairs of a long and a short one (``persistent_grid``).
+#: Measured on the H100 (bf16, FA2 grid, one process, ms, one tile a block
+#: -> paired persistent): d64 512 0.194 -> 0.170, 1k 0.259 -> 0.244, 2k
+#: 0.390 -> 0.385; d128 512 0.132 -> 0.120, 1k 0.184 -> 0.164, 2k 0.276 ->
+#: 0.258. Longer, d128 gained 3-4% at 4k-8k but lost 2% at 16k, d64 lost
+#: 1-3% from 4k (docs/perf-notes.md).
+PERSISTENT_CAUSAL_FORWARD_KEYS = 2048
 
 
 def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, layout: str,
                              dropout: bool = False, seqlen_k: int = 0) -> Tiling:
-    """``tiling`` (a Hopper forward's) persistent where every query tile of
-    the call does the same work (no mask, a dense batch: the blocks' static
-    share of the tiles is then even; a causal mask's would not be) and its
-    walks are short (at most ``PERSISTENT_FORWARD_KEYS`` keys, where a
-    block's prologue and epilogue weigh most), with the stages that then fit
-    (``with_wgmma_forward_stages``); as it is otherwise, and with dropout
-    (whose Philox rounds beside the tile walk's registers spill: 304 bytes at
-    head dim 256)."""
-    if mask_name != "none" or layout != "dense" or dropout or seqlen_k > PERSISTENT_FORWARD_KEYS:
+    """``tiling`` (a Hopper forward's) persistent on dense batches without a
+    mask or with a causal one, whose walks are short (at most
+    ``PERSISTENT_FORWARD_KEYS`` keys, ``PERSISTENT_CAUSAL_FORWARD_KEYS``
+    causal, where a block's prologue and epilogue weigh most), with the
+    stages that then fit (``with_wgmma_forward_stages``); as it is otherwise
+    (a packed batch's or another mask's tiles differ in ways a static share
+    does not even out), and with dropout (whose Philox rounds beside the tile
+    walk's registers spill: 304 bytes at head dim 256)."""
+    limit = {"none": PERSISTENT_FORWARD_KEYS, "causal": PERSISTENT_CAUSAL_FORWARD_KEYS}.get(mask_name)
+    if limit is None or layout != "dense" or dropout or seqlen_k > limit:
         return tiling
     persistent = with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
     _check_budget(persistent.forward_smem_bytes(dtype_name), f"forward {persistent} for {dtype_name}")
     return persistent
+
+
+def persistent_grid(tiles: int, slots: int, tiles_per_head: int, paired: bool) -> int:
+    """Blocks of a persistent forward of ``tiles`` query tiles
+    (``tiles_per_head`` a head) on ``slots`` resident slots: one a slot, or
+    fewer where there are fewer steps to share. Paired (a causal mask's
+    uneven tiles, kernels_cu/grid.cuh ``PersistentTileWalk``), a block's
+    share is units of two tiles, ceil(tiles_per_head / 2) a head."""
+    units = tiles // tiles_per_head * -(-tiles_per_head // 2) if paired else tiles
+    return min(units, slots)
 
 
 def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:

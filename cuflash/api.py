@@ -37,7 +37,7 @@ from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tail_split, decode_tilings, decode_ring,
-                      wgmma_backward_swizzles, wgmma_forward_persistent)
+                      persistent_grid, wgmma_backward_swizzles, wgmma_forward_persistent)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1358,7 +1358,8 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
                                                               layout=problem.layout)
         grid = _grid_size(num_m_blocks * splits, problem, problem.nheads, "the forward pass")
         if tiling.persistent:  # one block per resident slot, each walking the tiles gridDim.x apart
-            grid = min(grid, _multiprocessor_count(problem.device) * tiling.blocks_per_sm)
+            grid = persistent_grid(grid, _multiprocessor_count(problem.device) * tiling.blocks_per_sm, num_m_blocks,
+                                   problem.mask.later_rows_see_more)
         launches.append(KernelLaunch(loader.get(variant, problem.device), grid, variant.threads, variant.smem_bytes,
                                      dependent=_forward_launch_dependent(problem, tiling)))
     params = pack(

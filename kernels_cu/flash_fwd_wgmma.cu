@@ -2,10 +2,11 @@
 // float16, bfloat16), warp-specialised.
 //
 // One thread block per (query block, head, batch), or persistent (the
-// launcher's choice without a mask on dense batches, where every tile does
-// the same work): one block per resident slot, walking the query tiles
-// gridDim.x apart, Q double-buffered and the K/V rings running on across
-// tiles, so that a tile's copies overlap the previous tile. Warpgroup 0 is the
+// launcher's choice for short sequences on dense batches, without a mask or
+// causal): one block per resident slot, walking the query tiles gridDim.x
+// apart (causal: in pairs of a long and a short walk, PersistentTileWalk),
+// Q double-buffered and the K/V rings running on across tiles, so that a
+// tile's copies overlap the previous tile. Warpgroup 0 is the
 // producer: it hands most of its registers back (setmaxnreg) and one of its
 // threads issues every copy with the Tensor Memory Accelerator (tma.cuh):
 // the query tile once, then K and V tiles through a ring of kStages shared
@@ -84,10 +85,13 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // serialises every wgmma, C7520).
     const int warpgroup = __shfl_sync(0xffffffffu, thread / 128, 0);
     // The query tiles of this block: its own (blockIdx.x), or persistent,
-    // every gridDim.x-th from it (fewer than 2^31 in all: the launcher's
-    // grid of one block per tile would not fit otherwise).
+    // the steps of its walk (PersistentTileWalk: paired where a causal mask
+    // makes the tiles' walks uneven), fewer than 2^31 tiles in all (the
+    // launcher's grid of one block per tile would not fit otherwise).
     const int num_tiles = static_cast<int>(params.num_m_blocks * params.size.nheads * params.size.batch);
-    const int tile_stride = kPersistent ? static_cast<int>(gridDim.x) : num_tiles;
+    const PersistentTileWalk<kPersistent && Mask::kLaterRowsSeeMore> walk{
+        num_tiles, static_cast<int>(params.num_m_blocks), static_cast<int>(gridDim.x)};
+    const int walk_end = kPersistent ? walk.end() : static_cast<int>(blockIdx.x) + 1;  // one step: its own tile
     const auto tile_block = [&](int tile) {
         return query_block_of<Batch, Mask::kLaterRowsSeeMore>(params.size, params.num_m_blocks, kBlockM, tile);
     };
@@ -129,7 +133,11 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             // as soon as the previous tile's consumers free their buffers.
             Ring k_ring, v_ring;
             QRing q_ring;
-            for (int tile = blockIdx.x; tile < num_tiles; tile += tile_stride) {
+            for (int step = blockIdx.x; step < walk_end; step += gridDim.x) {
+                const int tile = walk.tile(step);
+                if (tile < 0) {
+                    continue;
+                }
                 const QueryBlock block = tile_block(tile);
                 if (tile_is_empty(block)) {
                     continue;
@@ -386,8 +394,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     };
     if constexpr (kPersistent) {
         QRing q_ring;
-        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-            if (!tile_is_empty(tile_block(tile))) {
+        for (int step = blockIdx.x; step < walk_end; step += gridDim.x) {
+            const int tile = walk.tile(step);
+            if (tile >= 0 && !tile_is_empty(tile_block(tile))) {
                 consume_tile(tile, q_ring.stage, q_ring.phase);
                 q_ring.advance();
             }

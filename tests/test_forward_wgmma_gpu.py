@@ -290,11 +290,12 @@ def test_wgmma_forward_other_tiles(head_dim, tile, causal):
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, mask):
     """Persistent blocks (one per resident slot) walking several query tiles
-    each, unevenly (more tiles than slots, not a multiple of them): Q in two
+    each, unevenly (more steps than slots, not a multiple of them): Q in two
     buffers, the K/V rings running on across tiles, the output staged in each
-    tile's own Q buffer. The launcher takes this form without a mask only;
-    the kernel is the same for any mask, so causal and a window check the
-    tiles whose key walks differ in length."""
+    tile's own Q buffer. The launcher takes this form without a mask and
+    causal; causal walks tiles in pairs of a long and a short one (23 tiles
+    a head at d128: the middle tile alone); the kernel is the same for any
+    mask, so a window checks tiles whose walks differ otherwise."""
     from cuflash._tiling import wgmma_forward_persistent, wgmma_forward_tiling
     from cuflash.reference import attention_reference
     from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
@@ -302,7 +303,7 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, mask):
     cupy = _cupy()
     tiling = wgmma_forward_persistent(wgmma_forward_tiling("bfloat16", head_dim), "bfloat16", "none", "dense")
     assert tiling.persistent
-    batch, seqlen, heads = 3, 1501, 12
+    batch, seqlen, heads = 3, 2900, 12
     q, k, v = random_qkv(cupy, batch, seqlen, seqlen, heads, heads, head_dim, cupy.dtype("bfloat16"),
                          seed=head_dim + len(mask))
     window = (300, 20) if mask == "window" else None
@@ -315,9 +316,11 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, mask):
     lse = cupy.full((batch, heads, seqlen), cupy.nan, dtype=cupy.float32)
     layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", out))}
     plan = api.forward_plan(problem, layouts, aligned=True, tiling=tiling)
-    tiles = batch * heads * -(-seqlen // tiling.block_m)
+    per_head = -(-seqlen // tiling.block_m)
+    tiles = batch * heads * per_head
+    steps = batch * heads * -(-per_head // 2) if mask == "causal" else tiles  # causal: units of two tiles
     grid = plan._launches[0][1]
-    assert grid < tiles and tiles % grid, (grid, tiles)
+    assert grid < steps and steps % grid, (grid, steps)
     plan.launch([q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr], cupy.cuda.get_current_stream().ptr)
     kwargs = {"causal": mask == "causal", "softmax_scale": head_dim ** -0.5}
     if window:

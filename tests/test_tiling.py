@@ -515,8 +515,9 @@ def test_decode_ring_at_one_block_an_sm_or_over_short_pages():
 
 
 def test_wgmma_forward_persistent_only_where_every_tile_does_the_same_short_work():
-    from cuflash._tiling import (MAX_SMEM_BYTES, PERSISTENT_FORWARD_KEYS, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK,
-                                 wgmma_forward_persistent, wgmma_forward_short_tiling, wgmma_forward_tiling)
+    from cuflash._tiling import (MAX_SMEM_BYTES, PERSISTENT_CAUSAL_FORWARD_KEYS, PERSISTENT_FORWARD_KEYS, SMEM_PER_SM,
+                                 SMEM_RESERVED_PER_BLOCK, wgmma_forward_persistent, wgmma_forward_short_tiling,
+                                 wgmma_forward_tiling)
 
     for head_dim in (32, 64, 96, 128, 192, 256):
         for tiling in (wgmma_forward_tiling("bfloat16", head_dim), wgmma_forward_short_tiling("bfloat16", head_dim)):
@@ -531,7 +532,50 @@ def test_wgmma_forward_persistent_only_where_every_tile_does_the_same_short_work
             fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, four mbarriers
             assert smem - tiling.forward_smem_bytes("bfloat16") == (
                 tiling.block_m * head_dim * 2 + 16 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
-            for mask, layout, dropout, keys in (("causal", "dense", False, 512), ("none", "packed", False, 512),
-                                                ("none", "dense", True, 512),
-                                                ("none", "dense", False, PERSISTENT_FORWARD_KEYS + 1)):
+            causal = wgmma_forward_persistent(tiling, "bfloat16", "causal", "dense", False,
+                                              PERSISTENT_CAUSAL_FORWARD_KEYS)
+            assert causal == persistent
+            for mask, layout, dropout, keys in (("window", "dense", False, 512), ("none", "packed", False, 512),
+                                                ("causal", "packed", False, 512), ("none", "dense", True, 512),
+                                                ("none", "dense", False, PERSISTENT_FORWARD_KEYS + 1),
+                                                ("causal", "dense", False, PERSISTENT_CAUSAL_FORWARD_KEYS + 1)):
                 assert wgmma_forward_persistent(tiling, "bfloat16", mask, layout, dropout, keys) is tiling
+
+
+@pytest.mark.parametrize("tiles_per_head", [1, 2, 7, 8, 16, 33])
+@pytest.mark.parametrize("heads", [1, 5, 64, 1024])
+def test_persistent_causal_walk_pairs_long_and_short_tiles(tiles_per_head, heads):
+    """A Python model of kernels_cu/grid.cuh's PersistentTileWalk on the grid
+    persistent_grid gives: every tile is walked exactly once, and with causal
+    walks (longest first: position p sees n - p key blocks) each block's
+    share stays within one unit of the even share; the unpaired walk
+    (tiles gridDim.x apart) can be far off with 8 tiles a head."""
+    from cuflash._tiling import persistent_grid
+
+    slots, n = 264, tiles_per_head
+    tiles = heads * n
+    even = n + n % 2  # an odd n walks as n + 1 tiles, the last empty
+    half = even // 2
+
+    def paired_tile(step, grid):
+        round_, g = divmod(step, grid)
+        unit = round_ // 2 * grid + g
+        if unit >= tiles // n * half:
+            return -1
+        head, p = divmod(unit, half)
+        position = p if round_ % 2 == 0 else even - 1 - p
+        return head * n + position if position < n else -1
+
+    work = [n - linear % n for linear in range(tiles)]
+    grid = persistent_grid(tiles, slots, n, paired=True)
+    assert grid == min(heads * half, slots)
+    end = 2 * -(-(heads * half) // grid) * grid
+    walks = [[t for step in range(g, end, grid) if (t := paired_tile(step, grid)) >= 0] for g in range(grid)]
+    assert sorted(t for walk in walks for t in walk) == list(range(tiles))
+    share = [sum(work[t] for t in walk) for walk in walks]
+    assert max(share) - sum(work) / grid <= n + 1
+    plain = persistent_grid(tiles, slots, n, paired=False)
+    assert plain == min(tiles, slots)
+    if tiles > 4 * slots and n == 8:
+        unpaired = [sum(work[g::plain]) for g in range(plain)]
+        assert max(unpaired) - sum(work) / plain > n + 1

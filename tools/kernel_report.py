@@ -59,9 +59,10 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     ``HEAVIEST`` policies too."""
     policies = [(mask, SCORE_TRANSFORMS["identity"]) for mask in built_in_masks()]
     heaviest = [(MASKS[HEAVIEST[0]], SCORE_TRANSFORMS[HEAVIEST[1]])]
-    if tiling.persistent:  # the launcher takes it without a mask or dropout on dense batches only
-        policies, heaviest, layouts = [(MASKS["none"], SCORE_TRANSFORMS["identity"])], [
-            (MASKS["none"], SCORE_TRANSFORMS["softcap-alibi"])], [layout for layout in layouts if layout == "dense"]
+    if tiling.persistent:  # the launcher takes it without a mask or causal, without dropout, dense batches only
+        policies = [(MASKS[mask], SCORE_TRANSFORMS["identity"]) for mask in ("none", "causal")]
+        heaviest = [(MASKS["causal"], SCORE_TRANSFORMS["softcap-alibi"])]
+        layouts = [layout for layout in layouts if layout == "dense"]
     # A copy-engine decode tiling is built for its own layouts (copy_engine_layouts).
     layouts = [layout for layout in layouts if layout in (copy_engine_layouts(tiling) or (layout,))]
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
