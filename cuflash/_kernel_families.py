@@ -39,7 +39,7 @@ from ._tiling import (
     mma_forward_tiling,
     wgmma_backward_applies,
     wgmma_forward_applies,
-    wgmma_forward_persistent,
+    wgmma_forward_persistent_form,
     wgmma_backward_tiling,
     wgmma_forward_short_tiling,
     wgmma_forward_tiling,
@@ -134,7 +134,7 @@ class KernelFamily:
     #: ``SHORT_SEQUENCE_KEYS`` keys each), dense or packed, else None
     short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
     #: the persistent form of a tiling, where the family has one (the Hopper
-    #: forward's, for calls without a mask on dense batches)
+    #: forward's, for calls without a mask or causal on dense batches)
     persistent_form: Callable[[str, Tiling], Tiling | None] = lambda dtype_name, tiling: None
     #: dtypes it is also built for in the KV-cache batch layouts
     #: (``CACHE_LAYOUTS``: a contiguous or paged cache), every tiling
@@ -315,7 +315,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
                  needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiling,
-                 persistent_form=lambda dtype, t: wgmma_forward_persistent(t, dtype, "none", "dense"),
+                 persistent_form=wgmma_forward_persistent_form,
                  tile_args=lambda t: ((str(t.blocks_per_sm), str(t.kv_stages), "true" if t.persistent else "false"),
                                      f"/b{t.blocks_per_sm}/s{t.kv_stages}" + ("/persistent" if t.persistent else ""))),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,

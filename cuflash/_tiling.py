@@ -184,7 +184,11 @@ WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
 #: lengths 45-476, 235 -> 275, causal 143 -> 176; at 8 x 2048 it lost
 #: (538 -> 508), so longer sequences keep the table's tile. On the
 #: FlashAttention-2 grid (batch 32, 16 heads) at seqlen 512: 380 -> 372
-#: (-2%), causal 241 -> 262 (+9%), commit 38fcc3b.
+#: (-2%), causal 241 -> 262 (+9%), commit 38fcc3b. Where persistent blocks
+#: apply (dense, no mask or causal, no dropout) the table's tile runs
+#: persistent instead (``forward_plan``): 477 / 292 TFLOP/s there against
+#: this tile's 433 / 284 (persistent too, 0c50e0a), so these serve packed
+#: batches, other masks and dropout.
 WGMMA_FORWARD_SHORT_TILES = {
     128: (64, 64, 8, 2),
 }
@@ -842,37 +846,40 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
 
 
 #: Keys per sequence up to which the Hopper forward runs persistent blocks
-#: (``wgmma_forward_persistent``). Measured on the H100 (bf16, FA2 grid, one
-#: process, f928f3f's kernel): at 512 keys 0.226 -> 0.196 ms (d64) and 0.176
-#: -> 0.159 (d128), at 1k +4% / -1%, from 2k 1-11% slower (d128 16k 3.13
-#: against 3.51 ms; not explained: docs/perf-notes.md).
-PERSISTENT_FORWARD_KEYS = 512
-#: The same for a causal mask, whose tiles' walks differ in length: the
-#: blocks take them in pairs of a long and a short one (``persistent_grid``).
-#: Measured on the H100 (bf16, FA2 grid, one process, ms, one tile a block
-#: -> paired persistent): d64 512 0.194 -> 0.170, 1k 0.259 -> 0.244, 2k
-#: 0.390 -> 0.385; d128 512 0.132 -> 0.120, 1k 0.184 -> 0.164, 2k 0.276 ->
-#: 0.258. Longer, d128 gained 3-4% at 4k-8k but lost 2% at 16k, d64 lost
-#: 1-3% from 4k (docs/perf-notes.md).
-PERSISTENT_CAUSAL_FORWARD_KEYS = 2048
+#: (``wgmma_forward_persistent``), by the tiling's blocks per SM. Measured
+#: on the H100 (bf16, FA2 grid, one process, TFLOP/s, one tile a block ->
+#: persistent, commit 0c50e0a's kernel): one block an SM (d128's 128 x 128
+#: tile), full 2k 621 -> 650, 4k 675 -> 686, 8k 700 -> 697, 16k 690 -> 669;
+#: causal 4k 585 -> 609, 8k 640 -> 658, 16k 696 -> 682; two blocks an SM
+#: (d64's 64 x 128), full 1k 386 -> 413, 2k 443 -> 447, 4k 475 -> 464;
+#: causal (tiles taken in pairs of a long and a short walk,
+#: ``persistent_grid``) 2k 0.390 -> 0.385 ms, 4k 1% slower.
+PERSISTENT_FORWARD_KEYS = {1: 8192, 2: 2048}
 
 
 def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, layout: str,
                              dropout: bool = False, seqlen_k: int = 0) -> Tiling:
     """``tiling`` (a Hopper forward's) persistent on dense batches without a
-    mask or with a causal one, whose walks are short (at most
-    ``PERSISTENT_FORWARD_KEYS`` keys, ``PERSISTENT_CAUSAL_FORWARD_KEYS``
-    causal, where a block's prologue and epilogue weigh most), with the
-    stages that then fit (``with_wgmma_forward_stages``); as it is otherwise
-    (a packed batch's or another mask's tiles differ in ways a static share
-    does not even out), and with dropout (whose Philox rounds beside the tile
-    walk's registers spill: 304 bytes at head dim 256)."""
-    limit = {"none": PERSISTENT_FORWARD_KEYS, "causal": PERSISTENT_CAUSAL_FORWARD_KEYS}.get(mask_name)
-    if limit is None or layout != "dense" or dropout or seqlen_k > limit:
+    mask or with a causal one, up to ``PERSISTENT_FORWARD_KEYS`` keys, with
+    the stages that then fit (``with_wgmma_forward_stages``); as it is
+    otherwise (a packed batch's or another mask's tiles differ in ways a
+    static share does not even out), and with dropout (whose Philox rounds
+    beside the tile walk's registers spill: 304 bytes at head dim 256)."""
+    if (mask_name not in ("none", "causal") or layout != "dense" or dropout
+            or seqlen_k > PERSISTENT_FORWARD_KEYS[tiling.blocks_per_sm]):
         return tiling
     persistent = with_wgmma_forward_stages(dataclasses.replace(tiling, persistent=True), dtype_name)
     _check_budget(persistent.forward_smem_bytes(dtype_name), f"forward {persistent} for {dtype_name}")
     return persistent
+
+
+def wgmma_forward_persistent_form(dtype_name: str, tiling: Tiling) -> Tiling | None:
+    """The persistent form the launcher may run of a Hopper forward tiling:
+    none for the short-sequence tiles, which it takes only where persistent
+    blocks do not apply (``forward_plan``)."""
+    if tiling == wgmma_forward_short_tiling(dtype_name, tiling.head_dim_padded):
+        return None
+    return wgmma_forward_persistent(tiling, dtype_name, "none", "dense")
 
 
 def persistent_grid(tiles: int, slots: int, tiles_per_head: int, paired: bool) -> int:

@@ -514,32 +514,33 @@ def test_decode_ring_at_one_block_an_sm_or_over_short_pages():
         assert decode_ring(cp_async, 16, "bfloat16", 10, 4, 132) == cp_async
 
 
-def test_wgmma_forward_persistent_only_where_every_tile_does_the_same_short_work():
-    from cuflash._tiling import (MAX_SMEM_BYTES, PERSISTENT_CAUSAL_FORWARD_KEYS, PERSISTENT_FORWARD_KEYS, SMEM_PER_SM,
-                                 SMEM_RESERVED_PER_BLOCK, wgmma_forward_persistent, wgmma_forward_short_tiling,
+def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
+    from cuflash._tiling import (MAX_SMEM_BYTES, PERSISTENT_FORWARD_KEYS, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK,
+                                 wgmma_forward_persistent, wgmma_forward_persistent_form, wgmma_forward_short_tiling,
                                  wgmma_forward_tiling)
 
     for head_dim in (32, 64, 96, 128, 192, 256):
-        for tiling in (wgmma_forward_tiling("bfloat16", head_dim), wgmma_forward_short_tiling("bfloat16", head_dim)):
-            if tiling is None:
-                continue
-            persistent = wgmma_forward_persistent(tiling, "bfloat16", "none", "dense", False, PERSISTENT_FORWARD_KEYS)
-            assert persistent.persistent and not tiling.persistent
-            # Q's second buffer fits beside the K/V ring, for every resident block
-            smem = persistent.forward_smem_bytes("bfloat16")
-            assert persistent.kv_stages >= 2 and smem <= MAX_SMEM_BYTES
-            assert persistent.blocks_per_sm * (smem + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM
-            fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, four mbarriers
-            assert smem - tiling.forward_smem_bytes("bfloat16") == (
-                tiling.block_m * head_dim * 2 + 16 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
-            causal = wgmma_forward_persistent(tiling, "bfloat16", "causal", "dense", False,
-                                              PERSISTENT_CAUSAL_FORWARD_KEYS)
-            assert causal == persistent
-            for mask, layout, dropout, keys in (("window", "dense", False, 512), ("none", "packed", False, 512),
-                                                ("causal", "packed", False, 512), ("none", "dense", True, 512),
-                                                ("none", "dense", False, PERSISTENT_FORWARD_KEYS + 1),
-                                                ("causal", "dense", False, PERSISTENT_CAUSAL_FORWARD_KEYS + 1)):
-                assert wgmma_forward_persistent(tiling, "bfloat16", mask, layout, dropout, keys) is tiling
+        tiling = wgmma_forward_tiling("bfloat16", head_dim)
+        keys = PERSISTENT_FORWARD_KEYS[tiling.blocks_per_sm]
+        persistent = wgmma_forward_persistent(tiling, "bfloat16", "none", "dense", False, keys)
+        assert persistent.persistent and not tiling.persistent
+        assert wgmma_forward_persistent_form("bfloat16", tiling) == persistent
+        # Q's second buffer fits beside the K/V ring, for every resident block
+        smem = persistent.forward_smem_bytes("bfloat16")
+        assert persistent.kv_stages >= 2 and smem <= MAX_SMEM_BYTES
+        assert persistent.blocks_per_sm * (smem + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM
+        fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, four mbarriers
+        assert smem - tiling.forward_smem_bytes("bfloat16") == (
+            tiling.block_m * head_dim * 2 + 16 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
+        assert wgmma_forward_persistent(tiling, "bfloat16", "causal", "dense", False, keys) == persistent
+        for mask, layout, dropout, length in (("window", "dense", False, 512), ("none", "packed", False, 512),
+                                              ("causal", "packed", False, 512), ("none", "dense", True, 512),
+                                              ("none", "dense", False, keys + 1), ("causal", "dense", False, keys + 1)):
+            assert wgmma_forward_persistent(tiling, "bfloat16", mask, layout, dropout, length) is tiling
+        # the short-sequence tiles run only where persistent blocks do not apply
+        short = wgmma_forward_short_tiling("bfloat16", head_dim)
+        if short is not None:
+            assert wgmma_forward_persistent_form("bfloat16", short) is None
 
 
 @pytest.mark.parametrize("tiles_per_head", [1, 2, 7, 8, 16, 33])

@@ -133,22 +133,24 @@ def measure_user(sdpa_inputs, dout_t, causal) -> tuple[dict, dict]:
 
 
 def _parse_tiles(specs: list[str]) -> dict[int, list]:
-    """``HD=[KERNEL:]BMxBNwW[sS][bB]``: an extra cuflash column for head dim
-    HD with that kernel ("mma", the default, or "wgmma"), tile, warps, K/V
-    buffers (wgmma: the most that fit where not given) and (wgmma) blocks
-    per SM."""
+    """``HD=[KERNEL:]BMxBNwW[sS][bB][p]``: an extra cuflash column for head
+    dim HD with that kernel ("mma", the default, or "wgmma"), tile, warps,
+    K/V buffers (wgmma: the most that fit where not given), (wgmma) blocks
+    per SM and (wgmma, ``p``) persistent blocks."""
     from cuflash._tiling import Tiling, with_wgmma_forward_stages
 
     tiles: dict[int, list] = {}
     for spec in specs:
         head_dim, shape = spec.split("=")
         kernel, shape = shape.split(":") if ":" in shape else ("mma", shape)
+        persistent = shape.endswith("p")
+        shape = shape.removesuffix("p")
         shape, blocks = shape.split("b") if "b" in shape else (shape, "1")
         shape, stages = shape.split("s") if "s" in shape else (shape, None)
         mn, warps = shape.split("w")
         block_m, block_n = mn.split("x")
         tiling = Tiling(head_dim_padded=int(head_dim), block_m=int(block_m), block_n=int(block_n), warps=int(warps),
-                        kernel=kernel, kv_stages=int(stages or 1), blocks_per_sm=int(blocks))
+                        kernel=kernel, kv_stages=int(stages or 1), blocks_per_sm=int(blocks), persistent=persistent)
         if kernel == "wgmma" and stages is None:
             tiling = with_wgmma_forward_stages(tiling, "bfloat16")
         tiles.setdefault(int(head_dim), []).append(tiling)
@@ -179,7 +181,7 @@ def _time_extra_tilings(q, k, v, causal, tilings, calls, repeats) -> dict[str, f
     for t in tilings:
         plan = api.forward_plan(problem, layouts, aligned=True, tiling=t)
         label = f"{t.kernel}-m{t.block_m}n{t.block_n}w{t.warps}s{t.kv_stages}" + (
-            "" if t.kernel == "mma" else f"b{t.blocks_per_sm}")
+            "" if t.kernel == "mma" else f"b{t.blocks_per_sm}" + ("p" if t.persistent else ""))
         timings[label] = time_gpu(lambda: plan.launch(pointers, stream), calls=calls, repeats=repeats)
     return timings
 
@@ -357,7 +359,7 @@ def main() -> int:
     parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=BMxBNwWARPS[sSTAGES], extra cuflash column")
+    parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=[KERNEL:]BMxBNwWARPS[sSTAGES][bBLOCKS][p], extra cuflash column (p: persistent)")
     parser.add_argument("--backward-dtype", action="append", choices=("bfloat16", "float16", "none"),
                         help="dtypes that also get backward and forward+backward rows (default: bfloat16)")
     parser.add_argument("--deterministic", action="store_true",
