@@ -3,8 +3,9 @@ this under memcheck, racecheck and synccheck): the warp-specialised forward
 and backward (TMA copies, mbarrier rings, named barriers, the dQ warp's bulk
 reductions) at every tile shape of their tables, causal and not, atomic and
 ordered dQ, with partial blocks at both ends, dense batches and packed
-(variable-length) ones, decoding, and the variants (a window with soft cap
-and per-(batch, head) ALiBi slopes). Sizes are small: racecheck
+(variable-length) ones, persistent forward blocks walking many tiles
+(plain and causal pairs), decoding, and the variants (a window with soft
+cap and per-(batch, head) ALiBi slopes). Sizes are small: racecheck
 tracks every shared-memory access. Exits 1 if a result is not finite, so a
 run that the sanitizer lets through still checks the kernels ran.
 
@@ -68,6 +69,20 @@ def main() -> int:
                             failures.append(f"d{head_dim} causal={causal} deterministic={deterministic} "
                                             f"{seqlen_q}x{seqlen_k}: {name} not finite")
                 print(f"head_dim {head_dim} causal={causal} deterministic={deterministic}: ran", flush=True)
+    # Persistent forward blocks walking several tiles each (more tiles than
+    # resident slots: 40 heads of 1000 rows), Q in two buffers and the K/V
+    # rings running on across tiles; causal ones in pairs of a long and a
+    # short walk (PersistentTileWalk).
+    for head_dim in (64, 128):
+        q, k, v = _inputs(head_dim, 1000, 1000, seed=head_dim)
+        q, k, v = (cupy.concatenate([x] * 20, axis=2) for x in (q, cupy.concatenate([k] * 2, axis=2),
+                                                                 cupy.concatenate([v] * 2, axis=2)))
+        for causal in (False, True):
+            out = cuflash.attention(q, k, v, causal=causal)
+            cupy.cuda.Device().synchronize()
+            if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
+                failures.append(f"persistent d{head_dim} causal={causal}: out not finite")
+        print(f"persistent head_dim {head_dim}: ran", flush=True)
     # Variants: a window (blocks skipped at both ends, rows that see no key),
     # the soft cap and ALiBi slopes read per (batch entry, head).
     for head_dim in (64, 128):
