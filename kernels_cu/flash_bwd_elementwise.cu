@@ -67,20 +67,26 @@ __device__ __forceinline__ bool rows_in_chunks(const TensorRef& t, int head_dim)
            t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
 }
 
-// Calls body.template run<kLanesPerRow>() with the fewest lanes per row
-// (4, 8, 16 or 32) that cover a row of head_dim 16-bit elements in 16-byte
-// chunks, one chunk a lane (rows past 256 elements: several a lane).
+// kLanesPerRow as a type, for the generic lambdas of with_lanes_per_row.
+template <int kLanes>
+struct LanesPerRow {
+    static constexpr int value = kLanes;
+};
+
+// Calls body(LanesPerRow<k>()) with the fewest lanes per row k (4, 8, 16
+// or 32) that cover a row of head_dim 16-bit elements in 16-byte chunks,
+// one chunk a lane (rows past 256 elements: several a lane).
 template <typename Body>
 __device__ __forceinline__ void with_lanes_per_row(int head_dim, Body&& body) {
     const int chunks = head_dim / 8;
     if (chunks <= 4) {
-        body.template run<4>();
+        body(LanesPerRow<4>());
     } else if (chunks <= 8) {
-        body.template run<8>();
+        body(LanesPerRow<8>());
     } else if (chunks <= 16) {
-        body.template run<16>();
+        body(LanesPerRow<16>());
     } else {
-        body.template run<32>();
+        body(LanesPerRow<32>());
     }
 }
 
@@ -96,60 +102,6 @@ __device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float
     }
     return sum;
 }
-
-template <typename Element, int kWarps>
-struct PreprocessInChunks {
-    const BackwardParams& params;
-    int head_dim;
-
-    template <int kLanesPerRow>
-    __device__ __forceinline__ void run() const {
-        for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub, bool valid) {
-            const uint4* o = reinterpret_cast<const uint4*>(params.out.row_ptr<const Element>(q.batch, q.head, q.row));
-            const uint4* dout =
-                reinterpret_cast<const uint4*>(params.dout.row_ptr<const Element>(q.batch, q.head, q.row));
-            float sum = 0.0f;
-            for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
-                sum = dot_chunk<Element>(o[c], dout[c], sum);
-            }
-            sum = group_allreduce_sum<kLanesPerRow>(sum);
-            if (!valid) {
-                return;
-            }
-            if (sub == 0) {
-                params.delta_row(q.batch, q.head)[q.row] = sum;
-            }
-            if (params.dq_accum != nullptr) {  // rows of a multiple of 8 floats: 32-byte aligned
-                float4* acc = reinterpret_cast<float4*>(params.dq_accum + r * head_dim);
-                for (int c = sub; c < head_dim / 4; c += kLanesPerRow) {
-                    acc[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                }
-            }
-        });
-    }
-};
-
-template <typename Element, int kWarps>
-struct ConvertDqInChunks {
-    const BackwardParams& params;
-    int head_dim;
-
-    template <int kLanesPerRow>
-    __device__ __forceinline__ void run() const {
-        for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub, bool valid) {
-            if (!valid) {
-                return;
-            }
-            uint4* dq = reinterpret_cast<uint4*>(params.dq.row_ptr<Element>(q.batch, q.head, q.row));
-            const float4* acc = reinterpret_cast<const float4*>(params.dq_accum + r * head_dim);
-            for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
-                const float4 lo = acc[2 * c], hi = acc[2 * c + 1];
-                dq[c] = make_uint4(pack_pair<Element>(lo.x, lo.y), pack_pair<Element>(lo.z, lo.w),
-                                   pack_pair<Element>(hi.x, hi.y), pack_pair<Element>(hi.z, hi.w));
-            }
-        });
-    }
-};
 
 // delta = rowsum(dO * O); also zeroes the row's dQ accumulator when there
 // is one, and the dQ turn counters of the ordered mode, which saves separate
@@ -170,7 +122,33 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
     }
     if constexpr (sizeof(Element) == 2) {
         if (rows_in_chunks<Element>(params.out, head_dim) && rows_in_chunks<Element>(params.dout, head_dim)) {
-            with_lanes_per_row(head_dim, PreprocessInChunks<Element, kWarps>{params, head_dim});
+            with_lanes_per_row(head_dim, [&](auto lanes) {
+                constexpr int kLanesPerRow = decltype(lanes)::value;
+                for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub,
+                                                                         bool valid) {
+                    const uint4* o =
+                        reinterpret_cast<const uint4*>(params.out.row_ptr<const Element>(q.batch, q.head, q.row));
+                    const uint4* dout =
+                        reinterpret_cast<const uint4*>(params.dout.row_ptr<const Element>(q.batch, q.head, q.row));
+                    float sum = 0.0f;
+                    for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
+                        sum = dot_chunk<Element>(o[c], dout[c], sum);
+                    }
+                    sum = group_allreduce_sum<kLanesPerRow>(sum);
+                    if (!valid) {
+                        return;
+                    }
+                    if (sub == 0) {
+                        params.delta_row(q.batch, q.head)[q.row] = sum;
+                    }
+                    if (params.dq_accum != nullptr) {  // rows of a multiple of 8 floats: 32-byte aligned
+                        float4* acc = reinterpret_cast<float4*>(params.dq_accum + r * head_dim);
+                        for (int c = sub; c < head_dim / 4; c += kLanesPerRow) {
+                            acc[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        }
+                    }
+                });
+            });
             return;
         }
     }
@@ -217,7 +195,22 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
     const int head_dim = params.size.head_dim_int();
     if constexpr (sizeof(Element) == 2) {
         if (rows_in_chunks<Element>(params.dq, head_dim)) {
-            with_lanes_per_row(head_dim, ConvertDqInChunks<Element, kWarps>{params, head_dim});
+            with_lanes_per_row(head_dim, [&](auto lanes) {
+                constexpr int kLanesPerRow = decltype(lanes)::value;
+                for_each_query_row<kLanesPerRow, kWarps>(params.size, [&](index_t r, const QueryRow& q, int sub,
+                                                                         bool valid) {
+                    if (!valid) {
+                        return;
+                    }
+                    uint4* dq = reinterpret_cast<uint4*>(params.dq.row_ptr<Element>(q.batch, q.head, q.row));
+                    const float4* acc = reinterpret_cast<const float4*>(params.dq_accum + r * head_dim);
+                    for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
+                        const float4 lo = acc[2 * c], hi = acc[2 * c + 1];
+                        dq[c] = make_uint4(pack_pair<Element>(lo.x, lo.y), pack_pair<Element>(lo.z, lo.w),
+                                           pack_pair<Element>(hi.x, hi.y), pack_pair<Element>(hi.z, hi.w));
+                    }
+                });
+            });
             return;
         }
     }

@@ -76,9 +76,9 @@ def spill_limit(key: str) -> int:
     mma.sync kernels on packed batches and KV caches (an A100's
     variable-length path, every GPU's KV-cache path) carry the sequences'
     row offsets or key counts and page lookups, and a few of their
-    register-tight tiles spill (README: limits): up to 64 bytes, 128 for a
-    window over a KV cache (the paged 128x64 tiles: 68 at d96, 124 at
-    d128, as before dropout and user functions came); the Hopper
+    register-tight tiles spill (README: limits): up to 64 bytes, 136 for a
+    window over a KV cache (the paged 128x64 tiles: 132 at d96 on sm_80
+    since the softmax scale became a float32 parameter, 124 at d128); the Hopper
     kernels none there either. The SIMT kernels, not the fast path: up to 64.
     Dropout's Philox rounds (ten rounds per eight probabilities, beside the
     tiles' accumulators) spill on the register-tight tiles of every family:
@@ -101,11 +101,22 @@ def spill_limit(key: str) -> int:
     if not key.startswith(FAST_PATH):
         return 64
     if other_layout and "wgmma" not in key:
-        return 128 if "/window/" in key and ("/cache/" in key or "/paged/" in key) else 64
-    if key.startswith("forward-mma/") and "/window/" in key and "/hdim128/m128n64w4/" in key:
+        return 136 if "/window/" in key and ("/cache/" in key or "/paged/" in key) else 64
+    if key.startswith("forward-mma/") and "/window/" in key and ("/hdim128/m128n64w4/" in key
+                                                                  or "/hdim96/m128n64w4/" in key):
         # A window's two offsets beside the A100's tile of 128 rows x 64 keys
-        # at head dim 128 (a Hopper runs the wgmma forward there): 32 bytes.
+        # at head dims 96 and 128 (a Hopper runs the wgmma forward there):
+        # 32 bytes at d128; 4-8 at d96 since the softmax scale became a
+        # float32 parameter (d79a629: ptxas takes it as a constant operand
+        # and allocates the tile's 255 registers otherwise; the float64 one,
+        # converted once, held a register, and no d96 tile spilled).
         return 32
+    if key.startswith("forward-mma/") and "/hdim192/m64n32w4/" in key:
+        # The A100's d192 tile built for sm_90a at three blocks an SM (168
+        # registers; a Hopper runs it only where the wgmma forward does not
+        # apply, rows not 16-byte aligned): 12 bytes since the float32 scale
+        # (d79a629), none on sm_80.
+        return 12
     if key.startswith("backward-dkdv-wgmma/") and "/hdim256/" in key and "/window/" in key:
         # The window's offsets beside the d256 consumers' dK and dV
         # accumulators: 12-24 bytes dense, 40-80 packed (since the window came).
