@@ -74,9 +74,8 @@ def main() -> int:
     # rings running on across tiles; causal ones in pairs of a long and a
     # short walk (PersistentTileWalk).
     for head_dim in (64, 128):
-        q, k, v = _inputs(head_dim, 1000, 1000, seed=head_dim)
-        q, k, v = (cupy.concatenate([x] * 20, axis=2) for x in (q, cupy.concatenate([k] * 2, axis=2),
-                                                                 cupy.concatenate([v] * 2, axis=2)))
+        q, k, v = (cupy.concatenate([x] * (40 // x.shape[2]), axis=2)
+                   for x in _inputs(head_dim, 1000, 1000, seed=head_dim))
         for causal in (False, True):
             out = cuflash.attention(q, k, v, causal=causal)
             cupy.cuda.Device().synchronize()
