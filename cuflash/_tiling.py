@@ -215,15 +215,17 @@ def wgmma_forward_barrier_bytes(stages: int, q_buffers: int = 1) -> int:
 #: warps, Q/dO buffers). Warp-specialised like the forward: warpgroup 0
 #: loads and adds dQ, the other warps / 4 - 1 are consumers. Up to head dim
 #: 128 each consumer owns 64 keys: S^T and dP^T take block_m / 2 registers
-#: each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192 (d64 takes
-#: 64 rows: at 128 the consumers' 240 registers spilled). Above 128 the
+#: each, dK and dV head_dim / 2 each, so block_m + head_dim <= 192 (d64's
+#: 128 rows fit once dS^T is staged by stmatrix, whose addresses are not live
+#: beside S^T and dP^T: 7-10% faster than 64 rows, docs/perf-notes.md; with a
+#: window or on packed batches 4-12 bytes spill). Above 128 the
 #: consumers share 64 keys and split the head dim
 #: (``backward_splits_head_dim``): head_dim / consumers columns of dK and
 #: dV, block_m / consumers queries of S^T and dP^T each. Head dim 256 has
 #: one Q/dO buffer: two do not fit beside the float32 dQ tile.
 WGMMA_BACKWARD_TILES = {
     32: (128, 128, 12, 2),
-    64: (64, 128, 12, 2),
+    64: (128, 128, 12, 2),
     96: (64, 128, 12, 2),
     128: (64, 128, 12, 2),
     192: (64, 64, 12, 2),

@@ -11,6 +11,8 @@
 #include "masks.cuh"
 #include "score_transforms.cuh"
 #include "probability.cuh"
+#include "mma.cuh"            // stmatrix_x4
+#include "swizzled_tile.cuh"  // SwizzledLaneRow
 
 namespace cuflash {
 
@@ -220,6 +222,23 @@ __device__ __forceinline__ void stage_transposed_fragments(unsigned char* tile, 
             *reinterpret_cast<u32*>(tile + chunk_offset(key_row, query0 / 8 + j) + 4 * (lane % 4)) =
                 frags[j / 2][(j % 2) * 2 + half];
         }
+    }
+}
+
+// The same into a SwizzledTile at shared address `tile` (1024-aligned), a
+// pair of n8 query tiles (one A fragment: four 8 x 8 matrices) per stmatrix:
+// a quarter of the stores, and each lane's address is one add and one XOR on
+// SwizzledLaneRow's, computed where it is stored. Precomputed, the 16
+// per-lane addresses of the 32-bit stores were live beside S^T and dP^T and
+// made the 128-query tiles spill.
+template <typename Tile, int kQTiles>
+__device__ __forceinline__ void stage_swizzled_fragments(u32 tile, const u32 (&frags)[kQTiles / 2][4], int key0,
+                                                         int query0, int lane) {
+    // Matrix lane / 8 of a fragment: rows + 8 (lane / 8 % 2), chunk + lane / 16.
+    const SwizzledLaneRow<Tile> lane_row(lane % 8 + lane / 8 % 2 * 8, lane / 16);
+#pragma unroll
+    for (int ps = 0; ps < kQTiles / 2; ++ps) {
+        stmatrix_x4(lane_row.address(tile, key0, query0 / 8 + 2 * ps), frags[ps]);
     }
 }
 

@@ -243,7 +243,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     for (int step = 0; step < walk.steps; ++step) {
         const int m_start = walk.m_block * kBlockM;
         const int score_buffer = step & 1;
-        unsigned char* const ds_tile = smem + Traits::kDs + score_buffer * Traits::kScoreBuffer;
+        const u32 ds_tile = base + Traits::kDs + score_buffer * Traits::kScoreBuffer;
         const u64 q_buffer = ring.stage * kQBufferStep;
 
         float s[1][kQTiles][4];
@@ -284,13 +284,10 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             pack_a_fragment<Element>(p_frag[ps], s[0][2 * ps], s[0][2 * ps + 1]);
             pack_a_fragment<Element>(ds_frag[ps], dp[0][2 * ps], dp[0][2 * ps + 1]);
         }
-        const auto stage_transposed = [&](unsigned char* tile, const u32 (&frags)[kScoreCols / 16][4]) {
-            stage_transposed_fragments<kQTiles>(tile, frags, warp_key0, score_col0, lane_index_now(),
-                                                [](int row, int chunk) { return DsTile::chunk_offset(row, chunk); });
-        };
-        stage_transposed(ds_tile, ds_frag);
+        stage_swizzled_fragments<DsTile, kQTiles>(ds_tile, ds_frag, warp_key0, score_col0, lane_index_now());
         if constexpr (kSplitHeadDim) {
-            stage_transposed(ds_tile + DsTile::kBytes, p_frag);
+            stage_swizzled_fragments<DsTile, kQTiles>(ds_tile + DsTile::kBytes, p_frag, warp_key0, score_col0,
+                                                      lane_index_now());
         }
         fence_async_shared();  // dS^T (P^T), written by ordinary stores, is read by the tensor cores
         if constexpr (kSplitHeadDim) {

@@ -110,4 +110,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 address) {
                  : "r"(address));
 }
 
+// The inverse of ldmatrix_x4 (sm_90): register j holds matrix j in the same
+// fragment layout, and lanes 8j..8j+7 give the addresses its eight 16-byte
+// rows are stored at.
+__device__ __forceinline__ void stmatrix_x4(u32 address, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
 }  // namespace cuflash

@@ -188,7 +188,7 @@ def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
 
 
 @pytest.mark.parametrize("head_dim,q_panel,kv_panel", [
-    (64, 64, 32),    # 64 rows: each consumer's dQ columns (32) start on 32-column panels of K
+    (64, 64, 64),    # 128 rows: each consumer's dQ is one m64 tile of all 64 columns
     (96, 32, 16),    # narrowed panels: dK/dV columns 96 (64-byte), dQ blocks of 48 (32-byte)
     (128, 64, 64),
     (256, 64, 64),   # split head dim: each consumer's 128 columns of dK/dV, 128 of dQ
