@@ -131,7 +131,7 @@ class KernelFamily:
     #: beside ``tiles`` (the mma.sync forward's decode tiles)
     other_tiles: Callable[[str, int], tuple[Tiling, ...]] = lambda dtype_name, head_dim: ()
     #: (dtype, head_dim) -> its tiles for short sequences (at most
-    #: ``SHORT_SEQUENCE_KEYS`` keys each), dense or packed, else None
+    #: its most keys, ``WGMMA_FORWARD_SHORT_TILES``), dense or packed, else None
     short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
     #: the persistent form of a tiling, where the family has one (the Hopper
     #: forward's, for calls without a mask or causal on dense batches)

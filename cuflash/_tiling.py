@@ -151,12 +151,16 @@ MMA_BACKWARD_99KIB_TILES = {
 #: together); K and V go through a ring of two or three buffers each
 #: (``with_wgmma_forward_stages``), so the larger head dims take fewer keys
 #: per block. Head dims whose bucket is missing
-#: here run on the mma.sync kernel. d32/d64 run one consumer per block and
-#: two blocks per SM (faster at every measured length than three consumers
-#: of 192 rows: docs/perf-notes.md).
+#: here run on the mma.sync kernel. d32 runs one consumer per block and two
+#: blocks per SM. d64 runs three consumers of 64 rows over 96 keys (a block
+#: reads each K/V block once per 192 query rows, where the 64-row tile read
+#: them from L2 at 72% of its throughput; 128 consumer registers of 160):
+#: H200, bf16, FA2 grid, TFLOP/s against 64 x 128 at two blocks an SM, full
+#: 4k 491 / 472, 8k 530 / 477, 16k 525 / 466, causal 16k 511 / 480; shorter
+#: sequences keep the 64-row tile (``WGMMA_FORWARD_SHORT_TILES``).
 WGMMA_FORWARD_TILES = {
     32: (64, 128, 8, 2),
-    64: (64, 128, 8, 2),
+    64: (192, 96, 16, 1),
     96: (128, 128, 12, 1),
     128: (128, 128, 12, 1),
     192: (128, 64, 12, 1),
@@ -174,25 +178,28 @@ WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
     32: (128, 128, 12, 1),
     64: (128, 128, 12, 1),
 }
-#: Hopper forward tiles for short sequences: calls whose keys per sequence
-#: (the longest sequence's, in a packed batch) are at most
-#: ``SHORT_SEQUENCE_KEYS``, head dims whose 16-bit rows are whole 32-byte
-#: sectors. Two blocks of one consumer warpgroup per SM keep more tiles in
-#: flight where each block sees few key blocks. Measured on the H100 (bf16,
-#: d128, 32/8 heads, 16384 tokens, TFLOP/s, default 128x128 tile ->
-#: this one): 64 x 256 tokens 270 -> 282, causal 154 -> 170; packed
-#: lengths 45-476, 235 -> 275, causal 143 -> 176; at 8 x 2048 it lost
-#: (538 -> 508), so longer sequences keep the table's tile. On the
-#: FlashAttention-2 grid (batch 32, 16 heads) at seqlen 512: 380 -> 372
-#: (-2%), causal 241 -> 262 (+9%), commit 38fcc3b. Where persistent blocks
-#: apply (dense, no mask or causal, no dropout) the table's tile runs
-#: persistent instead (``forward_plan``): 477 / 292 TFLOP/s there against
-#: this tile's 433 / 284 (persistent too, 0c50e0a), so these serve packed
-#: batches, other masks and dropout.
+#: Hopper forward tiles for short sequences, head dims whose 16-bit rows are
+#: whole 32-byte sectors: head dim -> (tile as in ``WGMMA_FORWARD_TILES``,
+#: the most keys per sequence (a packed batch's longest) it serves, whether
+#: it also serves calls that run persistent blocks (``wgmma_forward_persistent``,
+#: then persistent itself) or leaves those to the table's tile). Blocks of
+#: one consumer warpgroup, two an SM, keep more tiles in flight where each
+#: sees few key blocks.
+#: - d128, up to 512 keys, only where persistent blocks do not apply
+#:   (packed batches, other masks, dropout). H100, bf16, d128, 32/8 heads,
+#:   16384 tokens, TFLOP/s, 128 x 128 -> 64 x 64: 64 x 256 tokens 270 ->
+#:   282, causal 154 -> 170; packed lengths 45-476, 235 -> 275, causal 143 ->
+#:   176; at 8 x 2048 it lost (538 -> 508); on the FA2 grid at 512, 380 ->
+#:   372, causal 241 -> 262 (38fcc3b). The table's tile persistent beats it
+#:   where that applies: 477 / 292 against 433 / 284 (both persistent, 0c50e0a).
+#: - d64, up to 1024 keys, persistent where that applies: H200, bf16, FA2
+#:   grid, TFLOP/s, 64 x 128 at two blocks an SM against the table's 192 x 96
+#:   (both persistent where they apply): full 512 355 / 317, 1k 412 / 389,
+#:   causal 512 199 / 158, 1k 279 / 249; at 2k 442 / 458, causal 350 / 359.
 WGMMA_FORWARD_SHORT_TILES = {
-    128: (64, 64, 8, 2),
+    64: ((64, 128, 8, 2), 1024, True),
+    128: ((64, 64, 8, 2), 512, False),
 }
-SHORT_SEQUENCE_KEYS = 512
 #: Most stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``):
 #: three where the blocks of an SM hold them, else two (``with_wgmma_forward_stages``).
 #: A step multiplies by K_i and V_{i-1}, and V_{i-2}'s buffer is freed only
@@ -834,7 +841,23 @@ def wgmma_forward_short_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
         return None
-    return _wgmma_forward_tiles(dtype_name, padded, WGMMA_FORWARD_SHORT_TILES[padded])
+    return _wgmma_forward_tiles(dtype_name, padded, WGMMA_FORWARD_SHORT_TILES[padded][0])
+
+
+def wgmma_forward_for_call(tiling: Tiling, dtype_name: str, head_dim: int, mask_name: str, layout: str,
+                           dropout: bool, seqlen_k: int) -> Tiling:
+    """The Hopper forward a call runs, from its table tiling ``tiling``: the
+    short-sequence tiles where the call has at most their keys per sequence
+    (``WGMMA_FORWARD_SHORT_TILES``) and they serve it, else the table's;
+    persistent where ``wgmma_forward_persistent`` says."""
+    table = wgmma_forward_persistent(tiling, dtype_name, mask_name, layout, dropout, seqlen_k)
+    short = wgmma_forward_short_tiling(dtype_name, head_dim)
+    if short is None:
+        return table
+    _, most_keys, serves_persistent = WGMMA_FORWARD_SHORT_TILES[short.head_dim_padded]
+    if seqlen_k > most_keys or (table.persistent and not serves_persistent):
+        return table
+    return wgmma_forward_persistent(short, dtype_name, mask_name, layout, dropout, seqlen_k)
 
 
 def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, int, int]) -> Tiling:
@@ -877,9 +900,11 @@ def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, la
 
 def wgmma_forward_persistent_form(dtype_name: str, tiling: Tiling) -> Tiling | None:
     """The persistent form the launcher may run of a Hopper forward tiling:
-    none for the short-sequence tiles, which it takes only where persistent
-    blocks do not apply (``forward_plan``)."""
-    if tiling == wgmma_forward_short_tiling(dtype_name, tiling.head_dim_padded):
+    none for the short-sequence tiles that it takes only where persistent
+    blocks do not apply (``wgmma_forward_for_call``)."""
+    padded = tiling.head_dim_padded
+    if (tiling == wgmma_forward_short_tiling(dtype_name, padded)
+            and not WGMMA_FORWARD_SHORT_TILES[padded][2]):
         return None
     return wgmma_forward_persistent(tiling, dtype_name, "none", "dense")
 

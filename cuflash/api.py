@@ -34,10 +34,10 @@ from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERG
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
 from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
-from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, SHORT_SEQUENCE_KEYS, Tiling,
+from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tail_split, decode_tilings, decode_ring,
-                      persistent_grid, wgmma_backward_swizzles, wgmma_forward_persistent)
+                      persistent_grid, wgmma_backward_swizzles, wgmma_forward_for_call)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -1194,8 +1194,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                    num_splits: int | None) -> tuple[Tiling, DecodeShape, int]:
     """The tiles, shape and split count of a forward that ``forward_plan``
     decides: ``forward_tiling_for``'s kernel (persistent where
-    ``wgmma_forward_persistent`` says, else its short-sequence tiles where
-    it has them and no sequence has more than ``SHORT_SEQUENCE_KEYS`` keys),
+    ``wgmma_forward_persistent`` says, and its short-sequence tiles where
+    ``wgmma_forward_for_call`` says),
     or where it is a tensor-core
     one on 16-bit inputs with at most ``DECODE_MAX_ROWS`` query rows per
     head (after ``decode_shape``'s packing) the decode tiles that fit the
@@ -1224,12 +1224,8 @@ def _forward_tiles(problem: AttentionProblem, layouts: dict, aligned: bool,
                 f"rows of {problem.dtype} on the {chosen.kernel} kernel, so leave num_splits=None")
         tiling = chosen
         if chosen.kernel == "wgmma":
-            tiling = wgmma_forward_persistent(chosen, problem.dtype, problem.mask.name, problem.layout,
-                                              problem.score.dropout, problem.seqlen_k)
-        if not tiling.persistent and problem.seqlen_k <= SHORT_SEQUENCE_KEYS:
-            # persistent blocks of the table's tile beat the short-sequence
-            # tiles where they apply (d128, 512 keys: 477 against 433 TFLOP/s)
-            tiling = family_of("forward", chosen.kernel).short_tiles(problem.dtype, problem.head_dim) or tiling
+            tiling = wgmma_forward_for_call(chosen, problem.dtype, problem.head_dim, problem.mask.name,
+                                            problem.layout, problem.score.dropout, problem.seqlen_k)
         return tiling, DecodeShape(problem, layouts, problem.tensor_seqlen_q, False), 1
     plain, split = decode
     if split.warps_split_keys and _kv_tma_applies(problem, shape.layouts, split.block_n):

@@ -254,12 +254,13 @@ def test_wgmma_forward_table(dtype, head_dim, bucket):
 @pytest.mark.parametrize("dtype", MMA_DTYPES)
 def test_wgmma_forward_rows_ending_mid_sector_take_128_query_rows(dtype, head_dim, partial_sector):
     """Head dims 8, 24, 40 and 56 (16-bit rows of 16, 48, 80, 112 bytes)
-    take the 128-row tile of their bucket; 16, 32, 48 and 64 keep the
-    64-row, two-blocks-per-SM one (docs/perf-notes.md); 72's bucket has one tile."""
+    take the 128-row tile of their bucket; 16 and 32 keep the 64-row,
+    two-blocks-per-SM one, 48 and 64 the 192-row one of three consumers
+    (docs/perf-notes.md); 72's bucket has one tile."""
     tiling = wgmma_forward_tiling(dtype, head_dim)
     table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES if partial_sector else WGMMA_FORWARD_TILES
     assert (tiling.block_m, tiling.block_n, tiling.warps, tiling.blocks_per_sm) == table[tiling.head_dim_padded]
-    assert tiling.block_m == (128 if partial_sector or head_dim > 64 else 64)
+    assert tiling.block_m == (128 if partial_sector or head_dim > 64 else 64 if head_dim <= 32 else 192)
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.tiles is not None], ids=lambda f: f.name)
@@ -537,10 +538,43 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
                                               ("causal", "packed", False, 512), ("none", "dense", True, 512),
                                               ("none", "dense", False, keys + 1), ("causal", "dense", False, keys + 1)):
             assert wgmma_forward_persistent(tiling, "bfloat16", mask, layout, dropout, length) is tiling
-        # the short-sequence tiles run only where persistent blocks do not apply
+        # the short-sequence tiles run persistent only where their table says
         short = wgmma_forward_short_tiling("bfloat16", head_dim)
         if short is not None:
-            assert wgmma_forward_persistent_form("bfloat16", short) is None
+            form = wgmma_forward_persistent_form("bfloat16", short)
+            assert (form is None) == (head_dim == 128) and (form is None or form.persistent)
+
+
+@pytest.mark.parametrize("head_dim,mask,layout,dropout,keys,expected", [
+    # d64: the 64-row tile up to 1024 keys, persistent where that applies, else 192 x 96
+    (64, "none", "dense", False, 1024, ("short", True)),
+    (64, "causal", "dense", False, 512, ("short", True)),
+    (64, "window", "dense", False, 1024, ("short", False)),
+    (64, "none", "packed", False, 700, ("short", False)),
+    (64, "none", "dense", True, 700, ("short", False)),
+    (64, "none", "dense", False, 1025, ("table", True)),
+    (64, "causal", "dense", False, 8192, ("table", True)),
+    (64, "none", "dense", False, 8193, ("table", False)),
+    (64, "window", "dense", False, 2048, ("table", False)),
+    (48, "none", "dense", False, 1024, ("short", True)),   # whole sectors: bucket 64's tiles
+    (56, "none", "dense", False, 1024, ("table", True)),   # rows ending mid-sector: no short tile
+    # d128: the short tile only where persistent blocks do not apply, up to 512 keys
+    (128, "none", "dense", False, 512, ("table", True)),
+    (128, "window", "dense", False, 512, ("short", False)),
+    (128, "causal", "packed", False, 512, ("short", False)),
+    (128, "window", "dense", False, 513, ("table", False)),
+    (256, "window", "dense", False, 100, ("table", False)),  # no short tile
+])
+def test_wgmma_forward_for_call_picks_short_tiles_and_persistent_blocks(head_dim, mask, layout, dropout, keys,
+                                                                        expected):
+    from cuflash._tiling import wgmma_forward_for_call, wgmma_forward_short_tiling, wgmma_forward_tiling
+
+    table = wgmma_forward_tiling("bfloat16", head_dim)
+    chosen = wgmma_forward_for_call(table, "bfloat16", head_dim, mask, layout, dropout, keys)
+    which, persistent = expected
+    base = table if which == "table" else wgmma_forward_short_tiling("bfloat16", head_dim)
+    assert chosen.persistent == persistent
+    assert dataclasses.replace(chosen, persistent=False, kv_stages=base.kv_stages) == base
 
 
 @pytest.mark.parametrize("tiles_per_head", [1, 2, 7, 8, 16, 33])

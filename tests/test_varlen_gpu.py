@@ -152,8 +152,9 @@ def test_varlen_forward_tensor_core_kernels(generation, causal, monkeypatch):
 def test_varlen_matches_dense_on_equal_lengths():
     """A packed batch of equal lengths computes what the dense call does on
     the same rows, bit for bit (same kernels' arithmetic, other addressing).
-    Past SHORT_SEQUENCE_KEYS, so both run the table's tile (the dense call's
-    blocks persistent: the same tiles' arithmetic); at 512 keys or fewer a
+    Past d128's short-tile keys (WGMMA_FORWARD_SHORT_TILES), so both run
+    the table's tile (the dense call's blocks persistent: the same tiles'
+    arithmetic); at 512 keys or fewer a
     packed batch takes the short-sequence tile, whose key blocks sum in
     another order."""
     cupy = _cupy()

@@ -72,20 +72,21 @@ def main() -> int:
     # Persistent forward blocks walking several tiles each (more tiles than
     # resident slots: 40 heads of 1000 rows), Q in two buffers and the K/V
     # rings running on across tiles; causal ones in pairs of a long and a
-    # short walk (PersistentTileWalk).
-    for head_dim in (64, 128):
+    # short walk (PersistentTileWalk). d64 past 1024 keys: its 192-row tile.
+    for head_dim, seqlen in ((64, 1000), (64, 1100), (128, 1000)):
         q, k, v = (cupy.concatenate([x] * (40 // x.shape[2]), axis=2)
-                   for x in _inputs(head_dim, 1000, 1000, seed=head_dim))
+                   for x in _inputs(head_dim, seqlen, seqlen, seed=head_dim))
         for causal in (False, True):
             out = cuflash.attention(q, k, v, causal=causal)
             cupy.cuda.Device().synchronize()
             if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
-                failures.append(f"persistent d{head_dim} causal={causal}: out not finite")
-        print(f"persistent head_dim {head_dim}: ran", flush=True)
+                failures.append(f"persistent d{head_dim} {seqlen} causal={causal}: out not finite")
+        print(f"persistent head_dim {head_dim} seqlen {seqlen}: ran", flush=True)
     # Variants: a window (blocks skipped at both ends, rows that see no key),
     # the soft cap and ALiBi slopes read per (batch entry, head).
-    for head_dim in (64, 128):
-        q, k, v = _inputs(head_dim, 200, 330, seed=head_dim)
+    # d64 past 1024 keys: its 192-row forward tile, one a block.
+    for head_dim, seqlen_k in ((64, 330), (64, 1100), (128, 330)):
+        q, k, v = _inputs(head_dim, 200, seqlen_k, seed=head_dim)
         slopes = cupy.asarray([[0.1, 0.2]], dtype=cupy.float32)
         for window in ((40, 5), (-1, 0), (0, -1)):
             options = dict(window_size=window, softcap=5.0, alibi_slopes=slopes)
@@ -96,8 +97,8 @@ def main() -> int:
                 cupy.cuda.Device().synchronize()
                 for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
                     if not bool(cupy.isfinite(x.astype(cupy.float32)).all()):
-                        failures.append(f"variants d{head_dim} window={window}: {name} not finite")
-        print(f"variants head_dim {head_dim}: ran", flush=True)
+                        failures.append(f"variants d{head_dim} {seqlen_k} window={window}: {name} not finite")
+        print(f"variants head_dim {head_dim} seqlen_k {seqlen_k}: ran", flush=True)
     # Decoding: one query token with grouped-query packing, split-KV and the merge.
     for num_splits in (1, 5):
         q, k, v = _inputs(128, 1, 3000, seed=num_splits)
