@@ -86,7 +86,7 @@ def spill_limit(key: str) -> int:
     so does a user mask's rule in the mma.sync forward."""
     if "dropout" in key:
         return 256
-    if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/")):
+    if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/", "backward-dkdv-wgmma/")):
         # A user mask (cuflash.mods) evaluated beside the mma.sync kernels'
         # accumulators (255 registers at d128 already) spills there, at d128
         # (bf16): a causal document mask up to 44 bytes in the forward (228
@@ -95,7 +95,8 @@ def spill_limit(key: str) -> int:
         # (108 before; 40 on sm_80), a window written as a mask function up
         # to 72 (README: limits). Of the Hopper kernels the wgmma forward
         # does not spill with one; its dK/dV kernel does, 12-20 bytes with a
-        # document mask at d128, as before the parts.
+        # document mask at d128, as before the parts, 4-16 at d64 (128 query
+        # rows a step since 234dfa3).
         return 256 if key.startswith("forward-mma/") else 96
     other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
     if not key.startswith(FAST_PATH):
@@ -118,12 +119,11 @@ def spill_limit(key: str) -> int:
         # (d79a629), none on sm_80.
         return 12
     if key.startswith("backward-dkdv-wgmma/") and "/hdim64/m128n128w12/" in key and (
-            "/window/" in key or "/packed/" in key or "/mask-" in key):
+            "/window/" in key or "/packed/" in key):
         # Head dim 64's 128 query rows a step (S^T and dP^T 64 registers
         # each beside dK and dV's 64, of a consumer's 240): a window's two
         # offsets spill 12 bytes dense, 4 packed; a causal mask on a packed
-        # batch 8 (the sequences' row offsets); a user's document mask 4.
-        # The 64-row tile spilled none and ran 7-10% slower (docs/perf-notes.md).
+        # batch 8 (the sequences' row offsets). The 64-row tile spilled none and ran 7-10% slower (docs/perf-notes.md).
         return 12
     return 0
 
