@@ -41,7 +41,7 @@ from ._tiling import (
     wgmma_forward_applies,
     wgmma_forward_persistent_form,
     wgmma_backward_tiling,
-    wgmma_forward_short_tiling,
+    wgmma_forward_short_tiles,
     wgmma_forward_tiling,
 )
 
@@ -130,9 +130,8 @@ class KernelFamily:
     #: (dtype, head_dim) -> tiles the launcher may pick for some calls
     #: beside ``tiles`` (the mma.sync forward's decode tiles)
     other_tiles: Callable[[str, int], tuple[Tiling, ...]] = lambda dtype_name, head_dim: ()
-    #: (dtype, head_dim) -> its tiles for short sequences (at most
-    #: its most keys, ``WGMMA_FORWARD_SHORT_TILES``), dense or packed, else None
-    short_tiles: Callable[[str, int], Tiling | None] = lambda dtype_name, head_dim: None
+    #: (dtype, head_dim) -> its tiles for short sequences (``WGMMA_FORWARD_SHORT_TILES``)
+    short_tiles: Callable[[str, int], tuple[Tiling, ...]] = lambda dtype_name, head_dim: ()
     #: the persistent form of a tiling, where the family has one (the Hopper
     #: forward's, for calls without a mask or causal on dense batches)
     persistent_form: Callable[[str, Tiling], Tiling | None] = lambda dtype_name, tiling: None
@@ -260,8 +259,10 @@ class KernelFamily:
         tilings = [(dtype, self.tiles(dtype, head_dim)) for dtype in self.dtypes for head_dim in head_dims
                    if self.serves(dtype, head_dim)]
         tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
-                    for choose in (self.hopper_tiles, self.small_smem_tiles, self.short_tiles)
+                    for choose in (self.hopper_tiles, self.small_smem_tiles)
                     if (other := choose(dtype, head_dim)) is not None]
+        tilings += [(dtype, short) for dtype in self.dtypes for head_dim in self.head_dims
+                    for short in self.short_tiles(dtype, head_dim)]
         tilings += [(dtype, persistent) for dtype, tiling in tilings
                     if (persistent := self.persistent_form(dtype, tiling)) is not None]
         if other_tiles:
@@ -314,7 +315,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  _WGMMA_FORWARD,
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
-                 needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiling,
+                 needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiles,
                  persistent_form=wgmma_forward_persistent_form,
                  tile_args=lambda t: ((str(t.blocks_per_sm), str(t.kv_stages), "true" if t.persistent else "false"),
                                      f"/b{t.blocks_per_sm}/s{t.kv_stages}" + ("/persistent" if t.persistent else ""))),

@@ -178,13 +178,24 @@ WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
     32: (128, 128, 12, 1),
     64: (128, 128, 12, 1),
 }
+@dataclasses.dataclass(frozen=True)
+class ShortSequenceTile:
+    """A Hopper forward tile for short sequences (``WGMMA_FORWARD_SHORT_TILES``)."""
+
+    tile: tuple[int, int, int, int]  #: as in ``WGMMA_FORWARD_TILES``
+    most_keys: int  #: keys per sequence (a packed batch's longest) up to which it serves
+    #: whether it also serves the calls persistent blocks apply to
+    #: (``wgmma_forward_persistent``; then it runs persistent itself) or
+    #: leaves those to the table's tile
+    serves_persistent: bool
+    masks: tuple[str, ...] | None = None  #: the masks it serves; None: every mask
+
+
 #: Hopper forward tiles for short sequences, head dims whose 16-bit rows are
-#: whole 32-byte sectors: head dim -> (tile as in ``WGMMA_FORWARD_TILES``,
-#: the most keys per sequence (a packed batch's longest) it serves, whether
-#: it also serves calls that run persistent blocks (``wgmma_forward_persistent``,
-#: then persistent itself) or leaves those to the table's tile). Blocks of
-#: one consumer warpgroup, two an SM, keep more tiles in flight where each
-#: sees few key blocks.
+#: whole 32-byte sectors: head dim -> its ``ShortSequenceTile`` rules, the
+#: first that serves a call taken (``wgmma_forward_for_call``). Blocks of
+#: one consumer warpgroup, two or three an SM, keep more tiles in flight
+#: where each sees few key blocks.
 #: - d128, up to 512 keys, only where persistent blocks do not apply
 #:   (packed batches, other masks, dropout). H100, bf16, d128, 32/8 heads,
 #:   16384 tokens, TFLOP/s, 128 x 128 -> 64 x 64: 64 x 256 tokens 270 ->
@@ -192,13 +203,21 @@ WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
 #:   176; at 8 x 2048 it lost (538 -> 508); on the FA2 grid at 512, 380 ->
 #:   372, causal 241 -> 262 (38fcc3b). The table's tile persistent beats it
 #:   where that applies: 477 / 292 against 433 / 284 (both persistent, 0c50e0a).
+#: - d64 causal, up to 2048 keys: 64 x 64 at three blocks an SM (a causal
+#:   tile's last key block is the diagonal one, and short walks leave the
+#:   tensor cores idle unless more blocks share an SM). H100, bf16, FA2
+#:   grid, TFLOP/s, against the tile taken before (64 x 128 two an SM up
+#:   to 1k, 192 x 96 at 2k, persistent): 512 196 -> 239 (persistent; one
+#:   tile a block 224), 1k 278 -> 314 (309), 2k 358 -> 374 (one tile a
+#:   block; persistent 368). Without a mask it lost (1k 408 -> 388).
 #: - d64, up to 1024 keys, persistent where that applies: H200, bf16, FA2
 #:   grid, TFLOP/s, 64 x 128 at two blocks an SM against the table's 192 x 96
 #:   (both persistent where they apply): full 512 355 / 317, 1k 412 / 389,
 #:   causal 512 199 / 158, 1k 279 / 249; at 2k 442 / 458, causal 350 / 359.
 WGMMA_FORWARD_SHORT_TILES = {
-    64: ((64, 128, 8, 2), 1024, True),
-    128: ((64, 64, 8, 2), 512, False),
+    64: (ShortSequenceTile((64, 64, 8, 3), 2048, True, ("causal",)),
+         ShortSequenceTile((64, 128, 8, 2), 1024, True)),
+    128: (ShortSequenceTile((64, 64, 8, 2), 512, False),),
 }
 #: Most stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``):
 #: three where the blocks of an SM hold them, else two (``with_wgmma_forward_stages``).
@@ -835,29 +854,33 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return _wgmma_forward_tiles(dtype_name, padded, table[padded])
 
 
-def wgmma_forward_short_tiling(dtype_name: str, head_dim: int) -> Tiling | None:
-    """The Hopper forward's tiles for short sequences (``WGMMA_FORWARD_SHORT_TILES``), None where the table
-    has none for this head dim."""
+def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[ShortSequenceTile, Tiling], ...]:
+    """The Hopper forward's rules for short sequences (``WGMMA_FORWARD_SHORT_TILES``) and their tiles; none
+    where the table has none for this head dim or its rows end inside a 32-byte sector."""
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
-        return None
-    return _wgmma_forward_tiles(dtype_name, padded, WGMMA_FORWARD_SHORT_TILES[padded][0])
+        return ()
+    return tuple((rule, _wgmma_forward_tiles(dtype_name, padded, rule.tile)) for rule in WGMMA_FORWARD_SHORT_TILES[padded])
+
+
+def wgmma_forward_short_tiles(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
+    """The tiles of ``wgmma_forward_short_tilings``."""
+    return tuple(tiling for _, tiling in wgmma_forward_short_tilings(dtype_name, head_dim))
 
 
 def wgmma_forward_for_call(tiling: Tiling, dtype_name: str, head_dim: int, mask_name: str, layout: str,
                            dropout: bool, seqlen_k: int) -> Tiling:
     """The Hopper forward a call runs, from its table tiling ``tiling``: the
-    short-sequence tiles where the call has at most their keys per sequence
-    (``WGMMA_FORWARD_SHORT_TILES``) and they serve it, else the table's;
-    persistent where ``wgmma_forward_persistent`` says."""
+    first short-sequence tile that serves it (its mask, at most its keys
+    per sequence, and where persistent blocks apply only if it serves those:
+    ``WGMMA_FORWARD_SHORT_TILES``), else the table's; persistent where
+    ``wgmma_forward_persistent`` says."""
     table = wgmma_forward_persistent(tiling, dtype_name, mask_name, layout, dropout, seqlen_k)
-    short = wgmma_forward_short_tiling(dtype_name, head_dim)
-    if short is None:
-        return table
-    _, most_keys, serves_persistent = WGMMA_FORWARD_SHORT_TILES[short.head_dim_padded]
-    if seqlen_k > most_keys or (table.persistent and not serves_persistent):
-        return table
-    return wgmma_forward_persistent(short, dtype_name, mask_name, layout, dropout, seqlen_k)
+    for rule, short in wgmma_forward_short_tilings(dtype_name, head_dim):
+        if (seqlen_k <= rule.most_keys and (rule.masks is None or mask_name in rule.masks)
+                and (rule.serves_persistent or not table.persistent)):
+            return wgmma_forward_persistent(short, dtype_name, mask_name, layout, dropout, seqlen_k)
+    return table
 
 
 def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, int, int]) -> Tiling:
@@ -878,8 +901,10 @@ def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, in
 #: causal 4k 585 -> 609, 8k 640 -> 658, 16k 696 -> 682; two blocks an SM
 #: (d64's 64 x 128), full 1k 386 -> 413, 2k 443 -> 447, 4k 475 -> 464;
 #: causal (tiles taken in pairs of a long and a short walk,
-#: ``persistent_grid``) 2k 0.390 -> 0.385 ms, 4k 1% slower.
-PERSISTENT_FORWARD_KEYS = {1: 8192, 2: 2048}
+#: ``persistent_grid``) 2k 0.390 -> 0.385 ms, 4k 1% slower; three blocks an
+#: SM (d64's causal 64 x 64, H100, df5ead3): 512 224 -> 239, 1k 309 -> 314,
+#: 2k 374 -> 368 TFLOP/s.
+PERSISTENT_FORWARD_KEYS = {1: 8192, 2: 2048, 3: 1024}
 
 
 def wgmma_forward_persistent(tiling: Tiling, dtype_name: str, mask_name: str, layout: str,
@@ -902,9 +927,8 @@ def wgmma_forward_persistent_form(dtype_name: str, tiling: Tiling) -> Tiling | N
     """The persistent form the launcher may run of a Hopper forward tiling:
     none for the short-sequence tiles that it takes only where persistent
     blocks do not apply (``wgmma_forward_for_call``)."""
-    padded = tiling.head_dim_padded
-    if (tiling == wgmma_forward_short_tiling(dtype_name, padded)
-            and not WGMMA_FORWARD_SHORT_TILES[padded][2]):
+    shorts = wgmma_forward_short_tilings(dtype_name, tiling.head_dim_padded)
+    if any(short == tiling and not rule.serves_persistent for rule, short in shorts):
         return None
     return wgmma_forward_persistent(tiling, dtype_name, "none", "dense")
 

@@ -246,6 +246,7 @@ def test_negative_strides_take_a_kernel_without_tensor_maps():
 @pytest.mark.parametrize("head_dim,tile", [
     (64, (64, 128, 8, 2)),     # one consumer warpgroup (no turns), two blocks per SM
     (64, (192, 96, 16, 1)),    # three consumers taking turns, key blocks of 96
+    (64, (64, 64, 8, 3)),      # three blocks per SM (d64 causal, short sequences)
     (64, (128, 128, 12, 1)),   # two consumers taking turns
     (32, (64, 128, 8, 2)),
     (128, (64, 64, 8, 2)),     # one consumer, two blocks per SM at head dim 128
@@ -287,7 +288,8 @@ def test_wgmma_forward_other_tiles(head_dim, tile, causal):
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim,tile", [(64, "table"), (64, "short"), (128, "table")])
+@pytest.mark.parametrize("head_dim,tile", [(64, "table"), (64, (64, 128, 8, 2)), (64, (64, 64, 8, 3)),
+                                           (128, "table")])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     """Persistent blocks (one per resident slot) walking several query tiles
@@ -297,14 +299,18 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     causal; causal walks tiles in pairs of a long and a short one (23 tiles
     a head at d128: the middle tile alone); the kernel is the same for any
     mask, so a window checks tiles whose walks differ otherwise. d64 runs
-    persistent blocks of both its tiles (three consumers of 192 rows; one of
-    64 at two blocks an SM, for up to 1024 keys)."""
-    from cuflash._tiling import wgmma_forward_persistent, wgmma_forward_short_tiling, wgmma_forward_tiling
+    persistent blocks of all its tiles (three consumers of 192 rows; one of
+    64 over 128 keys at two blocks an SM, or over 64 at three, for short
+    sequences)."""
+    from cuflash._tiling import wgmma_forward_persistent, wgmma_forward_short_tiles, wgmma_forward_tiling
     from cuflash.reference import attention_reference
     from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
 
     cupy = _cupy()
-    chosen = (wgmma_forward_tiling if tile == "table" else wgmma_forward_short_tiling)("bfloat16", head_dim)
+    chosen = wgmma_forward_tiling("bfloat16", head_dim)
+    if tile != "table":
+        (chosen,) = (t for t in wgmma_forward_short_tiles("bfloat16", head_dim)
+                     if (t.block_m, t.block_n, t.warps, t.blocks_per_sm) == tile)
     tiling = wgmma_forward_persistent(chosen, "bfloat16", "none", "dense")
     assert tiling.persistent
     batch, seqlen, heads = 3, 2900, 12

@@ -517,7 +517,7 @@ def test_decode_ring_at_one_block_an_sm_or_over_short_pages():
 
 def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
     from cuflash._tiling import (MAX_SMEM_BYTES, PERSISTENT_FORWARD_KEYS, SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK,
-                                 wgmma_forward_persistent, wgmma_forward_persistent_form, wgmma_forward_short_tiling,
+                                 wgmma_forward_persistent, wgmma_forward_persistent_form, wgmma_forward_short_tilings,
                                  wgmma_forward_tiling)
 
     for head_dim in (32, 64, 96, 128, 192, 256):
@@ -539,42 +539,51 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
                                               ("none", "dense", False, keys + 1), ("causal", "dense", False, keys + 1)):
             assert wgmma_forward_persistent(tiling, "bfloat16", mask, layout, dropout, length) is tiling
         # the short-sequence tiles run persistent only where their table says
-        short = wgmma_forward_short_tiling("bfloat16", head_dim)
-        if short is not None:
+        for rule, short in wgmma_forward_short_tilings("bfloat16", head_dim):
             form = wgmma_forward_persistent_form("bfloat16", short)
-            assert (form is None) == (head_dim == 128) and (form is None or form.persistent)
+            assert (form is None) == (not rule.serves_persistent) and (form is None or form.persistent)
+            assert rule.serves_persistent == (head_dim == 64)
 
 
 @pytest.mark.parametrize("head_dim,mask,layout,dropout,keys,expected", [
-    # d64: the 64-row tile up to 1024 keys, persistent where that applies, else 192 x 96
-    (64, "none", "dense", False, 1024, ("short", True)),
-    (64, "causal", "dense", False, 512, ("short", True)),
-    (64, "window", "dense", False, 1024, ("short", False)),
-    (64, "none", "packed", False, 700, ("short", False)),
-    (64, "none", "dense", True, 700, ("short", False)),
+    # d64: causal 64 x 64 at three blocks an SM up to 2048 keys (persistent up
+    # to 1024), else 64 x 128 up to 1024 keys (persistent where that
+    # applies), else 192 x 96
+    (64, "causal", "dense", False, 1024, ((64, 64, 8, 3), True)),
+    (64, "causal", "dense", False, 1025, ((64, 64, 8, 3), False)),
+    (64, "causal", "dense", False, 2048, ((64, 64, 8, 3), False)),
+    (64, "causal", "packed", False, 700, ((64, 64, 8, 3), False)),
+    (64, "causal", "dense", False, 2049, ("table", True)),
+    (64, "none", "dense", False, 1024, ((64, 128, 8, 2), True)),
+    (64, "window", "dense", False, 1024, ((64, 128, 8, 2), False)),
+    (64, "none", "packed", False, 700, ((64, 128, 8, 2), False)),
+    (64, "none", "dense", True, 700, ((64, 128, 8, 2), False)),
     (64, "none", "dense", False, 1025, ("table", True)),
     (64, "causal", "dense", False, 8192, ("table", True)),
     (64, "none", "dense", False, 8193, ("table", False)),
     (64, "window", "dense", False, 2048, ("table", False)),
-    (48, "none", "dense", False, 1024, ("short", True)),   # whole sectors: bucket 64's tiles
-    (56, "none", "dense", False, 1024, ("table", True)),   # rows ending mid-sector: no short tile
+    (48, "none", "dense", False, 1024, ((64, 128, 8, 2), True)),  # whole sectors: bucket 64's tiles
+    (56, "none", "dense", False, 1024, ("table", True)),  # rows ending mid-sector: no short tile
     # d128: the short tile only where persistent blocks do not apply, up to 512 keys
     (128, "none", "dense", False, 512, ("table", True)),
-    (128, "window", "dense", False, 512, ("short", False)),
-    (128, "causal", "packed", False, 512, ("short", False)),
+    (128, "causal", "dense", False, 512, ("table", True)),
+    (128, "window", "dense", False, 512, ((64, 64, 8, 2), False)),
+    (128, "causal", "packed", False, 512, ((64, 64, 8, 2), False)),
     (128, "window", "dense", False, 513, ("table", False)),
     (256, "window", "dense", False, 100, ("table", False)),  # no short tile
 ])
 def test_wgmma_forward_for_call_picks_short_tiles_and_persistent_blocks(head_dim, mask, layout, dropout, keys,
                                                                         expected):
-    from cuflash._tiling import wgmma_forward_for_call, wgmma_forward_short_tiling, wgmma_forward_tiling
+    from cuflash._tiling import wgmma_forward_for_call, wgmma_forward_tiling
 
     table = wgmma_forward_tiling("bfloat16", head_dim)
     chosen = wgmma_forward_for_call(table, "bfloat16", head_dim, mask, layout, dropout, keys)
-    which, persistent = expected
-    base = table if which == "table" else wgmma_forward_short_tiling("bfloat16", head_dim)
+    tile, persistent = expected
     assert chosen.persistent == persistent
-    assert dataclasses.replace(chosen, persistent=False, kv_stages=base.kv_stages) == base
+    if tile == "table":
+        assert dataclasses.replace(chosen, persistent=False, kv_stages=table.kv_stages) == table
+    else:
+        assert (chosen.block_m, chosen.block_n, chosen.warps, chosen.blocks_per_sm) == tile
 
 
 @pytest.mark.parametrize("tiles_per_head", [1, 2, 7, 8, 16, 33])
