@@ -398,6 +398,25 @@ def test_cuflash_decodes_as_its_launcher_does():
     assert plan.fwd_m != prefill.fwd_m and (prefill.splits, prefill.pack) == (1, 1)
 
 
+@pytest.mark.parametrize("head_dim,causal,seqlen,tile", [
+    (64, True, 512, (64, 64, 3)),      # causal short sequences: three blocks an SM
+    (64, True, 2048, (64, 64, 3)),
+    (64, False, 1024, (64, 128, 2)),   # short sequences: two blocks an SM
+    (64, False, 4096, (192, 96, 1)),   # the table's tile
+    (64, True, 4096, (192, 96, 1)),
+    (128, False, 512, (128, 128, 1)),  # d128's short tile only where persistent blocks do not apply
+])
+def test_cuflash_times_the_forward_tiles_its_launcher_takes(head_dim, causal, seqlen, tile):
+    """On Hopper the forward's tile follows the key count and mask
+    (cuflash._tiling.wgmma_forward_for_call), so the model times the
+    tiles that run, not only the table's."""
+    from cuflash.simulate.algorithms import cuflash_plan
+
+    plan = cuflash_plan(Problem(batch=4, nheads=16, seqlen_q=seqlen, head_dim=head_dim, causal=causal),
+                        MACHINES["h100"])
+    assert (plan.fwd_m, plan.fwd_n, plan.fwd_blocks_per_sm) == tile
+
+
 def test_data_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
     """One causal 64k sequence over 32 heads (d128, H100: 512 query tiles of
     128 rows a head, 132 in flight, a head's 33.5 MB of K and V beyond what

@@ -28,13 +28,16 @@ fits in L2:
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, replace
 
 from .._kernel_families import FAMILY, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
-                       decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits)
+                       decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
+                       wgmma_forward_for_call, with_wgmma_forward_stages)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -804,9 +807,17 @@ def _cuflash_tiles(p: Problem, machine: Machine):
                        deterministic=p.deterministic, **conditions))
 
     try:
-        return tiles(smem_limit=machine.sram_per_sm)
+        fwd, bwd = tiles(smem_limit=machine.sram_per_sm)
     except ValueError:  # nothing fits: the unconstrained tiles, whose need sram_needed reports
-        return tiles()
+        fwd, bwd = tiles()
+    if fwd.kernel == "wgmma":
+        # The tile forward_plan takes by key count and mask (a short-sequence
+        # one, or the table's); persistent blocks are timed as one block a
+        # tile (timing.KERNEL_COSTS' per-block cost absorbs the difference).
+        called = wgmma_forward_for_call(fwd, dtype, p.head_dim, "causal" if p.causal else "none", "dense",
+                                        False, p.seqlen_k)
+        fwd = with_wgmma_forward_stages(dataclasses.replace(called, persistent=False), dtype)
+    return fwd, bwd
 
 
 def cuflash_dtype(p: Problem) -> str:

@@ -71,19 +71,21 @@ class KernelCost:
 #: Hopper kernels warp-specialised, forward bf16 and fp16, backward bf16) by
 #: a grid search minimising the largest relative error; flash2, PyTorch
 #: SDPA's flash backend (FlashAttention-2's mma.sync code) in that run, 20%
-#: forward and 21% backward. cuflash refitted to the run on 6e43a22 (largest
-#: error plus half the mean): the forward within 24% at every point, bf16 and
-#: fp16 (mean 9%; its persistent blocks, up to 2k-8k keys, are modelled as
-#: one block a tile with a smaller per-block cost, and the d64 forward's two
-#: resident blocks of one consumer each fit the block-sharing rule worst);
-#: the backward (no float64 in its loop, element-wise passes at the
-#: bandwidth) within 9% (mean 3%).
+#: forward and 21% backward. cuflash's backward refitted to the run on
+#: 6e43a22 (largest error plus half the mean; no float64 in its loop,
+#: element-wise passes at the bandwidth): within 9% (mean 4%) of ccbe86b's
+#: run too. Its forward refitted to ccbe86b's run, on the tiles the launcher
+#: takes by key count and mask (``wgmma_forward_for_call``: head dim 64's
+#: short-sequence tiles): within 23% at every point, bf16 and fp16 (mean 8%;
+#: persistent blocks, up to 1k-8k keys, are modelled as one block a tile with
+#: a smaller per-block cost, and head dim 64's short causal tiles, several
+#: resident blocks of one consumer each, fit the block-sharing rule worst).
 #: cuflash's mma.sync kernels (sm_80/sm_89, or Hopper without sm_90a) take
 #: flash2's constants: same instructions, not fitted on their own; on Hopper
 #: its decode blocks ("decode") take their own, fitted to the decode table. flash1
 #: takes flash2's pipes with its own grid and HBM round trips.
 KERNEL_COSTS = {
-    ("cuflash", "fwd", 90): KernelCost(0.66, 0.95, 250, 2000, "wgmma forward, warp-specialised: one "
+    ("cuflash", "fwd", 90): KernelCost(0.68, 0.70, 0, 2000, "wgmma forward, warp-specialised: one "
                                                               "consumer warpgroup's products run while another "
                                                               "computes its softmax (ping-pong), and each "
                                                               "softmax while its own P V runs"),
