@@ -16,11 +16,22 @@ from typing import Callable, Iterable
 
 from . import api
 from ._cuda import gpu_access, import_cupy
-from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM
+from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM, PERSISTENT_FORWARD_KEYS, WGMMA_FORWARD_SHORT_TILES
 from ._validation import FP32_PRECISIONS, TensorMeta, check_backward, check_forward, contiguous_strides
 
-#: Query rows and keys of the planned calls: tiles do not depend on them.
+#: Query rows of the planned calls, and keys of the planned backward (its
+#: tiles do not depend on them).
 _PLAN_SEQLEN = 128
+
+
+def forward_key_counts() -> tuple[int, ...]:
+    """Keys of the planned forwards: one in each range of key counts over
+    which the Hopper forward keeps its tile (the short-sequence tiles' and
+    persistent blocks' limits, ``wgmma_forward_for_call``), so that every
+    kernel a call of some length takes is compiled."""
+    limits = {rule.most_keys for rules in WGMMA_FORWARD_SHORT_TILES.values() for rule in rules}
+    limits |= set(PERSISTENT_FORWARD_KEYS.values())
+    return tuple(sorted({_PLAN_SEQLEN} | {keys + 1 for keys in limits}))
 
 
 def _meta(name: str, shape: tuple[int, ...], dtype: str, device: int) -> TensorMeta:
@@ -29,7 +40,7 @@ def _meta(name: str, shape: tuple[int, ...], dtype: str, device: int) -> TensorM
 
 def configurations(dtypes, head_dims, causal, backward, deterministic, fp32_precisions) -> list[dict]:
     """The calls ``warmup`` plans: a forward per dtype, head dim, mask (and
-    float32 precision), a backward per dQ mode."""
+    float32 precision), at each of ``forward_key_counts``; a backward per dQ mode."""
     configs = []
     for dtype in dtypes:
         for head_dim in head_dims:
@@ -49,13 +60,17 @@ def _plan(config: dict, device: int) -> None:
     dtype, head_dim = config["dtype"], config["head_dim"]
     shape = (1, _PLAN_SEQLEN, 1, head_dim)
     names = ("q", "k", "v", "out")
+    if config["pass_name"] == "forward":
+        for keys in forward_key_counts():
+            shapes = {"q": shape, "out": shape, "k": (1, keys, 1, head_dim), "v": (1, keys, 1, head_dim)}
+            metas = {name: _meta(name, shapes[name], dtype, device) for name in names}
+            problem = check_forward(metas["q"], metas["k"], metas["v"], None, causal=config["causal"],
+                                    softmax_scale=None, fp32_precision=config["fp32_precision"])
+            api.forward_plan(problem, {name: api.Layout.contiguous(shapes[name], dtype) for name in names},
+                             aligned=True)
+        return
     metas = {name: _meta(name, shape, dtype, device) for name in names + ("dout",)}
     layouts = {name: api.Layout.contiguous(shape, dtype) for name in names + ("dout", "dq", "dk", "dv")}
-    if config["pass_name"] == "forward":
-        problem = check_forward(metas["q"], metas["k"], metas["v"], None, causal=config["causal"],
-                                softmax_scale=None, fp32_precision=config["fp32_precision"])
-        api.forward_plan(problem, layouts, aligned=True)
-        return
     lse_shape = (1, 1, _PLAN_SEQLEN)
     problem = check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"],
                              _meta("lse", lse_shape, "float32", device), None, None, None, causal=config["causal"],

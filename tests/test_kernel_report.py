@@ -34,7 +34,9 @@ def test_every_variant_compiles_and_is_reported():
     assert kernel_report.spill_limit("forward-mma/bfloat16/hdim64/m128n64w4/causal/paged/kv2") == 64
     assert kernel_report.spill_limit("forward-mma/float16/hdim96/m128n64w4/window/paged/kv1") == 136
     assert kernel_report.spill_limit("forward-mma/float16/hdim128/m128n64w4/window/kv1") == 32
-    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/window/q1/atomic-dq") == 80
+    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/window/q1/atomic-dq") == 0
+    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim64/m128n128w12/window/q2/atomic-dq") == 12
+    assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim64/m128n128w12/causal/q2/atomic-dq") == 0
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim256/m64n64w12/causal/q1/atomic-dq") == 0
     assert kernel_report.spill_limit("backward-dkdv-wgmma/bfloat16/hdim128/m64n128w12/causal/dropout/q2/atomic-dq") == 256
     # 111 tilings: float16, bfloat16, float32 (3xTF32), and float32's Hopper
@@ -64,12 +66,13 @@ def test_every_variant_compiles_and_is_reported():
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
     assert sum(row["variant"].startswith("merge-states/") for row in rows) == 10
-    # 18 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
-    # for rows ending mid-sector and d128's short-sequence tile, two dtypes;
-    # three masks and the heaviest policies dense, three masks packed; the
-    # persistent forms of the 16 that are not short-sequence tiles, without a
-    # mask and causal, identity, and causal soft cap with ALiBi, dense
-    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 18 * (4 + 3) + 16 * 3
+    # 22 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
+    # for rows ending mid-sector, the short-sequence tiles (d64's two, d128's
+    # one), two dtypes; three masks and the heaviest policies dense, three
+    # masks packed; the persistent forms of the 20 that are not d128's short
+    # tile, without a mask and causal, identity, and causal soft cap with
+    # ALiBi, dense
+    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 22 * (4 + 3) + 20 * 3
     # 12 tilings, atomic and ordered dQ
     assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 12 * (4 + 3) * 2
 

@@ -417,6 +417,27 @@ def test_cuflash_times_the_forward_tiles_its_launcher_takes(head_dim, causal, se
     assert (plan.fwd_m, plan.fwd_n, plan.fwd_blocks_per_sm) == tile
 
 
+def test_cuflash_forward_tile_follows_dropout_block_masks_and_sram():
+    """Dropout and a block mask (a user mask's tile map) take no persistent
+    blocks, so d128's short tile serves them at 512 keys; a short tile that
+    does not fit the machine's SRAM (``--sram``) leaves the one that does."""
+    from dataclasses import replace
+
+    from cuflash.simulate.algorithms import cuflash_plan
+
+    h100 = MACHINES["h100"]
+
+    def tile(machine=h100, **fields):
+        plan = cuflash_plan(Problem(batch=4, nheads=16, seqlen_q=512, **fields), machine)
+        return plan.fwd_m, plan.fwd_n, plan.fwd_blocks_per_sm
+
+    assert tile(head_dim=128) == (128, 128, 1)
+    assert tile(head_dim=128, dropout=True) == tile(head_dim=128, block_density=0.5) == (64, 64, 2)
+    assert tile(head_dim=64, causal=True, block_density=0.5) == (64, 128, 2)  # the 64 x 64 tile is causal's
+    assert tile(head_dim=64) == (64, 128, 2)
+    assert tile(replace(h100, sram_per_sm=100 * 1024), head_dim=64) == (192, 96, 1)  # 64 x 128 needs 105 KiB
+
+
 def test_data_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():
     """One causal 64k sequence over 32 heads (d128, H100: 512 query tiles of
     128 rows a head, 132 in flight, a head's 33.5 MB of K and V beyond what

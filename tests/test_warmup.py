@@ -128,4 +128,38 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     assert [k.split("/", 2)[2] for k in dkdv] == [
         "hdim96/m64n128w12/causal/q2/atomic-dq", "hdim96/m64n128w12/causal/q2/ordered-dq",
         "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/ordered-dq"]
-    assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 2  # none, causal
+    # none and causal, each with persistent blocks (up to 8192 keys) and without (past them)
+    assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 4
+
+
+def test_it_plans_every_forward_tile_a_call_length_can_take(monkeypatch):
+    """Head dim 64's forward changes tiles with the key count (short-sequence
+    tiles, persistent blocks' limits): warmup plans a call in each range, so
+    a longer call than 128 keys does not compile on its first run (nor fail
+    under CUDA-graph capture)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from cuflash import api
+    from cuflash._tiling import wgmma_forward_for_call, wgmma_forward_tiling
+
+    warmup_module = importlib.import_module("cuflash.warmup")
+    requested = set()
+    compiled = SimpleNamespace(kernel=SimpleNamespace(ptr=0))
+    monkeypatch.setattr(api.loader, "get", lambda variant, device: requested.add(variant.key) or compiled)
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    cuflash.warmup(["bfloat16"], [64], causal=[False, True], backward=False, device=0)
+    forwards = {key for key in requested if key.startswith("forward-wgmma/")}
+    table = wgmma_forward_tiling("bfloat16", 64)
+    expected = set()
+    for causal in (False, True):
+        for keys in (1, 600, 1024, 1500, 2048, 3000, 8192, 9000, 100000):
+            tiling = wgmma_forward_for_call(table, "bfloat16", 64, "causal" if causal else "none", "dense", False,
+                                            keys)
+            tile = (f"/m{tiling.block_m}n{tiling.block_n}w{tiling.warps}/{'causal' if causal else 'none'}/"
+                    f"b{tiling.blocks_per_sm}/s{tiling.kv_stages}" + ("/persistent" if tiling.persistent else ""))
+            expected.add(f"forward-wgmma/bfloat16/hdim64{tile}")
+    assert forwards == expected and len(expected) == 7, sorted(forwards ^ expected)
+    assert warmup_module.forward_key_counts()[0] == 128

@@ -86,17 +86,19 @@ def spill_limit(key: str) -> int:
     so does a user mask's rule in the mma.sync forward."""
     if "dropout" in key:
         return 256
-    if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/", "backward-dkdv-wgmma/")):
+    if "/mask-" in key and key.startswith("backward-dkdv-wgmma/"):
+        # Hopper's dK/dV kernel with a user's document mask: 12-20 bytes at
+        # d128 (before and after the rule came in parts), 4-16 at d64 (128
+        # query rows a step since 234dfa3); its forward spills none with one.
+        return 24
+    if "/mask-" in key and key.startswith(("forward-mma/", "backward-dkdv-mma/")):
         # A user mask (cuflash.mods) evaluated beside the mma.sync kernels'
         # accumulators (255 registers at d128 already) spills there, at d128
         # (bf16): a causal document mask up to 44 bytes in the forward (228
         # before its array reads came once a row and a key,
         # cuflash.mods.rule_parts), up to 88 in the dK/dV kernel on sm_90a
         # (108 before; 40 on sm_80), a window written as a mask function up
-        # to 72 (README: limits). Of the Hopper kernels the wgmma forward
-        # does not spill with one; its dK/dV kernel does, 12-20 bytes with a
-        # document mask at d128, as before the parts, 4-16 at d64 (128 query
-        # rows a step since 234dfa3).
+        # to 72 (README: limits).
         return 256 if key.startswith("forward-mma/") else 96
     other_layout = any(layout in key for layout in ("/packed", "/cache/", "/paged/"))
     if not key.startswith(FAST_PATH):

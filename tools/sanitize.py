@@ -72,8 +72,10 @@ def main() -> int:
     # Persistent forward blocks walking several tiles each (more tiles than
     # resident slots: 40 heads of 1000 rows), Q in two buffers and the K/V
     # rings running on across tiles; causal ones in pairs of a long and a
-    # short walk (PersistentTileWalk). d64 past 1024 keys: its 192-row tile.
-    for head_dim, seqlen in ((64, 1000), (64, 1100), (128, 1000)):
+    # short walk (PersistentTileWalk). d64 takes three tiles by length and
+    # mask: 64 x 128 (two blocks an SM) and causal 64 x 64 (three) at 1000
+    # keys, 192 x 96 at 2100 (wgmma_forward_for_call).
+    for head_dim, seqlen in ((64, 1000), (64, 2100), (128, 1000)):
         q, k, v = (cupy.concatenate([x] * (40 // x.shape[2]), axis=2)
                    for x in _inputs(head_dim, seqlen, seqlen, seed=head_dim))
         for causal in (False, True):
@@ -84,7 +86,8 @@ def main() -> int:
         print(f"persistent head_dim {head_dim} seqlen {seqlen}: ran", flush=True)
     # Variants: a window (blocks skipped at both ends, rows that see no key),
     # the soft cap and ALiBi slopes read per (batch entry, head).
-    # d64 past 1024 keys: its 192-row forward tile, one a block.
+    # d64 at 1100 keys: the 192-row forward tile, one a block (the causal
+    # window (-1, 0): causal 64 x 64 tiles, three blocks an SM, one tile a block).
     for head_dim, seqlen_k in ((64, 330), (64, 1100), (128, 330)):
         q, k, v = _inputs(head_dim, 200, seqlen_k, seed=head_dim)
         slopes = cupy.asarray([[0.1, 0.2]], dtype=cupy.float32)

@@ -28,8 +28,6 @@ fits in L2:
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
 from dataclasses import dataclass, replace
 
@@ -811,12 +809,16 @@ def _cuflash_tiles(p: Problem, machine: Machine):
     except ValueError:  # nothing fits: the unconstrained tiles, whose need sram_needed reports
         fwd, bwd = tiles()
     if fwd.kernel == "wgmma":
-        # The tile forward_plan takes by key count and mask (a short-sequence
-        # one, or the table's); persistent blocks are timed as one block a
-        # tile (timing.KERNEL_COSTS' per-block cost absorbs the difference).
-        called = wgmma_forward_for_call(fwd, dtype, p.head_dim, "causal" if p.causal else "none", "dense",
-                                        False, p.seqlen_k)
-        fwd = with_wgmma_forward_stages(dataclasses.replace(called, persistent=False), dtype)
+        # The tile forward_plan takes by key count, mask and dropout (a
+        # short-sequence one, or the table's; a block mask is a user mask's
+        # tile map) where its blocks get that much SRAM; persistent blocks
+        # are timed as one block a tile (timing.KERNEL_COSTS' per-block cost
+        # absorbs the difference).
+        mask = "user" if p.block_density < 1 else "causal" if p.causal else "none"
+        called = wgmma_forward_for_call(fwd, dtype, p.head_dim, mask, "dense", p.dropout, p.seqlen_k)
+        called = with_wgmma_forward_stages(replace(called, persistent=False), dtype)
+        if called.forward_smem_bytes(dtype) <= machine.sram_per_sm:
+            fwd = called
     return fwd, bwd
 
 
