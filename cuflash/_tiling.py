@@ -860,7 +860,8 @@ def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[S
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
         return ()
-    return tuple((rule, _wgmma_forward_tiles(dtype_name, padded, rule.tile)) for rule in WGMMA_FORWARD_SHORT_TILES[padded])
+    return tuple((rule, _wgmma_forward_tiles(dtype_name, padded, rule.tile))
+                 for rule in WGMMA_FORWARD_SHORT_TILES[padded])
 
 
 def wgmma_forward_short_tiles(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
@@ -881,6 +882,14 @@ def wgmma_forward_for_call(tiling: Tiling, dtype_name: str, head_dim: int, mask_
                 and (rule.serves_persistent or not table.persistent)):
             return wgmma_forward_persistent(short, dtype_name, mask_name, layout, dropout, seqlen_k)
     return table
+
+
+def wgmma_forward_key_limits() -> tuple[int, ...]:
+    """The key counts up to which ``wgmma_forward_for_call`` keeps a choice
+    (a short-sequence tile's most keys, persistent blocks' limits): past
+    each of them its answer may change."""
+    limits = {rule.most_keys for rules in WGMMA_FORWARD_SHORT_TILES.values() for rule in rules}
+    return tuple(sorted(limits | set(PERSISTENT_FORWARD_KEYS.values())))
 
 
 def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, int, int]) -> Tiling:

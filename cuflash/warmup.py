@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 from . import api
 from ._cuda import gpu_access, import_cupy
-from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM, PERSISTENT_FORWARD_KEYS, WGMMA_FORWARD_SHORT_TILES
+from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM, wgmma_forward_key_limits
 from ._validation import FP32_PRECISIONS, TensorMeta, check_backward, check_forward, contiguous_strides
 
 #: Query rows of the planned calls, and keys of the planned backward (its
@@ -26,12 +26,9 @@ _PLAN_SEQLEN = 128
 
 def forward_key_counts() -> tuple[int, ...]:
     """Keys of the planned forwards: one in each range of key counts over
-    which the Hopper forward keeps its tile (the short-sequence tiles' and
-    persistent blocks' limits, ``wgmma_forward_for_call``), so that every
-    kernel a call of some length takes is compiled."""
-    limits = {rule.most_keys for rules in WGMMA_FORWARD_SHORT_TILES.values() for rule in rules}
-    limits |= set(PERSISTENT_FORWARD_KEYS.values())
-    return tuple(sorted({_PLAN_SEQLEN} | {keys + 1 for keys in limits}))
+    which the Hopper forward keeps its tile (``wgmma_forward_key_limits``),
+    so that every kernel a call of some length takes is compiled."""
+    return tuple(sorted({_PLAN_SEQLEN} | {keys + 1 for keys in wgmma_forward_key_limits()}))
 
 
 def _meta(name: str, shape: tuple[int, ...], dtype: str, device: int) -> TensorMeta:

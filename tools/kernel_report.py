@@ -125,7 +125,8 @@ def spill_limit(key: str) -> int:
         # Head dim 64's 128 query rows a step (S^T and dP^T 64 registers
         # each beside dK and dV's 64, of a consumer's 240): a window's two
         # offsets spill 12 bytes dense, 4 packed; a causal mask on a packed
-        # batch 8 (the sequences' row offsets). The 64-row tile spilled none and ran 7-10% slower (docs/perf-notes.md).
+        # batch 8 (the sequences' row offsets). The 64-row tile spilled none
+        # and ran 7-10% slower (docs/perf-notes.md).
         return 12
     return 0
 
