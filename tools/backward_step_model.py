@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cuflash._tiling import MAX_SMEM_BYTES, Tiling  # noqa: E402
+from cuflash._tiling import ELEMENT_SIZE, MAX_SMEM_BYTES, Tiling  # noqa: E402
 
 #: Dense 16-bit tensor-core FLOPs an SM retires a cycle on Hopper (m64n256k16 in 128 cycles).
 TENSOR_FLOPS_PER_CYCLE = 4096
@@ -39,7 +39,8 @@ SHARED_BYTES_PER_CYCLE = 128
 #: Accumulator floats a consumer thread may hold beside its addressing
 #: (WgmmaBackwardTraits' static_assert: dK, dV, S^T and dP^T within 192).
 ACCUMULATOR_REGISTERS = 192
-ELEMENT_BYTES = 2
+#: The model's inputs are 16-bit, as the Hopper kernels' are.
+ELEMENT_BYTES = ELEMENT_SIZE["bfloat16"]
 
 
 @dataclasses.dataclass(frozen=True)
