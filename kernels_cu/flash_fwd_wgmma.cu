@@ -247,7 +247,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(o);
         PFragments p_even, p_second;
         PFragments& p_odd = kTwoPSets ? p_second : p_even;
-        float pending_rescale[2];  // the factors for O before P_{i-1} V_{i-1} is added
+        float pending_rescale[2] = {1.0f, 1.0f};  // the factors for O before P_{i-1} V_{i-1} is added
         FragmentOnlineSoftmax<1> softmax;
         softmax.init();
 
@@ -279,7 +279,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             if (i > 1) {
                 mbarrier_arrive(Traits::v_empty(base, ring.template behind<2>().stage));
             }
-            scale_fragment_rows(o, pending_rescale);
+            // The factors are almost always 1 past the first blocks (see
+            // FragmentOnlineSoftmax): a warp skips O's multiplies unless one of
+            // its lanes has a factor other than 1.
+            if (__any_sync(0xffffffffu, pending_rescale[0] != 1.0f || pending_rescale[1] != 1.0f)) {
+                scale_fragment_rows(o, pending_rescale);
+            }
             // Kept here: left free, the compiler sinks the products to their
             // use, past the wgmma fence, and ptxas then serialises the wgmma.
             pin_registers(o_flat);
