@@ -298,15 +298,17 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             if (key_block_needs_mask(ctx.mask, warp_row, 16, n_start, kBlockN)) {
                 apply_mask_to_fragments(ctx.mask, s, warp_row, n_start, lane);
             }
-            softmax.update(s, ctx.scale_log2, pending_rescale);
-            if constexpr (!kTwoPSets) {
-                wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed: its P's registers take P_i
-            }
-            drop_probabilities(ctx.score, s, warp_row, n_start, lane);
             // P rounded to the element type (its float32 row sums were taken before rounding).
+            if constexpr (kTwoPSets) {
+                softmax.update_and_pack<Element>(s, ctx.scale_log2, pending_rescale, p_next);
+            } else {
+                softmax.update(s, ctx.scale_log2, pending_rescale);
+                wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed: its P's registers take P_i
+                drop_probabilities(ctx.score, s, warp_row, n_start, lane);
 #pragma unroll
-            for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                pack_a_fragment<Element>(p_next[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+                for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
+                    pack_a_fragment<Element>(p_next[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+                }
             }
             ring.advance();
         };

@@ -140,6 +140,52 @@ struct FragmentOnlineSoftmax {
         }
     }
 
+    // update() and the packing of P (the A operand of P V, k step ps from
+    // n8 tiles 2 ps and 2 ps + 1, see pack_a_fragment) in one pass, for one
+    // m16 row tile (wgmma: a warp's 16 rows of a consumer's 64). The usual
+    // block moves no reference: its scores stay below reference +
+    // kRescaleSlack. That is known without the rows' maxima: every p is
+    // positive, so a lane's block sum of p = exp2(score - reference) at most
+    // 2^kRescaleSlack bounds each of its p by it. So each lane first computes
+    // and packs P against the references it has, and only if a lane of the
+    // warp finds a sum above the bound (or a reference still -inf, or a NaN,
+    // which fails the comparison) does the warp take update()'s path (maxima,
+    // quad shuffles) on the scores, which are left intact for it. The fast
+    // path spares a warp the maxima (an FMNMX a score) and the shuffles
+    // between the scores landing and the exponentials.
+    template <typename Element, int kNTiles>
+    __device__ __forceinline__ void update_and_pack(float (&s)[1][kNTiles][4], float scale_log2,
+                                                    float (&rescale)[kRows], u32 (&p)[kNTiles / 2][4]) {
+        static_assert(kMTiles == 1 && kNTiles % 2 == 0, "one m16 row tile, whole k16 steps of P V");
+        constexpr float kLargestP = float(1 << int(kRescaleSlack));
+        if (__all_sync(0xffffffffu, reference[0] != negative_infinity() && reference[1] != negative_infinity())) {
+            float block_sum[kRows] = {0.0f, 0.0f};
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float p0 = exp2_fast(fmaf(s[0][nt][2 * half], scale_log2, -reference[half]));
+                    const float p1 = exp2_fast(fmaf(s[0][nt][2 * half + 1], scale_log2, -reference[half]));
+                    block_sum[half] += p0 + p1;
+                    p[nt / 2][2 * (nt % 2) + half] = pack_pair<Element>(p0, p1);
+                }
+            }
+            if (__all_sync(0xffffffffu, block_sum[0] <= kLargestP && block_sum[1] <= kLargestP)) {
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+                    rescale[r] = 1.0f;
+                    partial_sum[r] += block_sum[r];
+                }
+                return;
+            }
+        }
+        update(s, scale_log2, rescale);
+#pragma unroll
+        for (int ps = 0; ps < kNTiles / 2; ++ps) {
+            pack_a_fragment<Element>(p[ps], s[0][2 * ps], s[0][2 * ps + 1]);
+        }
+    }
+
     // l of row r, on every lane of the quad.
     __device__ __forceinline__ float row_sum(int r) const { return group_allreduce_sum<4>(partial_sum[r]); }
 

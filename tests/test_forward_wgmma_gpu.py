@@ -338,3 +338,66 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     ref_out, ref_lse = attention_reference(q, k, v, **kwargs)
     assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, **kwargs))
     assert_lse_close(lse, ref_lse)
+
+
+def _scores_along_keys(cupy, q, k, key_scores, scale):
+    """Rewrites q and k (in place) so that every query row's score against key
+    j is key_scores[j] (natural units, after the softmax scale) plus a small
+    random term: q's first column 1, the rest small; k's first column
+    key_scores / scale."""
+    rng = np.random.default_rng(7)
+    q[...] = cupy.asarray(0.05 * rng.standard_normal(q.shape)).astype(q.dtype)
+    q[..., 0] = 1
+    k[...] = cupy.asarray(0.05 * rng.standard_normal(k.shape)).astype(k.dtype)
+    k[..., 0] = cupy.asarray(key_scores / scale)[None, :, None].astype(k.dtype)
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("pattern", ["rising", "plateau"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_forward_softmax_paths(dtype, head_dim, pattern, causal):
+    """The forward's two softmax paths (FragmentOnlineSoftmax.update_and_pack):
+    key blocks are visited from the last to the first, so
+    - "rising": scores grow toward the first keys, by several times the
+      reference's slack (8 in log2 units) over the walk: a row's reference
+      moves again and again, and O is rescaled mid-walk;
+    - "plateau": the last keys score 3 (natural units; 4.3 in log2) below
+      all others: after the first block every p is about 2^4.3, so a lane's
+      block sum passes the fast path's bound (2^8) although no score passes
+      the slack, and the warp takes the maxima's path without moving the
+      reference.
+    Random data, whose scores stay within a few units, takes the fast path
+    almost always; these two are the inputs where it must give way."""
+    cupy = _cupy()
+    seqlen = 1000
+    q, k, v = random_qkv(cupy, 1, seqlen, seqlen, 2, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
+    scale = head_dim ** -0.5
+    if pattern == "rising":
+        key_scores = np.linspace(40.0, 0.0, seqlen)
+    else:
+        key_scores = np.where(np.arange(seqlen) >= seqlen - 200, -3.0, 0.0)
+    _scores_along_keys(cupy, q, k, key_scores, scale)
+    assert _chosen(q, k, v).kernel == "wgmma"
+    run_and_check(q, k, v, causal=causal)
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("where", ["first visited", "later"])
+def test_wgmma_forward_nan_score_propagates(head_dim, where):
+    """A NaN key makes every row that sees it NaN, as in float64: the fast
+    path's bound comparison fails on a NaN sum and the maxima's path keeps
+    exp2(NaN) = NaN (no clamp drops it). The key sits in the first visited
+    (last) key block, or in a later one where the fast path runs."""
+    cupy = _cupy()
+    seqlen = 700
+    q, k, v = random_qkv(cupy, 1, seqlen, seqlen, 2, 2, head_dim, cupy.dtype("bfloat16"), seed=3)
+    key = seqlen - 5 if where == "first visited" else 10
+    k[0, key, 1, 3] = cupy.nan
+    out = cupy.full(q.shape, 0.0, dtype=q.dtype)
+    cuflash_out = api.attention(q, k, v, out=out)
+    got = cupy.asnumpy(cuflash_out.astype(cupy.float32))
+    assert np.isnan(got[0, :, 1]).all()
+    assert not np.isnan(got[0, :, 0]).any()
