@@ -102,10 +102,11 @@ struct FragmentOnlineSoftmax {
 
     // Turns the block's raw scores (masked ones -inf) into unnormalised
     // probabilities in place and writes per row the factor by which the
-    // output accumulated so far must be scaled.
+    // output accumulated so far must be scaled. A row's reference moves to
+    // the block's max when that exceeds it by more than `slack`.
     template <int kNTiles>
     __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float scale_log2,
-                                           float (&rescale)[kRows]) {
+                                           float (&rescale)[kRows], float slack = kRescaleSlack) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const int mt = r / 2, half = r % 2;
@@ -117,7 +118,7 @@ struct FragmentOnlineSoftmax {
             const float candidate = group_allreduce_max<4>(block_max) * scale_log2;
             rescale[r] = 1.0f;
             // -inf > anything is false: a fully masked block never moves the reference.
-            if (candidate > reference[r] + kRescaleSlack) {
+            if (candidate > reference[r] + slack) {
                 // exp2(-inf) = 0 on the first visible block: nothing accumulated yet.
                 rescale[r] = exp2_fast(reference[r] - candidate);
                 reference[r] = candidate;
@@ -152,7 +153,10 @@ struct FragmentOnlineSoftmax {
     // which fails the comparison) does the warp take update()'s path (maxima,
     // quad shuffles) on the scores, which are left intact for it. The fast
     // path spares a warp the maxima (an FMNMX a score) and the shuffles
-    // between the scores landing and the exponentials.
+    // between the scores landing and the exponentials. The maxima's path
+    // moves a reference to any larger block max (slack 0): a reference left
+    // a few units low (a causal row's first block sees only a few keys) would
+    // keep its lanes' sums above the bound and the warp on that path.
     template <typename Element, int kNTiles>
     __device__ __forceinline__ void update_and_pack(float (&s)[1][kNTiles][4], float scale_log2,
                                                     float (&rescale)[kRows], u32 (&p)[kNTiles / 2][4]) {
@@ -179,7 +183,7 @@ struct FragmentOnlineSoftmax {
                 return;
             }
         }
-        update(s, scale_log2, rescale);
+        update(s, scale_log2, rescale, 0.0f);
 #pragma unroll
         for (int ps = 0; ps < kNTiles / 2; ++ps) {
             pack_a_fragment<Element>(p[ps], s[0][2 * ps], s[0][2 * ps + 1]);

@@ -366,8 +366,9 @@ def test_wgmma_forward_softmax_paths(dtype, head_dim, pattern, causal):
     - "plateau": the last keys score 3 (natural units; 4.3 in log2) below
       all others: after the first block every p is about 2^4.3, so a lane's
       block sum passes the fast path's bound (2^8) although no score passes
-      the slack, and the warp takes the maxima's path without moving the
-      reference.
+      the slack: the warp takes the maxima's path, which moves the reference
+      up by less than the slack (and the next blocks return to the fast
+      path).
     Random data, whose scores stay within a few units, takes the fast path
     almost always; these two are the inputs where it must give way."""
     cupy = _cupy()
