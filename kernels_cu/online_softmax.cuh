@@ -11,6 +11,7 @@
 #pragma once
 
 #include "numeric.cuh"
+#include "mma.cuh"  // pack_a_fragment
 #include "warp_reduce.cuh"
 
 namespace cuflash {

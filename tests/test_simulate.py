@@ -419,8 +419,9 @@ def test_cuflash_times_the_forward_tiles_its_launcher_takes(head_dim, causal, se
 
 def test_cuflash_forward_tile_follows_dropout_block_masks_and_sram():
     """Dropout and a block mask (a user mask's tile map) take no persistent
-    blocks, so d128's short tile serves them at 512 keys; a short tile that
-    does not fit the machine's SRAM (``--sram``) leaves the one that does."""
+    blocks, so d128's short tile serves them at 512 keys; a short tile whose
+    blocks an SM do not all fit the machine's SRAM (``--sram``) leaves the one
+    that does."""
     from dataclasses import replace
 
     from cuflash.simulate.algorithms import cuflash_plan
@@ -434,8 +435,10 @@ def test_cuflash_forward_tile_follows_dropout_block_masks_and_sram():
     assert tile(head_dim=128) == (128, 128, 1)
     assert tile(head_dim=128, dropout=True) == tile(head_dim=128, block_density=0.5) == (64, 64, 2)
     assert tile(head_dim=64, causal=True, block_density=0.5) == (64, 128, 2)  # the 64 x 64 tile is causal's
-    assert tile(head_dim=64) == (64, 128, 2)
-    assert tile(replace(h100, sram_per_sm=100 * 1024), head_dim=64) == (192, 96, 1)  # 64 x 128 needs 105 KiB
+    assert tile(head_dim=64) == (64, 64, 3)
+    assert tile(head_dim=64, seqlen_k=1024) == (64, 128, 2)
+    # 64 x 64 at three blocks needs 195 KiB, 64 x 128 at two 105
+    assert tile(replace(h100, sram_per_sm=100 * 1024), head_dim=64) == (192, 96, 1)
 
 
 def test_data_beyond_l2_is_reread_as_far_as_each_waves_blocks_reach():

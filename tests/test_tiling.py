@@ -547,13 +547,16 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
 
 @pytest.mark.parametrize("head_dim,mask,layout,dropout,keys,expected", [
     # d64: causal 64 x 64 at three blocks an SM up to 2048 keys (persistent up
-    # to 1024), else 64 x 128 up to 1024 keys (persistent where that
-    # applies), else 192 x 96
+    # to 1024), no mask the same up to 512, else 64 x 128 up to 1024 keys
+    # (persistent where that applies), else 192 x 96
     (64, "causal", "dense", False, 1024, ((64, 64, 8, 3), True)),
     (64, "causal", "dense", False, 1025, ((64, 64, 8, 3), False)),
     (64, "causal", "dense", False, 2048, ((64, 64, 8, 3), False)),
     (64, "causal", "packed", False, 700, ((64, 64, 8, 3), False)),
     (64, "causal", "dense", False, 2049, ("table", True)),
+    (64, "none", "dense", False, 512, ((64, 64, 8, 3), True)),
+    (64, "none", "packed", False, 500, ((64, 64, 8, 3), False)),
+    (64, "none", "dense", False, 513, ((64, 128, 8, 2), True)),
     (64, "none", "dense", False, 1024, ((64, 128, 8, 2), True)),
     (64, "window", "dense", False, 1024, ((64, 128, 8, 2), False)),
     (64, "none", "packed", False, 700, ((64, 128, 8, 2), False)),

@@ -817,7 +817,8 @@ def _cuflash_tiles(p: Problem, machine: Machine):
         mask = "user" if p.block_density < 1 else "causal" if p.causal else "none"
         called = wgmma_forward_for_call(fwd, dtype, p.head_dim, mask, "dense", p.dropout, p.seqlen_k)
         called = with_wgmma_forward_stages(replace(called, persistent=False), dtype)
-        if called.forward_smem_bytes(dtype) <= machine.sram_per_sm:
+        # A short tile is one of several blocks an SM: taken only where they all fit.
+        if called.blocks_per_sm * called.forward_smem_bytes(dtype) <= machine.sram_per_sm:
             fwd = called
     return fwd, bwd
 
