@@ -74,9 +74,12 @@ class KernelCost:
 #: forward and 21% backward. cuflash's backward refitted to the run on
 #: 6e43a22 (largest error plus half the mean; no float64 in its loop,
 #: element-wise passes at the bandwidth): within 9% (mean 4%) of ccbe86b's
-#: run too. Its forward refitted to ccbe86b's run, on the tiles the launcher
+#: run too. Its forward refitted to b34014f's run (the softmax takes rows'
+#: maxima only where a lane's sum asks for them), on the tiles the launcher
 #: takes by key count and mask (``wgmma_forward_for_call``: head dim 64's
-#: short-sequence tiles): within 23% at every point, bf16 and fp16 (mean 8%;
+#: short-sequence tiles): within 24.1% at every point, bf16 and fp16 (mean
+#: 10%; the fit's worst are d64 at 512 keys, modelled 21-24% slow, d128
+#: causal at 512, 24% fast, and d128 from 2k without a mask, 17-21% slow;
 #: persistent blocks, up to 1k-8k keys, are modelled as one block a tile with
 #: a smaller per-block cost, and head dim 64's short causal tiles, several
 #: resident blocks of one consumer each, fit the block-sharing rule worst).
@@ -85,7 +88,7 @@ class KernelCost:
 #: its decode blocks ("decode") take their own, fitted to the decode table. flash1
 #: takes flash2's pipes with its own grid and HBM round trips.
 KERNEL_COSTS = {
-    ("cuflash", "fwd", 90): KernelCost(0.68, 0.70, 0, 2000, "wgmma forward, warp-specialised: one "
+    ("cuflash", "fwd", 90): KernelCost(0.81, 0.70, 0, 3000, "wgmma forward, warp-specialised: one "
                                                               "consumer warpgroup's products run while another "
                                                               "computes its softmax (ping-pong), and each "
                                                               "softmax while its own P V runs"),
