@@ -355,14 +355,12 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             if (chunk == 0) {
                 mbarrier_wait(dq_empty, (step & 1) ^ 1);
             }
-            const int dq_lane = lane_index_now();
+            const auto dq_lane = DqTile::fragment_lane(dq_row0, lane_index_now());
 #pragma unroll
             for (int j = 0; j < kDqChunk / 8; ++j) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int row = dq_row0 + dq_lane / 4 + half * 8;
-                    const int col = chunk_col0 + 8 * j + 2 * (dq_lane % 4);
-                    *reinterpret_cast<float2*>(smem + Traits::kDq + DqTile::offset(row, col)) =
+                    *reinterpret_cast<float2*>(smem + Traits::kDq + dq_lane.offset(chunk_col0 + 8 * j, half)) =
                         make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
                 }
             }
