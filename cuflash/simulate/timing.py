@@ -72,13 +72,13 @@ class KernelCost:
 #: a grid search minimising the largest relative error; flash2, PyTorch
 #: SDPA's flash backend (FlashAttention-2's mma.sync code) in that run, 20%
 #: forward and 21% backward. cuflash's backward refitted to the run on
-#: 6e43a22 (largest error plus half the mean; no float64 in its loop,
-#: element-wise passes at the bandwidth): within 9% (mean 4%) of ccbe86b's
-#: run too. Its forward refitted to b34014f's run (the softmax takes rows'
+#: cfde18a (largest error plus half the mean; its dQ tile stores no longer
+#: recompute the swizzle per store): within 8.0% (mean 3.8%). Its forward
+#: refitted to b34014f's run (the softmax takes rows'
 #: maxima only where a lane's sum asks for them), on the tiles the launcher
 #: takes by key count and mask (``wgmma_forward_for_call``: head dim 64's
 #: short-sequence tiles): within 24.1% at every point, bf16 and fp16 (mean
-#: 10%; the fit's worst are d64 at 512 keys, modelled 21-24% slow, d128
+#: 10%; 24.4% on cfde18a's run, same forward; the fit's worst are d64 at 512 keys, modelled 21-24% slow, d128
 #: causal at 512, 24% fast, and d128 from 2k without a mask, 17-21% slow;
 #: persistent blocks, up to 1k-8k keys, are modelled as one block a tile with
 #: a smaller per-block cost, and head dim 64's short causal tiles, several
@@ -92,7 +92,7 @@ KERNEL_COSTS = {
                                                               "consumer warpgroup's products run while another "
                                                               "computes its softmax (ping-pong), and each "
                                                               "softmax while its own P V runs"),
-    ("cuflash", "bwd", 90): KernelCost(0.60, 0.90, 500, 10000, "wgmma backward, warp-specialised: dQ added "
+    ("cuflash", "bwd", 90): KernelCost(0.66, 1.00, 500, 12500, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
                                                                  "behind the element-wise work of the other"),
     # Fitted to the decode tables of f33f082 and 69d542b (two H100s:
