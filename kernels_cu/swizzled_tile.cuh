@@ -115,12 +115,12 @@ struct SwizzledFloatTile {
     struct FragmentLane {
         unsigned lane_bytes;    // the row, the swizzled low chunk bit and the float in the chunk
         unsigned swizzle_high;  // the row's swizzle bits above the lowest, as bytes
-        __device__ __forceinline__ unsigned offset(unsigned col, int half) const {
+        __host__ __device__ __forceinline__ unsigned offset(unsigned col, int half) const {
             return col / kPanelCols * kPanelBytes + half * 8 * 128 + lane_bytes +
                    (((col % kPanelCols) / 4 * 16) ^ swizzle_high);
         }
     };
-    static __device__ __forceinline__ FragmentLane fragment_lane(unsigned row0, unsigned lane) {
+    static __host__ __device__ __forceinline__ FragmentLane fragment_lane(unsigned row0, unsigned lane) {
         const unsigned row_in_atom = lane / 4;  // (row0 + lane / 4 + 8 half) % 8
         return {(row0 + lane / 4) * 128 + (((lane % 4) / 2) ^ (row_in_atom & 1)) * 16 + (2 * lane) % 4 * 4,
                 (row_in_atom & 6) * 16};

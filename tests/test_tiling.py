@@ -387,6 +387,40 @@ def test_python_and_cxx_agree_on_layout_constants(tmp_path):
 
 
 @needs_nvcc
+def test_fragment_lane_offsets_follow_the_float_tile_swizzle(tmp_path):
+    """SwizzledFloatTile::FragmentLane (the Hopper backward's dQ tile
+    stores) against the tile's layout written out: float column c of row r
+    at (c / 32) panel + 128 r + ((c % 32) / 4 ^ r % 8) 16 + (c % 4) 4, for
+    every lane, both halves, every row0 (multiples of 8) and column (of 8),
+    and the lane's second float 4 bytes on. Head dims 64, 96 (48-column dQ
+    blocks: columns 16 into a panel) and 128's tiles."""
+    body = r"""
+    unsigned mismatches = 0, checked = 0;
+    auto check = [&](auto tile) {
+        using Tile = decltype(tile);
+        const auto layout = [](unsigned r, unsigned c) {
+            return c / 32 * Tile::kPanelBytes + 128 * r + (((c % 32) / 4) ^ (r % 8)) * 16 + (c % 4) * 4;
+        };
+        for (unsigned row0 = 0; row0 + 16 <= Tile::kRows; row0 += 8)
+            for (unsigned lane = 0; lane < 32; ++lane)
+                for (unsigned col = 0; col + 8 <= Tile::kCols; col += 8)
+                    for (int half = 0; half < 2; ++half) {
+                        const unsigned r = row0 + lane / 4 + 8 * half, c = col + 2 * (lane % 4);
+                        const unsigned got = Tile::fragment_lane(row0, lane).offset(col, half);
+                        mismatches += (got != layout(r, c)) + (got + 4 != layout(r, c + 1));
+                        ++checked;
+                    }
+    };
+    check(cuflash::SwizzledFloatTile<64, 64>());
+    check(cuflash::SwizzledFloatTile<64, 96>());
+    check(cuflash::SwizzledFloatTile<128, 128>());
+    printf("%u %u\n", mismatches, checked);
+    """
+    mismatches, checked = map(int, _run_host_program(tmp_path, body, extra_include="swizzled_tile.cuh"))
+    assert checked == 2 * 32 * (7 * 8 + 7 * 12 + 15 * 16) and mismatches == 0
+
+
+@needs_nvcc
 @pytest.mark.parametrize("struct,dtype", [("ForwardParams", FORWARD_PARAMS), ("BackwardParams", BACKWARD_PARAMS),
                                           ("WgmmaForwardParams", WGMMA_FORWARD_PARAMS),
                                           ("WgmmaBackwardParams", WGMMA_BACKWARD_PARAMS),
