@@ -63,6 +63,11 @@ class KernelCost:
     #: cycles before a launch that reads DRAM streams at that rate (its
     #: first loads' round trip under load, which no other block's bytes hide)
     dram_latency_cycles: float = 0.0
+    #: a forward's CUDA-core operations per score (algorithms.NONMATMUL's
+    #: flash_fwd: scale, row max, exp2, row sum) and whether each step
+    #: rescales O (2 per output element)
+    softmax_ops_per_score: int = NONMATMUL["flash_fwd"]
+    rescales_every_step: bool = True
 
 
 #: Per algorithm, pass and (cuflash) kernel generation. Fitted to
@@ -74,12 +79,13 @@ class KernelCost:
 #: forward and 21% backward. cuflash's backward refitted to the run on
 #: cfde18a (largest error plus half the mean; its dQ tile stores no longer
 #: recompute the swizzle per store): within 8.0% (mean 3.8%). Its forward
-#: refitted to b34014f's run (the softmax takes rows'
-#: maxima only where a lane's sum asks for them), on the tiles the launcher
-#: takes by key count and mask (``wgmma_forward_for_call``: head dim 64's
-#: short-sequence tiles): within 24.1% at every point, bf16 and fp16 (mean
-#: 10%; 24.4% on cfde18a's run, same forward; the fit's worst are d64 at 512 keys, modelled 21-24% slow, d128
-#: causal at 512, 24% fast, and d128 from 2k without a mask, 17-21% slow;
+#: refitted to the same run (the softmax takes rows' maxima only where a
+#: lane's sum asks for them: 3 CUDA-core operations a score, and O rescaled
+#: once a block rather than every step), on the tiles the launcher takes by
+#: key count and mask (``wgmma_forward_for_call``: head dim 64's
+#: short-sequence tiles): within 24.2% at every point, bf16 and fp16 (mean
+#: 10%; the fit's worst are d64 at 512 keys, modelled slow, and d128 causal
+#: at 512, modelled fast;
 #: persistent blocks, up to 1k-8k keys, are modelled as one block a tile with
 #: a smaller per-block cost, and head dim 64's short causal tiles, several
 #: resident blocks of one consumer each, fit the block-sharing rule worst).
@@ -88,10 +94,13 @@ class KernelCost:
 #: its decode blocks ("decode") take their own, fitted to the decode table. flash1
 #: takes flash2's pipes with its own grid and HBM round trips.
 KERNEL_COSTS = {
-    ("cuflash", "fwd", 90): KernelCost(0.81, 0.70, 0, 3000, "wgmma forward, warp-specialised: one "
+    ("cuflash", "fwd", 90): KernelCost(0.76, 0.80, 0, 3000, "wgmma forward, warp-specialised: one "
                                                               "consumer warpgroup's products run while another "
                                                               "computes its softmax (ping-pong), and each "
-                                                              "softmax while its own P V runs"),
+                                                              "softmax while its own P V runs; rows' maxima "
+                                                              "only where a lane's sum asks for them, O "
+                                                              "rescaled only where a factor is not 1",
+                                       softmax_ops_per_score=3, rescales_every_step=False),
     ("cuflash", "bwd", 90): KernelCost(0.66, 1.00, 500, 12500, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
                                                                  "behind the element-wise work of the other"),
@@ -217,7 +226,7 @@ def time_launch(launch: Launch, machine: Machine) -> Launch:
 # The launches of each algorithm
 # --------------------------------------------------------------------------
 
-def _forward_blocks(p: Problem, plan: _TiledPlan) -> list[tuple[int, BlockWork]]:
+def _forward_blocks(p: Problem, plan: _TiledPlan, cost: KernelCost) -> list[tuple[int, BlockWork]]:
     """One block per (row owner, query block, split) with the keys it
     visits, longest first (as both tensor-core forwards and
     FlashAttention-2 schedule causal grids). The tensor cores and the
@@ -231,8 +240,9 @@ def _forward_blocks(p: Problem, plan: _TiledPlan) -> list[tuple[int, BlockWork]]
     for b in sorted(blocks, key=lambda b: -b.keys):
         steps = _cdiv(b.keys, block_n)
         tile_pairs = block_m * steps * block_n
+        rescale = 2 * block_m * d * (steps if cost.rescales_every_step else 1)
         runs.append((owners, BlockWork(steps, 4 * tile_pairs * d, tile_pairs,
-                                       NONMATMUL["flash_fwd"] * tile_pairs + 2 * block_m * d * steps)))
+                                       cost.softmax_ops_per_score * tile_pairs + rescale)))
     return runs
 
 
@@ -270,7 +280,7 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
             # cuflash's decode tiles run its mma.sync forward: on Hopper with
             # the decode blocks' own constants, before it flash2's
             cost = kernel_cost(algorithm, "decode" if plan.fwd_mma else "fwd", machine)
-            out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan), plan.fwd_blocks_per_sm,
+            out.append(Launch(f"{algorithm} forward", _forward_blocks(p, plan, cost), plan.fwd_blocks_per_sm,
                               forward_dram - merge, cost))
             if merge:
                 out.append(_elementwise(f"{algorithm} split-KV merge", merge))
