@@ -215,3 +215,47 @@ def test_hopper_kernels_have_no_double_precision_instructions(family_name, score
               else family.tiles("bfloat16", 128))
     sass = kernel_report.sass_of(family.variant("bfloat16", tiling, MASKS["causal"], score_for(*score)))
     assert sass and kernel_report.double_precision_instructions(sass) == []
+
+
+#: Integer ALU instructions (kernel_report.opcode_classes) in the Hopper
+#: backward's main loop, no mask, bf16: cfde18a's counts (273, 143, 138,
+#: 103; the loop's span includes its skipped masking block) with about 15%
+#: slack. Before it, the dQ tile's stores evaluated the swizzle formula per
+#: store in signed arithmetic on the lane index: 434, 252, 298 and 445, and
+#: the d128 backward ran 3-6% slower (docs/perf-notes.md).
+_BACKWARD_LOOP_INTEGER_CEILING = {64: 315, 96: 165, 128: 160, 256: 120}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim", sorted(_BACKWARD_LOOP_INTEGER_CEILING))
+def test_hopper_backward_loop_keeps_its_address_arithmetic_small(head_dim):
+    """The Hopper backward is bound by what its consumers issue: a step's
+    integer work stays near what its addresses need (the loop found by its
+    back edge, kernel_report.main_loop)."""
+    import kernel_report
+
+    if kernel_report.cuobjdump() is None:
+        pytest.skip("needs cuobjdump (the test extra's nvidia-cuda-cuobjdump)")
+    from cuflash._kernel_families import FAMILY
+    from cuflash._masks import MASKS
+
+    family = FAMILY["backward-dkdv-wgmma"]
+    loop = kernel_report.main_loop(
+        kernel_report.sass_of(family.variant("bfloat16", family.tiles("bfloat16", head_dim), MASKS["none"])))
+    counts = kernel_report.opcode_classes(loop)
+    assert counts["wgmma"] >= 28, counts  # the consumer loop, not a copy loop
+    assert counts["integer"] <= _BACKWARD_LOOP_INTEGER_CEILING[head_dim], counts
+
+
+def test_main_loop_takes_the_conditional_back_edge_with_most_wgmma():
+    """main_loop on a hand-made listing: instruction i at byte 16 i; the
+    unconditional branch back (a wait's out-of-line retry) and the short
+    spin loop without wgmma are not the main loop."""
+    import kernel_report
+
+    sass = ["MOV R1, R2", "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0", "IMAD R3, R3, 0x2, RZ",
+            "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR5], R2", "@!P0 BRA 0x30",
+            "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0", "@P1 BRA 0x10", "EXIT", "BRA 0x0"]
+    assert kernel_report.main_loop(sass) == sass[1:7]
+    assert kernel_report.opcode_classes(sass[1:7]) == {"integer": 1, "uniform": 0, "wgmma": 2, "mufu": 0,
+                                                       "other": 3}

@@ -339,6 +339,45 @@ def double_precision_instructions(sass: list[str]) -> list[str]:
     return [instruction for instruction in sass if _DOUBLE_PRECISION.search(instruction)]
 
 
+#: Integer ALU opcodes (per-thread registers; the uniform datapath's U*
+#: opcodes are counted apart): address and index arithmetic.
+_INTEGER_OPCODES = frozenset({"IMAD", "IADD3", "LOP3", "SHF", "LEA", "VIADD", "ISETP", "SEL", "IMNMX", "IABS",
+                              "PRMT", "IADD", "MOV"})
+
+
+def main_loop(sass: list[str]) -> list[str]:
+    """The instructions of ``sass``'s main loop: of the spans from a
+    conditional backward branch's target to the branch, the one holding the
+    most wgmma (HGMMA), or for kernels without them the longest (an
+    unconditional one is an out-of-line retry of a barrier wait jumping
+    back into the loop). Instruction i sits at byte 16 i (one kernel a
+    listing, as ``sass_of`` compiles it); the span keeps the code its
+    skipped branches jump over (a masking block, a rare path)."""
+    best: list[str] = []
+    for index, instruction in enumerate(sass):
+        match = re.search(r"^@\S+ BRA (0x[0-9a-f]+)", instruction)
+        if not match or int(match.group(1), 16) // 16 >= index:
+            continue
+        span = sass[int(match.group(1), 16) // 16:index + 1]
+        key = (sum("HGMMA" in line for line in span), len(span))
+        if key > (sum("HGMMA" in line for line in best), len(best)):
+            best = span
+    return best
+
+
+def opcode_classes(instructions: list[str]) -> dict[str, int]:
+    """How many of ``instructions`` are integer ALU work (``_INTEGER_OPCODES``),
+    uniform-datapath (U*), wgmma, exponentials (MUFU) or other."""
+    counts = {"integer": 0, "uniform": 0, "wgmma": 0, "mufu": 0, "other": 0}
+    for instruction in instructions:
+        words = instruction.split()
+        opcode = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+        kind = ("wgmma" if opcode == "HGMMA" else "mufu" if opcode == "MUFU" else "uniform" if opcode.startswith("U")
+                else "integer" if opcode in _INTEGER_OPCODES else "other")
+        counts[kind] += 1
+    return counts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=sorted(_ARCH_FLAGS), help="default: sm_90a and sm_80")
