@@ -36,23 +36,27 @@ def test_model_is_within_25_percent_of_every_h100_grid_point(algorithm, measured
                                                                   row["causal"], model, row["ms"][measured_as])
 
 
-def test_decode_rows_of_issue_15_are_explained_by_whole_tiles():
+def test_decode_rows_of_issue_15_are_explained_by_whole_tiles(monkeypatch):
     """benchmarks/h100_decode.json (issue 15's measurements, no constant fitted
     to them): cuflash's one-token blocks cost whole 128-row tiles and re-read
-    K/V per query head, so the model puts its times within 30% of the
-    measurement (12% with the constants of the forward they measured, the
-    one before 0fe28cc; the constants now fit b34014f's forward, whose
-    softmax overlaps its own P V and takes rows' maxima only where a sum
-    asks for them, and the model puts these rows up to 28% faster);
-    flash-decoding (packed, split, DRAM-bound) within 30%, and faster than
-    cuflash wherever heads are grouped, as measured."""
+    K/V per query head. With the constants of the forward those rows
+    measured (71648b2's, before 0fe28cc: the softmax not yet behind its own
+    P V, no DRAM terms) the model puts its times within 15% of the
+    measurement (11% at most); flash-decoding (packed, split, DRAM-bound)
+    within 30%, and faster than cuflash wherever heads are grouped, as
+    measured. (The forward's constants now describe a faster kernel, d128
+    at 16k 566 -> 806 TFLOP/s, with DRAM terms fitted to its short calls:
+    they put these rows 32-48% off, rows of a kernel they do not describe.)"""
+    from cuflash.simulate import timing
     from cuflash.simulate.timing import compare_with_bench, ranking_agreement
 
+    monkeypatch.setitem(timing.KERNEL_COSTS, ("cuflash", "fwd", 90),
+                        KernelCost(0.60, 0.40, 0, 2500, "the wgmma forward of 71648b2"))
     rows = json.loads((REPO / "benchmarks" / "h100_decode.json").read_text())["rows"]
     records = compare_with_bench(rows, H100)
     assert len(records) == 8
     for record in records:
-        assert abs(record["error"]) <= 0.30, record
+        assert abs(record["error"]) <= (0.15 if record["algorithm"] == "cuflash" else 0.30), record
     by_shape = {}
     for record in records:
         by_shape.setdefault((record["batch"], record["seqlen_k"], record["kv_heads"]), {})[record["algorithm"]] = record

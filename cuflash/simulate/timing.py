@@ -83,9 +83,11 @@ class KernelCost:
 #: lane's sum asks for them: 3 CUDA-core operations a score, and O rescaled
 #: once a block rather than every step), on the tiles the launcher takes by
 #: key count and mask (``wgmma_forward_for_call``: head dim 64's
-#: short-sequence tiles): within 24.2% at every point, bf16 and fp16 (mean
-#: 10%; the fit's worst are d64 at 512 keys, modelled slow, and d128 causal
-#: at 512, modelled fast;
+#: short-sequence tiles), with DRAM terms of its own as the decode blocks
+#: have (its short calls stream at 0.60 of the preset's rate, about 2.0
+#: TB/s: d128 causal at 512 keys moves 268 MB in 119 us; and about 1.6 us
+#: before the first loads land): within 16.4% at every point, bf16 and fp16
+#: (mean 8.6%; without the DRAM terms 24.2%, mean 10.4%;
 #: persistent blocks, up to 1k-8k keys, are modelled as one block a tile with
 #: a smaller per-block cost, and head dim 64's short causal tiles, several
 #: resident blocks of one consumer each, fit the block-sharing rule worst).
@@ -94,12 +96,13 @@ class KernelCost:
 #: its decode blocks ("decode") take their own, fitted to the decode table. flash1
 #: takes flash2's pipes with its own grid and HBM round trips.
 KERNEL_COSTS = {
-    ("cuflash", "fwd", 90): KernelCost(0.76, 0.80, 0, 3000, "wgmma forward, warp-specialised: one "
+    ("cuflash", "fwd", 90): KernelCost(0.80, 0.80, 0, 2000, "wgmma forward, warp-specialised: one "
                                                               "consumer warpgroup's products run while another "
                                                               "computes its softmax (ping-pong), and each "
                                                               "softmax while its own P V runs; rows' maxima "
                                                               "only where a lane's sum asks for them, O "
                                                               "rescaled only where a factor is not 1",
+                                       dram_efficiency=0.60, dram_latency_cycles=3000,
                                        softmax_ops_per_score=3, rescales_every_step=False),
     ("cuflash", "bwd", 90): KernelCost(0.66, 1.00, 500, 12500, "wgmma backward, warp-specialised: dQ added "
                                                                  "by the copy engine, products of one consumer "
