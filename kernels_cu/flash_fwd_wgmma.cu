@@ -305,10 +305,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 softmax.update(s, ctx.scale_log2, pending_rescale);
                 wgmma_wait<0>();  // P_{i-1} V_{i-1} has landed: its P's registers take P_i
                 drop_probabilities(ctx.score, s, warp_row, n_start, lane);
-#pragma unroll
-                for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                    pack_a_fragment<Element>(p_next[ps], s[0][2 * ps], s[0][2 * ps + 1]);
-                }
+                pack_a_fragments<Element>(p_next, s[0]);
             }
             ring.advance();
         };

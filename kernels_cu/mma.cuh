@@ -39,12 +39,27 @@ CUFLASH_DEFINE_MMA_M16N8K16(__nv_bfloat16, "bf16")
 // spans (lo: its columns 0-7, hi: 8-15), rounded to Element. The layouts
 // match (see above), so P goes from S's accumulators to the A operand of
 // P V without shared memory; the same holds for wgmma's (wgmma.cuh).
+// The register of a k16 step's A fragment that holds n8 tile `tile`'s (0:
+// lo, 1: hi) pair of row half `half` (0: row group, 1: group + 8).
+__host__ __device__ constexpr int a_fragment_register(int tile, int half) {
+    return 2 * tile + half;
+}
+
 template <typename Element>
 __device__ __forceinline__ void pack_a_fragment(u32 (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
-    a[0] = pack_pair<Element>(lo[0], lo[1]);
-    a[1] = pack_pair<Element>(lo[2], lo[3]);
-    a[2] = pack_pair<Element>(hi[0], hi[1]);
-    a[3] = pack_pair<Element>(hi[2], hi[3]);
+    a[a_fragment_register(0, 0)] = pack_pair<Element>(lo[0], lo[1]);
+    a[a_fragment_register(0, 1)] = pack_pair<Element>(lo[2], lo[3]);
+    a[a_fragment_register(1, 0)] = pack_pair<Element>(hi[0], hi[1]);
+    a[a_fragment_register(1, 1)] = pack_pair<Element>(hi[2], hi[3]);
+}
+
+// Every k16 step's A fragment from a row tile's kNTiles n8 accumulators.
+template <typename Element, int kNTiles>
+__device__ __forceinline__ void pack_a_fragments(u32 (&a)[kNTiles / 2][4], const float (&acc)[kNTiles][4]) {
+#pragma unroll
+    for (int step = 0; step < kNTiles / 2; ++step) {
+        pack_a_fragment<Element>(a[step], acc[2 * step], acc[2 * step + 1]);
+    }
 }
 
 // Sets every value of a fragment array (accumulators of kM x kN tiles).

@@ -11,7 +11,7 @@
 #pragma once
 
 #include "numeric.cuh"
-#include "mma.cuh"  // pack_a_fragment
+#include "mma.cuh"  // pack_a_fragments, a_fragment_register
 #include "warp_reduce.cuh"
 
 namespace cuflash {
@@ -143,7 +143,7 @@ struct FragmentOnlineSoftmax {
     }
 
     // update() and the packing of P (the A operand of P V, k step ps from
-    // n8 tiles 2 ps and 2 ps + 1, see pack_a_fragment) in one pass, for one
+    // n8 tiles 2 ps and 2 ps + 1, see pack_a_fragments) in one pass, for one
     // m16 row tile (wgmma: a warp's 16 rows of a consumer's 64). The usual
     // block moves no reference: its scores stay below reference +
     // kRescaleSlack. That is known without the rows' maxima: every p is
@@ -172,7 +172,7 @@ struct FragmentOnlineSoftmax {
                     const float p0 = exp2_fast(fmaf(s[0][nt][2 * half], scale_log2, -reference[half]));
                     const float p1 = exp2_fast(fmaf(s[0][nt][2 * half + 1], scale_log2, -reference[half]));
                     block_sum[half] += p0 + p1;
-                    p[nt / 2][2 * (nt % 2) + half] = pack_pair<Element>(p0, p1);
+                    p[nt / 2][a_fragment_register(nt % 2, half)] = pack_pair<Element>(p0, p1);
                 }
             }
             if (__all_sync(0xffffffffu, block_sum[0] <= kLargestP && block_sum[1] <= kLargestP)) {
@@ -185,10 +185,7 @@ struct FragmentOnlineSoftmax {
             }
         }
         update(s, scale_log2, rescale, 0.0f);
-#pragma unroll
-        for (int ps = 0; ps < kNTiles / 2; ++ps) {
-            pack_a_fragment<Element>(p[ps], s[0][2 * ps], s[0][2 * ps + 1]);
-        }
+        pack_a_fragments<Element>(p, s[0]);
     }
 
     // l of row r, on every lane of the quad.

@@ -353,15 +353,16 @@ def main_loop(sass: list[str]) -> list[str]:
     back into the loop). Instruction i sits at byte 16 i (one kernel a
     listing, as ``sass_of`` compiles it); the span keeps the code its
     skipped branches jump over (a masking block, a rare path)."""
-    best: list[str] = []
+    best, best_key = [], (0, 0)
     for index, instruction in enumerate(sass):
         match = re.search(r"^@\S+ BRA (0x[0-9a-f]+)", instruction)
-        if not match or int(match.group(1), 16) // 16 >= index:
+        target = int(match.group(1), 16) // 16 if match else index
+        if target >= index:
             continue
-        span = sass[int(match.group(1), 16) // 16:index + 1]
+        span = sass[target:index + 1]
         key = (sum("HGMMA" in line for line in span), len(span))
-        if key > (sum("HGMMA" in line for line in best), len(best)):
-            best = span
+        if key > best_key:
+            best, best_key = span, key
     return best
 
 
