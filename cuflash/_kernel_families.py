@@ -116,7 +116,9 @@ class KernelFamily:
     #: dQ modes of a dK/dV family, each with the value of its last template
     #: argument: "atomic" (float32 atomics: fast, not bitwise repeatable),
     #: "ordered" (the key blocks add in turn, in order: deterministic),
-    #: "separate" (no dQ here: the deterministic dQ pass follows)
+    #: "claimed" (atomic, the first tile of each query block stored over an
+    #: unzeroed accumulator: ``cuflash.api.stores_first_dq``), "separate" (no
+    #: dQ here: the deterministic dQ pass follows)
     dq_modes: dict[str, str] = field(default_factory=dict)
     #: tiling -> (template arguments after Mask and Score, key suffix) of the
     #: tile choices beyond the common ones (K/V or Q/dO buffers, blocks per SM)
@@ -333,7 +335,8 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  "cuflash::flash_backward_dkdv_wgmma_kernel", _WGMMA_BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
-                 dq_modes={"atomic": "false", "ordered": "true"},
+                 # kDqAtomic, kDqOrdered, kDqClaimed (kernels_cu/ordered_accumulation.cuh)
+                 dq_modes={"atomic": "0", "ordered": "1", "claimed": "2"},
                  tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
@@ -417,6 +420,15 @@ def cache_append_variants() -> list[KernelVariant]:
 
 
 FAMILY = {family.name: family for family in FAMILIES}
+
+
+def claimed_dq_applies(mask: MaskPolicy, layout: str) -> bool:
+    """Whether the Hopper dK/dV kernel's claimed dQ mode is built for a mask
+    and batch layout: dense batches (a packed batch's tiles run into the
+    next sequence's rows, whose blocks they cannot claim) under a causal or
+    window mask, whose key blocks start their walks on their own diagonals
+    (``cuflash.api.stores_first_dq``)."""
+    return layout == "dense" and mask.dq_turns == "last-key-first"
 
 
 def family_of(role: str, kernel: str) -> KernelFamily:

@@ -117,6 +117,7 @@ BACKWARD_PARAMS = np.dtype(
         ("softmax_scale_log2", np.float32),
         ("softmax_scale", np.float32),
         ("variant", VARIANT_PARAMS),
+        ("dq_block_m", _INDEX),
     ],
     align=True,
 )
@@ -146,7 +147,7 @@ WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", 
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8
-BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 4 * 8 + 20 * 8
+BACKWARD_PARAMS_SIZE = 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
 MERGE_PARAMS_SIZE = 2 * 32 + 2 * 8 + 6 * 8 + 3 * 8 + 14 * 8
 CACHE_APPEND_PARAMS_SIZE = 4 * 32 + 4 * 8 + 14 * 8
 assert FORWARD_PARAMS.itemsize == FORWARD_PARAMS_SIZE

@@ -24,8 +24,8 @@ from typing import Callable
 from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
-from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
-                               merge_variant, select)
+from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant,
+                               claimed_dq_applies, family_of, merge_variant, select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
@@ -1030,7 +1030,7 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
         for name, (shape, dtype) in backward_work_buffers(*sizes, tiling, bool(deterministic),
-                                                          total_q=problem.total_q).items():
+                                                          total_q=problem.total_q, packed=problem.packed).items():
             native, views[name] = bridge.empty(shape, dtype)
             allocated[name] = (shape, dtype, native)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
@@ -1469,17 +1469,40 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
                   deterministic=deterministic, smem_limit=_shared_memory_per_block(problem.device))
 
 
+def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> bool:
+    """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
+    claimed dQ mode: the first dQ tile of each query block is written over
+    the float32 accumulator and the others are added once it has landed
+    (kernels_cu/ordered_accumulation.cuh's first stores). Then no pass zeroes
+    the accumulator (134 MB on the FlashAttention-2 grid at head dim 128: the
+    preprocessing takes 56 us instead of 95 on an H100), the counters mark
+    the blocks written, and the conversion writes zeros for the others.
+
+    The Hopper kernel with atomic dQ on dense batches under a causal or
+    window mask (``claimed_dq_applies``) with at least as many queries as
+    keys: each key block's walk starts on its own diagonal, so it is the
+    first at its first query blocks, and the others reach them steps later.
+    Not measured faster elsewhere (docs/perf-notes.md): where all walks
+    start on one query block (fewer queries than keys) all but the first
+    key block would wait for its store at every step, and without a mask
+    the claimed mode's dK/dV kernel took 3% longer than the preprocessing
+    saved, at every length."""
+    return (tiling.kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(problem.mask, problem.layout)
+            and problem.seqlen_q >= problem.seqlen_k)
+
+
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
-                          total_q: int | None = None) -> dict:
+                          total_q: int | None = None, packed: bool = False) -> dict:
     """The work buffers a backward (batch b, h query heads, seqlen_q sq,
     head_dim d; ``total_q`` the query rows of a packed batch, b * sq by
     default) on the dK/dV kernel of ``tiling`` needs, name -> (shape, dtype),
     all contiguous (params.cuh): delta (h, total_q) always; the float32 dQ
     accumulator (total_q, h, d) unless the deterministic dQ pass computes
-    dQ; the int32 turn counters (b, h, query blocks) of the ordered mode.
-    ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides its
-    buffers before the kernel is known), the counters for the smallest
-    query block of any ordered kernel."""
+    dQ; the int32 counters (b, h, query blocks) of the ordered mode and of
+    the Hopper kernel on dense batches (``stores_first_dq``). ``tiling`` None: every buffer any
+    dK/dV kernel could need (JAX decides its buffers before the kernel is
+    known), the counters for the smallest query block of any kernel that
+    counts."""
     rows = b * sq if total_q is None else total_q
     buffers = {"delta": ((h, rows), "float32")}
     if tiling is None:
@@ -1490,7 +1513,8 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     mode = family_of("backward-dkdv", tiling.kernel).dq_mode(deterministic)
     if mode != "separate":
         buffers["dq_accum"] = ((rows, h, d), "float32")
-    if mode == "ordered":
+    if mode == "ordered" or (mode == "atomic" and "claimed" in family_of("backward-dkdv", tiling.kernel).dq_modes
+                             and not packed):
         buffers["dq_semaphore"] = ((b, h, -(-sq // tiling.block_m)), "int32")
     return buffers
 
@@ -1543,8 +1567,8 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
                   aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
-    """The launch plan of a validated backward: preprocess (delta, zeroed dQ
-    accumulator and turn counters), dK/dV (dQ added with atomics, added in
+    """The launch plan of a validated backward: preprocess (delta, dQ
+    accumulator zeroed unless ``stores_first_dq``, counters zeroed), dK/dV (dQ added with atomics, added in
     a fixed order (dq_turn), or left to the deterministic dQ pass), then dQ
     conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
     layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
@@ -1561,6 +1585,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
                            _multiprocessor_count(problem.device))
+    claimed = stores_first_dq(problem, dkdv_tiling, dq_mode)
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
@@ -1573,6 +1598,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         num_m_blocks=num_m_blocks,
         num_n_blocks=num_n_blocks,
         rotate_walks=int(rotated),
+        dq_block_m=dkdv_tiling.block_m if claimed else 0,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
         softmax_scale=problem.softmax_scale,
         variant=_variant_fields(problem, dkdv_tiling),
@@ -1593,8 +1619,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, dq_mode,
-                                      layout=problem.layout)
+        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score,
+                                      "claimed" if claimed else dq_mode, layout=problem.layout)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query

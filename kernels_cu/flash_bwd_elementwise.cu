@@ -1,6 +1,7 @@
 // The backward pass's element-wise kernels, shared by every dK/dV kernel
 // (flash_bwd.cu, flash_bwd_wgmma.cu):
-//   preprocess:  delta_i = rowsum(dO_i * O_i), and zero the float32 dQ accumulator
+//   preprocess:  delta_i = rowsum(dO_i * O_i), and zero the float32 dQ
+//                accumulator (unless its blocks are stored first, dq_block_m)
 //   convert:     float32 dQ accumulator -> dq in the input dtype and strides
 #include "numeric.cuh"
 #include "params.cuh"
@@ -104,8 +105,8 @@ __device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float
 }
 
 // delta = rowsum(dO * O); also zeroes the row's dQ accumulator when there
-// is one, and the dQ turn counters of the ordered mode, which saves separate
-// memset passes. 16-bit rows in whole 16-byte chunks take one chunk a lane
+// is one that the dK/dV kernel adds to from its start (dq_block_m == 0),
+// and the dQ counters, which saves separate memset passes. 16-bit rows in whole 16-byte chunks take one chunk a lane
 // and several rows a warp (one warp a row, two elements a lane, read the
 // bandwidth at ~60% at head dims 64-128: 120-154 us against cuDNN's 91-96
 // on the FlashAttention-2 grid, docs/perf-notes.md); other rows one warp.
@@ -113,6 +114,7 @@ template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {
     const int head_dim = params.size.head_dim_int();
+    const bool zero_accumulator = params.dq_accum != nullptr && params.dq_block_m == 0;
     if (params.dq_semaphore != nullptr) {
         const index_t counters = params.size.batch * params.size.nheads * params.num_m_blocks;
         for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < counters;
@@ -141,7 +143,7 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
                     if (sub == 0) {
                         params.delta_row(q.batch, q.head)[q.row] = sum;
                     }
-                    if (params.dq_accum != nullptr) {  // rows of a multiple of 8 floats: 32-byte aligned
+                    if (zero_accumulator) {  // rows of a multiple of 8 floats: 32-byte aligned
                         float4* acc = reinterpret_cast<float4*>(params.dq_accum + r * head_dim);
                         for (int c = sub; c < head_dim / 4; c += kLanesPerRow) {
                             acc[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -172,7 +174,7 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
         if (lane == 0) {
             params.delta_row(q.batch, q.head)[q.row] = sum;
         }
-        if (params.dq_accum != nullptr) {
+        if (zero_accumulator) {
             float* acc = params.dq_accum + r * head_dim;
             if (head_dim % 2 == 0) {  // the accumulator is contiguous: rows of even length are 8-byte aligned
                 for (int c = 2 * lane; c < head_dim; c += 64) {
@@ -187,8 +189,23 @@ flash_backward_preprocess_kernel(const BackwardParams params) {
     });
 }
 
-// dq (input dtype, any strides) = the float32 accumulator, already scaled;
-// rows in whole 16-byte chunks a chunk a lane, others one warp a row.
+// Whether query row q's dQ accumulator holds its dQ: always where it was
+// zeroed; where the dK/dV kernel stores each block's first tile
+// (dq_block_m > 0), only if a tile reached the row's block (its counter is
+// not 0, ordered_accumulation.cuh). A block no tile reached (no key sees
+// its rows) was never written, and its dQ is 0.
+__device__ __forceinline__ bool dq_accumulated(const BackwardParams& params, const QueryRow& q) {
+    if (params.dq_block_m == 0) {
+        return true;
+    }
+    // 32-bit division: a row index and a block size fit (a 64-bit one is a subroutine).
+    const int m_block = static_cast<int>(q.row) / static_cast<int>(params.dq_block_m);
+    return params.dq_semaphore[(q.batch * params.size.nheads + q.head) * params.num_m_blocks + m_block] != 0;
+}
+
+// dq (input dtype, any strides) = the float32 accumulator, already scaled
+// (0 where it was never written, dq_accumulated); rows in whole 16-byte
+// chunks a chunk a lane, others one warp a row.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_convert_dq_kernel(const BackwardParams params) {
@@ -203,6 +220,12 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
                         return;
                     }
                     uint4* dq = reinterpret_cast<uint4*>(params.dq.row_ptr<Element>(q.batch, q.head, q.row));
+                    if (!dq_accumulated(params, q)) {
+                        for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
+                            dq[c] = make_uint4(0u, 0u, 0u, 0u);  // +0 in either 16-bit type
+                        }
+                        return;
+                    }
                     const float4* acc = reinterpret_cast<const float4*>(params.dq_accum + r * head_dim);
                     for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
                         const float4 lo = acc[2 * c], hi = acc[2 * c + 1];
@@ -219,6 +242,12 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
             return;
         }
         Element* dq = params.dq.row_ptr<Element>(q.batch, q.head, q.row);
+        if (!dq_accumulated(params, q)) {
+            for (int c = lane; c < head_dim; c += 32) {
+                dq[c] = from_float<Element>(0.0f);
+            }
+            return;
+        }
         const float* acc = params.dq_accum + r * head_dim;
         if (head_dim % 2 == 0 && pair_aligned<Element>(dq)) {
             for (int c = 2 * lane; c < head_dim; c += 64) {

@@ -14,7 +14,9 @@
 //  - the dQ warp takes each step's float32 dQ tile from shared memory and
 //    has the copy engine add it into the accumulator (cp.reduce.async.bulk,
 //    tma_reduce_add_tile), waiting, in the ordered (deterministic) mode, for
-//    this key block's turn first. The consumers never wait for those
+//    this key block's turn first; in the claimed mode it stores the tile
+//    instead (tma_store_tile) where it is the first to reach the query block,
+//    so that no pass zeroes the accumulator (ordered_accumulation.cuh). The consumers never wait for those
 //    additions to land, only for the tile to be read: adding dQ was the
 //    previous kernel's bound (its warps all stalled in the same window of
 //    every step, docs/perf-notes.md).
@@ -58,10 +60,15 @@ constexpr int kBackwardProducerRegisters = 24;
 constexpr int kConsumersBarrier = 1;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kStages, bool kOrderedDq>
+          typename Batch, int kStages, int kDqMode>
 __global__ void __launch_bounds__(kWarps * 32, 1)
 flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr bool kOrderedDq = kDqMode == kDqOrdered;
+    // First stores need each query block's rows in one sequence: a packed
+    // batch's tiles run into the next sequence's rows (the launcher never
+    // asks for them there; a packed variant adds as kDqAtomic does).
+    constexpr bool kClaimsDq = kDqMode == kDqClaimed && !Batch::kPacked;
     using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
@@ -164,6 +171,17 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             u32 phase = 0;
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
+                // kClaimed: the query block's counter (a dense batch's entry
+                // is its tensor entry), claimed before the tile is ready, so
+                // that the atomic's round trip overlaps the wait for it.
+                const auto claim_counter = [&]() {
+                    return params.dq_semaphore +
+                           (block.tensor_batch * params.size.nheads + walk.head) * params.num_m_blocks + walk.m_block;
+                };
+                int claim = kStored;
+                if constexpr (kClaimsDq) {
+                    claim = claim_first_store(claim_counter());
+                }
                 mbarrier_wait(dq_full, phase);
                 int* counter = nullptr;
                 if constexpr (kOrderedDq) {
@@ -172,8 +190,22 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     poll_until_turn(counter, dq_turn(ctx.mask, params, walk.head, walk.m_block, block.n_block, kBlockM, kBlockN));
                     fence_async_global();  // the acquired turn before the copy engine's additions
                 }
-                tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
-                                            block.tensor_batch);
+                if constexpr (kClaimsDq) {
+                    if (claim == kClaimed) {
+                        wait_until_stored(claim_counter());
+                    }
+                    fence_async_global();  // the acquired store before the copy engine's writes
+                    if (claim == kUnclaimed) {
+                        tma_store_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
+                                               block.tensor_batch);
+                    } else {
+                        tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start,
+                                                    walk.head, block.tensor_batch);
+                    }
+                } else {
+                    tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
+                                                block.tensor_batch);
+                }
                 bulk_commit();
                 bulk_wait_read<0>();
                 mbarrier_arrive(dq_empty);  // the consumers may write the next tile
@@ -184,6 +216,15 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     fence_async_global();
                     hand_on_turn(counter);
                 }
+                if constexpr (kClaimsDq) {
+                    if (claim == kUnclaimed) {
+                        // The same for the store, before the others add (the
+                        // counter moves from claimed to stored).
+                        bulk_wait<0>();
+                        fence_async_global();
+                        hand_on_turn(claim_counter());
+                    }
+                }
                 walk.advance();
                 phase ^= 1;
             }
@@ -193,6 +234,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     }
 
     claim_registers<kConsumerRegisters>();
+    // The claimed mode's dQ warp keeps more values across its loop; with
+    // the consumers' keys taken from a copy made here, n_start itself need
+    // not stay in a register both roles share (kept there, it spilled 4
+    // bytes from the consumers at head dim 64, causal).
+    const int consumer_n_start = kClaimsDq ? __shfl_sync(0xffffffffu, n_start, 0) : n_start;
     const int consumer = warpgroup - 1;
     const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
     const float scale = params.softmax_scale;
@@ -271,8 +317,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         const float* stats = reinterpret_cast<const float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
         transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.mask_of_head(walk.head),
                                                                  ctx.score_of_head(params, block.batch, walk.head),
-                                                                 s, dp, stats, m_start, score_col0, n_start,
-                                                                 n_start + warp_key0, lane_index_now());
+                                                                 s, dp, stats, m_start, score_col0, consumer_n_start,
+                                                                 consumer_n_start + warp_key0, lane_index_now());
         // P^T and dS^T rounded to the element type: dS^T to shared memory for
         // dQ (same swizzle as the tiles), and both as the A operands of dV
         // and dK, from registers, or where the consumers split the head dim
@@ -391,11 +437,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         }
     }
     __syncwarp();
-    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dk, block.kv_head, n_start),
-                                      params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
+    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dk, block.kv_head, consumer_n_start),
+                                      params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - consumer_n_start, ctx.head_dim,
                                       lane, acc_col0);
-    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dv, block.kv_head, n_start),
-                                      params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - n_start, ctx.head_dim,
+    store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dv, block.kv_head, consumer_n_start),
+                                      params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - consumer_n_start, ctx.head_dim,
                                       lane, acc_col0);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).

@@ -3,11 +3,28 @@
 // bitwise the same on every run (float addition is not associative, and
 // atomics add in whatever order the blocks arrive). One int32 counter per
 // accumulator block, zeroed before the kernel, says whose turn it is.
+//
+// First stores (kDqClaimed): the accumulator need not be zeroed (a
+// pass over all of it at DRAM speed, before the kernel) if the first tile
+// to reach each block is written over it and the others are added after it
+// has landed. The blocks claim the first store with the block's counter
+// (claim_first_store), which stays 0 only for a block no tile reached: the
+// reader of the accumulator must then take it as zeros (never written).
 #pragma once
 
 #include "numeric.cuh"
 
 namespace cuflash {
+
+// How a dK/dV kernel adds its dQ tiles into the float32 accumulator (an
+// int template argument, the launcher's dq_modes: its value is what the
+// kernels' mangled names show): kDqAtomic in any order into zeros;
+// kDqOrdered in turns (this file), into zeros; kDqClaimed in any order, the
+// first tile of each block stored over the unzeroed accumulator (first
+// stores, below).
+constexpr int kDqAtomic = 0;
+constexpr int kDqOrdered = 1;
+constexpr int kDqClaimed = 2;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
     int value;
@@ -70,5 +87,41 @@ struct HeldTurn {
         }
     }
 };
+
+// The counter of an accumulator block in the unordered mode: unclaimed,
+// claimed (the first tile is being stored), stored (it has landed).
+enum FirstStore : int { kUnclaimed = 0, kClaimed = 1, kStored = 2 };
+
+// Claims the first store of a block: returns the counter as it was, so
+// kUnclaimed means the caller stores (and then marks the block stored with
+// hand_on_turn, which moves it from kClaimed to kStored); kClaimed means it
+// must wait (poll_until_turn(counter, kStored)) before adding; kStored that
+// it may add at once. Acquire: a kStored seen here orders the store before
+// the caller's additions. The claimer is running its step, so a waiter
+// never waits on a block that is not on the GPU.
+__device__ __forceinline__ int claim_first_store(int* counter) {
+    int prior;
+    asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], %2, %3;\n"
+                 : "=r"(prior)
+                 : "l"(counter), "r"(static_cast<int>(kUnclaimed)), "r"(static_cast<int>(kClaimed))
+                 : "memory");
+    return prior;
+}
+
+// Waits until a claimed block's first store has landed (acquire).
+__device__ __forceinline__ void wait_until_stored(const int* counter) {
+    asm volatile(
+        "{\n"
+        ".reg .pred pending;\n"
+        ".reg .b32 value;\n"
+        "WAIT_STORED_%=:\n"
+        "ld.acquire.gpu.global.b32 value, [%0];\n"
+        "setp.ne.b32 pending, value, %1;\n"
+        "@pending nanosleep.u32 32;\n"
+        "@pending bra.uni WAIT_STORED_%=;\n"
+        "}\n" ::"l"(counter),
+        "n"(static_cast<int>(kStored))
+        : "memory");
+}
 
 }  // namespace cuflash

@@ -196,7 +196,10 @@ static_assert(sizeof(CacheAppendParams) == 4 * 32 + 4 * 8 + 14 * 8,
 // head_dim), total_q = batch * seqlen_q in a dense batch, are float32 work
 // buffers made by the launcher, contiguous; dq_semaphore (batch, nheads,
 // num_m_blocks) int32, zeroed by the preprocessing kernel, orders the dQ
-// additions of the deterministic Hopper backward. Rows are addressed as in
+// additions of the deterministic backward, and where dq_block_m > 0 says
+// which dQ blocks of dq_block_m rows a first tile was stored into (the
+// accumulator is then not zeroed: ordered_accumulation.cuh's first stores).
+// Rows are addressed as in
 // the tensors (ProblemSize): batch entry `batch` of the tensors (0 in a
 // packed batch), row `row` from that entry's first.
 struct BackwardParams {
@@ -212,6 +215,10 @@ struct BackwardParams {
     float softmax_scale_log2;  // softmax_scale * log2(e)
     float softmax_scale;
     VariantParams variant;
+    // > 0: the dK/dV kernel stores the first tile of each dQ block of this
+    // many rows (kDqClaimed); 0: it adds every tile into zeros. Last: the
+    // fields before it keep the offsets the kernels were tuned with.
+    index_t dq_block_m;
 
     // The forward's log-sum-exp and delta of (batch, head) of the tensors,
     // indexed by query row.
@@ -230,7 +237,7 @@ struct BackwardParams {
     }
 };
 
-static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 4 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");
 
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the

@@ -8,10 +8,10 @@
 // (rows past the sequence, columns past head_dim) arrive as zeros, and their
 // bytes count like the others.
 //
-// The other direction is a reduction: the engine adds a box of shared memory
-// into global memory (float32 add), skipping elements outside the tensor,
-// and the issuing thread waits for its bulk groups (bulk_wait_read: the
-// shared source may be rewritten; bulk_wait: the additions are done).
+// The other direction is a reduction or a store: the engine adds a box of
+// shared memory into global memory (float32 add), or writes it there,
+// skipping elements outside the tensor, and the issuing thread waits for its bulk groups (bulk_wait_read: the
+// shared source may be rewritten; bulk_wait: the writes are done).
 #pragma once
 
 #include "numeric.cuh"
@@ -54,6 +54,16 @@ __device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, u32 src,
         : "memory");
 }
 
+// Writes the box at `src` (shared) over the box at coordinates (c0, c1, c2,
+// c3) of `map`'s tensor, in the bulk group of the issuing thread.
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+            reinterpret_cast<unsigned long long>(&map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
+
 // Adds a float32 tile (SwizzledFloatTile) into rows row.. of (head, batch):
 // one box of 32 columns per panel.
 template <typename Tile>
@@ -63,6 +73,16 @@ __device__ __forceinline__ void tma_reduce_add_tile(const TensorMap& map, u32 sr
     for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
         tma_reduce_add_4d(map, src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
                           static_cast<int>(batch));
+    }
+}
+
+// Writes a float32 tile (SwizzledFloatTile) over rows row.. of (head, batch).
+template <typename Tile>
+__device__ __forceinline__ void tma_store_tile(const TensorMap& map, u32 src, int row, index_t head, index_t batch) {
+#pragma unroll
+    for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
+        tma_store_4d(map, src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
+                     static_cast<int>(batch));
     }
 }
 

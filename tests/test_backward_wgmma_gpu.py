@@ -5,13 +5,17 @@ or not (dQ added in a fixed order); the SIMT backward keeps the other
 cases and (tested here with the generation pinned to sm_80) what an Ampere
 GPU runs."""
 
+import math
+
 import pytest
 
 import cuflash
 from cuflash import api
 from cuflash._validation import check_backward, meta_of
+from cuflash.reference import attention_backward_reference
 
-from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv
+from tests.helpers import (assert_output_accurate, naive_attention_backward_same_precision, pin_kernel_generation,
+                           pin_ordered_dq_order, random_qkv, to_numpy64)
 from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
 from tests.test_forward_wgmma_gpu import needs_hopper
 
@@ -135,6 +139,80 @@ def test_wgmma_atomic_backward_rotates_its_walks_without_a_mask(head_dim, seqlen
     assert _chosen(q, k, v).kernel == "wgmma"
     run_backward_and_check(q, k, v, causal=False, seed=seqlen_q)
     assert orders["atomic"] and set(orders["atomic"]) == {rotates}
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Every array cuflash allocates for a CuPy caller (outputs and work
+    buffers) comes filled with garbage: float NaN, int32 0x7f7f7f7f. The
+    Hopper backward on dense batches no longer zeroes the float32 dQ
+    accumulator (stores_first_dq): each query block's first tile is written
+    over it, and blocks no tile reaches must come out as zeros, not as what
+    the memory held."""
+    from cuflash import _interop
+
+    original = _interop._cupy_allocator
+
+    def poisoning(shape, dtype, device, strides=None):
+        allocate = original(shape, dtype, device, strides)
+
+        def allocate_poisoned():
+            array, pointer = allocate()
+            array.fill(float("nan") if array.dtype.kind == "f" else 0x7F7F7F7F)
+            return array, pointer
+        return allocate_poisoned
+    monkeypatch.setattr(_interop, "_cupy_allocator", poisoning)
+    api.plans.clear()  # cached plans allocate with the allocator they were made with
+    yield
+    api.plans.clear()
+
+
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,window,heads,claimed", [
+    (2049, 1000, None, (6, 2), True),   # causal, more queries than keys: the first query blocks see no key
+    (1000, 17, None, (4, 4), True),     # one key block: most query blocks see no key
+    (1000, 1000, (100, 0), (4, 4), True),   # a window: each key block reaches few query blocks
+    (17, 1000, None, (4, 4), False),    # every walk starts on query block 0: added into zeros
+    (129, 1000, (300, 300), (4, 1), False),
+])
+def test_wgmma_backward_claims_each_dq_blocks_first_store(deterministic, head_dim, seqlen_q, seqlen_k, window, heads,
+                                                         claimed, poisoned_allocations, monkeypatch):
+    """Against the float64 reference with every allocation poisoned: in the
+    claimed dQ mode (atomic dQ, causal or window masks, dense batches, at
+    least as many queries as keys) a dQ block that no tile reaches (rows
+    that see no key) would keep NaN, and a first tile added instead of
+    stored would add it to NaN; the other modes add into a zeroed one."""
+    decisions = []
+    decide = api.stores_first_dq
+    monkeypatch.setattr(api, "stores_first_dq", lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"),
+                         seed=seqlen_q + head_dim)
+    assert _chosen(q, k, v, deterministic=deterministic).kernel == "wgmma"
+    if window is None:
+        run_backward_and_check(q, k, v, causal=True, deterministic=deterministic, seed=seqlen_k)
+    else:
+        run_windowed_backward_and_check(q, k, v, window, deterministic=deterministic, seed=seqlen_k)
+    assert decisions == [claimed and not deterministic]
+
+
+def run_windowed_backward_and_check(q, k, v, window, *, deterministic, seed):
+    """run_backward_and_check's checks under a sliding window (window_size=window)."""
+    cupy = _cupy()
+    out, lse = cuflash.attention(q, k, v, window_size=window, return_lse=True)
+    dout = cupy.random.default_rng(seed).standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, window_size=window, deterministic=deterministic)
+    scale = 1 / math.sqrt(q.shape[-1])
+    host = [to_numpy64(x) for x in (dout, q, k, v)]
+    wants = attention_backward_reference(*host, window_size=window, softmax_scale=scale)
+    baselines = naive_attention_backward_same_precision(dout, q, k, v, softmax_scale=scale, window_size=window)
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, wants, baselines):
+        try:
+            assert_output_accurate(got, want, base)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
 
 
 def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):

@@ -136,7 +136,7 @@ def test_a_failed_dependent_launch_raises_the_drivers_error(monkeypatch):
 def test_backward_plan_writes_pointers_into_both_structs(recorded_launches):
     fields = {name: (0, 1, 2, 3) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")}
     fields.update(lse=0, lse_batch_stride=1, lse_head_stride=2, delta=0, dq_accum=0, dq_semaphore=0, size=(1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0),
-                  num_m_blocks=4, num_n_blocks=5, rotate_walks=0, softmax_scale_log2=1.0, softmax_scale=1.0,
+                  num_m_blocks=4, num_n_blocks=5, rotate_walks=0, dq_block_m=0, softmax_scale_log2=1.0, softmax_scale=1.0,
                   variant=NO_VARIANT)
     first = pack(BACKWARD_PARAMS, **fields)
     fields["num_m_blocks"] = 8

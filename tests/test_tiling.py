@@ -207,6 +207,21 @@ def test_dq_modes_of_the_dkdv_families(name, deterministic, mode, key):
     assert variant.key.endswith(key) and variant.template_args[-1] == family.dq_modes[mode]
 
 
+def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
+    """kDqAtomic, kDqOrdered, kDqClaimed (kernels_cu/ordered_accumulation.cuh)
+    as the int the kernel's mangled name shows; the claimed mode is built for
+    dense batches under causal or window masks only (kernel_report)."""
+    from cuflash._kernel_families import claimed_dq_applies
+
+    family = FAMILY["backward-dkdv-wgmma"]
+    assert family.dq_modes == {"atomic": "0", "ordered": "1", "claimed": "2"}
+    assert family.dq_mode(False) == "atomic"  # a call asks for claimed by stores_first_dq, never by default
+    variant = family.variant("bfloat16", family.tiles("bfloat16", 128), MASKS["causal"], dq_mode="claimed")
+    assert variant.key.endswith("/causal/q2/claimed-dq") and variant.template_args[-1] == "2"
+    assert claimed_dq_applies(MASKS["causal"], "dense") and claimed_dq_applies(MASKS["window"], "dense")
+    assert not claimed_dq_applies(MASKS["none"], "dense") and not claimed_dq_applies(MASKS["causal"], "packed")
+
+
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])
 @pytest.mark.parametrize("dtype", MMA_DTYPES + ("float32",))
 def test_mma_table(dtype, head_dim):

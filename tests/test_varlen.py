@@ -89,6 +89,48 @@ def test_packed_work_buffers_have_one_row_per_token():
     assert dense["delta"] == ((4, 20), "float32") and dense["dq_accum"] == ((20, 4, 64), "float32")
 
 
+def test_dq_blocks_are_stored_first_only_by_the_hopper_kernel_on_dense_batches():
+    """Where the Hopper dK/dV kernel may store each dQ block's first tile, a
+    dense batch gets the counters in the atomic mode too; a packed batch
+    (tiles that run into the next sequence's rows) and the other kernels add
+    into a zeroed accumulator."""
+    from cuflash._tiling import Tiling
+
+    hopper = Tiling(head_dim_padded=128, block_m=64, block_n=128, warps=12, kernel="wgmma")
+    ampere = Tiling(head_dim_padded=128, block_m=64, block_n=64, warps=4, kernel="mma")
+    dense = api.backward_work_buffers(2, 4, 1000, 128, hopper, False)
+    assert dense["dq_semaphore"] == ((2, 4, 16), "int32") and dense["dq_accum"] == ((2000, 4, 128), "float32")
+    assert "dq_semaphore" not in api.backward_work_buffers(1, 4, 1000, 128, hopper, False, total_q=900, packed=True)
+    assert "dq_semaphore" not in api.backward_work_buffers(2, 4, 1000, 128, ampere, False)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,mask,mode,stores", [
+    (2049, 1000, "causal", "atomic", True),    # causal walks start on each key block's own diagonal
+    (1000, 1000, "window", "atomic", True),
+    (512, 8192, "causal", "atomic", False),    # past the queries every walk starts on query block 0
+    (1000, 1000, "none", "atomic", False),     # measured slower without a mask
+    (2049, 1000, "causal", "ordered", False),
+    (1000, 1000, "none", "separate", False),
+])
+def test_which_backwards_store_each_dq_block_first(seqlen_q, seqlen_k, mask, mode, stores):
+    import dataclasses
+
+    from cuflash._masks import MASKS
+    from cuflash._tiling import Tiling
+    from cuflash._validation import check_backward
+
+    q, k = _meta("q", (2, seqlen_q, 4, 128)), _meta("k", (2, seqlen_k, 4, 128))
+    problem = check_backward(_meta("dout", q.shape), q, k, _meta("v", k.shape), _meta("out", q.shape),
+                             _meta("lse", (2, 4, seqlen_q), "float32"), None, None, None, causal=False,
+                             softmax_scale=None, deterministic=mode != "atomic")
+    problem = dataclasses.replace(problem, mask_name=mask)
+    assert problem.mask is MASKS[mask]
+    hopper = Tiling(head_dim_padded=128, block_m=64, block_n=128, warps=12, kernel="wgmma")
+    assert api.stores_first_dq(problem, hopper, mode) is stores
+    ampere = Tiling(head_dim_padded=128, block_m=64, block_n=64, warps=4, kernel="mma")
+    assert not api.stores_first_dq(problem, ampere, mode)
+
+
 def test_a_batch_of_one_tensor_entry_is_addressed_without_its_batch_stride():
     """Packed kernels address every sequence in tensor entry 0; a batch of one
     has no batch stride to apply."""

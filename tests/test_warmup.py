@@ -125,8 +125,9 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     assert {k.split("/")[0] for k in keys} == {"forward-wgmma", "backward-preprocess", "backward-dkdv-wgmma",
                                               "backward-convert-dq"}
     dkdv = sorted(k for k in keys if k.startswith("backward-dkdv-wgmma/"))
+    # A causal call with as many queries as keys stores each dQ block's first tile (api.stores_first_dq).
     assert [k.split("/", 2)[2] for k in dkdv] == [
-        "hdim96/m64n128w12/causal/q2/atomic-dq", "hdim96/m64n128w12/causal/q2/ordered-dq",
+        "hdim96/m64n128w12/causal/q2/claimed-dq", "hdim96/m64n128w12/causal/q2/ordered-dq",
         "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/ordered-dq"]
     # none and causal, each with persistent blocks (up to 8192 keys) and without (past them)
     assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 4
