@@ -158,6 +158,33 @@ def test_cuflash_deterministic_trades_atomics_for_a_dq_pass():
     assert deterministic["matmul_flops"] > atomic["matmul_flops"]  # S and dP computed twice
 
 
+def test_cuflash_on_hopper_stores_first_dq_tiles_where_the_launcher_does():
+    """Causal with seqlen_q >= seqlen_k on Hopper (cuflash.api.stores_first_dq):
+    no pass zeroes the float32 dQ accumulator and no zeroed lines come from
+    DRAM for the first additions; the same call without a mask, or on an
+    A100, adds into zeros. The preprocessing launch moves the accumulator's
+    4 x heads x seqlen x head_dim bytes less."""
+    from cuflash.simulate.timing import launches
+
+    h100 = MACHINES["h100"]
+    causal = Problem(batch=2, nheads=16, seqlen_q=2048, head_dim=128, causal=True)
+    full = Problem(**{**causal.__dict__, "causal": False})
+    zeroing = {"preprocess zeroes the float32 dQ accumulator",
+               "L2 fetches the zeroed accumulator lines for the atomics (no SM request)"}
+
+    def formulas(problem, machine):
+        return {term.formula for term in run("cuflash", problem, machine, "bwd").terms}
+
+    assert not zeroing & formulas(causal, h100)
+    assert zeroing <= formulas(full, h100) and zeroing <= formulas(causal, A100)
+    # Fewer queries than keys: the walks share their first query block, and add into zeros.
+    assert zeroing <= formulas(Problem(**{**causal.__dict__, "seqlen_k": 4096}), h100)
+    preprocess = {problem.causal: next(launch for launch in launches("cuflash", problem, h100, "bwd")
+                                       if launch.name == "cuflash backward preprocess")
+                  for problem in (causal, full)}
+    assert preprocess[False].dram_bytes - preprocess[True].dram_bytes == 2 * 16 * 2048 * 128 * 4
+
+
 def test_gqa_reduces_cuflash_backward_traffic_but_not_flash2s_dk_writes():
     mha = Problem(batch=1, nheads=8, seqlen_q=4096, head_dim=64)
     gqa = Problem(batch=1, nheads=8, nheads_k=1, seqlen_q=4096, head_dim=64)

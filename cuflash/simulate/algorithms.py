@@ -436,6 +436,11 @@ class _TiledPlan:
     #: the splits of a query block run as one thread-block cluster and merge
     #: there (cuflash on Hopper: no partial results in memory, no merge launch)
     clustered: bool = False
+    #: the dK/dV kernel stores each query block's first dQ tile instead of
+    #: adding every tile into a zeroed accumulator (cuflash on Hopper with
+    #: atomic dQ, causal, seqlen_q >= seqlen_k: cuflash.api.stores_first_dq):
+    #: no zeroing pass, no accumulator lines fetched for the first additions
+    claimed_dq: bool = False
 
 
 def _decode_grid(p: Problem, plan: _TiledPlan, pack: int) -> tuple[int, int]:
@@ -569,12 +574,13 @@ def _tiled_forward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan) -
 def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, deterministic: bool) -> None:
     e, f, d = p.element_size, STAT_BYTES, p.head_dim
     heads, nq, nk = p.heads, p.seqlen_q, p.seqlen_k
-    # preprocess: D = rowsum(dO ∘ O) (and the dQ accumulator zeroed)
+    # preprocess: D = rowsum(dO ∘ O) (and the dQ accumulator zeroed, unless
+    # the dK/dV kernel stores each query block's first tile)
     t.read("O", heads * nq * d * e, element_size=e, formula="preprocess reads O once")
     t.read("dO", heads * nq * d * e, element_size=e, formula="preprocess reads dO once")
     t.write("D", heads * nq * f, element_size=f, formula="preprocess writes D = rowsum(dO ∘ O), float32")
     t.flops(0, 2 * heads * nq * d, "preprocess: 2·B·H·Nq·d")
-    if not deterministic:
+    if not deterministic and not plan.claimed_dq:
         t.write("dQ_accum", heads * nq * d * f, element_size=f, formula="preprocess zeroes the float32 dQ accumulator")
     # dK/dV pass: one block per key block of a K/V head (cuflash) or of a query head (flash2)
     sweep = key_sweep(p, plan.bwd_m, plan.bwd_n)
@@ -602,8 +608,12 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     if not deterministic:
         t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * dram_rows * d * f,
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
-        t.read("dQ_accum", 0, element_size=f, dram=heads * dram_rows * d * f,
-               formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
+        if plan.claimed_dq:
+            t.notes.append("backward: each query block's first dQ tile stored over the accumulator (not zeroed); "
+                           "the later additions find its lines in L2")
+        else:
+            t.read("dQ_accum", 0, element_size=f, dram=heads * dram_rows * d * f,
+                   formula="L2 fetches the zeroed accumulator lines for the atomics (no SM request)")
     for tensor in ("dK", "dV") if plan.native_gqa else _gradient_names(p):
         t.write(tensor, owners * nk * d * e, element_size=e, formula=f"{tensor}_j once per key block")
     if not plan.native_gqa:
@@ -724,6 +734,8 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
+        claimed_dq=(bwd.kernel == "wgmma" and p.causal and not p.deterministic and p.block_density == 1
+                    and p.seqlen_q >= p.seqlen_k),
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS

@@ -289,8 +289,9 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
                 out.append(_elementwise(f"{algorithm} split-KV merge", merge))
         if "bwd" in passes:
             # delta = rowsum(dO * O) and the zeroed float32 dQ accumulator
+            # (not where the dK/dV kernel stores each block's first tile)
             # before; the accumulator converted to the input dtype after.
-            preprocess = heads * nq * (2 * d * e + f + d * f)
+            preprocess = heads * nq * (2 * d * e + f + (0 if plan.claimed_dq else d * f))
             conversion = heads * nq * d * (f + e)
             backward_dram = run(algorithm, p, machine, "bwd").total("dram")
             out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
