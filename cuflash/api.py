@@ -1484,9 +1484,9 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
     first at its first query blocks, and the others reach them steps later.
     Not measured faster elsewhere (docs/perf-notes.md): where all walks
     start on one query block (fewer queries than keys) all but the first
-    key block would wait for its store at every step, and without a mask
-    the claimed mode's dK/dV kernel took 3% longer than the preprocessing
-    saved, at every length."""
+    key block wait for its store at every step (4-16% slower), and without
+    a mask the dK/dV kernel took 3-4% longer, as much as the preprocessing
+    saved."""
     return (tiling.kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(problem.mask, problem.layout)
             and problem.seqlen_q >= problem.seqlen_k)
 
@@ -1498,11 +1498,12 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     default) on the dK/dV kernel of ``tiling`` needs, name -> (shape, dtype),
     all contiguous (params.cuh): delta (h, total_q) always; the float32 dQ
     accumulator (total_q, h, d) unless the deterministic dQ pass computes
-    dQ; the int32 counters (b, h, query blocks) of the ordered mode and of
-    the Hopper kernel on dense batches (``stores_first_dq``). ``tiling`` None: every buffer any
-    dK/dV kernel could need (JAX decides its buffers before the kernel is
-    known), the counters for the smallest query block of any kernel that
-    counts."""
+    dQ; the int32 counters (b, h, query blocks) of the ordered mode and,
+    for the Hopper kernel's atomic mode on dense batches, of first stores
+    (``stores_first_dq``, which the plan decides from the mask; a few KB,
+    zeroed either way). ``tiling`` None: every buffer any dK/dV kernel could
+    need (JAX decides its buffers before the kernel is known), the counters
+    for the smallest query block of any kernel that counts."""
     rows = b * sq if total_q is None else total_q
     buffers = {"delta": ((h, rows), "float32")}
     if tiling is None:
@@ -1567,10 +1568,11 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
                   aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
-    """The launch plan of a validated backward: preprocess (delta, dQ
-    accumulator zeroed unless ``stores_first_dq``, counters zeroed), dK/dV (dQ added with atomics, added in
-    a fixed order (dq_turn), or left to the deterministic dQ pass), then dQ
-    conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
+    """The launch plan of a validated backward: preprocess (delta, the dQ
+    accumulator zeroed unless ``stores_first_dq``, the counters), dK/dV (dQ
+    added with atomics, the first tile of each block stored where
+    ``stores_first_dq``; added in a fixed order (dq_turn); or left to the
+    deterministic dQ pass), then dQ conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
     layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
     be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``
     decides where not given). Pointer slots: ``BACKWARD_SLOTS``, the work

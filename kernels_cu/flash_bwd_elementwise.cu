@@ -104,12 +104,13 @@ __device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float
     return sum;
 }
 
-// delta = rowsum(dO * O); also zeroes the row's dQ accumulator when there
-// is one that the dK/dV kernel adds to from its start (dq_block_m == 0),
-// and the dQ counters, which saves separate memset passes. 16-bit rows in whole 16-byte chunks take one chunk a lane
-// and several rows a warp (one warp a row, two elements a lane, read the
-// bandwidth at ~60% at head dims 64-128: 120-154 us against cuDNN's 91-96
-// on the FlashAttention-2 grid, docs/perf-notes.md); other rows one warp.
+// delta = rowsum(dO * O); also zeroes the row's dQ accumulator where the
+// dK/dV kernel adds every tile into it (dq_block_m == 0), and the dQ
+// counters, which saves separate memset passes. 16-bit rows in whole
+// 16-byte chunks take one chunk a lane and several rows a warp (one warp a
+// row, two elements a lane, read the bandwidth at ~60% at head dims 64-128:
+// 120-154 us against cuDNN's 91-96 on the FlashAttention-2 grid,
+// docs/perf-notes.md); other rows one warp.
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_preprocess_kernel(const BackwardParams params) {

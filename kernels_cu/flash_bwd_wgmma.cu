@@ -15,11 +15,12 @@
 //    has the copy engine add it into the accumulator (cp.reduce.async.bulk,
 //    tma_reduce_add_tile), waiting, in the ordered (deterministic) mode, for
 //    this key block's turn first; in the claimed mode it stores the tile
-//    instead (tma_store_tile) where it is the first to reach the query block,
-//    so that no pass zeroes the accumulator (ordered_accumulation.cuh). The consumers never wait for those
-//    additions to land, only for the tile to be read: adding dQ was the
-//    previous kernel's bound (its warps all stalled in the same window of
-//    every step, docs/perf-notes.md).
+//    instead (tma_store_tile) where it is the first to reach the query
+//    block, so that no pass zeroes the accumulator (first stores,
+//    ordered_accumulation.cuh). The consumers never wait for those additions
+//    to land, only for the tile to be read: adding dQ was the previous
+//    kernel's bound (its warps all stalled in the same window of every step,
+//    docs/perf-notes.md).
 // The other warpgroups are consumers (setmaxnreg: the producer's registers).
 // Each owns 64 keys; per query block, in the transposed form that keeps the
 // key-side products in registers:
@@ -171,9 +172,9 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             u32 phase = 0;
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
-                // kClaimed: the query block's counter (a dense batch's entry
-                // is its tensor entry), claimed before the tile is ready, so
-                // that the atomic's round trip overlaps the wait for it.
+                // kDqClaimed: the query block's counter (a dense batch's
+                // entry is its tensor entry), claimed before the tile is
+                // ready, so that the atomic's round trip overlaps the wait.
                 const auto claim_counter = [&]() {
                     return params.dq_semaphore +
                            (block.tensor_batch * params.size.nheads + walk.head) * params.num_m_blocks + walk.m_block;
@@ -438,11 +439,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     }
     __syncwarp();
     store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dk, block.kv_head, consumer_n_start),
-                                      params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - consumer_n_start, ctx.head_dim,
-                                      lane, acc_col0);
+                                      params.dk.row_stride, tiles[0], warp_key0, ctx.seqlen_k - consumer_n_start,
+                                      ctx.head_dim, lane, acc_col0);
     store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dv, block.kv_head, consumer_n_start),
-                                      params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - consumer_n_start, ctx.head_dim,
-                                      lane, acc_col0);
+                                      params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - consumer_n_start,
+                                      ctx.head_dim, lane, acc_col0);
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

@@ -4,9 +4,9 @@
 // atomics add in whatever order the blocks arrive). One int32 counter per
 // accumulator block, zeroed before the kernel, says whose turn it is.
 //
-// First stores (kDqClaimed): the accumulator need not be zeroed (a
-// pass over all of it at DRAM speed, before the kernel) if the first tile
-// to reach each block is written over it and the others are added after it
+// First stores (kDqClaimed): the accumulator need not be zeroed (a pass
+// over all of it at DRAM speed, before the kernel) if the first tile to
+// reach each block is written over it and the others are added after it
 // has landed. The blocks claim the first store with the block's counter
 // (claim_first_store), which stays 0 only for a block no tile reached: the
 // reader of the accumulator must then take it as zeros (never written).
@@ -95,8 +95,8 @@ enum FirstStore : int { kUnclaimed = 0, kClaimed = 1, kStored = 2 };
 // Claims the first store of a block: returns the counter as it was, so
 // kUnclaimed means the caller stores (and then marks the block stored with
 // hand_on_turn, which moves it from kClaimed to kStored); kClaimed means it
-// must wait (poll_until_turn(counter, kStored)) before adding; kStored that
-// it may add at once. Acquire: a kStored seen here orders the store before
+// must wait (wait_until_stored) before adding; kStored that it may add at
+// once. Acquire: a kStored seen here orders the store before
 // the caller's additions. The claimer is running its step, so a waiter
 // never waits on a block that is not on the GPU.
 __device__ __forceinline__ int claim_first_store(int* counter) {
@@ -108,7 +108,11 @@ __device__ __forceinline__ int claim_first_store(int* counter) {
     return prior;
 }
 
-// Waits until a claimed block's first store has landed (acquire).
+// Waits until a claimed block's first store has landed (acquire). Unlike
+// poll_until_turn it has no trap: the claimer is a running block whose
+// store needs nothing from anyone else. (In this mode's first version,
+// poll_until_turn's 64-bit count in the dQ warp moved the consumers'
+// registers into a spill.)
 __device__ __forceinline__ void wait_until_stored(const int* counter) {
     asm volatile(
         "{\n"

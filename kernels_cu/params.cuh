@@ -198,10 +198,10 @@ static_assert(sizeof(CacheAppendParams) == 4 * 32 + 4 * 8 + 14 * 8,
 // num_m_blocks) int32, zeroed by the preprocessing kernel, orders the dQ
 // additions of the deterministic backward, and where dq_block_m > 0 says
 // which dQ blocks of dq_block_m rows a first tile was stored into (the
-// accumulator is then not zeroed: ordered_accumulation.cuh's first stores).
-// Rows are addressed as in
-// the tensors (ProblemSize): batch entry `batch` of the tensors (0 in a
-// packed batch), row `row` from that entry's first.
+// accumulator is then not zeroed: ordered_accumulation.cuh's first
+// stores). Rows are addressed as in the tensors (ProblemSize): batch entry
+// `batch` of the tensors (0 in a packed batch), row `row` from that entry's
+// first.
 struct BackwardParams {
     TensorRef q, k, v, out, dout, dq, dk, dv;
     const float* lse;  // (batch, nheads, seqlen_q), from the forward pass

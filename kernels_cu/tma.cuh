@@ -10,8 +10,9 @@
 //
 // The other direction is a reduction or a store: the engine adds a box of
 // shared memory into global memory (float32 add), or writes it there,
-// skipping elements outside the tensor, and the issuing thread waits for its bulk groups (bulk_wait_read: the
-// shared source may be rewritten; bulk_wait: the writes are done).
+// skipping elements outside the tensor, and the issuing thread waits for
+// its bulk groups (bulk_wait_read: the shared source may be rewritten;
+// bulk_wait: the writes are done).
 #pragma once
 
 #include "numeric.cuh"
