@@ -22,28 +22,31 @@ from tests.validation_cases import BAD_BACKWARD_CASES, make_cupy_arrays
 pytestmark = pytest.mark.gpu
 
 
-def forward_for_backward(q, k, v, *, causal, softmax_scale=None, seed=0):
-    """out and lse from cuflash's forward, and a random dout."""
+def forward_for_backward(q, k, v, *, causal, softmax_scale=None, seed=0, **variants):
+    """out and lse from cuflash's forward (with ``variants``: window_size, ...), and a random dout."""
     cupy = _cupy()
-    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    out, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **variants)
     rng = cupy.random.default_rng(seed + 12345)
     dout = rng.standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
     return dout, out, lse
 
 
-def run_backward_and_check(q, k, v, *, causal, softmax_scale=None, deterministic=False, seed=0):
+def run_backward_and_check(q, k, v, *, causal, softmax_scale=None, deterministic=False, seed=0, **variants):
+    """cuflash's backward (with ``variants``: window_size, ...) against the float64 reference."""
     cupy = _cupy()
     head_dim = q.shape[-1]
     scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
-    dout, out, lse = forward_for_backward(q, k, v, causal=causal, softmax_scale=softmax_scale, seed=seed)
+    dout, out, lse = forward_for_backward(q, k, v, causal=causal, softmax_scale=softmax_scale, seed=seed, **variants)
     poisoned = [cupy.full(x.shape, cupy.nan, dtype=x.dtype) for x in (q, k, v)]
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                       deterministic=deterministic, dq=poisoned[0], dk=poisoned[1], dv=poisoned[2])
+                                       deterministic=deterministic, dq=poisoned[0], dk=poisoned[1], dv=poisoned[2],
+                                       **variants)
     assert all(g is p for g, p in zip(grads, poisoned))
-    expected = attention_backward_reference(dout, q, k, v, causal=causal, softmax_scale=scale)
+    expected = attention_backward_reference(dout, q, k, v, causal=causal, softmax_scale=scale, **variants)
     # float32 results are judged by relative error; their baseline only
     # matters where the exact gradient cancels to zero (see assert_output_accurate).
-    baselines = naive_attention_backward_same_precision(dout, q, k, v, causal=causal, softmax_scale=scale)
+    baselines = naive_attention_backward_same_precision(dout, q, k, v, causal=causal, softmax_scale=scale,
+                                                        **variants)
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, expected, baselines):
         try:
             assert_output_accurate(got, want, base)
