@@ -427,8 +427,19 @@ def claimed_dq_applies(mask: MaskPolicy, layout: str) -> bool:
     and batch layout: dense batches (a packed batch's tiles run into the
     next sequence's rows, whose blocks they cannot claim) under a causal or
     window mask, whose key blocks start their walks on their own diagonals
-    (``cuflash.api.stores_first_dq``)."""
+    (``runs_claimed_dq``)."""
     return layout == "dense" and mask.dq_turns == "last-key-first"
+
+
+def runs_claimed_dq(kernel: str, dq_mode: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether a backward runs its dK/dV kernel (``kernel``, in ``dq_mode``)
+    in the claimed dQ mode: the Hopper kernel with atomic dQ where the mode
+    is built (``claimed_dq_applies``) and there are at least as many queries
+    as keys, so that each key block's walk starts on its own diagonal: it is
+    the first at its first query blocks, and the others reach them steps
+    later (the launcher, ``cuflash.api.stores_first_dq``, and the
+    simulator's plan)."""
+    return kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(mask, layout) and seqlen_q >= seqlen_k
 
 
 def family_of(role: str, kernel: str) -> KernelFamily:

@@ -24,8 +24,8 @@ from typing import Callable
 from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
-from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant,
-                               claimed_dq_applies, family_of, merge_variant, select)
+from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
+                               merge_variant, runs_claimed_dq, select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
@@ -1471,24 +1471,20 @@ def backward_tiling_for(problem: AttentionProblem, views: dict, grads: dict, det
 
 def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> bool:
     """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
-    claimed dQ mode: the first dQ tile of each query block is written over
-    the float32 accumulator and the others are added once it has landed
-    (kernels_cu/ordered_accumulation.cuh's first stores). Then no pass zeroes
-    the accumulator (134 MB on the FlashAttention-2 grid at head dim 128: the
-    preprocessing takes 56 us instead of 95 on an H100), the counters mark
-    the blocks written, and the conversion writes zeros for the others.
+    claimed dQ mode (``runs_claimed_dq``): the first dQ tile of each query
+    block is written over the float32 accumulator and the others are added
+    once it has landed (kernels_cu/ordered_accumulation.cuh's first stores).
+    Then no pass zeroes the accumulator (134 MB on the FlashAttention-2 grid
+    at head dim 128: the preprocessing takes 56 us instead of 95 on an H100),
+    the counters mark the blocks written, and the conversion writes zeros
+    for the others.
 
-    The Hopper kernel with atomic dQ on dense batches under a causal or
-    window mask (``claimed_dq_applies``) with at least as many queries as
-    keys: each key block's walk starts on its own diagonal, so it is the
-    first at its first query blocks, and the others reach them steps later.
     Not measured faster elsewhere (docs/perf-notes.md): where all walks
     start on one query block (fewer queries than keys) all but the first
     key block wait for its store at every step (4-16% slower), and without
     a mask the dK/dV kernel took 3-4% longer, as much as the preprocessing
     saved."""
-    return (tiling.kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(problem.mask, problem.layout)
-            and problem.seqlen_q >= problem.seqlen_k)
+    return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k)
 
 
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
@@ -1511,11 +1507,11 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
                       for _, t in family.compiled_tilings())
         return buffers | {"dq_accum": ((rows, h, d), "float32"),
                           "dq_semaphore": ((b, h, -(-sq // block_m)), "int32")}
-    mode = family_of("backward-dkdv", tiling.kernel).dq_mode(deterministic)
+    family = family_of("backward-dkdv", tiling.kernel)
+    mode = family.dq_mode(deterministic)
     if mode != "separate":
         buffers["dq_accum"] = ((rows, h, d), "float32")
-    if mode == "ordered" or (mode == "atomic" and "claimed" in family_of("backward-dkdv", tiling.kernel).dq_modes
-                             and not packed):
+    if mode == "ordered" or (mode == "atomic" and "claimed" in family.dq_modes and not packed):
         buffers["dq_semaphore"] = ((b, h, -(-sq // tiling.block_m)), "int32")
     return buffers
 

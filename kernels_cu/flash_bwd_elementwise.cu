@@ -201,7 +201,7 @@ __device__ __forceinline__ bool dq_accumulated(const BackwardParams& params, con
     }
     // 32-bit division: a row index and a block size fit (a 64-bit one is a subroutine).
     const int m_block = static_cast<int>(q.row) / static_cast<int>(params.dq_block_m);
-    return params.dq_semaphore[(q.batch * params.size.nheads + q.head) * params.num_m_blocks + m_block] != 0;
+    return *params.dq_counter(q.batch, q.head, m_block) != 0;
 }
 
 // dq (input dtype, any strides) = the float32 accumulator, already scaled

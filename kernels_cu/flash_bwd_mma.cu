@@ -246,7 +246,7 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         // barrier the step has anyway (waiting after dQ's product, with its
         // registers live, spilled at d128), and handed on one step later.
         const auto dq_counter = [&]() {
-            return params.dq_semaphore + (block.batch * params.size.nheads + head) * params.num_m_blocks + m_block;
+            return params.dq_counter(block.batch, head, m_block);
         };
         // The barrier also says, single-buffered, that every warp is past
         // its last read of Q, dO and the statistics.

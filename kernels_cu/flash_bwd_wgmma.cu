@@ -176,8 +176,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 // entry is its tensor entry), claimed before the tile is
                 // ready, so that the atomic's round trip overlaps the wait.
                 const auto claim_counter = [&]() {
-                    return params.dq_semaphore +
-                           (block.tensor_batch * params.size.nheads + walk.head) * params.num_m_blocks + walk.m_block;
+                    return params.dq_counter(block.tensor_batch, walk.head, walk.m_block);
                 };
                 int claim = kStored;
                 if constexpr (kClaimsDq) {
@@ -186,8 +185,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 mbarrier_wait(dq_full, phase);
                 int* counter = nullptr;
                 if constexpr (kOrderedDq) {
-                    counter = params.dq_semaphore + (block.batch * params.size.nheads + walk.head) * params.num_m_blocks +
-                              walk.m_block;
+                    counter = params.dq_counter(block.batch, walk.head, walk.m_block);
                     poll_until_turn(counter, dq_turn(ctx.mask, params, walk.head, walk.m_block, block.n_block, kBlockM, kBlockN));
                     fence_async_global();  // the acquired turn before the copy engine's additions
                 }

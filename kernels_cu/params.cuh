@@ -235,6 +235,11 @@ struct BackwardParams {
     __device__ __forceinline__ float* dq_accum_row(index_t batch, index_t head, index_t row, int head_dim) const {
         return dq_accum + ((batch * size.seqlen_q + row) * size.nheads + head) * head_dim;
     }
+    // The dQ counter of query block m_block of (batch, head): the ordered
+    // mode's turns, or the claimed mode's first store (ordered_accumulation.cuh).
+    __device__ __forceinline__ int* dq_counter(index_t batch, index_t head, int m_block) const {
+        return dq_semaphore + (batch * size.nheads + head) * num_m_blocks + m_block;
+    }
 };
 
 static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8, "BackwardParams layout must match cuflash/_params.py");

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .._kernel_families import FAMILY, select
+from .._kernel_families import FAMILY, runs_claimed_dq, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
                        decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
@@ -437,8 +437,8 @@ class _TiledPlan:
     #: there (cuflash on Hopper: no partial results in memory, no merge launch)
     clustered: bool = False
     #: the dK/dV kernel stores each query block's first dQ tile instead of
-    #: adding every tile into a zeroed accumulator (cuflash on Hopper with
-    #: atomic dQ, causal, seqlen_q >= seqlen_k: cuflash.api.stores_first_dq):
+    #: adding every tile into a zeroed accumulator (cuflash where
+    #: cuflash._kernel_families.runs_claimed_dq says, as its launcher):
     #: no zeroing pass, no accumulator lines fetched for the first additions
     claimed_dq: bool = False
 
@@ -734,8 +734,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
-        claimed_dq=(bwd.kernel == "wgmma" and p.causal and not p.deterministic and p.block_density == 1
-                    and p.seqlen_q >= p.seqlen_k),
+        # a block-sparse problem stands for a user's mask, which adds into zeros
+        claimed_dq=p.block_density == 1 and runs_claimed_dq(bwd.kernel, "ordered" if p.deterministic else "atomic",
+                                                            mask_for(p.causal), "dense", p.seqlen_q, p.seqlen_k),
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS
