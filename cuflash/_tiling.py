@@ -430,7 +430,8 @@ class Tiling:
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             q = self.q_stages
-            barriers = 8 * (1 + 3 * q + 2)  # K/V full; Q full, dO full, empty per stage; dQ full, empty
+            # K/V full; Q full, dO full, empty per stage; dQ full, empty, store job; the job's slot
+            barriers = 8 * (1 + 3 * q + 3) + 8
             return ((2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4
                     + barriers + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)

@@ -6,7 +6,7 @@
 // kernels of flash_bwd_elementwise.cu run before and after it.
 //
 // Warpgroup 0 is the producer; it hands most of its registers back
-// (setmaxnreg) and two of its warps work:
+// (setmaxnreg) and two of its warps work (three in the claimed mode):
 //  - the load warp copies K and V once and, through a ring of kStages
 //    buffers, each step's Q and dO tiles with the Tensor Memory Accelerator
 //    (tma.cuh), its lanes writing the rows' LSE and delta next to them; full
@@ -14,13 +14,16 @@
 //  - the dQ warp takes each step's float32 dQ tile from shared memory and
 //    has the copy engine add it into the accumulator (cp.reduce.async.bulk,
 //    tma_reduce_add_tile), waiting, in the ordered (deterministic) mode, for
-//    this key block's turn first; in the claimed mode it stores the tile
-//    instead (tma_store_tile) where it is the first to reach the query
-//    block, so that no pass zeroes the accumulator (first stores,
-//    ordered_accumulation.cuh). The consumers never wait for those additions
-//    to land, only for the tile to be read: adding dQ was the previous
-//    kernel's bound (its warps all stalled in the same window of every step,
-//    docs/perf-notes.md).
+//    this key block's turn first. The consumers never wait for those
+//    additions to land, only for the tile to be read: adding dQ was the
+//    previous kernel's bound (its warps all stalled in the same window of
+//    every step, docs/perf-notes.md);
+//  - in the claimed mode, where this key block is the first to reach a
+//    query block, the dQ warp hands the tile to the store warp, which
+//    stores it over the unzeroed accumulator (tma_store_tile), so that no
+//    pass zeroes it (first stores, ordered_accumulation.cuh), and waits for
+//    the store to land before the other key blocks may add: a wait the dQ
+//    warp's additions of the next steps need not sit behind.
 // The other warpgroups are consumers (setmaxnreg: the producer's registers).
 // Each owns 64 keys; per query block, in the transposed form that keeps the
 // key-side products in registers:
@@ -122,6 +125,9 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         }
         mbarrier_init(dq_full, kConsumerThreads);
         mbarrier_init(dq_empty, 1);
+        if constexpr (kClaimsDq) {
+            mbarrier_init(base + Traits::kStoreJob, 1);
+        }
         mbarrier_init_fence();
     }
     // The only block-wide barrier: after it the producer may leave early.
@@ -173,14 +179,22 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
                 // kDqClaimed: the query block's counter (a dense batch's
-                // entry is its tensor entry), claimed before the tile is
-                // ready, so that the atomic's round trip overlaps the wait.
+                // entry is its tensor entry), claimed, and a store that
+                // another block is making awaited, before the tile is ready,
+                // so that the atomic's round trip and the proxy fence
+                // overlap the wait for it.
                 const auto claim_counter = [&]() {
                     return params.dq_counter(block.tensor_batch, walk.head, walk.m_block);
                 };
                 int claim = kStored;
                 if constexpr (kClaimsDq) {
                     claim = claim_first_store(claim_counter());
+                    if (claim == kClaimed) {
+                        wait_until_stored(claim_counter());
+                    }
+                    if (claim != kUnclaimed) {
+                        fence_async_global();  // the acquired store before the copy engine's additions
+                    }
                 }
                 mbarrier_wait(dq_full, phase);
                 int* counter = nullptr;
@@ -189,25 +203,17 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     poll_until_turn(counter, dq_turn(ctx.mask, params, walk.head, walk.m_block, block.n_block, kBlockM, kBlockN));
                     fence_async_global();  // the acquired turn before the copy engine's additions
                 }
-                if constexpr (kClaimsDq) {
-                    if (claim == kClaimed) {
-                        wait_until_stored(claim_counter());
-                    }
-                    fence_async_global();  // the acquired store before the copy engine's writes
-                    if (claim == kUnclaimed) {
-                        tma_store_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
-                                               block.tensor_batch);
-                    } else {
-                        tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start,
-                                                    walk.head, block.tensor_batch);
-                    }
+                if (kClaimsDq && claim == kUnclaimed) {
+                    // The store warp stores the tile and empties it.
+                    post_first_store(base + Traits::kStoreSlot, static_cast<int>(walk.head), walk.m_block);
+                    mbarrier_arrive(base + Traits::kStoreJob);
                 } else {
                     tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
                                                 block.tensor_batch);
+                    bulk_commit();
+                    bulk_wait_read<0>();
+                    mbarrier_arrive(dq_empty);  // the consumers may write the next tile
                 }
-                bulk_commit();
-                bulk_wait_read<0>();
-                mbarrier_arrive(dq_empty);  // the consumers may write the next tile
                 if constexpr (kOrderedDq) {
                     // The additions must have landed, and be visible at gpu
                     // scope, before the next key block's turn.
@@ -215,19 +221,39 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     fence_async_global();
                     hand_on_turn(counter);
                 }
-                if constexpr (kClaimsDq) {
-                    if (claim == kUnclaimed) {
-                        // The same for the store, before the others add (the
-                        // counter moves from claimed to stored).
-                        bulk_wait<0>();
-                        fence_async_global();
-                        hand_on_turn(claim_counter());
-                    }
-                }
                 walk.advance();
                 phase ^= 1;
             }
+            if constexpr (kClaimsDq) {
+                // The store warp has read the last job once the last tile
+                // is emptied; only then may the slot take the end. (With no
+                // steps this waits for the phase before the first: at once.)
+                mbarrier_wait(dq_empty, phase ^ 1);
+                post_first_store(base + Traits::kStoreSlot, 0, -1);
+                mbarrier_arrive(base + Traits::kStoreJob);
+            }
             bulk_wait<0>();
+        } else if (kClaimsDq && warp == 2 && lane == 0) {
+            // The store warp (kDqClaimed): the first stores the dQ warp hands
+            // it, each waited for until it has landed and then marked stored
+            // (the counter moves from claimed to stored) before the other
+            // key blocks add. Waiting here holds up none of the dQ warp's
+            // additions of the steps after it.
+            for (u32 job_phase = 0;; job_phase ^= 1) {
+                mbarrier_wait(base + Traits::kStoreJob, job_phase);
+                const FirstStoreJob job = take_first_store(base + Traits::kStoreSlot);
+                if (job.m_block < 0) {
+                    break;
+                }
+                tma_store_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + job.m_block * kBlockM, job.head,
+                                       block.tensor_batch);
+                bulk_commit();
+                bulk_wait_read<0>();
+                mbarrier_arrive(dq_empty);  // the consumers may write the next tile
+                bulk_wait<0>();
+                fence_async_global();
+                hand_on_turn(params.dq_counter(block.tensor_batch, job.head, job.m_block));
+            }
         }
         return;
     }

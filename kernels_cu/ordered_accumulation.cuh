@@ -108,6 +108,24 @@ __device__ __forceinline__ int claim_first_store(int* counter) {
     return prior;
 }
 
+// A first store the Hopper dK/dV kernel's dQ warp hands to its store warp
+// (flash_bwd_wgmma.cu) through a slot of shared memory: the query head and
+// block (m_block < 0: no more stores). Two 32-bit values at a shared
+// address, where the dQ warp, which runs on few registers, has them at hand.
+struct FirstStoreJob {
+    int head, m_block;
+};
+
+__device__ __forceinline__ void post_first_store(u32 slot, int head, int m_block) {
+    asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(slot), "r"(head), "r"(m_block) : "memory");
+}
+
+__device__ __forceinline__ FirstStoreJob take_first_store(u32 slot) {
+    FirstStoreJob job;
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(job.head), "=r"(job.m_block) : "r"(slot) : "memory");
+    return job;
+}
+
 // Waits until a claimed block's first store has landed (acquire). Unlike
 // poll_until_turn it has no trap: the claimer is a running block whose
 // store needs nothing from anyone else. (In this mode's first version,

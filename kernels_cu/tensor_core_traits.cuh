@@ -297,11 +297,15 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kStats = kDq + DqTile::kBytes;          // kStages buffers of (LSE in log2, delta)
     static constexpr int kStatsBytes = 2 * kBlockM * 4;
     static constexpr int kBarriers = kStats + kStages * kStatsBytes;
-    // K and V full; per stage Q full, dO full, Q/dO empty; dQ full, dQ empty.
+    // K and V full; per stage Q full, dO full, Q/dO empty; dQ full, dQ
+    // empty; a first store handed to the store warp (kDqClaimed), then that
+    // store's slot (FirstStoreJob).
     static constexpr int kKvFull = kBarriers;
     static constexpr int kDqFull = kKvFull + 8 + 3 * 8 * kStages;
     static constexpr int kDqEmpty = kDqFull + 8;
-    static constexpr int kLayoutBytes = kDqEmpty + 8;
+    static constexpr int kStoreJob = kDqEmpty + 8;
+    static constexpr int kStoreSlot = kStoreJob + 8;
+    static constexpr int kLayoutBytes = kStoreSlot + 8;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
