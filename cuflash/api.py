@@ -1482,8 +1482,10 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
     Not measured faster elsewhere (docs/perf-notes.md): where all walks
     start on one query block (fewer queries than keys) all but the first
     key block wait for its store at every step (4-16% slower), and without
-    a mask the dK/dV kernel took 3-4% longer, as much as the preprocessing
-    saved."""
+    a mask the dK/dV kernel took 3-4% longer at head dim 128, as much as the
+    preprocessing saved (measured again with the store warp, rotated walks
+    and a bound that never waits: the waits are about a sixth of it, the
+    rest not located)."""
     return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k)
 
 
