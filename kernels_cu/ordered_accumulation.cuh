@@ -93,8 +93,9 @@ struct HeldTurn {
 enum FirstStore : int { kUnclaimed = 0, kClaimed = 1, kStored = 2 };
 
 // Claims the first store of a block: returns the counter as it was, so
-// kUnclaimed means the caller stores (and then marks the block stored with
-// hand_on_turn, which moves it from kClaimed to kStored); kClaimed means it
+// kUnclaimed means the caller's block stores (the Hopper kernel's store
+// warp, which then marks the block stored with hand_on_turn, moving it from
+// kClaimed to kStored, from the thread that issued the store); kClaimed means it
 // must wait (wait_until_stored) before adding; kStored that it may add at
 // once. Acquire: a kStored seen here orders the store before
 // the caller's additions. The claimer is running its step, so a waiter
