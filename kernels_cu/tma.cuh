@@ -65,26 +65,33 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, u32 src, int 
         : "memory");
 }
 
-// Adds a float32 tile (SwizzledFloatTile) into rows row.. of (head, batch):
-// one box of 32 columns per panel.
-template <typename Tile>
-__device__ __forceinline__ void tma_reduce_add_tile(const TensorMap& map, u32 src, int row, index_t head,
-                                                    index_t batch) {
+// Calls copy_box(src_box, c0, c1, c2, c3) for each panel of a float32 tile
+// (SwizzledFloatTile) at `src`, rows row.. of (head, batch): one box of 32
+// columns per panel.
+template <typename Tile, typename CopyBox>
+__device__ __forceinline__ void for_each_panel_box(u32 src, int row, index_t head, index_t batch, CopyBox&& copy_box) {
 #pragma unroll
     for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
-        tma_reduce_add_4d(map, src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
-                          static_cast<int>(batch));
+        copy_box(src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
+                 static_cast<int>(batch));
     }
 }
 
-// Writes a float32 tile (SwizzledFloatTile) over rows row.. of (head, batch).
+// Adds a float32 tile into rows row.. of (head, batch).
+template <typename Tile>
+__device__ __forceinline__ void tma_reduce_add_tile(const TensorMap& map, u32 src, int row, index_t head,
+                                                    index_t batch) {
+    for_each_panel_box<Tile>(src, row, head, batch, [&](u32 box, int c0, int c1, int c2, int c3) {
+        tma_reduce_add_4d(map, box, c0, c1, c2, c3);
+    });
+}
+
+// Writes a float32 tile over rows row.. of (head, batch).
 template <typename Tile>
 __device__ __forceinline__ void tma_store_tile(const TensorMap& map, u32 src, int row, index_t head, index_t batch) {
-#pragma unroll
-    for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
-        tma_store_4d(map, src + panel * Tile::kPanelBytes, panel * Tile::kPanelCols, row, static_cast<int>(head),
-                     static_cast<int>(batch));
-    }
+    for_each_panel_box<Tile>(src, row, head, batch, [&](u32 box, int c0, int c1, int c2, int c3) {
+        tma_store_4d(map, box, c0, c1, c2, c3);
+    });
 }
 
 // Closes the bulk group of the copies this thread issued since the last one.

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .._kernel_families import FAMILY, runs_claimed_dq, select
+from .._kernel_families import FAMILY, family_of, runs_claimed_dq, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
                        decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
@@ -735,8 +735,9 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
         # a block-sparse problem stands for a user's mask, which adds into zeros
-        claimed_dq=p.block_density == 1 and runs_claimed_dq(bwd.kernel, "ordered" if p.deterministic else "atomic",
-                                                            mask_for(p.causal), "dense", p.seqlen_q, p.seqlen_k),
+        claimed_dq=p.block_density == 1 and runs_claimed_dq(
+            bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
+            p.seqlen_q, p.seqlen_k),
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS
