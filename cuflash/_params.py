@@ -140,8 +140,9 @@ def _with_maps(base: np.dtype, maps: tuple[str, ...]) -> np.dtype:
     })
 
 
-#: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V.
-WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map"))
+#: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V
+#: and the output (persistent blocks store their rows through it).
+WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map", "out_map"))
 #: WgmmaBackwardParams: BackwardParams, then the maps of Q, K, V, dO and the float32 dQ accumulator.
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 

@@ -1386,13 +1386,19 @@ def _forward_params_struct(tiling: Tiling):
 
 
 def _forward_tensor_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, params) -> list:
-    """(pointer slot, encoder) of the tensor maps a forward reads: the
-    Hopper forward's of Q, K and V, copy-engine K/V's of K and V (one
-    swizzle panel of block_m or block_n rows a copy), encoded in ``params``
-    for each call's pointers; none for the other forwards."""
+    """(pointer slot, encoder) of the tensor maps a forward reads and
+    writes: the Hopper forward's of Q, K and V, and with persistent blocks
+    of the output (one consumer's 64 rows a copy), copy-engine K/V's of K
+    and V (one swizzle panel of block_m or block_n rows a copy), encoded in
+    ``params`` for each call's pointers; none for the other forwards. The
+    output takes a map wherever Q does: the Hopper forward runs only where
+    q, k, v and out all have 16-byte aligned pointers and strides of whole
+    16-byte chunks (``forward_tiling_for``)."""
     kv_rows = copy_engine_box_rows(tiling.block_n, _page_size(problem)) if tiling.kv_tma else tiling.block_n
-    rows = {"q": tiling.block_m, "k": kv_rows, "v": kv_rows}
+    rows = {"q": tiling.block_m, "k": kv_rows, "v": kv_rows, "out": 64}
     names = ("q", "k", "v") if tiling.kernel == "wgmma" else ("k", "v") if tiling.kv_tma else ()
+    if tiling.kernel == "wgmma" and tiling.persistent:
+        names += ("out",)
     maps = []
     for name in names:
         layout = layouts[name]

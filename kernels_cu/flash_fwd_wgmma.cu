@@ -202,6 +202,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             named_barrier_sync(1 + consumer, 256);
         }
     };
+    // Persistent: consumer c's warps have staged their output rows at barrier kStagedBarrier + c.
+    constexpr int kStagedBarrier = 1 + kConsumers;
     const auto pass_turn = [&](bool last) {
         if constexpr (kConsumers > 1) {
             if (!(last && consumer == kConsumers - 1)) {
@@ -375,7 +377,13 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // Epilogue. This warpgroup's last product reading Q finished before
         // its last wait, and no other warpgroup reads these rows, so each
         // warp stages its normalised output rows in its own rows of the Q
-        // tile (same swizzle: conflict-free) and stores them 16 bytes at a time.
+        // tile (same swizzle: conflict-free). One tile a block: each warp
+        // stores its rows 16 bytes at a time. Persistent (dense batches): one
+        // thread has the copy engine store the consumer's 64 rows (rows past
+        // the sequence and columns past head_dim lie outside out_map), and
+        // the consumer goes on to its next tile instead of reading the rows
+        // back and storing them: at 512 keys this took d64 causal from 0.139
+        // to 0.131 ms, d128 without a mask from 0.137 to 0.133 (H100).
         // The tile's rows computed again rather than kept from `origin`, so
         // that they hold no registers through the main loop.
         const QueryBlock block = tile_block(tile);
@@ -387,13 +395,22 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             [&](int row_in_block, int dt, u32 packed) {
                 *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) + 4 * (lane % 4)) = packed;
             });
-        __syncwarp();
-        store_warp_rows<QTile>(block.query_row<Element>(params.out, block.head, first_row), params.out.row_stride,
-                               q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
-        // The staged rows were read back (the stores took them into
-        // registers) and written by ordinary stores: ordered before the
-        // copy engine refills the buffer with a later tile's Q.
-        fence_async_shared();
+        if constexpr (kPersistent) {
+            fence_async_shared();  // the staged rows, written by ordinary stores, are read by the copy engine
+            named_barrier_sync(kStagedBarrier + consumer, 128);
+            if (warp % 4 == 0 && lane == 0) {
+                tma_store_tile<QTile>(params.out_map,
+                                      base + Traits::kQ + q_buffer * QTile::kBytes + consumer * 64 * QTile::kSwizzleBytes,
+                                      block.q_row0 + first_row + consumer * 64, block.head, block.tensor_batch);
+                bulk_commit();
+                bulk_wait_read<0>();  // the buffer may take a later tile's Q once the engine has read the rows
+            }
+            __syncwarp();
+        } else {
+            __syncwarp();
+            store_warp_rows<QTile>(block.query_row<Element>(params.out, block.head, first_row), params.out.row_stride,
+                                   q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
+        }
         mbarrier_arrive(Traits::q_empty(base, q_buffer));
     };
     if constexpr (kPersistent) {
@@ -405,6 +422,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 q_ring.advance();
             }
         }
+        bulk_wait<0>();  // the output's last stores are done
     } else {
         consume_tile(blockIdx.x, 0, 0);
     }

@@ -140,17 +140,18 @@ struct alignas(64) TensorMap {
 };
 
 // The Hopper forward's parameters (flash_fwd_wgmma.cu): the common ones and
-// tensor maps of Q, K and V, whose global addresses the launcher writes per
-// call. Passed as a __grid_constant__ parameter so that the maps keep a
-// parameter-space address the copy engine can read.
+// tensor maps of Q, K and V, and of the output (written only by persistent
+// blocks, encoded only for them), whose global addresses the launcher
+// writes per call. Passed as a __grid_constant__ parameter so that the maps
+// keep a parameter-space address the copy engine can read.
 struct WgmmaForwardParams : ForwardParams {
-    TensorMap q_map, k_map, v_map;
+    TensorMap q_map, k_map, v_map, out_map;
 };
 
 static_assert(sizeof(VariantParams) == 20 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 512 + 3 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 512 + 4 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
 static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8,
               "ForwardParams layout must match cuflash/_params.py");

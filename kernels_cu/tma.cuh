@@ -65,9 +65,10 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, u32 src, int 
         : "memory");
 }
 
-// Calls copy_box(src_box, c0, c1, c2, c3) for each panel of a float32 tile
-// (SwizzledFloatTile) at `src`, rows row.. of (head, batch): one box of 32
-// columns per panel.
+// Calls copy_box(src_box, c0, c1, c2, c3) for each panel of a tile
+// (SwizzledTile, SwizzledFloatTile) whose rows start at `src`, rows row.. of
+// (head, batch): one box of Tile::kPanelCols columns per panel (as many
+// rows as the map's box: the tile's, or a band of them, starting at `src`).
 template <typename Tile, typename CopyBox>
 __device__ __forceinline__ void for_each_panel_box(u32 src, int row, index_t head, index_t batch, CopyBox&& copy_box) {
 #pragma unroll
@@ -86,7 +87,7 @@ __device__ __forceinline__ void tma_reduce_add_tile(const TensorMap& map, u32 sr
     });
 }
 
-// Writes a float32 tile over rows row.. of (head, batch).
+// Writes a tile (or the map's box of rows of it, from `src`) over rows row.. of (head, batch).
 template <typename Tile>
 __device__ __forceinline__ void tma_store_tile(const TensorMap& map, u32 src, int row, index_t head, index_t batch) {
     for_each_panel_box<Tile>(src, row, head, batch, [&](u32 box, int c0, int c1, int c2, int c3) {

@@ -341,6 +341,42 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     assert_lse_close(lse, ref_lse)
 
 
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_forward_persistent_stores_exactly_out(head_dim, causal):
+    """Persistent blocks store their output rows with the copy engine
+    (out_map): into an ``out`` that is a strided view of a larger poisoned
+    buffer (an offset row, head and column range), every element of the
+    view gets the float64 reference's value and nothing outside it is
+    written, at a length whose last tile runs past the sequence (1000 rows)
+    and where head_dim 80 leaves padded columns the map must clip."""
+    import cuflash
+    from cuflash._tiling import wgmma_forward_for_call
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    batch, seqlen, heads = 2, 1000, 4
+    q, k, v = random_qkv(cupy, batch, seqlen, seqlen, heads, heads, head_dim, cupy.dtype("bfloat16"),
+                         seed=head_dim + causal)
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=causal,
+                            softmax_scale=None)
+    layouts = {name: api.Layout.of(x) for name, x in (("q", q), ("k", k), ("v", v), ("out", q))}
+    table = api.forward_tiling_for(problem, [layouts[n] for n in ("q", "k", "v", "out")], aligned=True)
+    assert table.kernel == "wgmma" and wgmma_forward_for_call(table, "bfloat16", head_dim, problem.mask.name, "dense", False, seqlen).persistent
+    buffer = cupy.full((batch, seqlen + 3, heads + 1, head_dim + 8), cupy.nan, dtype=q.dtype)
+    out = buffer[:, 2:2 + seqlen, 1:, 8:]
+    cuflash.attention(q, k, v, causal=causal, out=out)
+    cupy.cuda.get_current_stream().synchronize()
+    outside = cupy.ones(buffer.shape, dtype=bool)
+    outside[:, 2:2 + seqlen, 1:, 8:] = False
+    assert bool(cupy.isnan(buffer[outside]).all()), "the forward wrote outside out"
+    ref_out, _ = attention_reference(q, k, v, causal=causal, softmax_scale=head_dim ** -0.5)
+    assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, causal=causal,
+                                                                        softmax_scale=head_dim ** -0.5))
+
+
 def _scores_along_keys(cupy, q, k, key_scores, scale):
     """Rewrites q and k (in place) so that every query row's score against key
     j is key_scores[j] (natural units, after the softmax scale) plus a small
