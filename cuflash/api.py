@@ -1616,10 +1616,10 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     device = problem.device
     launches = []
 
-    def elementwise(family: str, work: int, dependent: bool = False):
+    def elementwise(family: str, work: int):
         variant = FAMILY[family].variant(problem.dtype)
         blocks = max(1, min(_ELEMENTWISE_BLOCKS, -(-work // variant.threads)))
-        launches.append(KernelLaunch(loader.get(variant, device), blocks, variant.threads, 0, dependent=dependent))
+        launches.append(KernelLaunch(loader.get(variant, device), blocks, variant.threads, 0))
 
     if rows:
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
@@ -1627,10 +1627,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
         variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score,
                                       "claimed" if claimed else dq_mode, layout=problem.layout)
-        # The Hopper kernel waits for the preprocessing's results itself
-        # (grid_dependency.cuh): launched as its dependent.
-        launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
-                                     dependent=hopper))
+        launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query
         # blocks, so it takes a second struct with that block count.
@@ -1641,8 +1638,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
                                      struct=1))
     elif rows:
-        # A dependent of the Hopper dK/dV kernel: it waits for it (grid_dependency.cuh).
-        elementwise("backward-convert-dq", rows * 32, dependent=hopper)  # one warp per query row
+        elementwise("backward-convert-dq", rows * 32)  # one warp per query row
     tensor_maps = _wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0]) if hopper and rows and grid else []
     return LaunchPlan(device, structs, BACKWARD_SLOTS, launches, tensor_maps)
 

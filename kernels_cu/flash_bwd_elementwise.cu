@@ -6,7 +6,6 @@
 #include "numeric.cuh"
 #include "params.cuh"
 #include "warp_reduce.cuh"
-#include "grid_dependency.cuh"
 
 namespace cuflash {
 
@@ -211,7 +210,6 @@ __device__ __forceinline__ bool dq_accumulated(const BackwardParams& params, con
 template <typename Element, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32)
 flash_backward_convert_dq_kernel(const BackwardParams params) {
-    wait_for_prerequisite_grids();  // a dependent of the dK/dV kernel on Hopper
     const int head_dim = params.size.head_dim_int();
     if constexpr (sizeof(Element) == 2) {
         if (rows_in_chunks<Element>(params.dq, head_dim)) {

@@ -54,7 +54,6 @@
 #include "wgmma.cuh"
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
-#include "grid_dependency.cuh"
 
 namespace cuflash {
 
@@ -153,9 +152,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 tma_load_tile<KvTile>(base + Traits::kV, params.v_map, kv_full, block.k_row0 + n_start, block.kv_head,
                                       block.tensor_batch);
             }
-            // Launched as a dependent of the preprocessing (K and V are
-            // inputs, loaded before): its delta, before the first statistics.
-            wait_for_prerequisite_grids();
             Ring ring;
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
@@ -178,9 +174,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 ring.advance();
             }
         } else if (warp == 1 && lane == 0) {
-            // The dQ warp: each step's tile, once the consumers have written it,
-            // into the accumulator and counters the preprocessing zeroed.
-            wait_for_prerequisite_grids();
+            // The dQ warp: each step's tile, once the consumers have written it.
             u32 phase = 0;
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
@@ -245,7 +239,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             // (the counter moves from claimed to stored) before the other
             // key blocks add. Waiting here holds up none of the dQ warp's
             // additions of the steps after it.
-            wait_for_prerequisite_grids();  // the counters the preprocessing zeroed
             for (u32 job_phase = 0;; job_phase ^= 1) {
                 mbarrier_wait(base + Traits::kStoreJob, job_phase);
                 const FirstStoreJob job = take_first_store(base + Traits::kStoreSlot);

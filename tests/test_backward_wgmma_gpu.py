@@ -275,25 +275,3 @@ def test_wgmma_backward_encodes_maps_for_each_calls_arrays(head_dim):
     run_backward_and_check(*second, causal=False, seed=2)
     run_backward_and_check(first[0], second[1], first[2], causal=False, seed=3)  # a new K alone
     assert len(api.plans) == plans_after_first  # one signature per pass, one plan each
-
-
-@needs_hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_wgmma_backward_launches_its_later_kernels_as_dependents(causal, monkeypatch):
-    """On Hopper the dK/dV kernel and the dQ conversion are dependent launches
-    (scheduled before the kernel ahead has completed; grid_dependency.cuh),
-    each waiting for that kernel's results itself: the preprocessing's delta
-    and zeroed accumulator or counters, the dK/dV kernel's dQ. Shapes whose
-    dK/dV pass is short next to the preprocessing (one key block, many query
-    rows) would read delta before it is written if a wait were missing."""
-    plans = []
-    plan_of = api.backward_plan
-    monkeypatch.setattr(api, "backward_plan", lambda *args, **kw: plans.append(plan_of(*args, **kw)) or plans[-1])
-    cupy = _cupy()
-    for seqlen_q, seqlen_k in ((4099, 17), (333, 211)):
-        q, k, v = random_qkv(cupy, 3, seqlen_q, seqlen_k, 8, 2, 128, cupy.dtype("bfloat16"), seed=seqlen_q)
-        assert _chosen(q, k, v).kernel == "wgmma"
-        api.plans.clear()  # planned afresh, not served from an earlier test's plan
-        run_backward_and_check(q, k, v, causal=causal, seed=seqlen_k)
-        # (function, grid, threads, shared memory, arguments, dependent-launch config or None)
-        assert [launch[5] is not None for launch in plans[-1]._launches] == [False, True, True]
