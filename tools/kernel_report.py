@@ -249,8 +249,10 @@ def compile_report(variants, arch: str) -> list[dict]:
         log = "\n".join(pool.map(lambda group: _ptxas_log(group, arch), jobs))
     entries, current, serialized = {}, None, set()
     for line in log.splitlines():
-        # C7520: ptxas made every wgmma wait for the previous one (see flash_fwd_wgmma.cu).
-        if match := re.search(r"\(C7520\).*in the function '(\w+)'", line):
+        # ptxas made every wgmma wait for the previous one: C7520 (a wgmma in
+        # a branch it must treat as divergent, see flash_fwd_wgmma.cu), C7514
+        # (an accumulator read on a path where it sees the product in flight).
+        if match := re.search(r"wgmma\.mma_async instructions are serialized.*in the function '(\w+)'", line):
             serialized.add(match.group(1))
         elif match := re.search(r"Compiling entry function '(\w+)'", line):
             current = match.group(1)
@@ -308,7 +310,7 @@ def sass_of(variant, arch: str = "sm_90a") -> list[str]:
         listing = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True,
                                  env={**os.environ, "PATH": path}).stdout
     return [re.sub(r"\s*;.*", "", line.split("*/", 1)[1]).strip()
-            for line in listing.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+            for line in listing.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]
 
 
 def exponentials_after_score_waits(sass: list[str]) -> list[int]:
@@ -407,7 +409,7 @@ def main() -> int:
               + ", ".join(f"{r['variant']} ({r['arch']})" for r in spilling), file=sys.stderr)
     serial = [r for r in rows if r["wgmma_serialized"]]
     if serial:
-        print(f"{len(serial)} variant(s) have serialised wgmma (C7520): "
+        print(f"{len(serial)} variant(s) have serialised wgmma (C7514, C7520): "
               + ", ".join(f"{r['variant']} ({r['arch']})" for r in serial), file=sys.stderr)
     return 1 if args.fail_on_spill and (spilling or serial) else 0
 
