@@ -399,9 +399,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             fence_async_shared();  // the staged rows, written by ordinary stores, are read by the copy engine
             named_barrier_sync(kStagedBarrier + consumer, 128);
             if (warp % 4 == 0 && lane == 0) {
-                tma_store_tile<QTile>(params.out_map,
-                                      base + Traits::kQ + q_buffer * QTile::kBytes + consumer * 64 * QTile::kSwizzleBytes,
-                                      block.q_row0 + first_row + consumer * 64, block.head, block.tensor_batch);
+                const u32 rows = base + Traits::kQ + q_buffer * QTile::kBytes + consumer * 64 * QTile::kSwizzleBytes;
+                tma_store_tile<QTile>(params.out_map, rows, block.q_row0 + first_row + consumer * 64, block.head,
+                                      block.tensor_batch);
                 bulk_commit();
                 bulk_wait_read<0>();  // the buffer may take a later tile's Q once the engine has read the rows
             }
