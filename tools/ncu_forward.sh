@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Nsight Compute profile of the forward against cuDNN's (PyTorch SDPA's cuDNN backend) at one point of the
+# FlashAttention-2 grid (bf16, 16k tokens, hidden 2048): per kernel its duration, DRAM bytes and throughput,
+# L2 hit rate and reads, instructions, launch shape, then the warp-state and source-counter sections (stall
+# reasons). Reports land in $OUT; the summary table of docs/perf-notes.md's d128 causal 512 comparison came
+# from this run.
+#
+#   OUT=/tmp/out bash tools/ncu_forward.sh 512 128 1      (seqlen, head_dim, causal)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+seqlen=${1:-512} head_dim=${2:-128} causal=${3:-1}
+# The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
+workload=$OUT/ncu_forward_workload.py
+cat > "$workload" <<'PY'
+import sys
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+import cuflash
+impl, seqlen, head_dim, causal, repetitions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+q, k, v = (torch.randn(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
+           for _ in range(3))
+q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+with torch.no_grad():
+    for _ in range(repetitions):
+        if impl == "cuflash":
+            cuflash.attention(q, k, v, causal=causal)
+        else:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                sdpa(q_t, k_t, v_t, is_causal=causal)
+torch.cuda.synchronize()
+PY
+metrics=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct
+metrics+=,lts__t_sectors_srcunit_tex_op_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
+metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__inst_executed.sum
+metrics+=,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic
+declare -A kernels=([cuflash]="flash_forward" [cudnn]="sdpa|fprop|fmha|flash")
+for impl in cuflash cudnn; do
+  python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 1 > /dev/null  # compiles outside the profile
+  common=(--clock-control none --target-processes all --kernel-name "regex:${kernels[$impl]}" --launch-skip 1
+          --launch-count 1)
+  "$NCU" "${common[@]}" --metrics "$metrics" python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 \
+    > "$OUT/ncu_metrics_$impl.txt" 2>&1
+  "$NCU" "${common[@]}" --section WarpStateStats --section SourceCounters --section SchedulerStats \
+    --print-details all python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 > "$OUT/ncu_stalls_$impl.txt" 2>&1
+  echo "== $impl (seqlen $seqlen, head_dim $head_dim, causal=$causal)"
+  grep -E "\(1?[0-9]+, 1, 1\)x\(|^\s+(gpu__|dram__|lts__|sm__|smsp__|launch__)" "$OUT/ncu_metrics_$impl.txt"
+  grep -E "Warp Cycles Per Issued|Stall (Wait|Barrier|Long Scoreboard)" "$OUT/ncu_stalls_$impl.txt"
+done
