@@ -5,12 +5,7 @@
 # by unit and the L2 sectors by operation (reads, writes, reductions). Reports land in $OUT.
 #
 #   OUT=/tmp/out bash tools/ncu_backward.sh 256 192 128     (CAUSAL=1 for the causal mask)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+source "$(dirname "$0")/ncu_setup.sh"
 causal=${CAUSAL:-0}
 # The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
 workload=$OUT/ncu_backward_workload.py

@@ -6,12 +6,7 @@
 # from this run.
 #
 #   OUT=/tmp/out bash tools/ncu_forward.sh 512 128 1      (seqlen, head_dim, causal)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/cuflash-cupy-cache}
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+source "$(dirname "$0")/ncu_setup.sh"
 seqlen=${1:-512} head_dim=${2:-128} causal=${3:-1}
 # The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
 workload=$OUT/ncu_forward_workload.py
