@@ -16,7 +16,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 import cuflash
-impl, seqlen, head_dim, causal, repetitions = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+impl, seqlen, head_dim = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+causal, repetitions = sys.argv[4] == "1", int(sys.argv[5])
 q, k, v = (torch.randn(16384 // seqlen, seqlen, 2048 // head_dim, head_dim, device="cuda", dtype=torch.bfloat16)
            for _ in range(3))
 q_t, k_t, v_t = (x.transpose(1, 2).contiguous() for x in (q, k, v))
