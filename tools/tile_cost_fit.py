@@ -25,18 +25,19 @@ from pathlib import Path
 
 import numpy as np
 
+from cuflash.simulate.algorithms import query_sweep
+from cuflash.simulate.traffic import Problem
+
 
 def work_units(seqlen: int, batch: int, heads: int, causal: bool, block_m: int, block_n: int) -> tuple[int, float]:
     """(query tiles, key blocks visited by all of them) of a call with
-    seqlen_q = seqlen_k = ``seqlen``."""
-    tiles_per_head = -(-seqlen // block_m)
-    blocks = -(-seqlen // block_n)
-    tiles = batch * heads * tiles_per_head
-    if not causal:
-        return tiles, float(tiles * blocks)
-    # Tile p (rows p block_m .. (p + 1) block_m - 1) sees the key blocks up to its last row's.
-    per_head = sum(min(blocks, -(-min((p + 1) * block_m, seqlen) // block_n)) for p in range(tiles_per_head))
-    return tiles, float(batch * heads * per_head)
+    seqlen_q = seqlen_k = ``seqlen``: the simulator's query sweep, whose
+    mask rules are the kernels'."""
+    sweep = query_sweep(Problem(batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal),
+                        block_m, block_n)
+    # A tile's visited keys start on a key-block boundary: its block count is their ceiling.
+    per_head = sum(-(-tile.keys // block_n) for tile in sweep)
+    return batch * heads * len(sweep), float(batch * heads * per_head)
 
 
 def fit(rows: list[dict], impl: str, causal: bool, *, head_dim: int, dtype: str, block_m: int, block_n: int,
