@@ -1,0 +1,322 @@
+"""Context parallelism for PyTorch: ring attention and Ulysses over
+``torch.distributed`` (NCCL). See ``cuflash.distributed``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import api
+from .._validation import resolve_softmax_scale
+from .schedule import check_shard_length, gathered_order, part_bounds, ring_steps, shard_chunks
+
+
+def _group_of(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cuflash.distributed needs an initialised torch.distributed process group "
+                           "(torch.distributed.init_process_group('nccl'), for example under torchrun)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _check_inputs(q, k, v, balanced: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or not x.is_cuda:
+            raise TypeError(f"{name} must be a CUDA torch.Tensor, got {type(x).__name__}"
+                            + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be (batch, seqlen_local, nheads, head_dim), got shape {tuple(x.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:2] != k.shape[:2]:
+        raise ValueError("q, k and v must be shards of one sequence: (batch, seqlen_local) must match, got "
+                         f"q {tuple(q.shape[:2])} and k {tuple(k.shape[:2])}")
+    check_shard_length(q.shape[1], balanced, "q's sequence shard")
+
+
+#: False makes every transfer finish before the step that follows it starts
+#: (tools/bench_ring.py's serialised baseline, to measure the overlap).
+OVERLAP = True
+
+
+class _Ring:
+    """Point-to-point hand-off around the ring: each rank sends to the next
+    and receives from the previous, on NCCL's stream, ordered after the
+    work already queued on the current stream (the sent buffer is complete)
+    and before the work queued after ``wait`` (the received one is)."""
+
+    def __init__(self, group):
+        self.group = group
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % world)
+        self.prev = dist.get_global_rank(group, (rank - 1) % world)
+
+    def start(self, send: torch.Tensor, receive: torch.Tensor):
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
+               dist.P2POp(dist.irecv, receive, self.prev, self.group)]
+        works = dist.batch_isend_irecv(ops)
+        if not OVERLAP:
+            self.wait(works)
+            return ()
+        return works
+
+    @staticmethod
+    def wait(works) -> None:
+        for work in works:
+            work.wait()  # the current stream waits on NCCL's; the host does not
+
+
+def _ring_forward(q, k, v, group, causal: bool, softmax_scale: float, balanced: bool):
+    """(out, lse) of the local queries against the whole sequence's keys."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    steps = ring_steps(rank, world, causal=causal, balanced=balanced)
+    batch, seqlen, nheads, head_dim = q.shape
+    # Each step's partial result gets its own slot and one merge combines
+    # them all at the end: float32 inside the merge, one rounding to q's
+    # dtype (a running merge in q's dtype would round once a step).
+    outs = q.new_empty((world, batch, seqlen, nheads, head_dim))
+    lses = torch.empty((world, batch, nheads, seqlen), dtype=torch.float32, device=q.device)
+    blocks = torch.stack((k, v)).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    ring = _Ring(group) if world > 1 else None
+    for i, step in enumerate(steps):
+        block = blocks[i % 2]
+        works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < world else ()
+        if not step.attends:
+            lses[i].fill_(-math.inf)  # the merge then never reads outs[i]
+        else:
+            keys = slice(*part_bounds(step.key_part, seqlen))
+            keys, values = block[0][:, keys], block[1][:, keys]
+            start, stop = part_bounds(step.query_part, seqlen)
+            if step.query_part == "all":
+                api.attention(q, keys, values, causal=step.causal, softmax_scale=softmax_scale,
+                              out=outs[i], lse=lses[i])
+            else:
+                lse = torch.empty((batch, nheads, stop - start), dtype=torch.float32, device=q.device)
+                api.attention(q[:, start:stop], keys, values, causal=step.causal, softmax_scale=softmax_scale,
+                              out=outs[i][:, start:stop], lse=lse)
+                lses[i].fill_(-math.inf)
+                lses[i][:, :, start:stop] = lse
+        _Ring.wait(works)
+    return api.merge_attention_states(outs, lses)
+
+
+def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, softmax_scale: float, balanced: bool,
+                   deterministic: bool):
+    """(dq, dk, dv) of the local shards. K/V travel around the ring as in the
+    forward; each block's dK/dV accumulator (float32) travels with it and
+    arrives, after the last step, at the block's owner."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    steps = ring_steps(rank, world, causal=causal, balanced=balanced)
+    seqlen = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    blocks = torch.stack((k, v)).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    grads = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device),
+             torch.empty((2, *k.shape), dtype=torch.float32, device=k.device))
+    ring = _Ring(group) if world > 1 else None
+    dkv_works = ()
+    for i, step in enumerate(steps):
+        block = blocks[i % 2]
+        kv_works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < world else ()
+        partial = None
+        if step.attends:
+            rows = slice(*part_bounds(step.query_part, seqlen))
+            keys = slice(*part_bounds(step.key_part, seqlen))
+            partial = api.attention_backward(dout[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
+                                             out[:, rows], lse[:, :, rows], causal=step.causal,
+                                             softmax_scale=softmax_scale, deterministic=deterministic)
+            dq[:, rows] += partial[0]
+        # The accumulator of this step's block: zeros at step 0 (our own
+        # block, no one has added to it yet), else the one the previous rank
+        # sent at the end of its step.
+        grad = grads[i % 2]
+        if i == 0:
+            grad.zero_()
+        _Ring.wait(dkv_works)
+        if partial is not None:
+            grad[0][:, keys] += partial[1]
+            grad[1][:, keys] += partial[2]
+        if world > 1:
+            dkv_works = ring.start(grad, grads[(i + 1) % 2])
+        _Ring.wait(kv_works)
+    # After the last step the previous rank handed us our own block's sums.
+    _Ring.wait(dkv_works)
+    dkv = grads[world % 2] if world > 1 else grads[0]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale, balanced, deterministic):
+        out, lse = _ring_forward(q, k, v, group, causal, softmax_scale, balanced)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = group, causal, softmax_scale, balanced, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, balanced=None, deterministic=False,
+                   return_lse=False):
+    """Ring attention over the ranks of ``group``: each rank holds a shard of
+    one sequence, keeps its queries, and the K/V shards travel around the
+    ring (NCCL send/receive on NCCL's stream, overlapped with the attention
+    of the shard in hand); partial results merge by their log-sum-exps. The
+    backward sends K/V around again with their float32 dK/dV sums.
+    Differentiable (PyTorch autograd).
+
+    Args:
+        q: (batch, seqlen_local, nheads, head_dim) this rank's query shard
+            (float16, bfloat16 or float32 CUDA tensor, as ``cuflash.attention``).
+        k, v: (batch, seqlen_local, nheads_k, head_dim), the same rank's
+            key and value shards; nheads_k divides nheads (GQA).
+        group: the ``torch.distributed`` process group (default: the world);
+            rank i of the group holds shard i.
+        causal: causal over the whole sequence.
+        softmax_scale: default 1 / sqrt(head_dim).
+        balanced: how the sequence was sharded (``shard_sequence``): True,
+            rank r holds chunks r and 2 world - 1 - r of 2 world (one early,
+            one late: causal work even over the ranks); False, rank r holds
+            the r-th of world contiguous shards. Default: ``causal``.
+        deterministic: the backward's per-step dq is bitwise repeatable (as
+            ``cuflash.attention_backward``); the ring's sums are always
+            in a fixed order.
+        return_lse: also return the (batch, nheads, seqlen_local) float32
+            log-sum-exp of the local queries over the whole sequence.
+
+    Returns:
+        out (batch, seqlen_local, nheads, head_dim), q's dtype; with
+        ``return_lse`` (out, lse).
+    """
+    group = _group_of(group)
+    _check_inputs(q, k, v, balanced=causal if balanced is None else balanced)
+    balanced = bool(causal if balanced is None else balanced)
+    softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), softmax_scale, balanced, bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def shard_sequence(x, *, group=None, dim=1, balanced=True):
+    """This rank's shard of ``x``'s sequence axis ``dim`` (every rank passes
+    the whole sequence): with ``balanced``, chunks r and 2 world - 1 - r of
+    2 world; else the r-th of world. A contiguous copy."""
+    group = _group_of(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    count = 2 * world if balanced else world
+    if x.shape[dim] % count:
+        raise ValueError(f"x's sequence axis (dim {dim}, length {x.shape[dim]}) must split into {count} equal "
+                         f"chunks for {'balanced' if balanced else 'contiguous'} sharding over {world} ranks")
+    chunks = x.chunk(count, dim=dim)
+    return torch.cat([chunks[c] for c in shard_chunks(rank, world, balanced=balanced)], dim=dim).contiguous()
+
+
+def unshard_sequence(x, *, group=None, dim=1, balanced=True):
+    """The whole sequence from every rank's shard (``shard_sequence``'s
+    inverse; an all-gather, every rank gets it). Not differentiable."""
+    group = _group_of(group)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    return _in_sequence_order(torch.cat(gathered, dim=dim), world, dim, balanced)
+
+
+def _in_sequence_order(x, world: int, dim: int, balanced: bool):
+    """Shards concatenated in rank order -> the sequence's order."""
+    if not balanced:
+        return x
+    order = gathered_order(world, balanced=True)
+    chunks = x.chunk(len(order), dim=dim)
+    return torch.cat([chunks[order.index(c)] for c in range(len(order))], dim=dim)
+
+
+def _from_sequence_order(x, world: int, dim: int, balanced: bool):
+    """``_in_sequence_order``'s inverse."""
+    if not balanced:
+        return x
+    chunks = x.chunk(2 * world, dim=dim)
+    return torch.cat([chunks[c] for c in gathered_order(world, balanced=True)], dim=dim)
+
+
+# --- Ulysses: all-to-all over heads ---
+
+def _sequence_to_heads(x, group):
+    """(batch, seqlen_local, nheads, d) sequence shards -> (batch, world *
+    seqlen_local, nheads / world, d) head shards, shards in rank order."""
+    world = dist.get_world_size(group)
+    batch, seqlen, nheads, head_dim = x.shape
+    sent = x.reshape(batch, seqlen, world, nheads // world, head_dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return received.permute(1, 0, 2, 3, 4).reshape(batch, world * seqlen, nheads // world, head_dim)
+
+
+def _heads_to_sequence(y, group):
+    """``_sequence_to_heads``'s inverse."""
+    world = dist.get_world_size(group)
+    batch, seqlen_all, heads, head_dim = y.shape
+    seqlen = seqlen_all // world
+    sent = y.reshape(batch, world, seqlen, heads, head_dim).permute(1, 0, 2, 3, 4).contiguous()
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, seqlen, world * heads, head_dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _heads_to_sequence(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, balanced=False,
+                      deterministic=False):
+    """Ulysses attention: an all-to-all turns the ranks' sequence shards into
+    head shards (each rank then holds the whole sequence for nheads / world
+    heads), cuflash attends locally, and a second all-to-all returns the
+    output to sequence shards. Differentiable (the backward's all-to-alls
+    are the forward's, reversed). Shapes as ``ring_attention``.
+
+    nheads must be divisible by the group's size; nheads_k too, or the size
+    by nheads_k (then each K/V head is replicated to the ranks whose query
+    heads use it). ``balanced``: the shards are ``shard_sequence``'s
+    balanced ones (their chunks are put in sequence order around the
+    attention). The all-to-alls are not overlapped with the attention.
+    """
+    group = _group_of(group)
+    _check_inputs(q, k, v, balanced=balanced)
+    world = dist.get_world_size(group)
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % world:
+        raise ValueError(f"Ulysses gives each rank nheads / world heads: q's {nheads} heads do not divide over "
+                         f"{world} ranks")
+    if nheads_k % world:
+        if world % nheads_k:
+            raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
+                             f"them (each K/V head then replicated)")
+        k, v = (x.repeat_interleave(world // nheads_k, dim=2) for x in (k, v))
+    q, k, v = (_in_sequence_order(_SequenceToHeads.apply(x.contiguous(), group), world, 1, balanced)
+               for x in (q, k, v))
+    from .. import torch as cuflash_torch
+
+    out = cuflash_torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+    return _HeadsToSequence.apply(_from_sequence_order(out, world, 1, balanced).contiguous(), group)

@@ -1,0 +1,224 @@
+"""Ring attention for JAX: inside ``jax.shard_map`` over a mesh axis, K/V
+shards travel around the axis with ``jax.lax.ppermute`` and every step is a
+cuflash kernel (``cuflash.jax``'s ``buffer_callback`` primitives), under
+``jax.jit`` and ``jax.grad``. The ring steps are ``cuflash.distributed.
+schedule``'s, as in the PyTorch version; a rank's index is a traced value
+here, so a step whose work depends on it is a ``jax.lax.cond`` between the
+two forms (both shaped alike).
+
+Needs a JAX with ``buffer_callback`` (``cuflash.jax.JIT_SUPPORTED``); a clear
+error otherwise. Whether XLA overlaps a ``ppermute`` with the step's kernel
+is its scheduler's choice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import jax as cuflash_jax
+from .._validation import check_causal, check_deterministic, resolve_softmax_scale
+from .schedule import check_shard_length, gathered_order
+
+__all__ = ["ring_attention", "shard_order", "sequence_order"]
+
+_NO_VARIANTS = ((-1, -1), 0.0, 0.0)  # window, softcap, dropout_p: ``cuflash.jax``'s flags after causal
+
+
+def _axis_size(axis_name) -> int:
+    size = getattr(jax.lax, "axis_size", None)
+    return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
+
+
+def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, balanced=None, deterministic=False):
+    """Ring attention over the mesh axis ``axis_name``; call it inside
+    ``jax.shard_map`` with the sequence axis (1) of q, k and v sharded over
+    that axis.
+
+    q: (batch, seqlen_local, nheads, head_dim); k, v: (batch, seqlen_local,
+    nheads_k, head_dim), nheads_k dividing nheads; float16, bfloat16 or
+    float32. ``balanced``: the shards hold chunks r and 2 world - 1 - r of
+    2 world (arrange the whole array with ``shard_order`` before sharding it;
+    ``sequence_order`` undoes it); default ``causal``. Returns the local
+    output shard; differentiable.
+    """
+    if not cuflash_jax.JIT_SUPPORTED:
+        raise RuntimeError(f"cuflash.distributed.jax.ring_attention runs inside jax.jit and shard_map, which needs "
+                           f"jax.experimental.buffer_callback (JAX 0.6.1 or newer); this JAX is {jax.__version__}")
+    causal, deterministic = check_causal(causal), check_deterministic(deterministic)
+    balanced = causal if balanced is None else bool(balanced)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be (batch, seqlen_local, nheads, head_dim), got shape {tuple(x.shape)}")
+    if q.shape[:2] != k.shape[:2] or k.shape != v.shape:
+        raise ValueError(f"q, k and v must be shards of one sequence (same batch and seqlen_local; k and v one "
+                         f"shape), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_shard_length(q.shape[1], balanced, "q's sequence shard")
+    scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
+    return _ring(q, k, v, axis_name, causal, scale, balanced, deterministic)
+
+
+def _forward_step(q, k, v, causal: bool, scale: float):
+    return cuflash_jax._forward_call(q, k, v, None, None, (causal, *_NO_VARIANTS), scale, "ieee")
+
+
+def _backward_step(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool):
+    return cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, (causal, *_NO_VARIANTS), scale,
+                                      deterministic)[:3]
+
+
+def _late(x, axis=1):
+    return jax.lax.slice_in_dim(x, x.shape[axis] // 2, x.shape[axis], axis=axis)
+
+
+def _early(x, axis=1):
+    return jax.lax.slice_in_dim(x, 0, x.shape[axis] // 2, axis=axis)
+
+
+def _padded_late(x, axis, fill):
+    """x as the late half of a tensor twice as long along ``axis``, its early half ``fill``."""
+    return jnp.concatenate([jnp.full_like(x, fill), x], axis=axis)
+
+
+def _padded_early(x, axis=1):
+    return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
+
+
+def _off_diagonal_forward(step: int, rank, q, k, v, causal: bool, balanced: bool, scale: float):
+    """(out, lse) of step ``step`` > 0, the local queries against the K/V of
+    rank (rank - step) % world (schedule.ring_steps: that rank is earlier
+    iff step <= rank)."""
+    if not causal:
+        return _forward_step(q, k, v, False, scale)
+    if balanced:
+        early_keys = lambda: _forward_step(q, _early(k), _early(v), False, scale)  # noqa: E731
+
+        def late_queries():
+            out, lse = _forward_step(_late(q), k, v, False, scale)
+            return _padded_late(out, 1, 0), _padded_late(lse, 2, -jnp.inf)
+
+        return jax.lax.cond(step <= rank, early_keys, late_queries)
+    seen = lambda: _forward_step(q, k, v, False, scale)  # noqa: E731
+    unseen = lambda: (jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))  # noqa: E731
+    return jax.lax.cond(step <= rank, seen, unseen)
+
+
+def _merge(outs, lses):
+    """Partial results merged by their log-sum-exps, in float32."""
+    lses = jnp.stack(lses)
+    top = jnp.max(lses, axis=0)
+    safe_top = jnp.where(jnp.isneginf(top), 0.0, top)
+    weights = jnp.where(jnp.isneginf(lses), 0.0, jnp.exp(lses - safe_top))
+    total = jnp.sum(weights, axis=0)
+    lse = jnp.where(total > 0, safe_top + jnp.log(total), -jnp.inf)
+    # weights are (state, batch, nheads, seqlen); outputs (batch, seqlen, nheads, head_dim)
+    scaled = weights / jnp.where(total > 0, total, 1.0)
+    out = sum(o.astype(jnp.float32) * jnp.transpose(w, (0, 2, 1))[..., None] for o, w in zip(outs, scaled))
+    return out.astype(outs[0].dtype), lse
+
+
+def _ring_forward(q, k, v, axis_name, causal, scale, balanced):
+    world = _axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    forward = [(source, (source + 1) % world) for source in range(world)]
+    outs, lses = [], []
+    for step in range(world):
+        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
+        out, lse = (_forward_step(q, k, v, causal, scale) if step == 0
+                    else _off_diagonal_forward(step, rank, q, k, v, causal, balanced, scale))
+        outs.append(out)
+        lses.append(lse)
+        if following is not None:
+            k, v = following
+    return _merge(outs, lses)
+
+
+def _off_diagonal_backward(step: int, rank, dout, q, k, v, out, lse, causal, balanced, scale, deterministic):
+    """(dq, dk, dv) of step ``step`` > 0, shaped like q, k, v (zeros where
+    the step does not reach)."""
+    full = lambda: _backward_step(dout, q, k, v, out, lse, False, scale, deterministic)  # noqa: E731
+    if not causal:
+        return full()
+    if balanced:
+        def early_keys():
+            dq, dk, dv = _backward_step(dout, q, _early(k), _early(v), out, lse, False, scale, deterministic)
+            return dq, _padded_early(dk), _padded_early(dv)
+
+        def late_queries():
+            dq, dk, dv = _backward_step(_late(dout), _late(q), k, v, _late(out), _late(lse, 2), False, scale,
+                                        deterministic)
+            return _padded_late(dq, 1, 0), dk, dv
+
+        return jax.lax.cond(step <= rank, early_keys, late_queries)
+    nothing = lambda: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))  # noqa: E731
+    return jax.lax.cond(step <= rank, full, nothing)
+
+
+def _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, deterministic):
+    world = _axis_size(axis_name)
+    rank = jax.lax.axis_index(axis_name)
+    forward = [(source, (source + 1) % world) for source in range(world)]
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk_sum = dv_sum = None
+    for step in range(world):
+        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
+        dq_step, dk_step, dv_step = (_backward_step(dout, q, k, v, out, lse, causal, scale, deterministic)
+                                     if step == 0 else
+                                     _off_diagonal_backward(step, rank, dout, q, k, v, out, lse, causal, balanced,
+                                                            scale, deterministic))
+        dq = dq + dq_step.astype(jnp.float32)
+        # This step's block's float32 sums (the previous rank's, handed on at
+        # its step's end) plus ours, handed on: after the last step each
+        # rank holds its own block's.
+        dk_sum = dk_step.astype(jnp.float32) if dk_sum is None else dk_sum + dk_step.astype(jnp.float32)
+        dv_sum = dv_step.astype(jnp.float32) if dv_sum is None else dv_sum + dv_step.astype(jnp.float32)
+        dk_sum, dv_sum = jax.lax.ppermute((dk_sum, dv_sum), axis_name, forward)
+        if following is not None:
+            k, v = following
+    return dq.astype(q.dtype), dk_sum.astype(k.dtype), dv_sum.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring(q, k, v, axis_name, causal, scale, balanced, deterministic):
+    return _ring_forward(q, k, v, axis_name, causal, scale, balanced)[0]
+
+
+def _ring_fwd(q, k, v, axis_name, causal, scale, balanced, deterministic):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, scale, balanced)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(axis_name, causal, scale, balanced, deterministic, residuals, dout):
+    q, k, v, out, lse = residuals
+    return _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, deterministic)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _reordered(x, axis: int, order: list[int]):
+    chunks = jnp.split(x, len(order), axis=axis)
+    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+
+
+def shard_order(x, world: int, *, axis: int = 1, balanced: bool = True):
+    """The whole sequence rearranged so that splitting ``axis`` into
+    ``world`` equal shards (as ``shard_map`` does) gives rank r chunks r and
+    2 world - 1 - r of 2 world (``balanced``; unchanged otherwise)."""
+    if not balanced:
+        return x
+    if x.shape[axis] % (2 * world):
+        raise ValueError(f"x's sequence axis ({axis}, length {x.shape[axis]}) must split into {2 * world} equal "
+                         f"chunks for balanced sharding over {world} ranks")
+    return _reordered(x, axis, gathered_order(world, balanced=True))
+
+
+def sequence_order(x, world: int, *, axis: int = 1, balanced: bool = True):
+    """``shard_order``'s inverse."""
+    if not balanced:
+        return x
+    order = gathered_order(world, balanced=True)
+    return _reordered(x, axis, [int(i) for i in np.argsort(order)])

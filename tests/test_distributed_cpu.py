@@ -1,0 +1,121 @@
+"""The ring's and Ulysses' bookkeeping (cuflash.distributed's PyTorch code:
+the hand-offs around the ring, the dK/dV sums that travel with K/V, the
+merge, the all-to-alls, balanced sharding) on the CPU: 1 to 4 processes
+over gloo, with cuflash's kernels replaced by float64 PyTorch math (the
+kernels themselves are tested on the GPU, tests/test_distributed_gpu.py).
+Forward and gradients against autograd through the same math on the whole
+sequence. Skips without PyTorch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _scores(q, k, causal: bool, scale: float):
+    """(batch, nheads, seqlen_q, seqlen_k) float64 scaled scores, the causal
+    mask bottom-right aligned as cuflash's; K/V heads shared by groups of
+    query heads."""
+    group = q.shape[2] // k.shape[2]
+    scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
+    if causal:
+        rows, cols = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+        scores = scores.masked_fill(cols > rows + k.shape[1] - q.shape[1], -math.inf)
+    return scores
+
+
+def _attention(q, k, v, *, causal, softmax_scale=None, out=None, lse=None, **_):
+    scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
+    scores = _scores(q, k, causal, scale)
+    row_lse = torch.logsumexp(scores, -1)
+    probabilities = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
+    values = v.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    result = torch.einsum("bhst,bthd->bshd", probabilities, values)
+    if out is None:
+        return result.to(q.dtype), row_lse.float()
+    out.copy_(result)
+    lse.copy_(row_lse)
+    return out, lse
+
+
+def _attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale=None, **_):
+    """Gradients of one block's share, from the whole row's output and
+    log-sum-exp (as cuflash's backward computes them)."""
+    scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
+    batch, seqlen_k, nheads_k, head_dim = k.shape
+    group = q.shape[2] // nheads_k
+    probabilities = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
+    keys, values = (x.double().repeat_interleave(group, dim=2) for x in (k, v))
+    dprobabilities = torch.einsum("bshd,bthd->bhst", dout.double(), values)
+    delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)[..., None]
+    dscores = probabilities * (dprobabilities - delta) * scale
+    dq = torch.einsum("bhst,bthd->bshd", dscores, keys)
+    dk = torch.einsum("bhst,bshd->bthd", dscores, q.double()).reshape(batch, seqlen_k, nheads_k, group, head_dim)
+    dv = torch.einsum("bhst,bshd->bthd", probabilities, dout.double()).reshape(dk.shape)
+    return dq.to(q.dtype), dk.sum(3).to(k.dtype), dv.sum(3).to(v.dtype)
+
+
+def _merge(outs, lses):
+    lse = torch.logsumexp(lses, 0)
+    weights = torch.exp(lses - lse).nan_to_num(0.0).permute(0, 1, 3, 2)[..., None]
+    return (outs.double() * weights).sum(0).to(outs.dtype), lse
+
+
+def _rank(rank: int, world: int, store: str, cases: list, queue) -> None:
+    import torch.distributed as dist
+
+    from cuflash import api
+    from cuflash.distributed import _torch as ring
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    patches = {"attention": _attention, "attention_backward": _attention_backward,
+               "merge_attention_states": _merge}
+    saved = {name: getattr(api, name) for name in patches}
+    for name, function in patches.items():
+        setattr(api, name, function)
+    ring._check_inputs = lambda q, k, v, balanced: None  # CPU tensors stand in for CUDA ones here
+    try:
+        for strategy, causal, balanced, nheads, nheads_k in cases:
+            generator = torch.Generator().manual_seed(7)
+            whole = [torch.randn(2, 6 * world, heads, 8, dtype=torch.float64, generator=generator)
+                     for heads in (nheads, nheads_k, nheads_k, nheads)]
+            leaves = [x.clone().requires_grad_() for x in whole[:3]]
+            _attention(*leaves, causal=causal)[0].backward(whole[3])
+            local = [ring.shard_sequence(x, balanced=balanced) for x in whole]
+            q, k, v = (x.requires_grad_() for x in local[:3])
+            function = ring.ring_attention if strategy == "ring" else ring.ulysses_attention
+            out = function(q, k, v, causal=causal, balanced=balanced)
+            out.backward(local[3])
+            got = [ring.unshard_sequence(x, balanced=balanced) for x in (out.detach(), q.grad, k.grad, v.grad)]
+            want = [_attention(*whole[:3], causal=causal)[0]] + [x.grad for x in leaves]
+            errors = [float((a - b).abs().max()) for a, b in zip(got, want)]
+            if rank == 0:
+                queue.put(((strategy, causal, balanced, nheads, nheads_k), errors))
+    finally:
+        for name, function in saved.items():
+            setattr(api, name, function)
+        dist.destroy_process_group()
+
+
+CASES = [("ring", True, True, 4, 2), ("ring", True, False, 4, 4), ("ring", False, False, 2, 1),
+         ("ring", False, True, 4, 2), ("ulysses", True, True, 4, 2), ("ulysses", False, False, 4, 4)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_and_ulysses_bookkeeping_over_gloo(world, tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    cases = [case for case in CASES if case[0] == "ring" or case[3] % world == 0]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.spawn(_rank, args=(world, str(tmp_path / "store"), cases, queue), nprocs=world, join=True)
+    results = [queue.get() for _ in cases]
+    # dq and the dK/dV sums are float32 in the ring (as on the GPU); the rest float64
+    failures = [(case, errors) for case, errors in results if max(errors) > 1e-5]
+    assert not failures, failures
