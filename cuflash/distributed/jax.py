@@ -61,13 +61,33 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, bala
     return _ring(q, k, v, axis_name, causal, scale, balanced, deterministic)
 
 
-def _forward_step(q, k, v, causal: bool, scale: float):
-    return cuflash_jax._forward_call(q, k, v, None, None, (causal, *_NO_VARIANTS), scale, "ieee")
+def _varying(results: tuple, axis_name) -> tuple:
+    """The kernels' results typed as varying over ``axis_name`` like their
+    inputs: a ``buffer_callback``'s outputs carry no manual-axis type inside
+    ``shard_map``, and custom_vjp and ``lax.cond`` require the types to
+    match (JAX with varying-axis types only; older ones have none to set)."""
+    pcast, pvary, typeof = (getattr(jax.lax, "pcast", None), getattr(jax.lax, "pvary", None),
+                            getattr(jax, "typeof", None))
+    if typeof is None or (pcast is None and pvary is None):
+        return results
+    cast = (lambda x: pcast(x, axis_name, to="varying")) if pcast is not None else (lambda x: pvary(x, axis_name))
+
+    def varying_axes(x):
+        aval = typeof(x)
+        manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
+        return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+    return tuple(x if axis_name in varying_axes(x) else cast(x) for x in results)
 
 
-def _backward_step(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool):
-    return cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, (causal, *_NO_VARIANTS), scale,
-                                      deterministic)[:3]
+def _forward_step(q, k, v, causal: bool, scale: float, axis_name):
+    return _varying(cuflash_jax._forward_call(q, k, v, None, None, (causal, *_NO_VARIANTS), scale, "ieee"),
+                    axis_name)
+
+
+def _backward_step(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, axis_name):
+    return _varying(cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, (causal, *_NO_VARIANTS), scale,
+                                               deterministic)[:3], axis_name)
 
 
 def _late(x, axis=1):
@@ -87,22 +107,25 @@ def _padded_early(x, axis=1):
     return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
 
 
-def _off_diagonal_forward(step: int, rank, q, k, v, causal: bool, balanced: bool, scale: float):
+def _off_diagonal_forward(step: int, rank, q, k, v, causal: bool, balanced: bool, scale: float, axis_name):
     """(out, lse) of step ``step`` > 0, the local queries against the K/V of
     rank (rank - step) % world (schedule.ring_steps: that rank is earlier
     iff step <= rank)."""
     if not causal:
-        return _forward_step(q, k, v, False, scale)
+        return _forward_step(q, k, v, False, scale, axis_name)
     if balanced:
-        early_keys = lambda: _forward_step(q, _early(k), _early(v), False, scale)  # noqa: E731
+        early_keys = lambda: _forward_step(q, _early(k), _early(v), False, scale, axis_name)  # noqa: E731
 
         def late_queries():
-            out, lse = _forward_step(_late(q), k, v, False, scale)
+            out, lse = _forward_step(_late(q), k, v, False, scale, axis_name)
             return _padded_late(out, 1, 0), _padded_late(lse, 2, -jnp.inf)
 
         return jax.lax.cond(step <= rank, early_keys, late_queries)
-    seen = lambda: _forward_step(q, k, v, False, scale)  # noqa: E731
-    unseen = lambda: (jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))  # noqa: E731
+    seen = lambda: _forward_step(q, k, v, False, scale, axis_name)  # noqa: E731
+    def unseen():
+        return _varying((jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)),
+                        axis_name)
+
     return jax.lax.cond(step <= rank, seen, unseen)
 
 
@@ -127,8 +150,8 @@ def _ring_forward(q, k, v, axis_name, causal, scale, balanced):
     outs, lses = [], []
     for step in range(world):
         following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
-        out, lse = (_forward_step(q, k, v, causal, scale) if step == 0
-                    else _off_diagonal_forward(step, rank, q, k, v, causal, balanced, scale))
+        out, lse = (_forward_step(q, k, v, causal, scale, axis_name) if step == 0
+                    else _off_diagonal_forward(step, rank, q, k, v, causal, balanced, scale, axis_name))
         outs.append(out)
         lses.append(lse)
         if following is not None:
@@ -136,24 +159,26 @@ def _ring_forward(q, k, v, axis_name, causal, scale, balanced):
     return _merge(outs, lses)
 
 
-def _off_diagonal_backward(step: int, rank, dout, q, k, v, out, lse, causal, balanced, scale, deterministic):
+def _off_diagonal_backward(step: int, rank, dout, q, k, v, out, lse, causal, balanced, scale, deterministic,
+                           axis_name):
     """(dq, dk, dv) of step ``step`` > 0, shaped like q, k, v (zeros where
     the step does not reach)."""
-    full = lambda: _backward_step(dout, q, k, v, out, lse, False, scale, deterministic)  # noqa: E731
+    full = lambda: _backward_step(dout, q, k, v, out, lse, False, scale, deterministic, axis_name)  # noqa: E731
     if not causal:
         return full()
     if balanced:
         def early_keys():
-            dq, dk, dv = _backward_step(dout, q, _early(k), _early(v), out, lse, False, scale, deterministic)
+            dq, dk, dv = _backward_step(dout, q, _early(k), _early(v), out, lse, False, scale, deterministic,
+                                        axis_name)
             return dq, _padded_early(dk), _padded_early(dv)
 
         def late_queries():
             dq, dk, dv = _backward_step(_late(dout), _late(q), k, v, _late(out), _late(lse, 2), False, scale,
-                                        deterministic)
+                                        deterministic, axis_name)
             return _padded_late(dq, 1, 0), dk, dv
 
         return jax.lax.cond(step <= rank, early_keys, late_queries)
-    nothing = lambda: (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))  # noqa: E731
+    nothing = lambda: _varying((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), axis_name)  # noqa: E731
     return jax.lax.cond(step <= rank, full, nothing)
 
 
@@ -165,10 +190,10 @@ def _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, 
     dk_sum = dv_sum = None
     for step in range(world):
         following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
-        dq_step, dk_step, dv_step = (_backward_step(dout, q, k, v, out, lse, causal, scale, deterministic)
+        dq_step, dk_step, dv_step = (_backward_step(dout, q, k, v, out, lse, causal, scale, deterministic, axis_name)
                                      if step == 0 else
                                      _off_diagonal_backward(step, rank, dout, q, k, v, out, lse, causal, balanced,
-                                                            scale, deterministic))
+                                                            scale, deterministic, axis_name))
         dq = dq + dq_step.astype(jnp.float32)
         # This step's block's float32 sums (the previous rank's, handed on at
         # its step's end) plus ours, handed on: after the last step each
