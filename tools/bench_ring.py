@@ -3,7 +3,7 @@
 
 Started with one process a GPU:
 
-  python -m torch.distributed.run --nproc_per_node 2 tools/bench_ring.py [--seqlen 128k] [--out DIR]
+  python -m torch.distributed.run --nproc_per_node 2 tools/bench_ring.py [--seqlen 128k] [--timeline] [--out DIR]
 
 For each configuration (whole sequence ``--seqlen``, batch 1, ``--heads``
 query heads, ``--kv-heads``, head_dim ``--head-dim``, bf16; causal and not):
@@ -17,11 +17,14 @@ query heads, ``--kv-heads``, head_dim ``--head-dim``, bf16; causal and not):
   the ring hides;
 * ``ulysses``: ``ulysses_attention`` forward + backward;
 * ``model``: ``cuflash simulate``'s prediction for the ring
-  (``cuflash.simulate.distributed.ring``) on this machine.
+  (``cuflash.simulate.distributed.ring``) on this machine;
+* with ``--timeline``: one ring step under the PyTorch profiler on every
+  rank (Chrome traces ``ring_trace_*_rank*.json`` under ``--out``), and how
+  much of NCCL's kernel time ran while attention kernels ran.
 
 Times: CUDA events around one forward + backward step, after a barrier,
 median of ``--repeats``; the ring's is the maximum over ranks. Speedup =
-one GPU's time / the ring's. Writes ``bench_ring.json`` under ``--out``
+one GPU's time / the ring's. Writes ``bench_ring_<seqlen>k.json`` under ``--out``
 (default $OUT) and a table to stdout from rank 0.
 """
 
@@ -61,6 +64,41 @@ def _step_ms(torch, dist, step, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _overlap_from_trace(path: Path) -> dict:
+    """From a Chrome trace of one step: how long NCCL's kernels ran and how
+    much of that time attention (any other kernel) ran beside them."""
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    nccl = [(start, end) for start, end, name in kernels if "nccl" in name.lower()]
+    compute = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
+    merged = []
+    for start, end in compute:  # the union of the compute kernels' intervals
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    transfer_us = sum(end - start for start, end in nccl)
+    hidden_us = sum(max(0.0, min(end, c_end) - max(start, c_start))
+                    for start, end in nccl for c_start, c_end in merged)
+    return {"nccl_kernel_us": transfer_us, "nccl_beside_compute_us": hidden_us,
+            "compute_us": sum(end - start for start, end in merged)}
+
+
+def _timeline(torch, dist, step, out: Path, rank: int, tag: str) -> dict:
+    """One step under the profiler; its trace saved for a timeline viewer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    path = out / f"ring_trace_{tag}_rank{rank}.json"
+    profiler.export_chrome_trace(str(path))
+    return _overlap_from_trace(path)
+
+
 def _one_gpu_ms(torch, ct, whole: list, causal: bool, repeats: int) -> float:
     """Median ms of one forward + backward of the whole sequence on this GPU."""
     q, k, v = (x.clone().requires_grad_() for x in whole[:3])
@@ -86,6 +124,9 @@ def _distributed_ms(torch, dist, local: list, causal: bool, args, ring_module, r
         ring_attention(q, k, v, causal=causal, balanced=causal).backward(local[3])
 
     times = {"ring_ms": _step_ms(torch, dist, ring, args.repeats)}
+    if args.timeline:
+        tag = f"{args.seqlen // 1024}k_{'causal' if causal else 'full'}"
+        times["timeline"] = _timeline(torch, dist, ring, Path(args.out), dist.get_rank(), tag)
     ring_module.OVERLAP = False
     try:
         times["ring_serialised_ms"] = _step_ms(torch, dist, ring, args.repeats)
@@ -108,6 +149,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--no-ulysses", action="store_true")
+    parser.add_argument("--timeline", action="store_true",
+                        help="profile one ring step on each rank: Chrome traces under --out, and how much of NCCL's "
+                             "kernel time ran beside attention kernels")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
 
@@ -166,10 +210,15 @@ def main() -> None:
             print(f"{str(row['causal']):>6} {row['one_gpu_ms']:10.2f} {row['ring_ms']:10.2f} {speedup:8.3f} "
                   f"{row['ring_serialised_ms']:11.2f} {row.get('ulysses_ms', float('nan')):10.2f} "
                   f"{row.get('model_ring_ms', float('nan')):11.2f} {model_ratio:10.3f}")
+            if "timeline" in row:
+                line = row["timeline"]
+                print(f"       rank 0 timeline: NCCL kernels {line['nccl_kernel_us'] / 1e3:.2f} ms, of which "
+                      f"{line['nccl_beside_compute_us'] / 1e3:.2f} ms beside attention kernels "
+                      f"({line['compute_us'] / 1e3:.2f} ms of compute)")
         meta = {"commit": os.environ.get("CUFLASH_COMMIT"), "device": torch.cuda.get_device_name(),
                 "gpus": world, "rows": rows}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bench_ring.json").write_text(json.dumps(meta, indent=1))
+        (Path(args.out) / f"bench_ring_{args.seqlen // 1024}k.json").write_text(json.dumps(meta, indent=1))
     dist.destroy_process_group()
 
 

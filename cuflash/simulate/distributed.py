@@ -8,7 +8,8 @@ to other GPUs, and the time, from the single-GPU time model
 (``timing.estimate``) of the local attention each step runs.
 
 * **Ring** (each GPU keeps its queries; K/V blocks travel around the ring,
-  partial results merge by their log-sum-exp): ``gpus`` steps; step j
+  partial results merge by their log-sum-exp, all at once after the last
+  step): ``gpus`` steps (``cuflash.distributed.schedule``); step j
   attends the local queries to the K/V block received j steps ago while the
   next block travels, so a step takes the longer of its attention and its
   transfer (``overlap``). The backward sends K/V around again with the dK/dV
@@ -144,11 +145,14 @@ def ring(problem: Problem, machine: Machine, gpus: int, passes: str = "fwd+bwd",
         for j in range(gpus):
             local = diagonal if j == 0 else (half if problem.causal and balanced else full)
             attention_s, attention_bytes, attention_dram = _attention(local, machine, pass_name)
-            # the forward merges each step's partial output and LSE (read both, write the merged)
-            merge = (3 * problem.batch * shard * problem.nheads * (problem.head_dim + 1) * STAT_BYTES
-                     if pass_name == "fwd" and j else 0)
-            attention_s += merge / machine.hbm_bandwidth
             last = j == gpus - 1
+            # Each forward step writes its partial output and LSE to a slot
+            # of its own; after the last one a merge reads all the slots and
+            # writes the output and LSE (cuflash.distributed: one rounding).
+            rows = problem.batch * shard * problem.nheads
+            merge = (rows * (gpus + 1) * (problem.head_dim * problem.element_size + STAT_BYTES)
+                     if pass_name == "fwd" and last else 0)
+            attention_s += merge / machine.hbm_bandwidth
             # the backward's last step returns the dK/dV accumulators to their owner
             moves = pass_name == "bwd" or not last
             transfer_bytes = transfer if moves else 0
