@@ -30,9 +30,11 @@ def run(rank: int, world: int, directory: str, cases: dict) -> None:
             q, k, v, dout = (cd.shard_sequence(x, balanced=balanced) for x in full)
             q, k, v = (x.requires_grad_() for x in (q, k, v))
             if case["strategy"] == "ring":
-                out, lse = cd.ring_attention(q, k, v, causal=case["causal"], balanced=balanced, return_lse=True)
+                out, lse = cd.ring_attention(q, k, v, causal=case["causal"], balanced=balanced,
+                                             window_size=case["window"], return_lse=True)
             else:
-                out = cd.ulysses_attention(q, k, v, causal=case["causal"], balanced=balanced)
+                out = cd.ulysses_attention(q, k, v, causal=case["causal"], balanced=balanced,
+                                           window_size=case["window"])
                 lse = None
             out.backward(dout)
             results = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

@@ -15,21 +15,25 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-def _scores(q, k, causal: bool, scale: float):
+def _scores(q, k, causal: bool, scale: float, window=(-1, -1)):
     """(batch, nheads, seqlen_q, seqlen_k) float64 scaled scores, the causal
-    mask bottom-right aligned as cuflash's; K/V heads shared by groups of
-    query heads."""
+    mask and the window bottom-right aligned as cuflash's; K/V heads shared
+    by groups of query heads."""
     group = q.shape[2] // k.shape[2]
     scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
-    if causal:
-        rows, cols = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
-        scores = scores.masked_fill(cols > rows + k.shape[1] - q.shape[1], -math.inf)
+    left, right = window[0], 0 if causal else window[1]
+    rows, cols = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None, :]
+    diagonal = rows + k.shape[1] - q.shape[1]
+    if right >= 0:
+        scores = scores.masked_fill(cols > diagonal + right, -math.inf)
+    if left >= 0:
+        scores = scores.masked_fill(cols < diagonal - left, -math.inf)
     return scores
 
 
-def _attention(q, k, v, *, causal, softmax_scale=None, out=None, lse=None, **_):
+def _attention(q, k, v, *, causal, softmax_scale=None, window_size=(-1, -1), out=None, lse=None, **_):
     scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
-    scores = _scores(q, k, causal, scale)
+    scores = _scores(q, k, causal, scale, window_size)
     row_lse = torch.logsumexp(scores, -1)
     probabilities = torch.exp(scores - row_lse[..., None]).nan_to_num(0.0)
     values = v.double().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
@@ -41,13 +45,13 @@ def _attention(q, k, v, *, causal, softmax_scale=None, out=None, lse=None, **_):
     return out, lse
 
 
-def _attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale=None, **_):
+def _attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale=None, window_size=(-1, -1), **_):
     """Gradients of one block's share, from the whole row's output and
     log-sum-exp (as cuflash's backward computes them)."""
     scale = softmax_scale or 1 / math.sqrt(q.shape[-1])
     batch, seqlen_k, nheads_k, head_dim = k.shape
     group = q.shape[2] // nheads_k
-    probabilities = torch.exp(_scores(q, k, causal, scale) - lse.double()[..., None])
+    probabilities = torch.exp(_scores(q, k, causal, scale, window_size) - lse.double()[..., None])
     keys, values = (x.double().repeat_interleave(group, dim=2) for x in (k, v))
     dprobabilities = torch.einsum("bshd,bthd->bhst", dout.double(), values)
     delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)[..., None]
@@ -78,30 +82,36 @@ def _rank(rank: int, world: int, store: str, cases: list, queue) -> None:
         setattr(api, name, function)
     ring._check_inputs = lambda q, k, v, balanced: None  # CPU tensors stand in for CUDA ones here
     try:
-        for strategy, causal, balanced, nheads, nheads_k in cases:
+        for strategy, causal, balanced, nheads, nheads_k, window in cases:
             generator = torch.Generator().manual_seed(7)
             whole = [torch.randn(2, 6 * world, heads, 8, dtype=torch.float64, generator=generator)
                      for heads in (nheads, nheads_k, nheads_k, nheads)]
             leaves = [x.clone().requires_grad_() for x in whole[:3]]
-            _attention(*leaves, causal=causal)[0].backward(whole[3])
+            _attention(*leaves, causal=causal, window_size=window)[0].backward(whole[3])
             local = [ring.shard_sequence(x, balanced=balanced) for x in whole]
             q, k, v = (x.requires_grad_() for x in local[:3])
-            function = ring.ring_attention if strategy == "ring" else ring.ulysses_attention
-            out = function(q, k, v, causal=causal, balanced=balanced)
+            if strategy == "ring":
+                out = ring.ring_attention(q, k, v, causal=causal, balanced=balanced, window_size=window)
+            else:
+                out = ring.ulysses_attention(q, k, v, causal=causal, balanced=balanced)
             out.backward(local[3])
             got = [ring.unshard_sequence(x, balanced=balanced) for x in (out.detach(), q.grad, k.grad, v.grad)]
-            want = [_attention(*whole[:3], causal=causal)[0]] + [x.grad for x in leaves]
+            want = [_attention(*whole[:3], causal=causal, window_size=window)[0]] + [x.grad for x in leaves]
             errors = [float((a - b).abs().max()) for a, b in zip(got, want)]
             if rank == 0:
-                queue.put(((strategy, causal, balanced, nheads, nheads_k), errors))
+                queue.put(((strategy, causal, balanced, nheads, nheads_k, window), errors))
     finally:
         for name, function in saved.items():
             setattr(api, name, function)
         dist.destroy_process_group()
 
 
-CASES = [("ring", True, True, 4, 2), ("ring", True, False, 4, 4), ("ring", False, False, 2, 1),
-         ("ring", False, True, 4, 2), ("ulysses", True, True, 4, 2), ("ulysses", False, False, 4, 4)]
+#: (strategy, causal, balanced, nheads, nheads_k, window); shards of 6 tokens a rank
+CASES = [("ring", True, True, 4, 2, (-1, -1)), ("ring", True, False, 4, 4, (-1, -1)),
+         ("ring", False, False, 2, 1, (-1, -1)), ("ring", False, True, 4, 2, (-1, -1)),
+         ("ring", True, False, 2, 2, (7, 0)), ("ring", False, False, 2, 1, (2, 3)),
+         ("ring", True, False, 2, 2, (2, 0)),
+         ("ulysses", True, True, 4, 2, (-1, -1)), ("ulysses", False, False, 4, 4, (-1, -1))]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -16,20 +16,23 @@ from tests.helpers import (assert_lse_close, assert_output_accurate, naive_atten
 
 pytestmark = pytest.mark.gpu
 
-#: name -> (strategy, batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced)
+#: name -> (strategy, batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced, window)
 CASES = {
-    "ring-causal-balanced-gqa-bf16": ("ring", 2, 68, 4, 2, 64, "bfloat16", True, True),
-    "ring-causal-contiguous-fp16": ("ring", 1, 34, 2, 2, 128, "float16", True, False),
-    "ring-full-mqa-bf16": ("ring", 1, 254, 3, 1, 96, "bfloat16", False, False),
-    "ring-full-balanced-fp16": ("ring", 2, 1000, 2, 2, 64, "float16", False, True),
-    "ring-causal-balanced-fp32": ("ring", 1, 1000, 2, 1, 64, "float32", True, True),
-    "ring-causal-balanced-one-token-chunks": ("ring", 3, 4, 2, 2, 32, "bfloat16", True, True),
-    "ring-causal-balanced-d256": ("ring", 1, 508, 2, 2, 256, "bfloat16", True, True),
-    "ulysses-causal-bf16": ("ulysses", 1, 254, 4, 4, 64, "bfloat16", True, False),
-    "ulysses-causal-balanced-replicated-kv": ("ulysses", 2, 68, 4, 1, 128, "float16", True, True),
-    "ulysses-full-gqa-fp32": ("ulysses", 1, 34, 6, 2, 64, "float32", False, False),
+    "ring-causal-balanced-gqa-bf16": ("ring", 2, 68, 4, 2, 64, "bfloat16", True, True, (-1, -1)),
+    "ring-causal-contiguous-fp16": ("ring", 1, 34, 2, 2, 128, "float16", True, False, (-1, -1)),
+    "ring-full-mqa-bf16": ("ring", 1, 254, 3, 1, 96, "bfloat16", False, False, (-1, -1)),
+    "ring-full-balanced-fp16": ("ring", 2, 1000, 2, 2, 64, "float16", False, True, (-1, -1)),
+    "ring-causal-balanced-fp32": ("ring", 1, 1000, 2, 1, 64, "float32", True, True, (-1, -1)),
+    "ring-causal-balanced-one-token-chunks": ("ring", 3, 4, 2, 2, 32, "bfloat16", True, True, (-1, -1)),
+    "ring-causal-balanced-d256": ("ring", 1, 508, 2, 2, 256, "bfloat16", True, True, (-1, -1)),
+    "ring-causal-window-fp16": ("ring", 1, 1000, 2, 2, 64, "float16", True, False, (300, 0)),
+    "ring-window-both-sides-bf16": ("ring", 1, 254, 2, 1, 128, "bfloat16", False, False, (17, 40)),
+    "ulysses-causal-bf16": ("ulysses", 1, 254, 4, 4, 64, "bfloat16", True, False, (-1, -1)),
+    "ulysses-causal-balanced-replicated-kv": ("ulysses", 2, 68, 4, 1, 128, "float16", True, True, (-1, -1)),
+    "ulysses-full-gqa-fp32": ("ulysses", 1, 34, 6, 2, 64, "float32", False, False, (-1, -1)),
+    "ulysses-causal-balanced-window-bf16": ("ulysses", 1, 508, 4, 2, 64, "bfloat16", True, True, (50, 0)),
 }
-FIELDS = ("strategy", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "dtype", "causal", "balanced")
+FIELDS = ("strategy", "batch", "seqlen", "nheads", "nheads_k", "head_dim", "dtype", "causal", "balanced", "window")
 
 
 def _cases() -> dict:
@@ -68,7 +71,7 @@ def test_two_gpus_match_the_float64_reference(distributed_results, name):
     case = _cases()[name]
     got = np.load(directory / f"{name}.npz")
     host = [inputs[f"{name}.{x}"].astype(np.float64) for x in ("q", "k", "v", "dout")]
-    options = {"causal": case["causal"]}
+    options = {"causal": case["causal"], "window_size": case["window"]}
     want_out, want_lse = attention_reference(*host[:3], **options)
     wants = attention_backward_reference(host[3], *host[:3], **options)
     low = case["dtype"] != "float32"
@@ -89,11 +92,12 @@ def test_two_gpus_match_the_float64_reference(distributed_results, name):
             raise AssertionError(f"{key}: {error}") from None
 
 
-#: name -> (batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced)
+#: name -> (batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced, window)
 JAX_CASES = {
-    "jax-ring-causal-balanced-gqa-bf16": (2, 68, 4, 2, 64, "bfloat16", True, True),
-    "jax-ring-causal-contiguous-fp16": (1, 254, 2, 2, 128, "float16", True, False),
-    "jax-ring-full-fp32": (1, 34, 2, 1, 64, "float32", False, False),
+    "jax-ring-causal-balanced-gqa-bf16": (2, 68, 4, 2, 64, "bfloat16", True, True, (-1, -1)),
+    "jax-ring-causal-contiguous-fp16": (1, 254, 2, 2, 128, "float16", True, False, (-1, -1)),
+    "jax-ring-full-fp32": (1, 34, 2, 1, 64, "float32", False, False, (-1, -1)),
+    "jax-ring-causal-window-bf16": (1, 254, 2, 2, 64, "bfloat16", True, False, (100, 0)),
 }
 
 
@@ -110,7 +114,7 @@ def test_jax_ring_under_jit_matches_the_float64_reference(name):
     gpus = [device for device in jax.devices() if device.platform == "gpu"]
     if len(gpus) < 2:
         pytest.skip("needs 2 GPUs")
-    batch, seqlen, nheads, nheads_k, head_dim, dtype_name, causal, balanced = JAX_CASES[name]
+    batch, seqlen, nheads, nheads_k, head_dim, dtype_name, causal, balanced, window = JAX_CASES[name]
     dtype = cupy.dtype(dtype_name)
     rng = np.random.default_rng(23)
     host = [cupy.asarray(rng.standard_normal((batch, seqlen, heads, head_dim)).astype(np.float32)).astype(dtype)
@@ -122,7 +126,7 @@ def test_jax_ring_under_jit_matches_the_float64_reference(name):
         from jax.experimental.shard_map import shard_map
 
     def ring(q, k, v):
-        return ring_jax.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced)
+        return ring_jax.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
 
     ringed = shard_map(ring, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
@@ -137,7 +141,7 @@ def test_jax_ring_under_jit_matches_the_float64_reference(name):
     inputs = [jnp.asarray(x.astype(np.float32).get()).astype(jdtype) for x in host]
     out, dq, dk, dv = loss_and_grads(*inputs)
     host64 = [x.astype(np.float64).get() for x in host]
-    options = {"causal": causal}
+    options = {"causal": causal, "window_size": window}
     want_out, _ = attention_reference(*host64[:3], **options)
     wants = attention_backward_reference(host64[3], *host64[:3], **options)
     scale = 1 / math.sqrt(head_dim)

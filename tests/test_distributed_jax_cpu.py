@@ -16,68 +16,99 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = r'''
-import os, math, functools
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import numpy as np, jax, jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
-import cuflash.jax as cj
-from cuflash.distributed import jax as rj
+SCRIPT = r"""
+import math
 
-def np_fwd(q, k, v, causal, scale):
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+import cuflash.jax as cuflash_jax
+from cuflash.distributed import jax as ring_jax
+
+
+def scores(q, k, causal, window, scale):
+    group = q.shape[2] // k.shape[2]
+    s = np.einsum("bshd,bthd->bhst", q, np.repeat(k, group, 2)) * scale
+    left, right = window[0], 0 if causal else window[1]
+    rows, cols = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None]
+    diagonal = rows + k.shape[1] - q.shape[1]
+    if right >= 0:
+        s = np.where(cols > diagonal + right, -np.inf, s)
+    if left >= 0:
+        s = np.where(cols < diagonal - left, -np.inf, s)
+    return s
+
+
+def forward(q, k, v, causal, window, scale):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    g = q.shape[2] // k.shape[2]; k = np.repeat(k, g, 2); v = np.repeat(v, g, 2)
-    s = np.einsum("bshd,bthd->bhst", q, k) * scale
-    if causal:
-        i = np.arange(q.shape[1])[:, None]; j = np.arange(k.shape[1])[None]
-        s = np.where(j > i + k.shape[1] - q.shape[1], -np.inf, s)
-    m = s.max(-1, keepdims=True); lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
-    p = np.exp(s - lse[..., None]); o = np.einsum("bhst,bthd->bshd", p, v)
-    return o.astype(np.float32), lse.astype(np.float32)
+    s = scores(q, k, causal, window, scale)
+    top = np.max(s, -1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    total = np.exp(s - top).sum(-1, keepdims=True)
+    lse = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), -np.inf)[..., 0]
+    p = np.where(total > 0, np.exp(s - lse[..., None]), 0)
+    out = np.einsum("bhst,bthd->bshd", p, np.repeat(v, q.shape[2] // k.shape[2], 2))
+    return out.astype(np.float32), lse.astype(np.float32)
 
-def fake_forward(q, k, v, a, seed, flags, scale, prec):
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
-    return jax.pure_callback(lambda q, k, v: np_fwd(q, k, v, flags[0], scale), shapes, q, k, v)
 
-def np_bwd(dout, q, k, v, out, lse, causal, scale):
+def backward(dout, q, k, v, out, lse, causal, window, scale):
     dout, q, k, v, out, lse = (np.asarray(x, np.float64) for x in (dout, q, k, v, out, lse))
-    hk = k.shape[2]; g = q.shape[2] // hk; K = np.repeat(k, g, 2); V = np.repeat(v, g, 2)
-    s = np.einsum("bshd,bthd->bhst", q, K) * scale
-    if causal:
-        i = np.arange(q.shape[1])[:, None]; j = np.arange(k.shape[1])[None]
-        s = np.where(j > i + k.shape[1] - q.shape[1], -np.inf, s)
-    p = np.exp(s - lse[..., None]); dp = np.einsum("bshd,bthd->bhst", dout, V)
-    delta = (dout * out).sum(-1).transpose(0, 2, 1)[..., None]; ds = p * (dp - delta) * scale
-    dq = np.einsum("bhst,bthd->bshd", ds, K)
-    dk = np.einsum("bhst,bshd->bthd", ds, q).reshape(*k.shape[:3], g, k.shape[3]).sum(3)
-    dv = np.einsum("bhst,bshd->bthd", p, dout).reshape(*k.shape[:3], g, k.shape[3]).sum(3)
+    group = q.shape[2] // k.shape[2]
+    keys, values = np.repeat(k, group, 2), np.repeat(v, group, 2)
+    p = np.exp(scores(q, k, causal, window, scale) - lse[..., None])
+    delta = (dout * out).sum(-1).transpose(0, 2, 1)[..., None]
+    ds = p * (np.einsum("bshd,bthd->bhst", dout, values) - delta) * scale
+    shape = (*k.shape[:3], group, k.shape[3])
+    dq = np.einsum("bhst,bthd->bshd", ds, keys)
+    dk = np.einsum("bhst,bshd->bthd", ds, q).reshape(shape).sum(3)
+    dv = np.einsum("bhst,bshd->bthd", p, dout).reshape(shape).sum(3)
     return dq.astype(np.float32), dk.astype(np.float32), dv.astype(np.float32)
 
-def fake_backward(dout, q, k, v, out, lse, a, seed, flags, scale, det):
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    return jax.pure_callback(lambda *xs: np_bwd(*xs, flags[0], scale), shapes, dout, q, k, v, out, lse)
 
-cj._forward_call, cj._backward_call = fake_forward, fake_backward
-cj.JIT_SUPPORTED = True
+def forward_call(q, k, v, alibi_slopes, seed, flags, scale, fp32_precision):
+    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+              jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
+    return jax.pure_callback(lambda *xs: forward(*xs, flags[0], flags[1], scale), shapes, q, k, v)
+
+
+def backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, scale, deterministic):
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
+    return jax.pure_callback(lambda *xs: backward(*xs, flags[0], flags[1], scale), shapes,
+                             dout, q, k, v, out, lse)
+
+
+cuflash_jax._forward_call, cuflash_jax._backward_call = forward_call, backward_call
+cuflash_jax.JIT_SUPPORTED = True
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
-spec = P(None, "sequence")
+spec = PartitionSpec(None, "sequence")
 rng = np.random.default_rng(0)
-for causal, balanced in [(True, True), (True, False), (False, False)]:
-    b, S, H, HK, D = 2, 16, 4, 2, 8
-    q, k, v, do = (jnp.asarray(rng.standard_normal((b, S, h, D)), jnp.float32) for h in (H, HK, HK, H))
-    ringed = jax.shard_map(lambda q, k, v: rj.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+for causal, balanced, window in [(True, True, (-1, -1)), (True, False, (-1, -1)), (False, False, (-1, -1)),
+                                 (True, False, (3, 0)), (False, False, (2, 5))]:
+    batch, seqlen, nheads, nheads_k, head_dim = 2, 16, 4, 2, 8
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, seqlen, heads, head_dim)), jnp.float32)
+                     for heads in (nheads, nheads_k, nheads_k, nheads))
+
+    def ring(q, k, v):
+        return ring_jax.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
+
+    ringed = jax.shard_map(ring, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
     @jax.jit
-    def f(q, k, v, do):
-        a = [rj.shard_order(x, 2, balanced=balanced) for x in (q, k, v, do)]
-        out, pb = jax.vjp(ringed, *a[:3])
-        return [rj.sequence_order(x, 2, balanced=balanced) for x in (out, *pb(a[3]))]
-    got = f(q, k, v, do)
-    o, lse = np_fwd(q, k, v, causal, 1 / math.sqrt(D))
-    want = [o, *np_bwd(do, q, k, v, o, lse, causal, 1 / math.sqrt(D))]
+    def output_and_gradients(q, k, v, dout):
+        arranged = [ring_jax.shard_order(x, 2, balanced=balanced) for x in (q, k, v, dout)]
+        out, pullback = jax.vjp(ringed, *arranged[:3])
+        return [ring_jax.sequence_order(x, 2, balanced=balanced) for x in (out, *pullback(arranged[3]))]
+
+    got = output_and_gradients(q, k, v, dout)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = forward(q, k, v, causal, window, scale)
+    want = [out, *backward(dout, q, k, v, out, lse, causal, window, scale)]
     errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
-    print(causal, balanced, max(errors))
-    assert max(errors) < 1e-5, (causal, balanced, errors)
-'''
+    print(causal, balanced, window, max(errors))
+    assert max(errors) < 1e-5, (causal, balanced, window, errors)
+"""
 
 
 def test_jax_ring_bookkeeping_on_two_host_devices():
@@ -88,4 +119,4 @@ def test_jax_ring_bookkeeping_on_two_host_devices():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=environment, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("\n") == 3, result.stdout
+    assert result.stdout.count("\n") == 5, result.stdout

@@ -11,25 +11,40 @@ import pytest
 from cuflash.distributed import schedule
 
 
-def _covered(world: int, chunk: int, causal: bool, balanced: bool) -> np.ndarray:
+def _visible(rows, keys, causal: bool, window) -> np.ndarray:
+    """cuflash's mask on ``rows`` queries and ``keys`` keys (bottom-right aligned)."""
+    left, right = window
+    right = 0 if causal else right
+    i = np.arange(rows)[:, None]
+    j = np.arange(keys)[None, :]
+    corner = keys - rows
+    shown = np.ones((rows, keys), dtype=bool)
+    if left >= 0:
+        shown &= j >= i + corner - left
+    if right >= 0:
+        shown &= j <= i + corner + right
+    return shown
+
+
+def _covered(world: int, chunk: int, causal: bool, balanced: bool, window=(-1, -1)) -> np.ndarray:
     """How often each (query position, key position) of the whole sequence
-    is computed by the ranks' steps, from the plans alone."""
+    is computed by the ranks' steps, from the plans alone (each step's rows,
+    keys and mask, as cuflash would apply it), over the ring's length."""
     seqlen = chunk * (2 * world if balanced else world)
     local = seqlen // world
     positions = [schedule.sequence_positions(r, world, seqlen, balanced=balanced) for r in range(world)]
+    length = schedule.ring_length(world, local, causal=causal, balanced=balanced, window=window)
     counts = np.zeros((seqlen, seqlen), dtype=int)
     for rank in range(world):
-        for step in schedule.ring_steps(rank, world, causal=causal, balanced=balanced):
+        steps = schedule.ring_steps(rank, world, local, causal=causal, balanced=balanced, window=window)
+        assert not any(step.attends for step in steps[length:])
+        for step in steps[:length]:
             if not step.attends:
                 continue
-            q_start, q_stop = schedule.part_bounds(step.query_part, local)
-            k_start, k_stop = schedule.part_bounds(step.key_part, local)
-            for i in range(q_start, q_stop):
-                for j in range(k_start, k_stop):
-                    # the step's own mask: causal over the shard's local order
-                    if step.causal and j > i:
-                        continue
-                    counts[positions[rank][i], positions[step.source][j]] += 1
+            (r0, r1), (k0, k1) = step.rows, step.keys
+            shown = _visible(r1 - r0, k1 - k0, step.causal, step.window)
+            for i, j in zip(*np.nonzero(shown)):
+                counts[positions[rank][r0 + i], positions[step.source][k0 + j]] += 1
     return counts
 
 
@@ -39,19 +54,38 @@ def _covered(world: int, chunk: int, causal: bool, balanced: bool) -> np.ndarray
 def test_every_visible_pair_is_computed_once(world, causal, balanced):
     counts = _covered(world, 3, causal, balanced)
     seqlen = counts.shape[0]
-    visible = np.tril(np.ones((seqlen, seqlen), dtype=int)) if causal else np.ones((seqlen, seqlen), dtype=int)
-    np.testing.assert_array_equal(counts, visible)
+    np.testing.assert_array_equal(counts, _visible(seqlen, seqlen, causal, (-1, -1)).astype(int))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(0, 0), (1, 2), (3, -1), (-1, 4), (5, 0), (7, 7), (30, 1)])
+def test_windows_are_computed_once_each(world, causal, window):
+    counts = _covered(world, 4, causal, False, window)
+    seqlen = counts.shape[0]
+    np.testing.assert_array_equal(counts, _visible(seqlen, seqlen, causal, window).astype(int))
+
+
+def test_a_window_shortens_the_ring():
+    # 8 ranks of 4 tokens: a causal window of 5 reaches one shard back
+    assert schedule.ring_length(8, 4, causal=True, balanced=False, window=(5, 0)) == 3
+    assert schedule.ring_length(8, 4, causal=True, balanced=False, window=(3, 0)) == 2
+    assert schedule.ring_length(8, 4, causal=True, balanced=False) == 8
+    # a right side reaches the next rank: the ring goes all the way round
+    assert schedule.ring_length(8, 4, causal=False, balanced=False, window=(3, 1)) == 8
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_balanced_causal_steps_cost_every_rank_the_same(world):
     """After the diagonal, each step is half a block on every rank; with
     contiguous shards the last rank does a whole block every step."""
+    local = 8
     for rank in range(world):
-        steps = schedule.ring_steps(rank, world, causal=True, balanced=True)[1:]
-        assert all((step.query_part == "all") != (step.key_part == "all") for step in steps)
-    last = schedule.ring_steps(world - 1, world, causal=True, balanced=False)
-    first = schedule.ring_steps(0, world, causal=True, balanced=False)
+        for step in schedule.ring_steps(rank, world, local, causal=True, balanced=True)[1:]:
+            area = (step.rows[1] - step.rows[0]) * (step.keys[1] - step.keys[0])
+            assert area == local * local // 2 and not step.causal
+    last = schedule.ring_steps(world - 1, world, local, causal=True, balanced=False)
+    first = schedule.ring_steps(0, world, local, causal=True, balanced=False)
     assert all(step.attends for step in last) and sum(step.attends for step in first) == 1
 
 
@@ -64,11 +98,11 @@ def test_positions_and_gathered_order():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: schedule.ring_steps(2, 2, causal=True, balanced=True), r"rank must be an int in \[0, 2\)"),
-    (lambda: schedule.ring_steps(0, 0, causal=True, balanced=True), "world"),
+    (lambda: schedule.ring_steps(2, 2, 4, causal=True, balanced=True), r"rank must be an int in \[0, 2\)"),
+    (lambda: schedule.ring_steps(0, 0, 4, causal=True, balanced=True), "world"),
+    (lambda: schedule.ring_steps(0, 2, 4, causal=True, balanced=True, window=(3, 0)), "needs contiguous shards"),
     (lambda: schedule.sequence_positions(0, 2, 6, balanced=True), "must split into 4 equal chunks"),
     (lambda: schedule.check_shard_length(17, True), "even length, got 17"),
-    (lambda: schedule.part_bounds("middle", 4), "part must be one of"),
 ])
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ValueError, match=message):

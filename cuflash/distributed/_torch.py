@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from .. import api
-from .._validation import resolve_softmax_scale
-from .schedule import check_shard_length, gathered_order, part_bounds, ring_steps, shard_chunks
+from .._validation import check_window, resolve_softmax_scale
+from .schedule import check_shard_length, gathered_order, ring_length, ring_steps, shard_chunks
 
 
 def _group_of(group):
@@ -48,13 +48,18 @@ class _Ring:
 
     def __init__(self, group):
         self.group = group
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world, self.rank = world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.next = dist.get_global_rank(group, (rank + 1) % world)
         self.prev = dist.get_global_rank(group, (rank - 1) % world)
 
-    def start(self, send: torch.Tensor, receive: torch.Tensor):
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
-               dist.P2POp(dist.irecv, receive, self.prev, self.group)]
+    def start(self, send: torch.Tensor, receive: torch.Tensor, hops: int = 1):
+        """Send ``send`` ``hops`` ranks ahead; receive from as many behind."""
+        if hops == 1:
+            ahead, behind = self.next, self.prev
+        else:
+            ahead = dist.get_global_rank(self.group, (self.rank + hops) % self.world)
+            behind = dist.get_global_rank(self.group, (self.rank - hops) % self.world)
+        ops = [dist.P2POp(dist.isend, send, ahead, self.group), dist.P2POp(dist.irecv, receive, behind, self.group)]
         works = dist.batch_isend_irecv(ops)
         if not OVERLAP:
             self.wait(works)
@@ -67,68 +72,69 @@ class _Ring:
             work.wait()  # the current stream waits on NCCL's; the host does not
 
 
-def _ring_forward(q, k, v, group, causal: bool, softmax_scale: float, balanced: bool):
-    """(out, lse) of the local queries against the whole sequence's keys."""
+def _plan(q, group, causal: bool, balanced: bool, window: tuple[int, int]):
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    steps = ring_steps(rank, world, causal=causal, balanced=balanced)
+    seqlen = q.shape[1]
+    steps = ring_steps(rank, world, seqlen, causal=causal, balanced=balanced, window=window)
+    return steps[:ring_length(world, seqlen, causal=causal, balanced=balanced, window=window)]
+
+
+def _ring_forward(q, k, v, group, causal: bool, softmax_scale: float, balanced: bool, window: tuple[int, int]):
+    """(out, lse) of the local queries against the whole sequence's keys."""
+    steps = _plan(q, group, causal, balanced, window)
     batch, seqlen, nheads, head_dim = q.shape
     # Each step's partial result gets its own slot and one merge combines
     # them all at the end: float32 inside the merge, one rounding to q's
     # dtype (a running merge in q's dtype would round once a step).
-    outs = q.new_empty((world, batch, seqlen, nheads, head_dim))
-    lses = torch.empty((world, batch, nheads, seqlen), dtype=torch.float32, device=q.device)
+    outs = q.new_empty((len(steps), batch, seqlen, nheads, head_dim))
+    lses = torch.empty((len(steps), batch, nheads, seqlen), dtype=torch.float32, device=q.device)
     blocks = torch.stack((k, v)).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
-    ring = _Ring(group) if world > 1 else None
+    ring = _Ring(group) if len(steps) > 1 else None
     for i, step in enumerate(steps):
         block = blocks[i % 2]
-        works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < world else ()
-        if not step.attends:
-            lses[i].fill_(-math.inf)  # the merge then never reads outs[i]
-        else:
-            keys = slice(*part_bounds(step.key_part, seqlen))
-            keys, values = block[0][:, keys], block[1][:, keys]
-            start, stop = part_bounds(step.query_part, seqlen)
-            if step.query_part == "all":
-                api.attention(q, keys, values, causal=step.causal, softmax_scale=softmax_scale,
-                              out=outs[i], lse=lses[i])
-            else:
-                lse = torch.empty((batch, nheads, stop - start), dtype=torch.float32, device=q.device)
-                api.attention(q[:, start:stop], keys, values, causal=step.causal, softmax_scale=softmax_scale,
-                              out=outs[i][:, start:stop], lse=lse)
-                lses[i].fill_(-math.inf)
-                lses[i][:, :, start:stop] = lse
+        works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < len(steps) else ()
+        rows, keys = slice(*step.rows), slice(*step.keys)
+        if step.rows != (0, seqlen) or not step.attends:
+            lses[i].fill_(-math.inf)  # rows this step does not reach: the merge never reads their outputs
+        if step.attends:
+            # the kernels write a C-contiguous lse: a part of the rows goes through a buffer
+            lse = lses[i] if step.rows == (0, seqlen) else torch.empty(
+                (batch, nheads, rows.stop - rows.start), dtype=torch.float32, device=q.device)
+            api.attention(q[:, rows], block[0][:, keys], block[1][:, keys], causal=step.causal,
+                          window_size=step.window, softmax_scale=softmax_scale, out=outs[i][:, rows], lse=lse)
+            if lse is not lses[i]:
+                lses[i][:, :, rows] = lse
         _Ring.wait(works)
     return api.merge_attention_states(outs, lses)
 
 
 def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, softmax_scale: float, balanced: bool,
-                   deterministic: bool):
+                   window: tuple[int, int], deterministic: bool):
     """(dq, dk, dv) of the local shards. K/V travel around the ring as in the
-    forward; each block's dK/dV accumulator (float32) travels with it and
-    arrives, after the last step, at the block's owner."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    steps = ring_steps(rank, world, causal=causal, balanced=balanced)
-    seqlen = q.shape[1]
+    forward; each block's dK/dV sums (float32) travel with it, and after the
+    last step go straight to the block's owner (the next rank when the ring
+    went all the way round)."""
+    steps = _plan(q, group, causal, balanced, window)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     blocks = torch.stack((k, v)).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
     grads = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device),
              torch.empty((2, *k.shape), dtype=torch.float32, device=k.device))
-    ring = _Ring(group) if world > 1 else None
+    ring = _Ring(group) if len(steps) > 1 else None
     dkv_works = ()
     for i, step in enumerate(steps):
         block = blocks[i % 2]
-        kv_works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < world else ()
+        kv_works = ring.start(block, blocks[(i + 1) % 2]) if i + 1 < len(steps) else ()
         partial = None
+        rows, keys = slice(*step.rows), slice(*step.keys)
         if step.attends:
-            rows = slice(*part_bounds(step.query_part, seqlen))
-            keys = slice(*part_bounds(step.key_part, seqlen))
             partial = api.attention_backward(dout[:, rows], q[:, rows], block[0][:, keys], block[1][:, keys],
                                              out[:, rows], lse[:, :, rows], causal=step.causal,
-                                             softmax_scale=softmax_scale, deterministic=deterministic)
+                                             window_size=step.window, softmax_scale=softmax_scale,
+                                             deterministic=deterministic)
             dq[:, rows] += partial[0]
-        # The accumulator of this step's block: zeros at step 0 (our own
-        # block, no one has added to it yet), else the one the previous rank
-        # sent at the end of its step.
+        # The sums of this step's block: zeros at step 0 (our own block, no
+        # one has added to it yet), else the ones the previous rank sent at
+        # the end of its step.
         grad = grads[i % 2]
         if i == 0:
             grad.zero_()
@@ -136,21 +142,21 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, softmax_scale: 
         if partial is not None:
             grad[0][:, keys] += partial[1]
             grad[1][:, keys] += partial[2]
-        if world > 1:
-            dkv_works = ring.start(grad, grads[(i + 1) % 2])
+        if ring is not None:
+            # on to the rank that attends to this block next, or home after the last step
+            dkv_works = ring.start(grad, grads[(i + 1) % 2], hops=1 if i + 1 < len(steps) else -i)
         _Ring.wait(kv_works)
-    # After the last step the previous rank handed us our own block's sums.
     _Ring.wait(dkv_works)
-    dkv = grads[world % 2] if world > 1 else grads[0]
+    dkv = grads[len(steps) % 2] if ring is not None else grads[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, softmax_scale, balanced, deterministic):
-        out, lse = _ring_forward(q, k, v, group, causal, softmax_scale, balanced)
+    def forward(ctx, q, k, v, group, causal, softmax_scale, balanced, window, deterministic):
+        out, lse = _ring_forward(q, k, v, group, causal, softmax_scale, balanced, window)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = group, causal, softmax_scale, balanced, deterministic
+        ctx.settings = group, causal, softmax_scale, balanced, window, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -158,11 +164,11 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, balanced=None, deterministic=False,
-                   return_lse=False):
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1), balanced=None,
+                   deterministic=False, return_lse=False):
     """Ring attention over the ranks of ``group``: each rank holds a shard of
     one sequence, keeps its queries, and the K/V shards travel around the
     ring (NCCL send/receive on NCCL's stream, overlapped with the attention
@@ -179,10 +185,16 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, bal
             rank i of the group holds shard i.
         causal: causal over the whole sequence.
         softmax_scale: default 1 / sqrt(head_dim).
+        window_size: (left, right) sliding window over the whole sequence,
+            as ``cuflash.attention`` (-1 unbounded; with ``causal`` the right
+            side is 0); contiguous shards only. K/V travel only as many
+            hops as the window reaches, and the dK/dV sums go straight home
+            from the last.
         balanced: how the sequence was sharded (``shard_sequence``): True,
             rank r holds chunks r and 2 world - 1 - r of 2 world (one early,
             one late: causal work even over the ranks); False, rank r holds
-            the r-th of world contiguous shards. Default: ``causal``.
+            the r-th of world contiguous shards. Default: ``causal`` without
+            a window.
         deterministic: the backward's per-step dq is bitwise repeatable (as
             ``cuflash.attention_backward``); the ring's sums are always
             in a fixed order.
@@ -194,10 +206,14 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, bal
         ``return_lse`` (out, lse).
     """
     group = _group_of(group)
-    _check_inputs(q, k, v, balanced=causal if balanced is None else balanced)
-    balanced = bool(causal if balanced is None else balanced)
+    window = check_window(window_size)
+    balanced = bool((causal and window == (-1, -1)) if balanced is None else balanced)
+    _check_inputs(q, k, v, balanced=balanced)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), softmax_scale, balanced, bool(deterministic))
+    # the plan's own checks (a window with balanced shards) before anything runs
+    _plan(q, group, bool(causal), balanced, window)
+    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), softmax_scale, balanced, window,
+                                    bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -288,8 +304,8 @@ class _HeadsToSequence(torch.autograd.Function):
         return _sequence_to_heads(grad.contiguous(), ctx.group), None
 
 
-def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, balanced=False,
-                      deterministic=False):
+def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1),
+                      balanced=False, deterministic=False):
     """Ulysses attention: an all-to-all turns the ranks' sequence shards into
     head shards (each rank then holds the whole sequence for nheads / world
     heads), cuflash attends locally, and a second all-to-all returns the
@@ -300,7 +316,8 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, 
     by nheads_k (then each K/V head is replicated to the ranks whose query
     heads use it). ``balanced``: the shards are ``shard_sequence``'s
     balanced ones (their chunks are put in sequence order around the
-    attention). The all-to-alls are not overlapped with the attention.
+    attention). ``window_size`` as ``cuflash.attention``'s over the whole
+    sequence. The all-to-alls are not overlapped with the attention.
     """
     group = _group_of(group)
     _check_inputs(q, k, v, balanced=balanced)
@@ -318,5 +335,6 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, 
                for x in (q, k, v))
     from .. import torch as cuflash_torch
 
-    out = cuflash_torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+    out = cuflash_torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  deterministic=deterministic)
     return _HeadsToSequence.apply(_from_sequence_order(out, world, 1, balanced).contiguous(), group)

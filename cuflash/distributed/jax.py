@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import jax as cuflash_jax
-from .._validation import check_causal, check_deterministic, resolve_softmax_scale
-from .schedule import check_shard_length, gathered_order
+from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
+from .schedule import RingStep, check_shard_length, gathered_order, ring_length, ring_steps
 
 __all__ = ["ring_attention", "shard_order", "sequence_order"]
 
@@ -33,23 +33,27 @@ def _axis_size(axis_name) -> int:
     return int(size(axis_name)) if size is not None else int(jax.lax.psum(1, axis_name))
 
 
-def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, balanced=None, deterministic=False):
+def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, window_size=(-1, -1), balanced=None,
+                   deterministic=False):
     """Ring attention over the mesh axis ``axis_name``; call it inside
     ``jax.shard_map`` with the sequence axis (1) of q, k and v sharded over
     that axis.
 
     q: (batch, seqlen_local, nheads, head_dim); k, v: (batch, seqlen_local,
     nheads_k, head_dim), nheads_k dividing nheads; float16, bfloat16 or
-    float32. ``balanced``: the shards hold chunks r and 2 world - 1 - r of
-    2 world (arrange the whole array with ``shard_order`` before sharding it;
-    ``sequence_order`` undoes it); default ``causal``. Returns the local
+    float32. ``window_size``: as ``cuflash.distributed.ring_attention``
+    (contiguous shards only). ``balanced``: the shards hold chunks r and
+    2 world - 1 - r of 2 world (arrange the whole array with ``shard_order``
+    before sharding it; ``sequence_order`` undoes it); default ``causal``
+    without a window. Returns the local
     output shard; differentiable.
     """
     if not cuflash_jax.JIT_SUPPORTED:
         raise RuntimeError(f"cuflash.distributed.jax.ring_attention runs inside jax.jit and shard_map, which needs "
                            f"jax.experimental.buffer_callback (JAX 0.6.1 or newer); this JAX is {jax.__version__}")
     causal, deterministic = check_causal(causal), check_deterministic(deterministic)
-    balanced = causal if balanced is None else bool(balanced)
+    window = check_window(window_size)
+    balanced = (causal and window == (-1, -1)) if balanced is None else bool(balanced)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be (batch, seqlen_local, nheads, head_dim), got shape {tuple(x.shape)}")
@@ -58,7 +62,8 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, bala
                          f"shape), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     check_shard_length(q.shape[1], balanced, "q's sequence shard")
     scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
-    return _ring(q, k, v, axis_name, causal, scale, balanced, deterministic)
+    _step_forms(_axis_size(axis_name), q.shape[1], causal, balanced, window)  # the plan's checks, at trace time
+    return _ring(q, k, v, axis_name, causal, scale, balanced, window, deterministic)
 
 
 def _varying(results: tuple, axis_name) -> tuple:
@@ -80,53 +85,71 @@ def _varying(results: tuple, axis_name) -> tuple:
     return tuple(x if axis_name in varying_axes(x) else cast(x) for x in results)
 
 
-def _forward_step(q, k, v, causal: bool, scale: float, axis_name):
-    return _varying(cuflash_jax._forward_call(q, k, v, None, None, (causal, *_NO_VARIANTS), scale, "ieee"),
-                    axis_name)
+def _forward_step(q, k, v, causal: bool, window: tuple[int, int], scale: float, axis_name):
+    flags = (causal, window, 0.0, 0.0)  # cuflash.jax's: causal, window, softcap, dropout_p
+    return _varying(cuflash_jax._forward_call(q, k, v, None, None, flags, scale, "ieee"), axis_name)
 
 
-def _backward_step(dout, q, k, v, out, lse, causal: bool, scale: float, deterministic: bool, axis_name):
-    return _varying(cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, (causal, *_NO_VARIANTS), scale,
+def _backward_step(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], scale: float,
+                   deterministic: bool, axis_name):
+    flags = (causal, window, 0.0, 0.0)
+    return _varying(cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, flags, scale,
                                                deterministic)[:3], axis_name)
 
 
-def _late(x, axis=1):
-    return jax.lax.slice_in_dim(x, x.shape[axis] // 2, x.shape[axis], axis=axis)
+def _rows(x, rows: tuple[int, int], axis: int = 1):
+    return jax.lax.slice_in_dim(x, rows[0], rows[1], axis=axis)
 
 
-def _early(x, axis=1):
-    return jax.lax.slice_in_dim(x, 0, x.shape[axis] // 2, axis=axis)
+def _placed(x, rows: tuple[int, int], length: int, fill, axis: int = 1):
+    """x as rows ``rows`` of a tensor ``length`` long along ``axis``, the rest ``fill``."""
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (rows[0], length - rows[1])
+    return jnp.pad(x, pad, constant_values=fill)
 
 
-def _padded_late(x, axis, fill):
-    """x as the late half of a tensor twice as long along ``axis``, its early half ``fill``."""
-    return jnp.concatenate([jnp.full_like(x, fill), x], axis=axis)
-
-
-def _padded_early(x, axis=1):
-    return jnp.concatenate([x, jnp.zeros_like(x)], axis=axis)
-
-
-def _off_diagonal_forward(step: int, rank, q, k, v, causal: bool, balanced: bool, scale: float, axis_name):
-    """(out, lse) of step ``step`` > 0, the local queries against the K/V of
-    rank (rank - step) % world (schedule.ring_steps: that rank is earlier
-    iff step <= rank)."""
-    if not causal:
-        return _forward_step(q, k, v, False, scale, axis_name)
-    if balanced:
-        early_keys = lambda: _forward_step(q, _early(k), _early(v), False, scale, axis_name)  # noqa: E731
-
-        def late_queries():
-            out, lse = _forward_step(_late(q), k, v, False, scale, axis_name)
-            return _padded_late(out, 1, 0), _padded_late(lse, 2, -jnp.inf)
-
-        return jax.lax.cond(step <= rank, early_keys, late_queries)
-    seen = lambda: _forward_step(q, k, v, False, scale, axis_name)  # noqa: E731
-    def unseen():
-        return _varying((jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)),
+def _step_forward(step: RingStep, q, k, v, scale: float, axis_name):
+    """(out, lse) of one step for every local query row (0 and -inf where
+    the step does not reach)."""
+    seqlen = q.shape[1]
+    if not step.attends:
+        return _varying((jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], seqlen), -jnp.inf, jnp.float32)),
                         axis_name)
+    out, lse = _forward_step(_rows(q, step.rows), _rows(k, step.keys), _rows(v, step.keys), step.causal,
+                             step.window, scale, axis_name)
+    return _placed(out, step.rows, seqlen, 0), _placed(lse, step.rows, seqlen, -jnp.inf, axis=2)
 
-    return jax.lax.cond(step <= rank, seen, unseen)
+
+def _step_backward(step: RingStep, dout, q, k, v, out, lse, scale: float, deterministic: bool, axis_name):
+    """(dq, dk, dv) of one step, shaped like q, k, v (zeros where it does not reach)."""
+    if not step.attends:
+        return _varying((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), axis_name)
+    rows, keys = step.rows, step.keys
+    dq, dk, dv = _backward_step(_rows(dout, rows), _rows(q, rows), _rows(k, keys), _rows(v, keys), _rows(out, rows),
+                                _rows(lse, rows, axis=2), step.causal, step.window, scale, deterministic, axis_name)
+    seqlen = q.shape[1]
+    return _placed(dq, rows, seqlen, 0), _placed(dk, keys, seqlen, 0), _placed(dv, keys, seqlen, 0)
+
+
+def _step_forms(world: int, seqlen: int, causal: bool, balanced: bool, window) -> list[tuple[RingStep, RingStep]]:
+    """Per ring step, its form on ranks whose source is earlier (step <=
+    rank) and on the others. Within each, the plan is the same on every
+    rank (schedule.ring_steps: it depends on the shards' distance, and for
+    balanced causal shards on which side the source lies), so the plans of
+    ranks world - 1 and 0 stand for all."""
+    last, first = (ring_steps(rank, world, seqlen, causal=causal, balanced=balanced, window=window)
+                   for rank in (world - 1, 0))
+    length = ring_length(world, seqlen, causal=causal, balanced=balanced, window=window)
+    return [(last[i], first[i]) for i in range(length)]
+
+
+def _by_rank(step: int, rank, forms: tuple[RingStep, RingStep], run):
+    """``run(form)`` for this rank's form of ring step ``step`` (a
+    ``lax.cond`` on the traced rank where the forms differ)."""
+    earlier, later = forms
+    if step == 0 or earlier == later:
+        return run(earlier)
+    return jax.lax.cond(step <= rank, lambda: run(earlier), lambda: run(later))
 
 
 def _merge(outs, lses):
@@ -143,15 +166,16 @@ def _merge(outs, lses):
     return out.astype(outs[0].dtype), lse
 
 
-def _ring_forward(q, k, v, axis_name, causal, scale, balanced):
+def _ring_forward(q, k, v, axis_name, causal, scale, balanced, window):
     world = _axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
+    forms = _step_forms(world, q.shape[1], causal, balanced, window)
     forward = [(source, (source + 1) % world) for source in range(world)]
     outs, lses = [], []
-    for step in range(world):
-        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
-        out, lse = (_forward_step(q, k, v, causal, scale, axis_name) if step == 0
-                    else _off_diagonal_forward(step, rank, q, k, v, causal, balanced, scale, axis_name))
+    for step, step_forms in enumerate(forms):
+        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < len(forms) else None
+        out, lse = _by_rank(step, rank, step_forms,
+                            lambda form, k=k, v=v: _step_forward(form, q, k, v, scale, axis_name))
         outs.append(out)
         lses.append(lse)
         if following is not None:
@@ -159,66 +183,46 @@ def _ring_forward(q, k, v, axis_name, causal, scale, balanced):
     return _merge(outs, lses)
 
 
-def _off_diagonal_backward(step: int, rank, dout, q, k, v, out, lse, causal, balanced, scale, deterministic,
-                           axis_name):
-    """(dq, dk, dv) of step ``step`` > 0, shaped like q, k, v (zeros where
-    the step does not reach)."""
-    full = lambda: _backward_step(dout, q, k, v, out, lse, False, scale, deterministic, axis_name)  # noqa: E731
-    if not causal:
-        return full()
-    if balanced:
-        def early_keys():
-            dq, dk, dv = _backward_step(dout, q, _early(k), _early(v), out, lse, False, scale, deterministic,
-                                        axis_name)
-            return dq, _padded_early(dk), _padded_early(dv)
-
-        def late_queries():
-            dq, dk, dv = _backward_step(_late(dout), _late(q), k, v, _late(out), _late(lse, 2), False, scale,
-                                        deterministic, axis_name)
-            return _padded_late(dq, 1, 0), dk, dv
-
-        return jax.lax.cond(step <= rank, early_keys, late_queries)
-    nothing = lambda: _varying((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), axis_name)  # noqa: E731
-    return jax.lax.cond(step <= rank, full, nothing)
-
-
-def _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, deterministic):
+def _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, window, deterministic):
     world = _axis_size(axis_name)
     rank = jax.lax.axis_index(axis_name)
+    forms = _step_forms(world, q.shape[1], causal, balanced, window)
     forward = [(source, (source + 1) % world) for source in range(world)]
     dq = jnp.zeros(q.shape, jnp.float32)
     dk_sum = dv_sum = None
-    for step in range(world):
-        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < world else None
-        dq_step, dk_step, dv_step = (_backward_step(dout, q, k, v, out, lse, causal, scale, deterministic, axis_name)
-                                     if step == 0 else
-                                     _off_diagonal_backward(step, rank, dout, q, k, v, out, lse, causal, balanced,
-                                                            scale, deterministic, axis_name))
+    for step, step_forms in enumerate(forms):
+        following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < len(forms) else None
+        dq_step, dk_step, dv_step = _by_rank(
+            step, rank, step_forms,
+            lambda form, k=k, v=v: _step_backward(form, dout, q, k, v, out, lse, scale, deterministic, axis_name))
         dq = dq + dq_step.astype(jnp.float32)
         # This step's block's float32 sums (the previous rank's, handed on at
-        # its step's end) plus ours, handed on: after the last step each
-        # rank holds its own block's.
+        # its step's end) plus ours, handed on to the rank that attends to
+        # the block next, or after the last step straight to its owner.
         dk_sum = dk_step.astype(jnp.float32) if dk_sum is None else dk_sum + dk_step.astype(jnp.float32)
         dv_sum = dv_step.astype(jnp.float32) if dv_sum is None else dv_sum + dv_step.astype(jnp.float32)
-        dk_sum, dv_sum = jax.lax.ppermute((dk_sum, dv_sum), axis_name, forward)
+        hops = 1 if step + 1 < len(forms) else -step
+        if hops % world:
+            onward = [(source, (source + hops) % world) for source in range(world)]
+            dk_sum, dv_sum = jax.lax.ppermute((dk_sum, dv_sum), axis_name, onward)
         if following is not None:
             k, v = following
     return dq.astype(q.dtype), dk_sum.astype(k.dtype), dv_sum.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, causal, scale, balanced, deterministic):
-    return _ring_forward(q, k, v, axis_name, causal, scale, balanced)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _ring(q, k, v, axis_name, causal, scale, balanced, window, deterministic):
+    return _ring_forward(q, k, v, axis_name, causal, scale, balanced, window)[0]
 
 
-def _ring_fwd(q, k, v, axis_name, causal, scale, balanced, deterministic):
-    out, lse = _ring_forward(q, k, v, axis_name, causal, scale, balanced)
+def _ring_fwd(q, k, v, axis_name, causal, scale, balanced, window, deterministic):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, scale, balanced, window)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis_name, causal, scale, balanced, deterministic, residuals, dout):
+def _ring_bwd(axis_name, causal, scale, balanced, window, deterministic, residuals, dout):
     q, k, v, out, lse = residuals
-    return _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, deterministic)
+    return _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, window, deterministic)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

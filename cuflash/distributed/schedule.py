@@ -24,30 +24,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The half of a local shard a step uses: all of it, its first half (the
-#: early chunk of a balanced shard) or its second half (the late chunk).
-PARTS = ("all", "early", "late")
+#: Query rows or key rows of a local shard, ``(start, stop)``.
+Rows = tuple[int, int]
 
 
 @dataclass(frozen=True)
 class RingStep:
     """What one rank computes at one ring step.
 
-    ``source``: the rank whose K/V shard the step attends to. ``causal``:
-    the step is the shard's own diagonal block, masked causally (within a
-    balanced shard the plain causal mask over its two chunks is the right
-    one: the early chunk's queries see none of the late chunk's keys, the
-    late chunk's queries see all of the early chunk's). ``query_part`` and
-    ``key_part``: the halves of the local queries and of the received keys
-    that meet (``PARTS``). ``attends``: False when the whole block is masked
-    (contiguous causal, a later rank's keys); the rank only forwards the
-    block.
+    ``source``: the rank whose K/V shard the step attends to. ``rows`` and
+    ``keys``: the local query rows and the received key rows that meet,
+    ``(start, stop)``; the rest of the queries get nothing from this step.
+    ``causal`` and ``window``: the mask of that call, as
+    ``cuflash.attention`` takes them (bottom-right aligned on the rows and
+    keys given). Within a balanced shard the plain causal mask over its two
+    chunks is the right one: the early chunk's queries see none of the late
+    chunk's keys, the late chunk's queries all of the early chunk's.
+    ``attends``: False when the whole block is masked; the rank only
+    forwards it.
     """
 
     source: int
+    rows: Rows
+    keys: Rows
     causal: bool = False
-    query_part: str = "all"
-    key_part: str = "all"
+    window: tuple[int, int] = (-1, -1)
     attends: bool = True
 
 
@@ -58,27 +59,80 @@ def check_world(rank: int, world: int) -> None:
         raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
 
 
-def ring_steps(rank: int, world: int, *, causal: bool, balanced: bool) -> tuple[RingStep, ...]:
-    """The ``world`` steps of ``rank``, in ring order (step 0: its own shard)."""
+def ring_steps(rank: int, world: int, seqlen: int, *, causal: bool, balanced: bool,
+               window: tuple[int, int] = (-1, -1)) -> tuple[RingStep, ...]:
+    """The ``world`` steps of ``rank`` for local shards of ``seqlen`` tokens,
+    in ring order (step 0: its own shard). ``window``: (left, right) over the
+    whole sequence as ``cuflash.attention`` takes it (-1 unbounded; causal
+    makes right 0); contiguous shards only."""
     check_world(rank, world)
-    steps = []
-    for i in range(world):
-        source = (rank - i) % world
-        if source == rank:
-            steps.append(RingStep(source, causal=causal))
-        elif not causal:
-            steps.append(RingStep(source))
-        elif balanced:
+    check_shard_length(seqlen, balanced)
+    left, right = window
+    if balanced and window != (-1, -1):
+        raise ValueError("a sliding window needs contiguous shards (balanced=False): a balanced shard's late chunk "
+                         "lies far from the ranks holding its neighbours, so every step would be needed")
+    if balanced and causal:
+        half = seqlen // 2
+        steps = []
+        for i in range(world):
+            source = (rank - i) % world
             # Source chunks s < r < 2w-1-r: all queries see the early chunk s
             # and none of the late chunk 2w-1-s (later than both of ours).
             # Source s > r: chunks s and 2w-1-s both lie between our early
             # chunk r and our late chunk 2w-1-r: only the late queries see
             # them, all of them.
-            steps.append(RingStep(source, key_part="early") if source < rank
-                         else RingStep(source, query_part="late"))
-        else:
-            steps.append(RingStep(source) if source < rank else RingStep(source, attends=False))
+            if source == rank:
+                steps.append(RingStep(source, (0, seqlen), (0, seqlen), causal=True))
+            elif source < rank:
+                steps.append(RingStep(source, (0, seqlen), (0, half)))
+            else:
+                steps.append(RingStep(source, (half, seqlen), (0, seqlen)))
+        return tuple(steps)
+    # Contiguous shards (and balanced ones without a mask, where only which
+    # keys arrive matters): query i (global position qa + i) sees key j
+    # (ka + j) iff lo <= j - i <= hi, a band at the shards' offset.
+    infinite = 4 * world * seqlen + 1
+    right = 0 if causal else right
+    steps = []
+    for i in range(world):
+        source = (rank - i) % world
+        offset = (rank - source) * seqlen if not balanced else 0
+        lo = offset - left if left >= 0 else -infinite
+        hi = offset + right if right >= 0 else infinite
+        steps.append(_band_step(source, seqlen, lo, hi, infinite))
     return tuple(steps)
+
+
+def _band_step(source: int, seqlen: int, lo: int, hi: int, infinite: int) -> RingStep:
+    """The step whose query i meets key j iff lo <= j - i <= hi: the query
+    rows that see a key, the keys they see, and the window that masks the
+    rest with cuflash's bottom-right alignment."""
+    row_start, row_stop = max(0, -hi), min(seqlen, seqlen - lo)
+    if row_start >= row_stop:
+        return RingStep(source, (0, 0), (0, 0), attends=False)
+    key_start, key_stop = max(0, row_start + lo), min(seqlen, row_stop + hi)
+    # cuflash's window (L, R) on these rows and keys lets query i' see key j'
+    # iff -L <= j' - i' - corner <= R, with corner = keys - rows (the
+    # bottom-right alignment); in shard coordinates corner = key_stop -
+    # row_stop, which lies in [lo, hi] by the choice of the rows and keys.
+    corner = key_stop - row_stop
+    whole = lo <= key_start - (row_stop - 1) and hi >= (key_stop - 1) - row_start
+    if whole:
+        return RingStep(source, (row_start, row_stop), (key_start, key_stop))
+    window = (corner - lo if lo > -infinite else -1, hi - corner if hi < infinite else -1)
+    if window == (-1, 0):
+        return RingStep(source, (row_start, row_stop), (key_start, key_stop), causal=True)
+    return RingStep(source, (row_start, row_stop), (key_start, key_stop), window=window)
+
+
+def ring_length(world: int, seqlen: int, *, causal: bool, balanced: bool,
+                window: tuple[int, int] = (-1, -1)) -> int:
+    """How many ring steps any rank attends in: K/V travel that many - 1
+    hops (a window can make it fewer than ``world``)."""
+    needed = [i for rank in range(world)
+              for i, step in enumerate(ring_steps(rank, world, seqlen, causal=causal, balanced=balanced,
+                                                  window=window)) if step.attends]
+    return max(needed) + 1
 
 
 def shard_chunks(rank: int, world: int, *, balanced: bool) -> tuple[int, ...]:
@@ -112,11 +166,3 @@ def gathered_order(world: int, *, balanced: bool) -> list[int]:
     ``gathered_order(w)[j]`` is the sequence chunk at chunk slot ``j`` of the
     concatenation (the inverse permutation restores the sequence's order)."""
     return [c for rank in range(world) for c in shard_chunks(rank, world, balanced=balanced)]
-
-
-def part_bounds(part: str, length: int) -> tuple[int, int]:
-    """``(start, stop)`` of a ``PARTS`` name within a shard of ``length`` tokens."""
-    if part not in PARTS:
-        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-    half = length // 2
-    return {"all": (0, length), "early": (0, half), "late": (half, length)}[part]
