@@ -20,7 +20,8 @@ query heads, ``--kv-heads``, head_dim ``--head-dim``, bf16; causal and not):
   (``cuflash.simulate.distributed.ring``) on this machine;
 * with ``--timeline``: one ring step under the PyTorch profiler on every
   rank (Chrome traces ``ring_trace_*_rank*.json`` under ``--out``), and how
-  much of NCCL's kernel time ran while attention kernels ran.
+  long the GPU ran no kernel but NCCL's during the step (transfers not
+  hidden, and host gaps).
 
 Times: CUDA events around one forward + backward step, after a barrier,
 median of ``--repeats``; the ring's is the maximum over ranks. Speedup =
@@ -65,10 +66,14 @@ def _step_ms(torch, dist, step, repeats: int) -> float:
 
 
 def _overlap_from_trace(path: Path) -> dict:
-    """From a Chrome trace of one step: how long NCCL's kernels ran and how
-    much of that time attention (any other kernel) ran beside them."""
+    """From a Chrome trace of one step (after the barrier that starts it):
+    the step's span on the GPU, how much of it attention and element-wise
+    kernels filled, and NCCL's send/receive kernels (their time includes
+    waiting for the peer)."""
     events = json.loads(path.read_text())["traceEvents"]
     kernels = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    barrier_end = max((end for _, end, name in kernels if "AllReduce" in name), default=-1.0)
+    kernels = [kernel for kernel in kernels if kernel[0] >= barrier_end]
     nccl = [(start, end) for start, end, name in kernels if "nccl" in name.lower()]
     compute = sorted((start, end) for start, end, name in kernels if "nccl" not in name.lower())
     merged = []
@@ -77,21 +82,23 @@ def _overlap_from_trace(path: Path) -> dict:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
-    transfer_us = sum(end - start for start, end in nccl)
-    hidden_us = sum(max(0.0, min(end, c_end) - max(start, c_start))
-                    for start, end in nccl for c_start, c_end in merged)
-    return {"nccl_kernel_us": transfer_us, "nccl_beside_compute_us": hidden_us,
-            "compute_us": sum(end - start for start, end in merged)}
+    span = max(end for _, end, _ in kernels) - min(start for start, _, _ in kernels)
+    busy = sum(end - start for start, end in merged)
+    return {"span_us": span, "compute_us": busy, "idle_us": span - busy, "nccl_kernels": len(nccl),
+            "nccl_kernel_us": sum(end - start for start, end in nccl)}
 
 
 def _timeline(torch, dist, step, out: Path, rank: int, tag: str) -> dict:
-    """One step under the profiler; its trace saved for a timeline viewer."""
+    """One step under the profiler, after a barrier inside the profiled
+    region (so that the ranks' profiler start-up does not skew it); its
+    trace saved for a timeline viewer."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
-    dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        dist.barrier()
+        torch.cuda.synchronize()
         step()
         torch.cuda.synchronize()
     path = out / f"ring_trace_{tag}_rank{rank}.json"
@@ -150,8 +157,8 @@ def main() -> None:
     parser.add_argument("--causal", choices=("both", "causal", "full"), default="both")
     parser.add_argument("--no-ulysses", action="store_true")
     parser.add_argument("--timeline", action="store_true",
-                        help="profile one ring step on each rank: Chrome traces under --out, and how much of NCCL's "
-                             "kernel time ran beside attention kernels")
+                        help="profile one ring step on each rank: Chrome traces under --out, and how long the GPU "
+                             "ran no kernel but NCCL's")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
 
@@ -212,9 +219,9 @@ def main() -> None:
                   f"{row.get('model_ring_ms', float('nan')):11.2f} {model_ratio:10.3f}")
             if "timeline" in row:
                 line = row["timeline"]
-                print(f"       rank 0 timeline: NCCL kernels {line['nccl_kernel_us'] / 1e3:.2f} ms, of which "
-                      f"{line['nccl_beside_compute_us'] / 1e3:.2f} ms beside attention kernels "
-                      f"({line['compute_us'] / 1e3:.2f} ms of compute)")
+                print(f"       rank 0 timeline: step {line['span_us'] / 1e3:.2f} ms on the GPU, kernels other than "
+                      f"NCCL's running {line['compute_us'] / 1e3:.2f} ms of it (idle {line['idle_us'] / 1e3:.2f} "
+                      f"ms); {line['nccl_kernels']} NCCL send/receive kernels")
         meta = {"commit": os.environ.get("CUFLASH_COMMIT"), "device": torch.cuda.get_device_name(),
                 "gpus": world, "rows": rows}
         Path(args.out).mkdir(parents=True, exist_ok=True)
