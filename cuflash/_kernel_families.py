@@ -377,25 +377,50 @@ _OWN_VARIANTS = {"merge": "merge_variant", "cache-append": "cache_append_variant
 MERGE_WARPS = 4
 
 
-def merge_variant(partial_dtype: str, out_dtype: str, vector: int) -> KernelVariant:
+#: States a merge lane reads at once: the few of a ring or a prefix cache, or up to 32 (split-KV decoding).
+MERGE_STATES_IN_FLIGHT = (4, 32)
+
+
+def merge_states_in_flight(num_states: int) -> int:
+    """The fewest states in flight a merge of ``num_states`` states reads at once."""
+    return next((n for n in MERGE_STATES_IN_FLIGHT if n >= num_states), MERGE_STATES_IN_FLIGHT[-1])
+
+
+def merge_vectors(partial_dtype: str, states_in_flight: int) -> tuple[int, ...]:
+    """Columns a merge lane may read at a time: one, or 8 or 16 bytes' worth
+    (16 bytes of 16-bit values only with few states in flight: 32 states of
+    eight values each would spill)."""
+    if partial_dtype == "float32" or states_in_flight > MERGE_STATES_IN_FLIGHT[0]:
+        return (1, 4)
+    return (1, 4, 8)
+
+
+def merge_variant(partial_dtype: str, out_dtype: str, vector: int, states_in_flight: int = 32) -> KernelVariant:
     """The merge kernel for partial outputs of ``partial_dtype`` merged into
-    ``out_dtype``, each lane reading ``vector`` (1 or 4) consecutive columns
-    a step (4 needs head_dim, strides and pointers in multiples of 4 elements)."""
-    if vector not in (1, 4):
-        raise ValueError(f"vector must be 1 or 4, got {vector}")
+    ``out_dtype``, each lane reading ``vector`` consecutive columns of
+    ``states_in_flight`` states at a time (``merge_vectors``; a vector
+    needs head_dim, strides and pointers in multiples of it)."""
+    if states_in_flight not in MERGE_STATES_IN_FLIGHT:
+        raise ValueError(f"states_in_flight must be one of {MERGE_STATES_IN_FLIGHT}, got {states_in_flight}")
+    vectors = merge_vectors(partial_dtype, states_in_flight)
+    if vector not in vectors:
+        raise ValueError(f"vector must be one of {vectors} for {partial_dtype} partials and {states_in_flight} "
+                         f"states in flight, got {vector}")
     family = FAMILY["merge-states"]
     return KernelVariant(
         source=family.source, function=family.function, params=family.params,
-        template_args=(CXX_ELEMENT_TYPE[partial_dtype], CXX_ELEMENT_TYPE[out_dtype], str(vector), str(MERGE_WARPS)),
-        key=f"{family.name}/{partial_dtype}-{out_dtype}/v{vector}/w{MERGE_WARPS}", threads=32 * MERGE_WARPS,
-        smem_bytes=0)
+        template_args=(CXX_ELEMENT_TYPE[partial_dtype], CXX_ELEMENT_TYPE[out_dtype], str(vector), str(MERGE_WARPS),
+                       str(states_in_flight)),
+        key=f"{family.name}/{partial_dtype}-{out_dtype}/v{vector}/w{MERGE_WARPS}/s{states_in_flight}",
+        threads=32 * MERGE_WARPS, smem_bytes=0)
 
 
 def merge_variants() -> list[KernelVariant]:
     """Every merge variant a call may take: split-KV's float32 partials into
     16-bit outputs, and the public merge's partials of each dtype into the same dtype."""
     pairs = [("float32", dtype) for dtype in MMA_DTYPES] + [(dtype, dtype) for dtype in _ALL_DTYPES]
-    return [merge_variant(partial, out, vector) for partial, out in dict.fromkeys(pairs) for vector in (1, 4)]
+    return [merge_variant(partial, out, vector, states) for partial, out in dict.fromkeys(pairs)
+            for states in MERGE_STATES_IN_FLIGHT for vector in merge_vectors(partial, states)]
 
 #: Threads per block of the KV-cache append kernel.
 CACHE_APPEND_THREADS = 256

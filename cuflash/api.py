@@ -25,7 +25,7 @@ from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
-                               merge_variant, runs_claimed_dq, select)
+                               merge_states_in_flight, merge_variant, merge_vectors, runs_claimed_dq, select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
@@ -788,28 +788,30 @@ def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPl
     partial_lse, out and lse; four columns a lane where head_dim, the
     strides and ``pointers`` allow 16-byte loads of float32 partials."""
     partial = strides["partial"]
-    vector_loads = (all(x % 4 == 0 for x in partial[:4]) and pointers[0] % 16 == 0
-                    and problem.dtype == "float32")
+    # the widest load (8 or 16 bytes) the strides allow; pointers 16-byte aligned (the cache key says so)
+    states_in_flight = merge_states_in_flight(problem.num_states)
+    vector = max((n for n in merge_vectors(problem.dtype, states_in_flight)
+                  if all(x % n == 0 for x in (*partial[:4], problem.head_dim)) and pointers[0] % 16 == 0), default=1)
     params, launch = _merge_launch(
         problem.device, problem.dtype, problem.dtype, problem.num_states,
         (problem.batch, problem.nheads, problem.nheads, problem.seqlen, 0, problem.head_dim, 0, 0,
          problem.batch * problem.seqlen, 0, 0, 0, 0, 0),
         out=(0, *strides["out"][:3]), lse_strides=strides["lse"], partial=(0, *partial[1:4]),
-        partial_state_stride=partial[0], partial_lse_strides=strides["partial_lse"], vector_loads=vector_loads)
+        partial_state_stride=partial[0], partial_lse_strides=strides["partial_lse"], vector=vector)
     return LaunchPlan(problem.device, [params], MERGE_SLOTS, [launch] if launch else [])
 
 
 def _merge_launch(device: int, partial_dtype: str, out_dtype: str, num_states: int, size: tuple, *, out: tuple,
                   lse_strides: tuple, partial: tuple, partial_state_stride: int, partial_lse_strides: tuple,
-                  vector_loads: bool, struct: int = 0):
+                  vector: int, struct: int = 0):
     """The merge kernel's parameter struct (MergeParams, pointers left 0)
     and its launch (None where there is no row or column), for both callers:
     ``merge_attention_states`` and split-KV. ``size`` is ProblemSize's
     fields (batch, heads, heads, rows, unused, head_dim, ...); ``out`` and
     ``partial`` TensorRef fields; ``lse_strides`` (batch, head, row) and
     ``partial_lse_strides`` (state, batch, head, row) in elements;
-    ``vector_loads``: whether 16-byte loads of the partials are aligned
-    (head_dim a multiple of 4 is checked here)."""
+    ``vector``: the columns a lane loads at once (``merge_vectors``; the
+    caller has checked that pointers, strides and head_dim allow it)."""
     batch, heads, _, rows, _, head_dim = size[:6]
     params = pack(
         MERGE_PARAMS,
@@ -831,7 +833,7 @@ def _merge_launch(device: int, partial_dtype: str, out_dtype: str, num_states: i
     total_rows = batch * heads * rows
     if not total_rows or not head_dim:
         return params, None
-    variant = merge_variant(partial_dtype, out_dtype, 4 if vector_loads and head_dim % 4 == 0 else 1)
+    variant = merge_variant(partial_dtype, out_dtype, vector, merge_states_in_flight(num_states))
     return params, KernelLaunch(loader.get(variant, device), -(-total_rows // MERGE_WARPS), variant.threads, 0,
                                 struct)
 
@@ -1438,8 +1440,8 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
     merge_params, merge = _merge_launch(
         problem.device, "float32", problem.dtype, splits, _size_fields(problem), out=tensor_ref(layouts["out"]),
         lse_strides=(lse_batch_stride, lse_head_stride, 1), partial=tensor_ref(partial),
-        partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1), vector_loads=True,
-        struct=1)
+        partial_state_stride=b * sq * h * d, partial_lse_strides=(b * h * sq, h * sq, sq, 1),
+        vector=4 if d % 4 == 0 else 1, struct=1)  # float32 partials: 16-byte loads (the work buffer is aligned)
     # On Hopper the merge is a dependent launch: scheduled once the forward's
     # blocks have exited, its launch latency overlaps the forward's completion.
     merge = dataclasses.replace(merge, dependent=_kernel_generation(problem.device) >= 90)

@@ -27,13 +27,33 @@
 
 namespace cuflash {
 
+// The type of one 8- or 16-byte load.
+template <int kBytes>
+struct LoadChunk;
+template <>
+struct LoadChunk<8> {
+    using Type = uint2;
+};
+template <>
+struct LoadChunk<16> {
+    using Type = uint4;
+};
+
 // kVec elements of `Partial` at `src` (aligned to kVec elements), as
-// floats: one 16-byte load for four float32 values.
+// floats, in one load where kVec elements make 8 or 16 bytes (four float32,
+// four or eight 16-bit values), else one at a time.
 template <int kVec, typename Partial>
 __device__ __forceinline__ void load_as_float(const Partial* src, float (&dst)[kVec]) {
-    if constexpr (kVec == 4 && sizeof(Partial) == 4) {
-        const float4 v = *reinterpret_cast<const float4*>(src);
-        dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    constexpr int kBytes = kVec * static_cast<int>(sizeof(Partial));
+    if constexpr (kVec > 1 && (kBytes == 8 || kBytes == 16)) {
+        using Chunk = typename LoadChunk<kBytes>::Type;
+        const Chunk chunk = *reinterpret_cast<const Chunk*>(src);
+        const Partial* elements = reinterpret_cast<const Partial*>(&chunk);
+#pragma unroll
+        for (int i = 0; i < kVec; i += 2) {
+            const float2 pair = load_pair(elements + i);
+            dst[i] = pair.x, dst[i + 1] = pair.y;
+        }
     } else {
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
@@ -50,11 +70,14 @@ __device__ __forceinline__ void load_as_float(const Partial* src, float (&dst)[k
 // 32 states' columns are issued before anything is computed from them,
 // the first 32 together with the log-sum-exps: decoding's usual 32 or
 // fewer states cost one round trip, not three. Each state's weight is
-// broadcast from its lane by a shuffle.
-constexpr int kStatesInFlight = 32;
-
-template <typename Partial, typename Out, int kVec, int kWarps>
+// broadcast from its lane by a shuffle. Every one of kStatesInFlight
+// reads is issued whether or not its state exists (unused ones read state
+// 0 again), so few states (a ring's, a prefix cache's) take a variant
+// with fewer in flight: 32 reads for two states would cost a large merge
+// most of its bandwidth in issued instructions.
+template <typename Partial, typename Out, int kVec, int kWarps, int kStatesInFlight>
 __global__ void __launch_bounds__(kWarps * 32) merge_attention_states_kernel(const MergeParams params) {
+    static_assert(kStatesInFlight >= 1 && kStatesInFlight <= 32, "a state's weight lives in one lane of the warp");
     wait_for_prerequisite_grids();
     const int lane = threadIdx.x % 32;
     const index_t rows = params.size.seqlen_q;

@@ -126,6 +126,27 @@ def test_merge_attention_states_matches_float64(dtype, head_dim, num_states):
     assert (got[1, 3, 2] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("num_states", [2, 6])
+def test_merge_attention_states_off_a_16_byte_boundary(dtype, num_states):
+    """Partials whose strides allow 16-byte loads but whose address does not
+    (one element in): merged with narrower loads, after the same shapes
+    merged aligned (a cached plan must not serve the misaligned call)."""
+    cupy = _cupy()
+    rng = np.random.default_rng(num_states)
+    shape = (num_states, 2, 9, 3, 64)
+    flat = cupy.asarray(rng.standard_normal(int(np.prod(shape)) + 8)).astype(dtype)
+    lses = cupy.asarray(rng.standard_normal((num_states, 2, 3, 9)) * 3, dtype=cupy.float32)
+    for offset in (0, 1):
+        outs = flat[offset:offset + int(np.prod(shape))].reshape(shape)
+        out = cupy.full(shape[1:], cupy.nan, dtype=dtype)
+        cuflash.merge_attention_states(outs, lses, out=out)
+        ref_out, _ = _merge_reference(outs, lses)
+        got = to_numpy64(out)
+        assert not np.isnan(got).any()
+        assert np.abs(got - ref_out).max() <= 1e-2 * max(1.0, np.abs(ref_out).max()), offset
+
+
 def test_merge_attention_states_of_two_key_halves_is_attention_over_all():
     """The building block of split-KV and context parallelism: attention
     over two halves of the keys, merged, is attention over all of them."""

@@ -64,8 +64,9 @@ def test_every_variant_compiles_and_is_reported():
     assert sum("/window/softcap-alibi-dropout" in row["variant"] for row in rows if row["variant"].startswith("forward-mma/")) == 111 + 24
     assert {row["variant"] for row in rows if row["variant"].startswith("kv-cache-append/")} == {
         f"kv-cache-append/{dtype}/{layout}" for dtype in ("float16", "bfloat16") for layout in ("cache", "paged")}
-    # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 1 or 4 columns a lane
-    assert sum(row["variant"].startswith("merge-states/") for row in rows) == 10
+    # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 4 or 32 states in flight;
+    # 1 or 4 columns a lane, and 8 for 16-bit partials with 4 states in flight
+    assert sum(row["variant"].startswith("merge-states/") for row in rows) == 3 * 2 * 2 + 2 * (3 + 2)
     # 22 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
     # for rows ending mid-sector, the short-sequence tiles (d64's two, d128's
     # one), two dtypes; three masks and the heaviest policies dense, three

@@ -112,14 +112,18 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, softmax_scale: 
                    window: tuple[int, int], deterministic: bool):
     """(dq, dk, dv) of the local shards. K/V travel around the ring as in the
     forward; each block's dK/dV sums (float32) travel with it, and after the
-    last step go straight to the block's owner (the next rank when the ring
-    went all the way round)."""
+    last step, complete, go home in k's dtype (half the bytes of the one
+    transfer no attention hides), straight to the block's owner (the next
+    rank when the ring went all the way round)."""
     steps = _plan(q, group, causal, balanced, window)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    seqlen = q.shape[1]
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dq_written = False
     blocks = torch.stack((k, v)).contiguous(), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
     grads = (torch.empty((2, *k.shape), dtype=torch.float32, device=k.device),
              torch.empty((2, *k.shape), dtype=torch.float32, device=k.device))
     ring = _Ring(group) if len(steps) > 1 else None
+    home = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device) if ring is not None else None
     dkv_works = ()
     for i, step in enumerate(steps):
         block = blocks[i % 2]
@@ -131,24 +135,38 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, softmax_scale: 
                                              out[:, rows], lse[:, :, rows], causal=step.causal,
                                              window_size=step.window, softmax_scale=softmax_scale,
                                              deterministic=deterministic)
-            dq[:, rows] += partial[0]
-        # The sums of this step's block: zeros at step 0 (our own block, no
-        # one has added to it yet), else the ones the previous rank sent at
-        # the end of its step.
+            if not dq_written and step.rows == (0, seqlen):
+                dq.copy_(partial[0])
+            else:
+                if not dq_written:
+                    dq.zero_()
+                dq[:, rows] += partial[0]
+            dq_written = True
+        # The sums of this step's block: ours alone at step 0 (our own block,
+        # no one has added to it yet), else the ones the previous rank sent
+        # at the end of its step plus ours.
         grad = grads[i % 2]
-        if i == 0:
-            grad.zero_()
         _Ring.wait(dkv_works)
-        if partial is not None:
-            grad[0][:, keys] += partial[1]
-            grad[1][:, keys] += partial[2]
+        if i == 0 and partial is not None and step.keys == (0, seqlen):
+            grad[0].copy_(partial[1])
+            grad[1].copy_(partial[2])
+        else:
+            if i == 0:
+                grad.zero_()
+            if partial is not None:
+                grad[0][:, keys] += partial[1]
+                grad[1][:, keys] += partial[2]
         if ring is not None:
-            # on to the rank that attends to this block next, or home after the last step
-            dkv_works = ring.start(grad, grads[(i + 1) % 2], hops=1 if i + 1 < len(steps) else -i)
+            if i + 1 < len(steps):  # on to the rank that attends to this block next
+                dkv_works = ring.start(grad, grads[(i + 1) % 2])
+            else:  # complete: home, as the gradient
+                dkv_works = ring.start(grad.to(k.dtype), home, hops=-i)
         _Ring.wait(kv_works)
     _Ring.wait(dkv_works)
-    dkv = grads[len(steps) % 2] if ring is not None else grads[0]
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    if not dq_written:
+        dq.zero_()
+    dkv = home if ring is not None else grads[0].to(k.dtype)
+    return dq.to(q.dtype), dkv[0], dkv[1]
 
 
 class _RingAttention(torch.autograd.Function):
