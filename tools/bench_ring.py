@@ -222,6 +222,12 @@ def main() -> None:
                 print(f"       rank 0 timeline: step {line['span_us'] / 1e3:.2f} ms on the GPU, kernels other than "
                       f"NCCL's running {line['compute_us'] / 1e3:.2f} ms of it (idle {line['idle_us'] / 1e3:.2f} "
                       f"ms); {line['nccl_kernels']} NCCL send/receive kernels")
+        print("README rows:")
+        for row in rows:
+            print(f"| {row['seqlen'] // 1024}k | {'causal' if row['causal'] else 'none'} | {row['one_gpu_ms']:.2f} ms | "
+                  f"{row['ring_ms']:.2f} ms | {row['one_gpu_ms'] / row['ring_ms']:.2f}x | "
+                  f"{row['ring_serialised_ms']:.2f} ms | {row.get('ulysses_ms', float('nan')):.2f} ms | "
+                  f"{row.get('model_ring_ms', float('nan')):.2f} ms ({row.get('model_ring_ms', float('nan')) / row['ring_ms']:.2f}x) |")
         meta = {"commit": os.environ.get("CUFLASH_COMMIT"), "device": torch.cuda.get_device_name(),
                 "gpus": world, "rows": rows}
         Path(args.out).mkdir(parents=True, exist_ok=True)
