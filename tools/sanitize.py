@@ -111,6 +111,20 @@ def main() -> int:
         if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
             failures.append(f"decode num_splits={num_splits}: out not finite")
         print(f"decode num_splits={num_splits}: ran", flush=True)
+    # merge_attention_states of few and many 16-bit states, 16-byte aligned
+    # (wide loads) and one element off (scalar loads): the last column step
+    # of each row reads up to its end.
+    for num_states, offset in ((2, 0), (2, 1), (6, 0)):
+        shape = (num_states, 2, 33, 3, 72)
+        size = num_states * 2 * 33 * 3 * 72
+        outs = cupy.random.default_rng(num_states).standard_normal(size + 1).astype(cupy.float32)
+        outs = outs.astype(cupy.float16)[offset:offset + size].reshape(shape)
+        lses = cupy.zeros((num_states, 2, 3, 33), dtype=cupy.float32)
+        out, _ = cuflash.merge_attention_states(outs, lses)
+        cupy.cuda.Device().synchronize()
+        if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
+            failures.append(f"merge of {num_states} states at offset {offset}: out not finite")
+        print(f"merge num_states={num_states} offset={offset}: ran", flush=True)
     # Packed (variable-length) batches: tiles that run past a sequence's end
     # copy the next sequence's rows (masked), the backward adds zeros into
     # its dQ rows; an empty sequence, and rows after the last one.
