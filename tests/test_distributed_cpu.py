@@ -129,3 +129,26 @@ def test_ring_and_ulysses_bookkeeping_over_gloo(world, tmp_path):
     # dq and the dK/dV sums are float32 in the ring (as on the GPU); the rest float64
     failures = [(case, errors) for case, errors in results if max(errors) > 1e-5]
     assert not failures, failures
+
+
+def test_bad_calls_are_refused_before_anything_runs(tmp_path):
+    import torch.distributed as dist
+
+    from cuflash.distributed import _torch as ring
+
+    q = torch.zeros(1, 4, 2, 8)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            ring.ring_attention(q, q, q)
+    if not dist.is_gloo_available():
+        pytest.skip("torch.distributed without gloo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match="q must be a CUDA torch.Tensor, got Tensor on cpu"):
+            ring.ring_attention(q, q, q)
+        with pytest.raises(ValueError, match="window_size's left side"):
+            ring.ring_attention(q, q, q, window_size=(-2, 0))
+        with pytest.raises(TypeError, match="q must be a CUDA torch.Tensor, got Tensor on meta"):
+            ring.ulysses_attention(torch.zeros(1, 4, 2, 8, device="meta"), q, q)
+    finally:
+        dist.destroy_process_group()
