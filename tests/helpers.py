@@ -28,6 +28,22 @@ FLOAT32_RTOL = 1e-5
 FLOAT32_RMS_FLOOR = 1e-6
 
 
+def window_by_definition(seqlen_q, seqlen_k, left, right, causal=False):
+    """FlashAttention-2's window read off its docstring: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, a
+    side of -1 unbounded, causal forcing right = 0. (seqlen_q, seqlen_k) bool."""
+    rows = np.arange(seqlen_q)[:, None]
+    keys = np.arange(seqlen_k)[None, :]
+    offset = seqlen_k - seqlen_q
+    right = 0 if causal else right
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= keys >= rows + offset - left
+    if right >= 0:
+        visible &= keys <= rows + offset + right
+    return visible
+
+
 def random_qkv(xp, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype, *, layout="bshd", seed=0):
     """Fresh random q, k, v of ``dtype`` in (batch, seqlen, heads, dim) shape.
 

@@ -9,21 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash.distributed import schedule
-
-
-def _visible(rows, keys, causal: bool, window) -> np.ndarray:
-    """cuflash's mask on ``rows`` queries and ``keys`` keys (bottom-right aligned)."""
-    left, right = window
-    right = 0 if causal else right
-    i = np.arange(rows)[:, None]
-    j = np.arange(keys)[None, :]
-    corner = keys - rows
-    shown = np.ones((rows, keys), dtype=bool)
-    if left >= 0:
-        shown &= j >= i + corner - left
-    if right >= 0:
-        shown &= j <= i + corner + right
-    return shown
+from tests.helpers import window_by_definition
 
 
 def _covered(world: int, chunk: int, causal: bool, balanced: bool, window=(-1, -1)) -> np.ndarray:
@@ -42,7 +28,7 @@ def _covered(world: int, chunk: int, causal: bool, balanced: bool, window=(-1, -
             if not step.attends:
                 continue
             (r0, r1), (k0, k1) = step.rows, step.keys
-            shown = _visible(r1 - r0, k1 - k0, step.causal, step.window)
+            shown = window_by_definition(r1 - r0, k1 - k0, *step.window, causal=step.causal)
             for i, j in zip(*np.nonzero(shown)):
                 counts[positions[rank][r0 + i], positions[step.source][k0 + j]] += 1
     return counts
@@ -54,7 +40,7 @@ def _covered(world: int, chunk: int, causal: bool, balanced: bool, window=(-1, -
 def test_every_visible_pair_is_computed_once(world, causal, balanced):
     counts = _covered(world, 3, causal, balanced)
     seqlen = counts.shape[0]
-    np.testing.assert_array_equal(counts, _visible(seqlen, seqlen, causal, (-1, -1)).astype(int))
+    np.testing.assert_array_equal(counts, window_by_definition(seqlen, seqlen, -1, -1, causal=causal).astype(int))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -63,7 +49,7 @@ def test_every_visible_pair_is_computed_once(world, causal, balanced):
 def test_windows_are_computed_once_each(world, causal, window):
     counts = _covered(world, 4, causal, False, window)
     seqlen = counts.shape[0]
-    np.testing.assert_array_equal(counts, _visible(seqlen, seqlen, causal, window).astype(int))
+    np.testing.assert_array_equal(counts, window_by_definition(seqlen, seqlen, *window, causal=causal).astype(int))
 
 
 def test_a_window_shortens_the_ring():

@@ -14,7 +14,7 @@ import pytest
 from cuflash import api
 from cuflash._masks import MASKS, SCORE_TRANSFORMS, mask_for, score_for
 from cuflash._validation import AttentionProblem, TensorMeta, check_variants, contiguous_strides
-from tests.helpers import assert_reference_gradients_match_finite_differences
+from tests.helpers import assert_reference_gradients_match_finite_differences, window_by_definition
 from cuflash.reference import (attention_backward_reference, attention_backward_tiled, attention_reference,
                                attention_tiled)
 
@@ -23,28 +23,12 @@ WINDOWS = [(0, 0), (3, 5), (64, 0), (100, -1), (-1, 7), (5, -1), (0, 40)]
 LENGTHS = [(1, 1), (17, 127), (127, 17), (200, 200), (1, 1000)]
 
 
-def _window_by_definition(seqlen_q, seqlen_k, left, right, causal=False):
-    """FlashAttention-2's window read off its docstring: query i sees key j iff
-    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, a
-    side of -1 unbounded, causal forcing right = 0."""
-    rows = np.arange(seqlen_q)[:, None]
-    keys = np.arange(seqlen_k)[None, :]
-    offset = seqlen_k - seqlen_q
-    right = 0 if causal else right
-    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
-    if left >= 0:
-        visible &= keys >= rows + offset - left
-    if right >= 0:
-        visible &= keys <= rows + offset + right
-    return visible
-
-
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("seqlen_q,seqlen_k", LENGTHS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_window_rule_is_flash_attention_2s(window, seqlen_q, seqlen_k, causal):
     got = mask_for(causal, window).matrix(seqlen_q, seqlen_k)
-    np.testing.assert_array_equal(got, _window_by_definition(seqlen_q, seqlen_k, *window, causal=causal))
+    np.testing.assert_array_equal(got, window_by_definition(seqlen_q, seqlen_k, *window, causal=causal))
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -91,7 +75,7 @@ def _attention_by_formula(q, k, v, *, scale, window=None, causal=False, softcap=
                 j = np.arange(seqlen_k)[None, :]
                 s = s - slope * np.abs(i + seqlen_k - seqlen_q - j)
             left, right = window or (-1, -1)
-            visible = _window_by_definition(seqlen_q, seqlen_k, left, right, causal=causal)
+            visible = window_by_definition(seqlen_q, seqlen_k, left, right, causal=causal)
             s = np.where(visible, s, -np.inf)
             for i in range(seqlen_q):
                 if visible[i].any():

@@ -300,26 +300,18 @@ def _heads_to_sequence(y, group):
     return received.permute(1, 2, 0, 3, 4).reshape(batch, seqlen, world * heads, head_dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards to head shards (``to_heads``) or back; the gradient
+    of each direction is the other."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _sequence_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_sequence(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _heads_to_sequence(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sequence_to_heads(grad.contiguous(), ctx.group), None
+        return (_heads_to_sequence if ctx.to_heads else _sequence_to_heads)(grad.contiguous(), ctx.group), None, None
 
 
 def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -349,10 +341,10 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, 
             raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
                              f"them (each K/V head then replicated)")
         k, v = (x.repeat_interleave(world // nheads_k, dim=2) for x in (k, v))
-    q, k, v = (_in_sequence_order(_SequenceToHeads.apply(x.contiguous(), group), world, 1, balanced)
+    q, k, v = (_in_sequence_order(_AllToAll.apply(x.contiguous(), group, True), world, 1, balanced)
                for x in (q, k, v))
     from .. import torch as cuflash_torch
 
     out = cuflash_torch.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                                   deterministic=deterministic)
-    return _HeadsToSequence.apply(_from_sequence_order(out, world, 1, balanced).contiguous(), group)
+    return _AllToAll.apply(_from_sequence_order(out, world, 1, balanced).contiguous(), group, False)
