@@ -13,7 +13,11 @@ to other GPUs, and the time, from the single-GPU time model
   attends the local queries to the K/V block received j steps ago while the
   next block travels, so a step takes the longer of its attention and its
   transfer (``overlap``). The backward sends K/V around again with the dK/dV
-  accumulated for them (float32), and attends with 2.5x the forward's work.
+  accumulated for them (float32), and attends with 2.5x the forward's work;
+  after its last step the completed dK/dV go home in the inputs' dtype, a
+  transfer nothing hides. The ring's own element-wise work (the forward's
+  merge of every step's partial output, the backward's float32 sums) counts
+  at the HBM bandwidth.
   Causal attention with contiguous shards leaves the last rank a full block
   every step while others idle; **balanced** sharding (each rank holds
   chunks i and 2 gpus - 1 - i) gives every rank half a block every step
@@ -29,11 +33,13 @@ to other GPUs, and the time, from the single-GPU time model
 
 Rule of thumb (``choose``): per GPU and forward + backward, a ring sends
 about 16 S nheads_k d bytes in bf16 whatever the GPU count (every K/V block
-visits every GPU; the backward's dK/dV travel in float32), Ulysses about
-8 (S / gpus) (nheads + nheads_k) d (nheads_k at least gpus: replicated;
-both times (gpus - 1) / gpus where data stays home): the ring sends about 2 gpus nheads_k / (nheads + nheads_k)
-times Ulysses' bytes on many GPUs (3.5 nheads_k / (nheads + nheads_k) on
-two). So grouped-query
+visits every GPU; the backward's dK/dV travel in float32; exactly
+(16 (gpus - 1) + 4) S nheads_k d / gpus), Ulysses about 8 (S / gpus)
+(nheads + nheads_k) d (nheads_k at least gpus: replicated; times
+(gpus - 1) / gpus where data stays home): the ring sends
+gpus (4 gpus - 3) nheads_k / (2 (gpus - 1) (nheads + nheads_k)) times
+Ulysses' bytes, about 2 gpus nheads_k / (nheads + nheads_k) on many GPUs
+(5 nheads_k / (nheads + nheads_k) on two). So grouped-query
 models on few GPUs favour the ring, many heads and many GPUs Ulysses; only
 the ring hides its transfers behind the attention, and Ulysses cannot use
 more GPUs than heads. The model's times decide.
@@ -138,30 +144,42 @@ def ring(problem: Problem, machine: Machine, gpus: int, passes: str = "fwd+bwd",
     for pass_name in ("fwd", "bwd"):
         if pass_name not in passes.split("+"):
             continue
-        # float32 dK/dV travel with K/V in the backward
-        transfer = _kv_bytes(problem, shard, problem.element_size)
-        if pass_name == "bwd":
-            transfer += _kv_bytes(problem, shard, STAT_BYTES)
         for j in range(gpus):
             local = diagonal if j == 0 else (half if problem.causal and balanced else full)
             attention_s, attention_bytes, attention_dram = _attention(local, machine, pass_name)
             last = j == gpus - 1
-            # Each forward step writes its partial output and LSE to a slot
-            # of its own; after the last one a merge reads all the slots and
-            # writes the output and LSE (cuflash.distributed: one rounding).
-            rows = problem.batch * shard * problem.nheads
-            merge = (rows * (gpus + 1) * (problem.head_dim * problem.element_size + STAT_BYTES)
-                     if pass_name == "fwd" and last else 0)
-            attention_s += merge / machine.hbm_bandwidth
-            # the backward's last step returns the dK/dV accumulators to their owner
-            moves = pass_name == "bwd" or not last
-            transfer_bytes = transfer if moves else 0
-            transfer_s = transfer_bytes / link + TRANSFER_LATENCY if moves else 0.0
-            seconds = max(attention_s, transfer_s) if overlap else attention_s + transfer_s
+            rows = problem.batch * local.seqlen_q * problem.nheads
+            keys = problem.batch * local.seqlen_k * problem.nheads_k
+            if pass_name == "fwd":
+                # Each step writes its partial output and LSE to a slot of
+                # its own; after the last one a merge reads all the slots
+                # and writes the output and LSE (cuflash.distributed: one rounding).
+                shard_rows = problem.batch * shard * problem.nheads
+                ring_bytes = (shard_rows * (gpus + 1) * (problem.head_dim * problem.element_size + STAT_BYTES)
+                              if last else 0)
+                # K/V on to the next rank, but after the last step
+                transfer_bytes = 0 if last else _kv_bytes(problem, shard, problem.element_size)
+            else:
+                # The ring's float32 sums: the step's dQ and dK/dV (the
+                # inputs' dtype) read, the sums read and written; at the end
+                # dQ converted to the inputs' dtype.
+                ring_bytes = (rows + 2 * keys) * problem.head_dim * (problem.element_size + 2 * STAT_BYTES)
+                if last:
+                    ring_bytes += problem.batch * shard * problem.nheads * problem.head_dim * (
+                        STAT_BYTES + problem.element_size)
+                # K/V with their float32 dK/dV sums on to the next rank; after
+                # the last step the completed sums go home in the inputs' dtype
+                transfer_bytes = (_kv_bytes(problem, shard, problem.element_size) if last else
+                                  _kv_bytes(problem, shard, problem.element_size) + _kv_bytes(problem, shard, STAT_BYTES))
+            attention_s += ring_bytes / machine.hbm_bandwidth
+            transfer_s = transfer_bytes / link + TRANSFER_LATENCY if transfer_bytes else 0.0
+            # The backward's last transfer follows its last attention: nothing hides it.
+            hidden = overlap and not (pass_name == "bwd" and last)
+            seconds = max(attention_s, transfer_s) if hidden else attention_s + transfer_s
             steps.append(Step(f"{pass_name} step {j}", attention_s, transfer_bytes, transfer_s, seconds))
             # received blocks land in HBM and sent ones are read from it
-            hbm += attention_bytes + merge + 2 * transfer_bytes
-            dram += attention_dram + merge + 2 * transfer_bytes
+            hbm += attention_bytes + ring_bytes + 2 * transfer_bytes
+            dram += attention_dram + ring_bytes + 2 * transfer_bytes
             sent += transfer_bytes
     total = sum(step.seconds for step in steps)
     single = _attention(problem, machine, passes)[0]
