@@ -59,6 +59,15 @@ def test_test_extra_needs_no_plotting_and_builds_the_metadata(project):
     assert test["setuptools"].specifier.contains("77")  # builds the SPDX license (the packaging test)
 
 
+def test_every_subpackage_is_packaged():
+    """pyproject.toml lists its packages: a new folder of cuflash/ left out
+    would be missing from the wheel (and only the checkout would have it)."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11+")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(path.parent.relative_to(REPO).parts) for path in (REPO / "cuflash").rglob("__init__.py")}
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
 def test_license_is_an_spdx_expression_with_its_file(project):
     assert project["license"] == "Apache-2.0"
     assert project["license-files"] == ["LICENSE"]
