@@ -27,8 +27,14 @@ def _check_inputs(q, k, v, balanced: bool) -> None:
                             + (f" on {x.device}" if isinstance(x, torch.Tensor) else ""))
         if x.dim() != 4:
             raise ValueError(f"{name} must be (batch, seqlen_local, nheads, head_dim), got shape {tuple(x.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one GPU, got {q.device}, {k.device} and {v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"k's heads must divide q's and the head dims match: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[:2] != k.shape[:2]:
         raise ValueError("q, k and v must be shards of one sequence: (batch, seqlen_local) must match, got "
                          f"q {tuple(q.shape[:2])} and k {tuple(k.shape[:2])}")
@@ -48,17 +54,12 @@ class _Ring:
 
     def __init__(self, group):
         self.group = group
-        self.world, self.rank = world, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % world)
-        self.prev = dist.get_global_rank(group, (rank - 1) % world)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
     def start(self, send: torch.Tensor, receive: torch.Tensor, hops: int = 1):
         """Send ``send`` ``hops`` ranks ahead; receive from as many behind."""
-        if hops == 1:
-            ahead, behind = self.next, self.prev
-        else:
-            ahead = dist.get_global_rank(self.group, (self.rank + hops) % self.world)
-            behind = dist.get_global_rank(self.group, (self.rank - hops) % self.world)
+        ahead = dist.get_global_rank(self.group, (self.rank + hops) % self.world)
+        behind = dist.get_global_rank(self.group, (self.rank - hops) % self.world)
         ops = [dist.P2POp(dist.isend, send, ahead, self.group), dist.P2POp(dist.irecv, receive, behind, self.group)]
         works = dist.batch_isend_irecv(ops)
         if not OVERLAP:

@@ -22,7 +22,10 @@ simulator's model of them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+from .._validation import check_window
 
 #: Query rows or key rows of a local shard, ``(start, stop)``.
 Rows = tuple[int, int]
@@ -65,6 +68,12 @@ def ring_steps(rank: int, world: int, seqlen: int, *, causal: bool, balanced: bo
     in ring order (step 0: its own shard). ``window``: (left, right) over the
     whole sequence as ``cuflash.attention`` takes it (-1 unbounded; causal
     makes right 0); contiguous shards only."""
+    return _ring_steps(rank, world, seqlen, bool(causal), bool(balanced), check_window(window))
+
+
+@functools.lru_cache(maxsize=1024)  # a call plans every step; a training loop repeats its calls
+def _ring_steps(rank: int, world: int, seqlen: int, causal: bool, balanced: bool,
+                window: tuple[int, int]) -> tuple[RingStep, ...]:
     check_world(rank, world)
     check_shard_length(seqlen, balanced)
     left, right = window
@@ -129,9 +138,13 @@ def ring_length(world: int, seqlen: int, *, causal: bool, balanced: bool,
                 window: tuple[int, int] = (-1, -1)) -> int:
     """How many ring steps any rank attends in: K/V travel that many - 1
     hops (a window can make it fewer than ``world``)."""
+    return _ring_length(world, seqlen, bool(causal), bool(balanced), check_window(window))
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_length(world: int, seqlen: int, causal: bool, balanced: bool, window: tuple[int, int]) -> int:
     needed = [i for rank in range(world)
-              for i, step in enumerate(ring_steps(rank, world, seqlen, causal=causal, balanced=balanced,
-                                                  window=window)) if step.attends]
+              for i, step in enumerate(_ring_steps(rank, world, seqlen, causal, balanced, window)) if step.attends]
     return max(needed) + 1
 
 
