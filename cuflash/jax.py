@@ -177,12 +177,41 @@ def _with_variants(arrays: tuple, alibi_slopes, seed) -> tuple[tuple, tuple[str,
     return (*arrays, *(x for _, x in given)), tuple(name for name, _ in given)
 
 
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) that x varies over."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def varying_like(results: tuple, inputs: tuple) -> tuple:
+    """``results`` typed as varying over every manual mesh axis ``inputs``
+    vary over. Inside ``shard_map`` a ``buffer_callback``'s outputs carry no
+    such type, and custom_vjp (whose backward must return its inputs'
+    types), ``lax.cond`` and ``shard_map``'s own checks need them; a JAX
+    without these types has nothing to set."""
+    cast = getattr(jax.lax, "pcast", None)
+    if cast is None and getattr(jax.lax, "pvary", None) is None or getattr(jax, "typeof", None) is None:
+        return results
+    axes = frozenset().union(*(_varying_axes(x) for x in inputs if x is not None))
+    if not axes:
+        return results
+
+    def typed(x):
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            return x
+        return cast(x, missing, to="varying") if cast is not None else jax.lax.pvary(x, missing)
+
+    return tuple(typed(x) for x in results)
+
+
 def _forward_call(q, k, v, alibi_slopes, seed, flags, softmax_scale, fp32_precision):
     batch, seqlen_q, nheads, _ = q.shape
     results = (_shape_dtype(q.shape, q.dtype), _shape_dtype((batch, nheads, seqlen_q), np.float32))
     arrays, optional = _with_variants((q, k, v), alibi_slopes, seed)
     callback = _forward_callback(flags, softmax_scale, fp32_precision, optional)
-    return buffer_callback(callback, results, vmap_method="broadcast_all")(*arrays)
+    return varying_like(buffer_callback(callback, results, vmap_method="broadcast_all")(*arrays), arrays)
 
 
 def _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_scale, deterministic):
@@ -194,7 +223,7 @@ def _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_s
     results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in _work_buffers(q.shape).values()]
     arrays, optional = _with_variants((dout, q, k, v, out, lse), alibi_slopes, seed)
     callback = _backward_callback(flags, softmax_scale, deterministic, optional)
-    return buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(*arrays)
+    return varying_like(buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(*arrays), arrays)
 
 
 # One callback object per set of flags: the callback is a static parameter of

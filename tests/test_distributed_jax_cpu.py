@@ -1,6 +1,7 @@
 """The JAX ring's bookkeeping (cuflash.distributed.jax: the ppermutes, the
 dK/dV sums that travel with K/V, the merge, the lax.cond between a step's
-two forms, the manual-axis types) on the CPU: two host devices under
+two forms) and cuflash.jax's primitives inside ``shard_map`` (their
+outputs' manual-axis types) on the CPU: two host devices under
 ``jax.jit`` and ``shard_map``, cuflash's kernels replaced by float64 NumPy
 callbacks (``pure_callback``, which, like the kernels' ``buffer_callback``,
 gives untyped outputs). Forward and gradients against the whole sequence's
@@ -67,20 +68,37 @@ def backward(dout, q, k, v, out, lse, causal, window, scale):
     return dq.astype(np.float32), dk.astype(np.float32), dv.astype(np.float32)
 
 
-def forward_call(q, k, v, alibi_slopes, seed, flags, scale, fp32_precision):
-    shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-              jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
-    return jax.pure_callback(lambda *xs: forward(*xs, flags[0], flags[1], scale), shapes, q, k, v)
+def forward_callback(flags, softmax_scale, fp32_precision, optional):
+    return "forward", flags, softmax_scale
 
 
-def backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, scale, deterministic):
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    return jax.pure_callback(lambda *xs: backward(*xs, flags[0], flags[1], scale), shapes,
-                             dout, q, k, v, out, lse)
+def backward_callback(flags, softmax_scale, deterministic, optional):
+    return "backward", flags, softmax_scale
 
 
-cuflash_jax._forward_call, cuflash_jax._backward_call = forward_call, backward_call
-cuflash_jax.JIT_SUPPORTED = True
+def fake_buffer_callback(callback, results, vmap_method=None):
+    # cuflash.jax's primitive with its kernels replaced by the NumPy math
+    # above, through pure_callback (whose outputs, like buffer_callback's,
+    # carry no manual-axis type inside shard_map).
+    kind, flags, scale = callback
+    causal, window = flags[0], flags[1]
+
+    def run(*arrays):
+        if kind == "forward":
+            return jax.pure_callback(lambda q, k, v: forward(q, k, v, causal, window, scale), results, *arrays[:3])
+
+        def host(dout, q, k, v, out, lse):
+            grads = backward(dout, q, k, v, out, lse, causal, window, scale)
+            work = tuple(np.zeros(r.shape, r.dtype) for r in results[3:])  # the kernels' work buffers
+            return tuple(g.astype(r.dtype) for g, r in zip(grads, results)) + work
+
+        return jax.pure_callback(host, results, *arrays[:6])
+
+    return run
+
+
+cuflash_jax._forward_callback, cuflash_jax._backward_callback = forward_callback, backward_callback
+cuflash_jax.buffer_callback = fake_buffer_callback
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
 spec = PartitionSpec(None, "sequence")
 rng = np.random.default_rng(0)
@@ -108,6 +126,19 @@ for causal, balanced, window in [(True, True, (-1, -1)), (True, False, (-1, -1))
     errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
     print(causal, balanced, window, max(errors))
     assert max(errors) < 1e-5, (causal, balanced, window, errors)
+
+# cuflash.jax.attention itself inside shard_map (the batch split over the
+# devices), under jit and grad: its kernels' outputs typed like its inputs.
+batch_spec = PartitionSpec("sequence")
+q, k, v = (jnp.asarray(rng.standard_normal((4, 12, 2, 8)), jnp.float32) for _ in range(3))
+local = jax.shard_map(lambda q, k, v: cuflash_jax.attention(q, k, v, causal=True), mesh=mesh,
+                      in_specs=(batch_spec,) * 3, out_specs=batch_spec)
+got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(local(q, k, v) ** 2), argnums=(0, 1, 2)))(q, k, v)
+out, lse = forward(q, k, v, True, (-1, -1), 1 / math.sqrt(8))
+want = backward(2 * out, q, k, v, out, lse, True, (-1, -1), 1 / math.sqrt(8))
+errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
+print("cuflash.jax.attention in shard_map", max(errors))
+assert max(errors) < 1e-5, errors
 """
 
 
@@ -119,4 +150,4 @@ def test_jax_ring_bookkeeping_on_two_host_devices():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=environment, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("\n") == 5, result.stdout
+    assert result.stdout.count("\n") == 6, result.stdout

@@ -66,35 +66,15 @@ def ring_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, wind
     return _ring(q, k, v, axis_name, causal, scale, balanced, window, deterministic)
 
 
-def _varying(results: tuple, axis_name) -> tuple:
-    """The kernels' results typed as varying over ``axis_name`` like their
-    inputs: a ``buffer_callback``'s outputs carry no manual-axis type inside
-    ``shard_map``, and custom_vjp and ``lax.cond`` require the types to
-    match (JAX with varying-axis types only; older ones have none to set)."""
-    pcast, pvary, typeof = (getattr(jax.lax, "pcast", None), getattr(jax.lax, "pvary", None),
-                            getattr(jax, "typeof", None))
-    if typeof is None or (pcast is None and pvary is None):
-        return results
-    cast = (lambda x: pcast(x, axis_name, to="varying")) if pcast is not None else (lambda x: pvary(x, axis_name))
-
-    def varying_axes(x):
-        aval = typeof(x)
-        manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10 and later
-        return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-
-    return tuple(x if axis_name in varying_axes(x) else cast(x) for x in results)
-
-
-def _forward_step(q, k, v, causal: bool, window: tuple[int, int], scale: float, axis_name):
+def _forward_step(q, k, v, causal: bool, window: tuple[int, int], scale: float):
     flags = (causal, window, 0.0, 0.0)  # cuflash.jax's: causal, window, softcap, dropout_p
-    return _varying(cuflash_jax._forward_call(q, k, v, None, None, flags, scale, "ieee"), axis_name)
+    return cuflash_jax._forward_call(q, k, v, None, None, flags, scale, "ieee")
 
 
 def _backward_step(dout, q, k, v, out, lse, causal: bool, window: tuple[int, int], scale: float,
-                   deterministic: bool, axis_name):
+                   deterministic: bool):
     flags = (causal, window, 0.0, 0.0)
-    return _varying(cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, flags, scale,
-                                               deterministic)[:3], axis_name)
+    return cuflash_jax._backward_call(dout, q, k, v, out, lse, None, None, flags, scale, deterministic)[:3]
 
 
 def _rows(x, rows: tuple[int, int], axis: int = 1):
@@ -108,25 +88,25 @@ def _placed(x, rows: tuple[int, int], length: int, fill, axis: int = 1):
     return jnp.pad(x, pad, constant_values=fill)
 
 
-def _step_forward(step: RingStep, q, k, v, scale: float, axis_name):
+def _step_forward(step: RingStep, q, k, v, scale: float):
     """(out, lse) of one step for every local query row (0 and -inf where
     the step does not reach)."""
     seqlen = q.shape[1]
     if not step.attends:
-        return _varying((jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], seqlen), -jnp.inf, jnp.float32)),
-                        axis_name)
+        return cuflash_jax.varying_like(
+            (jnp.zeros_like(q), jnp.full((q.shape[0], q.shape[2], seqlen), -jnp.inf, jnp.float32)), (q,))
     out, lse = _forward_step(_rows(q, step.rows), _rows(k, step.keys), _rows(v, step.keys), step.causal,
-                             step.window, scale, axis_name)
+                             step.window, scale)
     return _placed(out, step.rows, seqlen, 0), _placed(lse, step.rows, seqlen, -jnp.inf, axis=2)
 
 
-def _step_backward(step: RingStep, dout, q, k, v, out, lse, scale: float, deterministic: bool, axis_name):
+def _step_backward(step: RingStep, dout, q, k, v, out, lse, scale: float, deterministic: bool):
     """(dq, dk, dv) of one step, shaped like q, k, v (zeros where it does not reach)."""
     if not step.attends:
-        return _varying((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), axis_name)
+        return cuflash_jax.varying_like((jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), (q, k, v))
     rows, keys = step.rows, step.keys
     dq, dk, dv = _backward_step(_rows(dout, rows), _rows(q, rows), _rows(k, keys), _rows(v, keys), _rows(out, rows),
-                                _rows(lse, rows, axis=2), step.causal, step.window, scale, deterministic, axis_name)
+                                _rows(lse, rows, axis=2), step.causal, step.window, scale, deterministic)
     seqlen = q.shape[1]
     return _placed(dq, rows, seqlen, 0), _placed(dk, keys, seqlen, 0), _placed(dv, keys, seqlen, 0)
 
@@ -175,7 +155,7 @@ def _ring_forward(q, k, v, axis_name, causal, scale, balanced, window):
     for step, step_forms in enumerate(forms):
         following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < len(forms) else None
         out, lse = _by_rank(step, rank, step_forms,
-                            lambda form, k=k, v=v: _step_forward(form, q, k, v, scale, axis_name))
+                            lambda form, k=k, v=v: _step_forward(form, q, k, v, scale))
         outs.append(out)
         lses.append(lse)
         if following is not None:
@@ -194,7 +174,7 @@ def _ring_backward(dout, q, k, v, out, lse, axis_name, causal, scale, balanced, 
         following = jax.lax.ppermute((k, v), axis_name, forward) if step + 1 < len(forms) else None
         dq_step, dk_step, dv_step = _by_rank(
             step, rank, step_forms,
-            lambda form, k=k, v=v: _step_backward(form, dout, q, k, v, out, lse, scale, deterministic, axis_name))
+            lambda form, k=k, v=v: _step_backward(form, dout, q, k, v, out, lse, scale, deterministic))
         dq = dq + dq_step.astype(jnp.float32)
         # This step's block's float32 sums (the previous rank's, handed on at
         # its step's end) plus ours, handed on to the rank that attends to
