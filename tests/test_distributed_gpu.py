@@ -92,17 +92,19 @@ def test_two_gpus_match_the_float64_reference(distributed_results, name):
             raise AssertionError(f"{key}: {error}") from None
 
 
-#: name -> (batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced, window)
+#: name -> (strategy, batch, whole seqlen, nheads, nheads_k, head_dim, dtype, causal, balanced, window)
 JAX_CASES = {
-    "jax-ring-causal-balanced-gqa-bf16": (2, 68, 4, 2, 64, "bfloat16", True, True, (-1, -1)),
-    "jax-ring-causal-contiguous-fp16": (1, 254, 2, 2, 128, "float16", True, False, (-1, -1)),
-    "jax-ring-full-fp32": (1, 34, 2, 1, 64, "float32", False, False, (-1, -1)),
-    "jax-ring-causal-window-bf16": (1, 254, 2, 2, 64, "bfloat16", True, False, (100, 0)),
+    "jax-ring-causal-balanced-gqa-bf16": ("ring", 2, 68, 4, 2, 64, "bfloat16", True, True, (-1, -1)),
+    "jax-ring-causal-contiguous-fp16": ("ring", 1, 254, 2, 2, 128, "float16", True, False, (-1, -1)),
+    "jax-ring-full-fp32": ("ring", 1, 34, 2, 1, 64, "float32", False, False, (-1, -1)),
+    "jax-ring-causal-window-bf16": ("ring", 1, 254, 2, 2, 64, "bfloat16", True, False, (100, 0)),
+    "jax-ulysses-causal-balanced-mqa-bf16": ("ulysses", 1, 508, 4, 1, 64, "bfloat16", True, True, (-1, -1)),
+    "jax-ulysses-full-fp16": ("ulysses", 2, 34, 2, 2, 128, "float16", False, False, (-1, -1)),
 }
 
 
 @pytest.mark.parametrize("name", list(JAX_CASES))
-def test_jax_ring_under_jit_matches_the_float64_reference(name):
+def test_jax_strategies_under_jit_match_the_float64_reference(name):
     jax = pytest.importorskip("jax")
     import cupy
     import jax.numpy as jnp
@@ -114,7 +116,7 @@ def test_jax_ring_under_jit_matches_the_float64_reference(name):
     gpus = [device for device in jax.devices() if device.platform == "gpu"]
     if len(gpus) < 2:
         pytest.skip("needs 2 GPUs")
-    batch, seqlen, nheads, nheads_k, head_dim, dtype_name, causal, balanced, window = JAX_CASES[name]
+    strategy, batch, seqlen, nheads, nheads_k, head_dim, dtype_name, causal, balanced, window = JAX_CASES[name]
     dtype = cupy.dtype(dtype_name)
     rng = np.random.default_rng(23)
     host = [cupy.asarray(rng.standard_normal((batch, seqlen, heads, head_dim)).astype(np.float32)).astype(dtype)
@@ -126,7 +128,8 @@ def test_jax_ring_under_jit_matches_the_float64_reference(name):
         from jax.experimental.shard_map import shard_map
 
     def ring(q, k, v):
-        return ring_jax.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
+        function = ring_jax.ring_attention if strategy == "ring" else ring_jax.ulysses_attention
+        return function(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
 
     ringed = shard_map(ring, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 

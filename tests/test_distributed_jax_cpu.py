@@ -1,6 +1,7 @@
 """The JAX ring's bookkeeping (cuflash.distributed.jax: the ppermutes, the
 dK/dV sums that travel with K/V, the merge, the lax.cond between a step's
-two forms) and cuflash.jax's primitives inside ``shard_map`` (their
+two forms), its Ulysses (the all-to-alls, replicated K/V heads) and
+cuflash.jax's primitives inside ``shard_map`` (their
 outputs' manual-axis types) on the CPU: two host devices under
 ``jax.jit`` and ``shard_map``, cuflash's kernels replaced by float64 NumPy
 callbacks (``pure_callback``, which, like the kernels' ``buffer_callback``,
@@ -127,6 +128,31 @@ for causal, balanced, window in [(True, True, (-1, -1)), (True, False, (-1, -1))
     print(causal, balanced, window, max(errors))
     assert max(errors) < 1e-5, (causal, balanced, window, errors)
 
+# Ulysses: all-to-alls around one attention of the whole sequence, K/V
+# heads replicated where fewer than the devices.
+for causal, balanced, nheads_k, window in [(True, True, 2, (-1, -1)), (False, False, 1, (-1, -1)),
+                                           (True, False, 4, (5, 0))]:
+    q, k, v, dout = (jnp.asarray(rng.standard_normal((2, 16, heads, 8)), jnp.float32)
+                     for heads in (4, nheads_k, nheads_k, 4))
+
+    def ulysses(q, k, v):
+        return ring_jax.ulysses_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
+
+    swapped = jax.shard_map(ulysses, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+
+    @jax.jit
+    def output_and_gradients(q, k, v, dout):
+        arranged = [ring_jax.shard_order(x, 2, balanced=balanced) for x in (q, k, v, dout)]
+        out, pullback = jax.vjp(swapped, *arranged[:3])
+        return [ring_jax.sequence_order(x, 2, balanced=balanced) for x in (out, *pullback(arranged[3]))]
+
+    got = output_and_gradients(q, k, v, dout)
+    out, lse = forward(q, k, v, causal, window, 1 / math.sqrt(8))
+    want = [out, *backward(dout, q, k, v, out, lse, causal, window, 1 / math.sqrt(8))]
+    errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
+    print("ulysses", causal, balanced, nheads_k, max(errors))
+    assert max(errors) < 1e-5, (causal, balanced, nheads_k, errors)
+
 # cuflash.jax.attention itself inside shard_map (the batch split over the
 # devices), under jit and grad: its kernels' outputs typed like its inputs.
 batch_spec = PartitionSpec("sequence")
@@ -150,4 +176,4 @@ def test_jax_ring_bookkeeping_on_two_host_devices():
     result = subprocess.run([sys.executable, "-c", SCRIPT], env=environment, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("\n") == 6, result.stdout
+    assert result.stdout.count("\n") == 9, result.stdout

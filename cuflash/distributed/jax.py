@@ -8,7 +8,8 @@ two forms (both shaped alike).
 
 Needs a JAX with ``buffer_callback`` (``cuflash.jax.JIT_SUPPORTED``); a clear
 error otherwise. Whether XLA overlaps a ``ppermute`` with the step's kernel
-is its scheduler's choice.
+is its scheduler's choice. ``ulysses_attention``: the all-to-all strategy,
+as ``cuflash.distributed.ulysses_attention``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .. import jax as cuflash_jax
 from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
 from .schedule import RingStep, check_shard_length, gathered_order, ring_length, ring_steps
 
-__all__ = ["ring_attention", "shard_order", "sequence_order"]
+__all__ = ["ring_attention", "ulysses_attention", "shard_order", "sequence_order"]
 
 _NO_VARIANTS = ((-1, -1), 0.0, 0.0)  # window, softcap, dropout_p: ``cuflash.jax``'s flags after causal
 
@@ -206,6 +207,37 @@ def _ring_bwd(axis_name, causal, scale, balanced, window, deterministic, residua
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ulysses_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                      balanced=False, deterministic=False):
+    """Ulysses attention over the mesh axis ``axis_name`` (inside
+    ``jax.shard_map``, the sequence axis 1 sharded over it): an all-to-all
+    turns the sequence shards into head shards, ``cuflash.jax.attention``
+    attends to the whole sequence for nheads / world heads, and a second
+    all-to-all returns the output to sequence shards (``jax.lax.all_to_all``;
+    differentiable). Shapes, ``balanced`` and the K/V head rule as
+    ``cuflash.distributed.ulysses_attention``."""
+    world = _axis_size(axis_name)
+    nheads, nheads_k = q.shape[2], k.shape[2]
+    if nheads % world:
+        raise ValueError(f"Ulysses gives each rank nheads / world heads: q's {nheads} heads do not divide over "
+                         f"{world} ranks")
+    if nheads_k % world:
+        if world % nheads_k:
+            raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
+                             f"them (each K/V head then replicated)")
+        k, v = (jnp.repeat(x, world // nheads_k, axis=2) for x in (k, v))
+    check_shard_length(q.shape[1], balanced, "q's sequence shard")
+
+    def to_heads(x):  # shards concatenate in rank order; balanced ones are then put in sequence order
+        whole = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+        return sequence_order(whole, world, balanced=balanced)
+
+    out = cuflash_jax.attention(*(to_heads(x) for x in (q, k, v)), causal=causal, softmax_scale=softmax_scale,
+                                window_size=window_size, deterministic=deterministic)
+    return jax.lax.all_to_all(shard_order(out, world, balanced=balanced), axis_name, split_axis=1, concat_axis=2,
+                              tiled=True)
 
 
 def _reordered(x, axis: int, order: list[int]):
