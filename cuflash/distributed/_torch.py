@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .. import api
-from .._validation import check_window, resolve_softmax_scale
+from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
 from .schedule import check_shard_length, gathered_order, ring_length, ring_steps, shard_chunks
 
 
@@ -225,14 +225,13 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, win
         ``return_lse`` (out, lse).
     """
     group = _group_of(group)
-    window = check_window(window_size)
+    causal, deterministic, window = check_causal(causal), check_deterministic(deterministic), check_window(window_size)
     balanced = bool((causal and window == (-1, -1)) if balanced is None else balanced)
     _check_inputs(q, k, v, balanced=balanced)
     softmax_scale = resolve_softmax_scale(softmax_scale, q.shape[-1])
     # the plan's own checks (a window with balanced shards) before anything runs
-    _plan(q, group, bool(causal), balanced, window)
-    out, lse = _RingAttention.apply(q, k, v, group, bool(causal), softmax_scale, balanced, window,
-                                    bool(deterministic))
+    _plan(q, group, causal, balanced, window)
+    out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, balanced, window, deterministic)
     return (out, lse) if return_lse else out
 
 
