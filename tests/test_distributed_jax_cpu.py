@@ -103,55 +103,41 @@ cuflash_jax.buffer_callback = fake_buffer_callback
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("sequence",))
 spec = PartitionSpec(None, "sequence")
 rng = np.random.default_rng(0)
-for causal, balanced, window in [(True, True, (-1, -1)), (True, False, (-1, -1)), (False, False, (-1, -1)),
-                                 (True, False, (3, 0)), (False, False, (2, 5))]:
-    batch, seqlen, nheads, nheads_k, head_dim = 2, 16, 4, 2, 8
-    q, k, v, dout = (jnp.asarray(rng.standard_normal((batch, seqlen, heads, head_dim)), jnp.float32)
-                     for heads in (nheads, nheads_k, nheads_k, nheads))
 
-    def ring(q, k, v):
-        return ring_jax.ring_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
 
-    ringed = jax.shard_map(ring, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-
-    @jax.jit
-    def output_and_gradients(q, k, v, dout):
-        arranged = [ring_jax.shard_order(x, 2, balanced=balanced) for x in (q, k, v, dout)]
-        out, pullback = jax.vjp(ringed, *arranged[:3])
-        return [ring_jax.sequence_order(x, 2, balanced=balanced) for x in (out, *pullback(arranged[3]))]
-
-    got = output_and_gradients(q, k, v, dout)
-    scale = 1 / math.sqrt(head_dim)
-    out, lse = forward(q, k, v, causal, window, scale)
-    want = [out, *backward(dout, q, k, v, out, lse, causal, window, scale)]
-    errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
-    print(causal, balanced, window, max(errors))
-    assert max(errors) < 1e-5, (causal, balanced, window, errors)
-
-# Ulysses: all-to-alls around one attention of the whole sequence, K/V
-# heads replicated where fewer than the devices.
-for causal, balanced, nheads_k, window in [(True, True, 2, (-1, -1)), (False, False, 1, (-1, -1)),
-                                           (True, False, 4, (5, 0))]:
+def check(strategy, causal, balanced, window, nheads_k):
+    # strategy inside shard_map under jit and vjp against the NumPy math of
+    # the whole sequence
     q, k, v, dout = (jnp.asarray(rng.standard_normal((2, 16, heads, 8)), jnp.float32)
                      for heads in (4, nheads_k, nheads_k, 4))
 
-    def ulysses(q, k, v):
-        return ring_jax.ulysses_attention(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
+    def local(q, k, v):
+        return strategy(q, k, v, "sequence", causal=causal, balanced=balanced, window_size=window)
 
-    swapped = jax.shard_map(ulysses, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
     @jax.jit
     def output_and_gradients(q, k, v, dout):
         arranged = [ring_jax.shard_order(x, 2, balanced=balanced) for x in (q, k, v, dout)]
-        out, pullback = jax.vjp(swapped, *arranged[:3])
+        out, pullback = jax.vjp(mapped, *arranged[:3])
         return [ring_jax.sequence_order(x, 2, balanced=balanced) for x in (out, *pullback(arranged[3]))]
 
     got = output_and_gradients(q, k, v, dout)
     out, lse = forward(q, k, v, causal, window, 1 / math.sqrt(8))
     want = [out, *backward(dout, q, k, v, out, lse, causal, window, 1 / math.sqrt(8))]
     errors = [float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got, want)]
-    print("ulysses", causal, balanced, nheads_k, max(errors))
-    assert max(errors) < 1e-5, (causal, balanced, nheads_k, errors)
+    print(strategy.__name__, causal, balanced, window, nheads_k, max(errors))
+    assert max(errors) < 1e-5, (strategy.__name__, causal, balanced, window, nheads_k, errors)
+
+
+for causal, balanced, window in [(True, True, (-1, -1)), (True, False, (-1, -1)), (False, False, (-1, -1)),
+                                 (True, False, (3, 0)), (False, False, (2, 5))]:
+    check(ring_jax.ring_attention, causal, balanced, window, 2)
+# Ulysses: all-to-alls around one attention of the whole sequence, K/V
+# heads replicated where fewer than the devices.
+for causal, balanced, nheads_k, window in [(True, True, 2, (-1, -1)), (False, False, 1, (-1, -1)),
+                                           (True, False, 4, (5, 0))]:
+    check(ring_jax.ulysses_attention, causal, balanced, window, nheads_k)
 
 # cuflash.jax.attention itself inside shard_map (the batch split over the
 # devices), under jit and grad: its kernels' outputs typed like its inputs.

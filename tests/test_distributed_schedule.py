@@ -75,6 +75,12 @@ def test_balanced_causal_steps_cost_every_rank_the_same(world):
     assert all(step.attends for step in last) and sum(step.attends for step in first) == 1
 
 
+def test_ulysses_replicates_kv_heads_fewer_than_the_ranks():
+    assert schedule.ulysses_kv_copies(32, 8, 4) == 1
+    assert schedule.ulysses_kv_copies(32, 2, 8) == 4
+    assert schedule.ulysses_kv_copies(8, 1, 8) == 8
+
+
 def test_positions_and_gathered_order():
     assert schedule.sequence_positions(1, 2, 8, balanced=True) == [2, 3, 4, 5]
     assert schedule.sequence_positions(0, 2, 8, balanced=True) == [0, 1, 6, 7]
@@ -89,6 +95,8 @@ def test_positions_and_gathered_order():
     (lambda: schedule.ring_steps(0, 2, 4, causal=True, balanced=True, window=(3, 0)), "needs contiguous shards"),
     (lambda: schedule.sequence_positions(0, 2, 6, balanced=True), "must split into 4 equal chunks"),
     (lambda: schedule.check_shard_length(17, True), "even length, got 17"),
+    (lambda: schedule.ulysses_kv_copies(6, 2, 4), "q's 6 heads do not divide over 4 ranks"),
+    (lambda: schedule.ulysses_kv_copies(12, 3, 4), "k and v's 3 heads must divide over the 4 ranks"),
 ])
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ValueError, match=message):

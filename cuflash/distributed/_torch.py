@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from .. import api
 from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
-from .schedule import check_shard_length, gathered_order, ring_length, ring_steps, shard_chunks
+from .schedule import check_shard_length, gathered_order, ring_length, ring_steps, shard_chunks, ulysses_kv_copies
 
 
 def _group_of(group):
@@ -332,15 +332,9 @@ def ulysses_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, 
     group = _group_of(group)
     _check_inputs(q, k, v, balanced=balanced)
     world = dist.get_world_size(group)
-    nheads, nheads_k = q.shape[2], k.shape[2]
-    if nheads % world:
-        raise ValueError(f"Ulysses gives each rank nheads / world heads: q's {nheads} heads do not divide over "
-                         f"{world} ranks")
-    if nheads_k % world:
-        if world % nheads_k:
-            raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
-                             f"them (each K/V head then replicated)")
-        k, v = (x.repeat_interleave(world // nheads_k, dim=2) for x in (k, v))
+    copies = ulysses_kv_copies(q.shape[2], k.shape[2], world)
+    if copies > 1:
+        k, v = (x.repeat_interleave(copies, dim=2) for x in (k, v))
     q, k, v = (_in_sequence_order(_AllToAll.apply(x.contiguous(), group, True), world, 1, balanced)
                for x in (q, k, v))
     from .. import torch as cuflash_torch

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import jax as cuflash_jax
 from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
-from .schedule import RingStep, check_shard_length, gathered_order, ring_length, ring_steps
+from .schedule import RingStep, check_shard_length, gathered_order, ring_length, ring_steps, ulysses_kv_copies
 
 __all__ = ["ring_attention", "ulysses_attention", "shard_order", "sequence_order"]
 
@@ -219,15 +219,9 @@ def ulysses_attention(q, k, v, axis_name, *, causal=False, softmax_scale=None, w
     differentiable). Shapes, ``balanced`` and the K/V head rule as
     ``cuflash.distributed.ulysses_attention``."""
     world = _axis_size(axis_name)
-    nheads, nheads_k = q.shape[2], k.shape[2]
-    if nheads % world:
-        raise ValueError(f"Ulysses gives each rank nheads / world heads: q's {nheads} heads do not divide over "
-                         f"{world} ranks")
-    if nheads_k % world:
-        if world % nheads_k:
-            raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
-                             f"them (each K/V head then replicated)")
-        k, v = (jnp.repeat(x, world // nheads_k, axis=2) for x in (k, v))
+    copies = ulysses_kv_copies(q.shape[2], k.shape[2], world)
+    if copies > 1:
+        k, v = (jnp.repeat(x, copies, axis=2) for x in (k, v))
     check_shard_length(q.shape[1], balanced, "q's sequence shard")
 
     def to_heads(x):  # shards concatenate in rank order; balanced ones are then put in sequence order

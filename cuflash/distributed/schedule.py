@@ -148,6 +148,22 @@ def _ring_length(world: int, seqlen: int, causal: bool, balanced: bool, window: 
     return max(needed) + 1
 
 
+def ulysses_kv_copies(nheads: int, nheads_k: int, world: int) -> int:
+    """Ulysses gives each of ``world`` ranks nheads / world query heads and
+    the K/V heads they use: how many copies of each K/V head that takes (1
+    where the K/V heads divide over the ranks; world / nheads_k where the
+    ranks divide over them, each head then replicated)."""
+    if nheads % world:
+        raise ValueError(f"Ulysses gives each rank nheads / world heads: q's {nheads} heads do not divide over "
+                         f"{world} ranks")
+    if nheads_k % world == 0:
+        return 1
+    if world % nheads_k:
+        raise ValueError(f"k and v's {nheads_k} heads must divide over the {world} ranks, or the ranks over "
+                         f"them (each K/V head then replicated)")
+    return world // nheads_k
+
+
 def shard_chunks(rank: int, world: int, *, balanced: bool) -> tuple[int, ...]:
     """The chunks of the sequence ``rank`` holds, in order: with
     ``balanced`` the sequence is cut into ``2 world`` chunks, else into
