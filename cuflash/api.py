@@ -785,8 +785,9 @@ def _merge(outs, lses, out, lse, *, signature) -> list:
 
 def merge_plan(problem: MergeProblem, strides: dict, pointers: list) -> LaunchPlan:
     """The launch plan of a validated merge: element ``strides`` of partial,
-    partial_lse, out and lse; four columns a lane where head_dim, the
-    strides and ``pointers`` allow 16-byte loads of float32 partials."""
+    partial_lse, out and lse; each lane reads the widest vector of columns
+    (``merge_vectors``: up to 16 bytes) that head_dim, the strides and
+    ``pointers`` allow, and few states take the variant with few in flight."""
     partial = strides["partial"]
     # the widest load (8 or 16 bytes) the strides allow; pointers 16-byte aligned (the cache key says so)
     states_in_flight = merge_states_in_flight(problem.num_states)

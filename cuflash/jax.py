@@ -191,7 +191,8 @@ def varying_like(results: tuple, inputs: tuple) -> tuple:
     types), ``lax.cond`` and ``shard_map``'s own checks need them; a JAX
     without these types has nothing to set."""
     cast = getattr(jax.lax, "pcast", None)
-    if cast is None and getattr(jax.lax, "pvary", None) is None or getattr(jax, "typeof", None) is None:
+    typed_axes = getattr(jax, "typeof", None) is not None and (cast is not None or hasattr(jax.lax, "pvary"))
+    if not typed_axes:
         return results
     axes = frozenset().union(*(_varying_axes(x) for x in inputs if x is not None))
     if not axes:

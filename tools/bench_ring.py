@@ -47,20 +47,24 @@ def _size(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
-def _step_ms(torch, dist, step, repeats: int) -> float:
-    """Median ms of ``step()`` (forward + backward), the slowest rank's."""
+def _step_ms(torch, step, repeats: int, dist=None) -> float:
+    """Median ms of ``step()`` (forward + backward) after a warm-up; with
+    ``dist``, every rank starts after a barrier and the slowest rank's time
+    counts."""
     samples = []
     step()  # warm-up: plans, kernels, NCCL channels
     for _ in range(repeats):
         torch.cuda.synchronize()
-        dist.barrier()
+        if dist is not None:
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
         end.synchronize()
         elapsed = torch.tensor([start.elapsed_time(end)], device="cuda")
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if dist is not None:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         samples.append(float(elapsed))
     return statistics.median(samples)
 
@@ -109,17 +113,7 @@ def _timeline(torch, dist, step, out: Path, rank: int, tag: str) -> dict:
 def _one_gpu_ms(torch, ct, whole: list, causal: bool, repeats: int) -> float:
     """Median ms of one forward + backward of the whole sequence on this GPU."""
     q, k, v = (x.clone().requires_grad_() for x in whole[:3])
-    samples = []
-    for index in range(repeats + 1):  # the first: warm-up
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        ct.attention(q, k, v, causal=causal).backward(whole[3])
-        end.record()
-        end.synchronize()
-        if index:
-            samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    return _step_ms(torch, lambda: ct.attention(q, k, v, causal=causal).backward(whole[3]), repeats)
 
 
 def _distributed_ms(torch, dist, local: list, causal: bool, args, ring_module, ring_attention,
@@ -130,20 +124,20 @@ def _distributed_ms(torch, dist, local: list, causal: bool, args, ring_module, r
     def ring():
         ring_attention(q, k, v, causal=causal, balanced=causal).backward(local[3])
 
-    times = {"ring_ms": _step_ms(torch, dist, ring, args.repeats)}
+    times = {"ring_ms": _step_ms(torch, ring, args.repeats, dist)}
     if args.timeline:
         tag = f"{args.seqlen // 1024}k_{'causal' if causal else 'full'}"
         times["timeline"] = _timeline(torch, dist, ring, Path(args.out), dist.get_rank(), tag)
     ring_module.OVERLAP = False
     try:
-        times["ring_serialised_ms"] = _step_ms(torch, dist, ring, args.repeats)
+        times["ring_serialised_ms"] = _step_ms(torch, ring, args.repeats, dist)
     finally:
         ring_module.OVERLAP = True
     if ulysses_attention is not None:
         def ulysses():
             ulysses_attention(q, k, v, causal=causal, balanced=causal).backward(local[3])
 
-        times["ulysses_ms"] = _step_ms(torch, dist, ulysses, args.repeats)
+        times["ulysses_ms"] = _step_ms(torch, ulysses, args.repeats, dist)
     return times
 
 

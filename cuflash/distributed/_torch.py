@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from .. import api
 from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
-from .schedule import check_shard_length, gathered_order, ring_length, ring_steps, shard_chunks, ulysses_kv_copies
+from .schedule import (check_shard_length, gathered_order, ring_length, ring_steps, sequence_slots, shard_chunks,
+                       ulysses_kv_copies)
 
 
 def _group_of(group):
@@ -261,19 +262,18 @@ def unshard_sequence(x, *, group=None, dim=1, balanced=True):
 
 def _in_sequence_order(x, world: int, dim: int, balanced: bool):
     """Shards concatenated in rank order -> the sequence's order."""
-    if not balanced:
-        return x
-    order = gathered_order(world, balanced=True)
-    chunks = x.chunk(len(order), dim=dim)
-    return torch.cat([chunks[order.index(c)] for c in range(len(order))], dim=dim)
+    return _chunks_in(x, sequence_slots(world, balanced=True), dim) if balanced else x
 
 
 def _from_sequence_order(x, world: int, dim: int, balanced: bool):
     """``_in_sequence_order``'s inverse."""
-    if not balanced:
-        return x
-    chunks = x.chunk(2 * world, dim=dim)
-    return torch.cat([chunks[c] for c in gathered_order(world, balanced=True)], dim=dim)
+    return _chunks_in(x, gathered_order(world, balanced=True), dim) if balanced else x
+
+
+def _chunks_in(x, order: list[int], dim: int):
+    """x cut into len(order) chunks along ``dim``, concatenated as ``order`` lists them."""
+    chunks = x.chunk(len(order), dim=dim)
+    return torch.cat([chunks[c] for c in order], dim=dim)
 
 
 # --- Ulysses: all-to-all over heads ---

@@ -18,11 +18,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from .. import jax as cuflash_jax
 from .._validation import check_causal, check_deterministic, check_window, resolve_softmax_scale
-from .schedule import RingStep, check_shard_length, gathered_order, ring_length, ring_steps, ulysses_kv_copies
+from .schedule import (RingStep, check_shard_length, gathered_order, ring_length, ring_steps, sequence_slots,
+                       ulysses_kv_copies)
 
 __all__ = ["ring_attention", "ulysses_attention", "shard_order", "sequence_order"]
 
@@ -255,5 +255,4 @@ def sequence_order(x, world: int, *, axis: int = 1, balanced: bool = True):
     """``shard_order``'s inverse."""
     if not balanced:
         return x
-    order = gathered_order(world, balanced=True)
-    return _reordered(x, axis, [int(i) for i in np.argsort(order)])
+    return _reordered(x, axis, sequence_slots(world, balanced=True))

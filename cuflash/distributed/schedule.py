@@ -23,6 +23,7 @@ simulator's model of them.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from .._validation import check_window
@@ -100,22 +101,22 @@ def _ring_steps(rank: int, world: int, seqlen: int, causal: bool, balanced: bool
     # Contiguous shards (and balanced ones without a mask, where only which
     # keys arrive matters): query i (global position qa + i) sees key j
     # (ka + j) iff lo <= j - i <= hi, a band at the shards' offset.
-    infinite = 4 * world * seqlen + 1
     right = 0 if causal else right
     steps = []
     for i in range(world):
         source = (rank - i) % world
         offset = (rank - source) * seqlen if not balanced else 0
-        lo = offset - left if left >= 0 else -infinite
-        hi = offset + right if right >= 0 else infinite
-        steps.append(_band_step(source, seqlen, lo, hi, infinite))
+        lo = offset - left if left >= 0 else -math.inf
+        hi = offset + right if right >= 0 else math.inf
+        steps.append(_band_step(source, seqlen, lo, hi))
     return tuple(steps)
 
 
-def _band_step(source: int, seqlen: int, lo: int, hi: int, infinite: int) -> RingStep:
-    """The step whose query i meets key j iff lo <= j - i <= hi: the query
-    rows that see a key, the keys they see, and the window that masks the
-    rest with cuflash's bottom-right alignment."""
+def _band_step(source: int, seqlen: int, lo, hi) -> RingStep:
+    """The step whose query i meets key j iff lo <= j - i <= hi (ints, or
+    -inf / inf for an unbounded side): the query rows that see a key, the
+    keys they see, and the window that masks the rest with cuflash's
+    bottom-right alignment."""
     row_start, row_stop = max(0, -hi), min(seqlen, seqlen - lo)
     if row_start >= row_stop:
         return RingStep(source, (0, 0), (0, 0), attends=False)
@@ -128,7 +129,7 @@ def _band_step(source: int, seqlen: int, lo: int, hi: int, infinite: int) -> Rin
     whole = lo <= key_start - (row_stop - 1) and hi >= (key_stop - 1) - row_start
     if whole:
         return RingStep(source, (row_start, row_stop), (key_start, key_stop))
-    window = (corner - lo if lo > -infinite else -1, hi - corner if hi < infinite else -1)
+    window = (corner - lo if lo != -math.inf else -1, hi - corner if hi != math.inf else -1)
     if window == (-1, 0):
         return RingStep(source, (row_start, row_stop), (key_start, key_stop), causal=True)
     return RingStep(source, (row_start, row_stop), (key_start, key_stop), window=window)
@@ -195,3 +196,10 @@ def gathered_order(world: int, *, balanced: bool) -> list[int]:
     ``gathered_order(w)[j]`` is the sequence chunk at chunk slot ``j`` of the
     concatenation (the inverse permutation restores the sequence's order)."""
     return [c for rank in range(world) for c in shard_chunks(rank, world, balanced=balanced)]
+
+
+def sequence_slots(world: int, *, balanced: bool) -> list[int]:
+    """``gathered_order``'s inverse: ``sequence_slots(w)[c]`` is the chunk
+    slot of the rank-order concatenation that holds sequence chunk ``c``."""
+    order = gathered_order(world, balanced=balanced)
+    return sorted(range(len(order)), key=order.__getitem__)
