@@ -173,6 +173,7 @@ _TORCH_DTYPES = {
     "bfloat16": lambda torch: torch.bfloat16,
     "float32": lambda torch: torch.float32,
     "int32": lambda torch: torch.int32,  # the ordered backward's turn counters
+    "uint8": lambda torch: torch.uint8,  # a call's work buffers, one allocation (api.WorkArena)
 }
 
 
@@ -207,10 +208,6 @@ def _cupy_stream_of_torch(torch_stream, device_id: int):
 
 # --- The fast lane: what a call with a cached plan reads of its arrays ---
 
-def _no_array(x):
-    return None, 0
-
-
 def _cupy_signature(x):
     memory = x.data
     return (x.__class__, x.dtype, x.shape, x.strides, memory.device_id), memory.ptr
@@ -234,7 +231,7 @@ def _counter_word(x: int):
     return int, x
 
 
-_SIGNATURES = {type(None): _no_array, int: _counter_word}
+_SIGNATURES = {int: _counter_word}
 
 
 def call_signature(arrays):
@@ -242,12 +239,13 @@ def call_signature(arrays):
     or ``(None, None)`` where an array is not one the fast lane reads. The
     signature holds everything validation and planning depend on: class,
     dtype, shape, strides and device of each array."""
-    parts, pointers = [], []
+    # Most entries of a call's list are None (options not given): they are
+    # skipped without a call, as this runs on every call.
+    parts, pointers = [None] * len(arrays), [0] * len(arrays)
     try:
-        for x in arrays:
-            part, pointer = _SIGNATURES[x.__class__](x)
-            parts.append(part)
-            pointers.append(pointer)
+        for i, x in enumerate(arrays):
+            if x is not None:
+                parts[i], pointers[i] = _SIGNATURES[x.__class__](x)
     except Exception:  # not a fast-lane class, or an array the full path will explain
         return None, None
     return tuple(parts), pointers
@@ -290,45 +288,36 @@ def dense_strides_like(shape: tuple[int, ...], strides: tuple[int, ...]) -> tupl
 def _cupy_allocator(shape, dtype, device, strides=None):
     """() -> (CuPy array, pointer) of ``shape`` and ``dtype`` on the current
     device (the fast path checks it is ``device``), with element ``strides``
-    (dense) or C-contiguous."""
+    (dense) or C-contiguous: memory from CuPy's pool, the array made around
+    it (cheaper than ``cupy.empty``, which parses its arguments each call)."""
     import cupy
 
     dtype = np.dtype(dtype)
-    if strides is None or strides == contiguous_strides(shape):
-        empty = cupy.empty
-
-        def allocate():
-            array = empty(shape, dtype)
-            return array, array.data.ptr
-        return allocate
+    strides = contiguous_strides(shape) if strides is None else strides
     ndarray, alloc = cupy.ndarray, cupy.cuda.alloc
     nbytes = int(np.prod(shape)) * dtype.itemsize
     byte_strides = tuple(stride * dtype.itemsize for stride in strides)
 
-    def allocate_strided():
+    def allocate():
         memory = alloc(nbytes)
         return ndarray(shape, dtype, memory, strides=byte_strides), memory.ptr
-    return allocate_strided
+    return allocate
 
 
 def _torch_allocator(shape, dtype, device, strides=None):
     """() -> (tensor, pointer) from PyTorch's caching allocator on its current
-    stream, with element ``strides`` (dense) or C-contiguous."""
+    stream, with element ``strides`` (dense) or C-contiguous.
+    ``torch.empty_strided`` with every argument fixed: of PyTorch's
+    allocation calls the cheapest on the host."""
     torch = _torch()
     dtype, where = _TORCH_DTYPES[np.dtype(dtype).name](torch), torch.device("cuda", device)
-    if strides is None or strides == contiguous_strides(shape):
-        empty = torch.empty
-
-        def allocate():
-            tensor = empty(shape, dtype=dtype, device=where)
-            return tensor, tensor.data_ptr()
-        return allocate
+    strides = contiguous_strides(shape) if strides is None else strides
     empty_strided = torch.empty_strided
 
-    def allocate_strided():
+    def allocate():
         tensor = empty_strided(shape, strides, dtype=dtype, device=where)
         return tensor, tensor.data_ptr()
-    return allocate_strided
+    return allocate
 
 
 def _cupy_lane() -> FastLane:

@@ -161,15 +161,25 @@ class LaunchPlan:
     def kernel_count(self) -> int:
         return len(self._launches)
 
-    def launch(self, pointers: Sequence[int], stream: int) -> None:
+    def launch(self, pointers: Sequence[int], stream: int, slots: Sequence[int] | None = None) -> None:
         """Writes ``pointers`` (one per slot) and launches every kernel on
         ``stream`` (a ``cudaStream_t`` as an int). The current CUDA device
-        must be the plan's."""
+        must be the plan's. ``slots``: the indices of the pointers to write
+        (default: all); a cached call passes those its signature leaves
+        open, the others (absent arrays, null) keeping what its first call
+        wrote."""
         launch_kernel = self._launch_kernel
         with self._lock:
-            for writes, pointer in zip(self._writes, pointers):
-                for words, index in writes:
-                    words[index] = pointer
+            if slots is None:
+                for writes, pointer in zip(self._writes, pointers):
+                    for words, index in writes:
+                        words[index] = pointer
+            else:
+                all_writes = self._writes
+                for slot in slots:
+                    pointer = pointers[slot]
+                    for words, index in all_writes[slot]:
+                        words[index] = pointer
             for slot, encoder in self._tensor_maps:
                 encoder.encode(pointers[slot])
             for function, grid, threads, smem_bytes, arguments, dependent in self._launches:

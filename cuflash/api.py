@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
@@ -121,22 +123,71 @@ class Layout:
         return cls(tuple(shape), tuple(s * itemsize for s in contiguous_strides(tuple(shape))), itemsize)
 
 
+#: Byte alignment of each work buffer inside a call's one work allocation
+#: (``WorkArena``): the allocators' own, so kernels see the alignment that
+#: separate buffers would have had (tensor maps need 16 bytes).
+_WORK_ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class WorkArena:
+    """A call's work buffers (name -> (shape, dtype name), all C-contiguous)
+    as one allocation, each at a ``_WORK_ALIGNMENT``-aligned byte offset:
+    an allocation costs the host a few microseconds however many bytes it
+    holds, and a backward needs up to three buffers."""
+
+    buffers: tuple[tuple[str, tuple[int, ...], str, int], ...]  #: (name, shape, dtype name, byte offset)
+    nbytes: int
+
+    @classmethod
+    def of(cls, buffers: dict) -> "WorkArena":
+        entries, offset = [], 0
+        for name, (shape, dtype) in buffers.items():
+            entries.append((name, tuple(shape), dtype, offset))
+            offset += -(-math.prod(shape) * np.dtype(dtype).itemsize // _WORK_ALIGNMENT) * _WORK_ALIGNMENT
+        return cls(tuple(entries), offset)
+
+    def allocate(self, bridge, views: dict) -> None:
+        """Allocates the arena from the call's framework (``bridge.empty``)
+        and adds a CuPy view of each buffer to ``views`` (which keeps the
+        memory alive as long as the view lives)."""
+        cupy = import_cupy()
+        if not self.nbytes:
+            views |= {name: cupy.empty(shape, dtype) for name, shape, dtype, _ in self.buffers}
+            return
+        _, base = bridge.empty((self.nbytes,), "uint8")
+        for name, shape, dtype, offset in self.buffers:
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            views[name] = base[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 @dataclass(frozen=True)
 class CachedCall:
     """A plan with what a call of its signature needs besides: how to
-    allocate the outputs and work buffers the caller did not give (index into
-    the call's arrays, allocator returning ``(array, pointer)``) and how to
-    read the current stream of q's framework."""
+    allocate the outputs the caller did not give (index into the call's
+    arrays, allocator returning ``(array, pointer)``) and the work buffers
+    (one allocator of the ``WorkArena`` and each buffer's (index, byte
+    offset); None without), which slots to write (``live``: those of the
+    arrays the signature does not fix as absent), and how to read the
+    current stream of q's framework."""
 
     plan: LaunchPlan
     allocations: tuple[tuple[int, Callable], ...]
+    work: tuple[Callable, tuple[tuple[int, int], ...]] | None
+    live: tuple[int, ...]
     stream: Callable[[], int]
     current_device: Callable[[], int]
 
     def run(self, arrays: list, pointers: list) -> None:
         for index, allocate in self.allocations:
             arrays[index], pointers[index] = allocate()
-        self.plan.launch(pointers, self.stream())
+        work = None
+        if self.work is not None:
+            allocate, offsets = self.work
+            work, base = allocate()  # held until the launches are queued; freed in stream order
+            for index, offset in offsets:
+                pointers[index] = base + offset
+        self.plan.launch(pointers, self.stream(), self.live)
 
 
 @dataclass(frozen=True)
@@ -668,11 +719,11 @@ def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, nu
                              "head and batch strides for a KV cache (the tensor-core kernels copy 16-byte chunks)")
         caches = {name: Layout.of(views[f"{name}_cache"]) for name in ("k", "v")}
         plan = kvcache_plan(call, layouts, caches, num_splits=check_num_splits(num_splits))
-        for name, (shape, dtype) in plan.work_buffers.items():
-            native, views[name] = bridge.empty(shape, dtype)
-            allocated[name] = (shape, dtype, native)
+        work = WorkArena.of(plan.work_buffers)
+        work.allocate(bridge, views)
         pointers = _view_pointers(KVCACHE_ARRAYS, views)
-        return _run_planned(signature, bridge, plan, KVCACHE_ARRAYS, views, pointers, natives, allocated)
+        return _run_planned(signature, bridge, plan, KVCACHE_ARRAYS, views, pointers, natives, allocated,
+                            work=work)
 
 
 def kvcache_plan(call: KvCacheCall, layouts: dict, caches: dict, num_splits: int | None = None) -> LaunchPlan:
@@ -870,22 +921,22 @@ def _view_pointers(names: tuple[str, ...], views: dict, scalars: dict | None = N
 
 
 def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], views: dict, pointers: list,
-                 natives: dict, allocated: dict, fixed: tuple[str, ...] = ()) -> list:
+                 natives: dict, allocated: dict, fixed: tuple[str, ...] = (), work: WorkArena | None = None) -> list:
     """Launches ``plan`` on ``pointers`` (``_view_pointers(names, views)``),
     then hands the outputs this call allocated back in q's framework, and
     caches the plan under the call's signature (``signature()``:
     ``_signature``'s result, computed now that ``_call`` has registered the
     call's array classes) for the fast path where q's framework has one.
-    ``allocated``: name -> (shape, dtype, native array) of what this call
-    allocated (``bridge.empty``), which later calls of the signature allocate
-    the same way; ``fixed``: names of views every call of the signature
-    passes as they are (a BlockMask's tile map, the BlockMask being part of
-    the signature). Returns the call's arrays in the order of ``names``
-    (None for an absent one)."""
+    ``allocated``: name -> (shape, dtype, native array) of the outputs this
+    call allocated (``bridge.empty``), which later calls of the signature
+    allocate the same way; ``work``: the call's work buffers (allocated by
+    the caller, ``WorkArena.allocate``); ``fixed``: names of views every
+    call of the signature passes as they are (a BlockMask's tile map, the
+    BlockMask being part of the signature). Returns the call's arrays in the
+    order of ``names`` (None for an absent one)."""
     plan.launch(pointers, bridge.stream.ptr)
     for name, (_, _, native) in allocated.items():
-        if name in natives:  # an output, not a work buffer
-            natives[name] = bridge.export(native, views[name])
+        natives[name] = bridge.export(native, views[name])
     lane = _interop.fast_lane(bridge.framework)
     key = signature()[0] if lane is not None else None
     if key is not None:
@@ -893,7 +944,16 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
             (names.index(name), lane.allocator(shape, dtype, bridge.device_id, _element_strides(views[name])))
             for name, (shape, dtype, _) in allocated.items())
         allocations += tuple((names.index(name), functools.partial(_fixed_array, views[name])) for name in fixed)
-        plans.put(key, CachedCall(plan, allocations, lane.stream(bridge.device_id), _interop.current_device_getter()))
+        work_slots = None
+        if work is not None and work.nbytes:
+            work_slots = (lane.allocator((work.nbytes,), "uint8", bridge.device_id),
+                          tuple((names.index(name), offset) for name, _, _, offset in work.buffers))
+        written = {index for index, _ in allocations} | {index for index, _ in (work_slots or (None, ()))[1]}
+        # Slots of arrays absent from the signature (None) hold the null
+        # pointer the first call wrote; the rest are written each call.
+        live = tuple(i for i, part in enumerate(key[1]) if part is not None or i in written)  # key[1]: the arrays' parts
+        plans.put(key, CachedCall(plan, allocations, work_slots, live, lane.stream(bridge.device_id),
+                                  _interop.current_device_getter()))
     return [natives.get(name) for name in names]
 
 
@@ -954,12 +1014,11 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
             views["tile_map"] = variants.tile_map_view(problem, tiling, views)
         plan = forward_plan(problem, layouts, aligned=aligned, tiling=tiling, num_splits=num_splits)
         # Split-KV's work buffers come from the caller's framework, on the call's stream.
-        for name, (shape, dtype) in plan.work_buffers.items():
-            native, views[name] = bridge.empty(shape, dtype)
-            allocated[name] = (shape, dtype, native)
+        work = WorkArena.of(plan.work_buffers)
+        work.allocate(bridge, views)
         pointers = _view_pointers(FORWARD_ARRAYS, views, variants.scalars(problem))
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated,
-                            variants.fixed_arrays(views))
+                            variants.fixed_arrays(views), work)
 
 
 def _packed_metas(metas: dict, max_seqlens: tuple, likes: dict) -> tuple[dict, Packing, int]:
@@ -1032,15 +1091,14 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
-        for name, (shape, dtype) in backward_work_buffers(*sizes, tiling, bool(deterministic),
-                                                          total_q=problem.total_q, packed=problem.packed).items():
-            native, views[name] = bridge.empty(shape, dtype)
-            allocated[name] = (shape, dtype, native)
+        work = WorkArena.of(backward_work_buffers(*sizes, tiling, bool(deterministic), total_q=problem.total_q,
+                                                  packed=problem.packed))
+        work.allocate(bridge, views)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
-                            variants.fixed_arrays(views))
+                            variants.fixed_arrays(views), work)
 
 
 def _grid_size(tiles: int, problem: AttentionProblem, heads: int, what: str) -> int:

@@ -106,25 +106,71 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 class _AttentionFunction(torch.autograd.Function):
     """The eager route: cuflash's forward, and its backward from the saved
     inputs, output and log-sum-exp. ``variants``: ``Variants`` (the slopes
-    and dropout's seed among them; not differentiated)."""
+    and dropout's seed among them; not differentiated). ``heads_first``:
+    q, k, v and the output in SDPA's (batch, heads, seqlen, dim) layout,
+    made cuflash's by views inside, so that the graph holds this one node
+    (four transposes around it would add four nodes to every backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision):
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+    def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first):
+        out = None
+        if heads_first:
+            # The output is made here, laid out like q (as cuflash lays out
+            # its own), and returned as is: a view of it would refuse
+            # in-place changes (a custom Function's views do), which SDPA's
+            # output allows.
+            out_heads_first = torch.empty_like(q)
+            q, k, v, out = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out_heads_first.transpose(1, 2)
+        kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, out=out,
                                  return_lse=True, fp32_precision=fp32_precision)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-        ctx.variants = variants
-        return out
+        ctx.variants, ctx.heads_first = variants, heads_first
+        return out_heads_first if heads_first else out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
-                                            softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
-                                            deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: say that there is no second derivative
+            return _backward_once(ctx, dout)
+        return _attention_backward(ctx, dout)
+
+
+def _attention_backward(ctx, dout):
+    q, k, v, out, lse = ctx.saved_tensors
+    if ctx.heads_first:
+        dout = dout.transpose(1, 2)
+    kwargs = _NO_VARIANT_KWARGS if ctx.variants is _NO_VARIANTS else _variant_kwargs(ctx.variants)
+    dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
+                                        softmax_scale=ctx.softmax_scale, **kwargs, deterministic=ctx.deterministic)
+    if ctx.heads_first:
+        # Allocated like q, k and v (cuflash._interop.dense_strides_like),
+        # these views have the layout of the caller's tensors: autograd
+        # takes them as the leaves' gradients without a copy.
+        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+#: The backward under ``create_graph=True``: its results carry an error for
+#: anyone differentiating them again (PyTorch's ``once_differentiable``,
+#: whose wrapper costs host time every call, so only taken there).
+_backward_once = torch.autograd.function.once_differentiable(_attention_backward)
+
+
+def _apply_attention(q, k, v, *args):
+    """``_AttentionFunction.apply`` at less host cost: PyTorch's
+    ``Function.apply`` binds default arguments by signature (which
+    ``forward`` has none of) and checks for functorch transforms on every
+    call; without an active transform, the C++ apply it ends in is called
+    directly, after the same unwrapping of dead functorch wrappers."""
+    if torch._C._are_functorch_transforms_active():
+        return _AttentionFunction.apply(q, k, v, *args)
+    unwrap = _unwrap_if_dead
+    return _raw_apply(unwrap(q), unwrap(k), unwrap(v), *args)
+
+
+_raw_apply = super(torch.autograd.Function, _AttentionFunction).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 #: How eager calls reach the kernels: "function" (``torch.autograd.Function``)
@@ -132,10 +178,6 @@ class _AttentionFunction(torch.autograd.Function):
 #: Both give identical results; "function" costs less host time per call
 #: (tools/bench.py's host-overhead table measures both).
 EAGER_ROUTE = "function"
-
-
-#: No window, soft cap, ALiBi or dropout.
-_NO_VARIANTS = api.Variants()
 
 
 def _variant_kwargs(variants: api.Variants) -> dict:
@@ -148,6 +190,11 @@ def _variant_kwargs(variants: api.Variants) -> dict:
     if variants.mask_mod is not None:
         kwargs["mask_mod"] = variants.mask_mod
     return kwargs
+
+
+#: No window, soft cap, ALiBi or dropout; and as keyword arguments, made once.
+_NO_VARIANTS = api.Variants()
+_NO_VARIANT_KWARGS = _variant_kwargs(_NO_VARIANTS)
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -179,9 +226,10 @@ def _resolved(variants: api.Variants, q, generator=None) -> api.Variants:
 
 
 def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp32_precision="ieee",
-             variants=_NO_VARIANTS, generator=None):
+             variants=_NO_VARIANTS, generator=None, heads_first=False):
     """``variants``: ``cuflash.api.Variants``; dropout without a seed draws
-    one from ``generator`` (``dropout_seed_and_offset``)."""
+    one from ``generator`` (``dropout_seed_and_offset``). ``heads_first``:
+    q, k, v and the result in SDPA's (batch, heads, seqlen, dim) layout."""
     if deterministic.__class__ is not bool:
         deterministic = check_deterministic(deterministic)
     route = route or EAGER_ROUTE
@@ -190,18 +238,24 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
             raise NotImplementedError("score_mod and mask_mod are not traced through torch.compile's custom op "
                                       "yet: call cuflash.torch.attention eagerly (outside torch.compile) with them")
         _check_cuda_tensors(("q", "k", "v", "alibi_slopes"), (q, k, v, variants.alibi_slopes))
+        if heads_first:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         variants = _resolved(variants, q, generator)
         scale = resolve_softmax_scale(softmax_scale, q.shape[-1] or 1)
         dropout_p = check_dropout_p(variants.dropout_p)
         seed, offset = check_dropout_seed(dropout_p, variants.dropout_seed, variants.dropout_offset)
-        return torch.ops.cuflash.attention_forward(
+        out = torch.ops.cuflash.attention_forward(
             q, k, v, check_causal(causal), scale, *check_window(variants.window_size), check_softcap(variants.softcap),
             variants.alibi_slopes, dropout_p, seed, offset, deterministic, check_fp32_precision(fp32_precision))[0]
+        return out.transpose(1, 2) if heads_first else out
     variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision)
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
-                         fp32_precision=fp32_precision)
+        return _apply_attention(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first)
+    if heads_first:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
+    out = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, fp32_precision=fp32_precision)
+    return out.transpose(1, 2) if heads_first else out
 
 
 def _float32_precision_of_torch() -> str:
@@ -279,9 +333,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             "corner, cuflash to the bottom-right; use cuflash.torch.attention(causal=True) for the latter"
         )
     precision = _float32_precision_of_torch() if query.dtype == torch.float32 else "ieee"
-    out = _forward(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), is_causal, scale,
-                   fp32_precision=precision, variants=api.Variants(dropout_p=dropout_p))
-    return out.transpose(1, 2)
+    variants = _NO_VARIANTS if dropout_p.__class__ is float and dropout_p == 0.0 else api.Variants(dropout_p=dropout_p)
+    return _forward(query, key, value, is_causal, scale, fp32_precision=precision, variants=variants,
+                    heads_first=True)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

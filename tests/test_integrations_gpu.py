@@ -500,17 +500,21 @@ def test_jax_bad_input_is_rejected_when_traced():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_torch_eager_routes_agree(causal):
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_torch_eager_routes_agree(causal, heads_first):
     """The autograd.Function route (eager) and the custom-op route (what
-    torch.compile traces) give identical outputs and gradients."""
+    torch.compile traces) give identical outputs and gradients, in
+    cuflash's layout and in SDPA's (heads_first, as the drop-in calls)."""
     torch, ct = _torch(), _ct()
     q, k, v = _qkv(torch, (2, 200, 8, 64), (2, 230, 2, 64), torch.bfloat16, seed=12)
     dout = torch.randn_like(q)
+    if heads_first:
+        q, k, v, dout = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
     results = {}
     for route in ("function", "custom_op"):
         for deterministic in (True, False):
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-            out = ct._forward(*leaves, causal, None, deterministic, route=route)
+            out = ct._forward(*leaves, causal, None, deterministic, route=route, heads_first=heads_first)
             out.backward(dout)
             results[route, deterministic] = [out.detach()] + [x.grad for x in leaves]
     for deterministic in (True, False):
@@ -522,7 +526,33 @@ def test_torch_eager_routes_agree(causal):
             else:  # float32 atomics: summation order varies run to run
                 torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     with torch.no_grad():
-        assert torch.equal(ct.attention(q, k, v, causal=causal), results["function", True][0])
+        assert torch.equal(ct._forward(q, k, v, causal, None, heads_first=heads_first), results["function", True][0])
+
+
+def test_torch_sdpa_dropin_is_one_autograd_node():
+    """The drop-in's layout change happens inside its autograd node: the
+    output is a tensor of its own (not a view: in-place changes are
+    allowed, as on SDPA's), its node leads straight to the leaves, the
+    gradients arrive in the leaves' layout without a copy, and a second
+    derivative is refused, not silently wrong."""
+    torch, ct = _torch(), _ct()
+    q, k, v = (x.transpose(1, 2).contiguous().requires_grad_()
+               for x in _qkv(torch, (2, 100, 4, 64), (2, 100, 4, 64), torch.float16, seed=13))
+    out = ct.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out._base is None and out.stride() == q.stride()
+    assert [type(node).__name__ for node, _ in out.grad_fn.next_functions] == ["AccumulateGrad"] * 3
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = torch.nn.functional.scaled_dot_product_attention(*(x.detach().double() for x in (q, k, v)),
+                                                              is_causal=True)
+    torch.testing.assert_close(out.detach().double(), want, atol=2e-3, rtol=0)
+    for leaf in (q, k, v):
+        assert leaf.grad.stride() == leaf.stride() and torch.isfinite(leaf.grad).all()
+    ct.scaled_dot_product_attention(q, k, v, is_causal=True).mul_(2)  # in place, recorded: allowed
+    out = ct.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (grad_q,) = torch.autograd.grad(out, q, dout, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
 
 
 def test_torch_wrappers_reject_cpu_tensors_in_one_line():

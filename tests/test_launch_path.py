@@ -173,6 +173,33 @@ def test_split_plan_sends_one_array_to_different_fields_of_different_structs(rec
     assert written["out"]["ptr"] == 4 and written["lse"] == 5
 
 
+def test_plan_writes_only_the_slots_a_cached_call_names(recorded_launches):
+    """A cached call writes the pointers its signature leaves open; the
+    others (arrays the signature fixes as absent) keep what the first call
+    wrote."""
+    plan = LaunchPlan(0, [_forward_struct()], api.FORWARD_SLOTS, [KernelLaunch(_FakeKernel(1), 1, 32, 0)])
+    plan.launch([1, 2, 3, 4, 5, 0, 0, 0x6000, 0x7000], stream=0)
+    plan.launch([11, 12, 13, 14, 15, 0, 0, 0x8000, 0x9000], stream=0, slots=(0, 1, 2, 3, 4))
+    written = _read_struct(recorded_launches[-1]["struct_address"], FORWARD_PARAMS)[0]
+    assert [written[n]["ptr"] for n in ("q", "k", "v", "out")] == [11, 12, 13, 14] and written["lse"] == 15
+    assert written["size"]["cu_seqlens_q"] == 0x6000 and written["size"]["cu_seqlens_k"] == 0x7000
+
+
+def test_work_arena_lays_buffers_out_aligned_and_apart():
+    """A backward's work buffers in one allocation: each at a 256-byte
+    aligned offset (the alignment separate allocations had), none
+    overlapping, the total covering the last."""
+    buffers = api.backward_work_buffers(3, 5, 127, 64, None, False)
+    arena = api.WorkArena.of(buffers)
+    assert [name for name, *_ in arena.buffers] == list(buffers)
+    ends = 0
+    for name, shape, dtype, offset in arena.buffers:
+        assert offset % 256 == 0 and offset >= ends and (shape, dtype) == tuple(buffers[name])
+        ends = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+    assert ends <= arena.nbytes < ends + 256
+    assert api.WorkArena.of({}).nbytes == 0 and api.WorkArena.of({"x": ((0, 4), "float32")}).nbytes == 0
+
+
 def test_plan_rejects_a_struct_it_cannot_address():
     with pytest.raises(KeyError, match="no field 'bogus.ptr'"):
         LaunchPlan(0, [_forward_struct()], ("bogus.ptr",), [])
@@ -376,6 +403,40 @@ def test_torch_cached_plan_runs_on_the_current_stream(fresh_plans):
     views = [cupy.from_dlpack(x) for x in (q_src, k, v)]
     _check_forward(cupy.from_dlpack(result), *views)
     assert len(fresh_plans) == 1
+
+
+@pytest.mark.gpu
+def test_torch_cached_calls_allocate_outputs_and_one_work_buffer(fresh_plans):
+    """A cached forward allocates its output and log-sum-exp, a cached
+    backward dq, dk, dv and one allocation for its work buffers (delta, the
+    float32 dQ accumulator, counters), from PyTorch's caching allocator; the
+    gradients stay right when the arena is reused by the next call."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    import cuflash
+
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v, dout = (torch.randn(2, 130, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert len(fresh_plans) == 2
+
+    def allocations(call):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        result = call()
+        return torch.cuda.memory_stats()["allocation.all.allocated"] - before, result
+
+    count, (out, lse) = allocations(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True))
+    assert count == 2
+    for _ in range(2):
+        count, grads = allocations(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True))
+        assert count == 4 and len(fresh_plans) == 2
+    views = [cupy.from_dlpack(x) for x in (dout, q, k, v)]
+    baselines = naive_attention_backward_same_precision(*views, causal=True, softmax_scale=1 / 8)
+    for got, want, base in zip(grads, attention_backward_reference(*views, causal=True), baselines):
+        assert_output_accurate(cupy.from_dlpack(got), want, base)
 
 
 @pytest.mark.gpu

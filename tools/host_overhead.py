@@ -69,8 +69,7 @@ def torch_host_table() -> list[dict]:
 
     def dropin_route(route):
         def attention(q, k, v, is_causal):
-            out = ct._forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal, None, route=route)
-            return out.transpose(1, 2)
+            return ct._forward(q, k, v, is_causal, None, route=route, heads_first=True)
         return attention
 
     passes = {
@@ -230,8 +229,7 @@ def profile(what: str, calls: int = 2000, top: int = 25) -> None:
         def step():
             for leaf in leaves:
                 leaf.grad = None
-            result = ct._forward(*(x.transpose(1, 2) for x in leaves), True, None, route=route)
-            result.transpose(1, 2).backward(dout_t)
+            ct._forward(*leaves, True, None, route=route, heads_first=True).backward(dout_t)
         return step
 
     calls_by_name = {
