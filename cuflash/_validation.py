@@ -158,16 +158,22 @@ def check_same_device(metas: list[TensorMeta]) -> None:
             raise ValueError(f"{meta.name} is on GPU {meta.device} but {first.name} is on GPU {first.device}")
 
 
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_causal(causal) -> bool:
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    return bool(causal)
+    return _check_bool("causal", causal)
 
 
 def check_deterministic(deterministic) -> bool:
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
-    return bool(deterministic)
+    return _check_bool("deterministic", deterministic)
+
+
+def check_heads_first(heads_first) -> bool:
+    return _check_bool("heads_first", heads_first)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:

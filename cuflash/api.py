@@ -42,7 +42,7 @@ from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling,
                       persistent_grid, wgmma_backward_swizzles, wgmma_forward_for_call)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
-                          check_dropout_seed, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
+                          check_dropout_seed, check_heads_first, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
 
 _LOG2E = math.log2(math.e)
 _MAX_GRID_X = 2**31 - 1
@@ -385,7 +385,7 @@ def _cached_call(key, arrays: list, pointers: list) -> bool:
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
               dropout_p=0.0, dropout_seed=None, dropout_offset=0, score_mod=None, mask_mod=None, mod_arrays=None,
-              return_lse=False, out=None, lse=None, fp32_precision="ieee", num_splits=None):
+              return_lse=False, out=None, lse=None, fp32_precision="ieee", num_splits=None, heads_first=False):
     """Exact softmax attention, ``softmax(scale * q @ k^T) @ v``, computed
     tile by tile (FlashAttention-2): memory O(seqlen), never O(seqlen^2).
 
@@ -461,6 +461,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             thread-block clusters merged in place, else a merge kernel
             follows). None (default): chosen from the device's SM count; 1:
             no split. Other calls take None or 1.
+        heads_first: q, k, v and out given as (batch, nheads, seqlen, head_dim)
+            (PyTorch SDPA's layout; any strides, the last dimension
+            contiguous), and the output returned so, laid out like q.
 
     Returns:
         ``out`` shaped like q, of q's framework (CuPy for CuPy and generic
@@ -473,11 +476,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
               *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
-             *_mod_flags(score_mod, mod_arrays), mask_mod)
+             *_mod_flags(score_mod, mod_arrays), mask_mod, heads_first.__class__, heads_first)
     key, pointers = _signature("forward", arrays, flags) if _planned(mask_mod) else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits,
+                                    heads_first=check_heads_first(heads_first),
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
                                                       dropout_offset, score_mod, mod_arrays, mask_mod),
                                     signature=(functools.partial(_signature, "forward", arrays, flags)
@@ -488,7 +492,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
                        score_mod=None, mask_mod=None, mod_arrays=None, deterministic=False, dq=None, dk=None,
-                       dv=None):
+                       dv=None, heads_first=False):
     """Gradients of ``attention`` with respect to q, k and v, recomputing the
     attention probabilities tile by tile from the forward's log-sum-exp
     (FlashAttention-2 backward): memory O(seqlen), never O(seqlen^2).
@@ -511,6 +515,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             dk and dv are always deterministic.
         dq, dk, dv: optional arrays to write the gradients into, shaped and
             typed like q, k, v (not for JAX).
+        heads_first: dout, q, k, v, out, dq, dk and dv given (and dq, dk, dv
+            returned) as (batch, nheads, seqlen, head_dim), as for ``attention``.
 
     Returns:
         ``(dq, dk, dv)`` shaped and typed like q, k, v, in q's framework. With
@@ -523,11 +529,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
               dropout_offset, None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, deterministic.__class__,
              deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays),
-             mask_mod)
+             mask_mod, heads_first.__class__, heads_first)
     key, pointers = _signature("backward", arrays, flags) if _planned(mask_mod) else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
-                                     deterministic=deterministic,
+                                     deterministic=deterministic, heads_first=check_heads_first(heads_first),
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
                                                        dropout_offset, score_mod, mod_arrays, mask_mod),
                                      signature=(functools.partial(_signature, "backward", list(arrays), flags)
@@ -704,9 +710,7 @@ def _attention_kvcache(inputs: dict, *, cache_seqlens, causal, softmax_scale, nu
         for name, shape, dtype, like in (("out", tuple(views["q"].shape), views["q"].dtype, metas["q"].strides),
                                          ("lse", (problem.batch, problem.nheads, problem.seqlen_q), "float32", None)):
             if name not in given:
-                native, views[name] = bridge.empty(shape, dtype, like)
-                natives[name] = None
-                allocated[name] = (shape, dtype, native)
+                allocated[name] = _new_output(bridge, views, name, shape, dtype, like)
         # The kernels' K and V: the pages, the whole cache, or (every entry
         # holding the same keys) its first seqlen_k keys as a dense batch.
         dense = problem.kv_cache is None
@@ -825,9 +829,7 @@ def _merge(outs, lses, out, lse, *, signature) -> list:
         for name, shape, dtype in (("out", tuple(views["partial"].shape[1:]), views["partial"].dtype),
                                    ("lse", (problem.batch, problem.nheads, problem.seqlen), "float32")):
             if name not in given:
-                native, views[name] = bridge.empty(shape, dtype)
-                natives[name] = None
-                allocated[name] = (shape, dtype, native)
+                allocated[name] = _new_output(bridge, views, name, shape, dtype)
         pointers = _view_pointers(MERGE_ARRAYS, views)
         plan = merge_plan(problem, {name: metas[name].strides if name in metas else
                                     contiguous_strides(tuple(views[name].shape)) for name in MERGE_ARRAYS}, pointers)
@@ -927,22 +929,21 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
     caches the plan under the call's signature (``signature()``:
     ``_signature``'s result, computed now that ``_call`` has registered the
     call's array classes) for the fast path where q's framework has one.
-    ``allocated``: name -> (shape, dtype, native array) of the outputs this
-    call allocated (``bridge.empty``), which later calls of the signature
-    allocate the same way; ``work``: the call's work buffers (allocated by
+    ``allocated``: name -> (shape, dtype, element strides, native array) of
+    the outputs this call allocated (``_new_output``), which later calls of
+    the signature allocate the same way; ``work``: the call's work buffers (allocated by
     the caller, ``WorkArena.allocate``); ``fixed``: names of views every
     call of the signature passes as they are (a BlockMask's tile map, the
     BlockMask being part of the signature). Returns the call's arrays in the
     order of ``names`` (None for an absent one)."""
     plan.launch(pointers, bridge.stream.ptr)
-    for name, (_, _, native) in allocated.items():
+    for name, (_, _, _, native) in allocated.items():
         natives[name] = bridge.export(native, views[name])
     lane = _interop.fast_lane(bridge.framework)
     key = signature()[0] if lane is not None else None
     if key is not None:
-        allocations = tuple(
-            (names.index(name), lane.allocator(shape, dtype, bridge.device_id, _element_strides(views[name])))
-            for name, (shape, dtype, _) in allocated.items())
+        allocations = tuple((names.index(name), lane.allocator(shape, dtype, bridge.device_id, strides))
+                            for name, (shape, dtype, strides, _) in allocated.items())
         allocations += tuple((names.index(name), functools.partial(_fixed_array, views[name])) for name in fixed)
         work_slots = None
         if work is not None and work.nbytes:
@@ -957,6 +958,38 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
     return [natives.get(name) for name in names]
 
 
+def _new_output(bridge, views: dict, name: str, shape: tuple[int, ...], dtype, like_strides=None,
+                heads_first: bool = False) -> tuple:
+    """A new output of the call (``bridge.empty``: dense, its dimensions in
+    the order of ``like_strides``), its CuPy view as the kernels take it put
+    in ``views``; returns ``(shape, dtype, element strides, native)`` of
+    the caller's array. ``heads_first``: a 4-D output is made in the
+    caller's (batch, nheads, seqlen, head_dim) axes, the view swapped."""
+    swap = heads_first and len(shape) == 4
+    if swap:
+        shape = _swap_heads_and_seqlen(shape)
+        like_strides = like_strides and _swap_heads_and_seqlen(like_strides)
+    native, view = bridge.empty(shape, dtype, like_strides)
+    views[name] = view.swapaxes(1, 2) if swap else view
+    return shape, dtype, _element_strides(view), native
+
+
+def _swap_heads_and_seqlen(sizes: tuple) -> tuple:
+    return sizes[0], sizes[2], sizes[1], sizes[3]
+
+
+def _seqlen_first_views(views: dict, names: tuple[str, ...]) -> None:
+    """A ``heads_first`` call's (batch, nheads, seqlen, head_dim) arrays among
+    ``views`` replaced by (batch, seqlen, nheads, head_dim) views of them,
+    the layout every check and kernel takes."""
+    for name in names:
+        if name in views:
+            if views[name].ndim != 4:
+                raise ValueError(f"{name} must be (batch, nheads, seqlen, head_dim) with heads_first=True, "
+                                 f"got shape {tuple(views[name].shape)}")
+            views[name] = views[name].swapaxes(1, 2)
+
+
 def _fixed_array(view) -> tuple:
     return view, view.data.ptr
 
@@ -966,7 +999,7 @@ def _element_strides(view) -> tuple[int, ...]:
 
 
 def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee",
-                       num_splits=None, packing=None, variants: Variants = Variants()) -> list:
+                       num_splits=None, packing=None, variants: Variants = Variants(), heads_first=False) -> list:
     """The full path of a forward call: validation, plan, launch.
     ``packing``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     of a variable-length call. Returns the arrays of ``FORWARD_ARRAYS`` in
@@ -979,6 +1012,8 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
     arrays |= variants.mod_inputs()
     given = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     with _call(arrays | given, immutable_outputs=tuple(given)) as (bridge, views):
+        if heads_first:
+            _seqlen_first_views(views, ("q", "k", "v", "out"))
         metas = {name: meta_of(name, view) for name, view in views.items()}
         slopes = metas.pop("alibi_slopes", None)
         mod_metas = variants.mod_metas(metas)
@@ -998,9 +1033,7 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         for name, shape, dtype, like in (("out", q_shape, views["q"].dtype, metas["q"].strides[-len(q_shape):]),
                                          ("lse", lse_shape, "float32", None)):
             if name not in given:
-                native, views[name] = bridge.empty(shape, dtype, like)
-                natives[name] = None
-                allocated[name] = (shape, dtype, native)
+                allocated[name] = _new_output(bridge, views, name, shape, dtype, like, heads_first)
         num_splits = check_num_splits(num_splits)
         layouts = _kernel_layouts(views, ("q", "k", "v", "out"), problem.packed)
         aligned = pointers_aligned("forward", _view_pointers(FORWARD_ARRAYS, views))
@@ -1045,7 +1078,7 @@ def _kernel_layouts(views: dict, names: tuple[str, ...], packed: bool) -> dict:
 
 
 def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, signature, packing=None,
-                        variants: Variants = Variants()) -> list:
+                        variants: Variants = Variants(), heads_first=False) -> list:
     """The full path of a backward call; ``arrays`` as ``BACKWARD_ARRAYS``
     (the ALiBi slopes among them); ``packing``: (max_seqlen_q, max_seqlen_k)
     of a variable-length call. Returns the arrays of ``BACKWARD_ARRAYS`` in
@@ -1061,6 +1094,8 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
                          "cuflash.mods.cuda(value, gradient=...)")
     given = {name: x for name, x in zip(("dq", "dk", "dv"), arrays[6:9]) if x is not None}
     with _call(inputs | given, immutable_outputs=tuple(given)) as (bridge, views):
+        if heads_first:
+            _seqlen_first_views(views, ("dout", "q", "k", "v", "out", "dq", "dk", "dv"))
         metas = {name: meta_of(name, view) for name, view in views.items()}
         slopes = metas.pop("alibi_slopes", None)
         mod_metas = variants.mod_metas(metas)
@@ -1080,9 +1115,8 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         for name, like in (("dq", "q"), ("dk", "k"), ("dv", "v")):
             if name not in given:
                 shape, dtype = tuple(views[like].shape), views[like].dtype
-                native, views[name] = bridge.empty(shape, dtype, metas[like].strides[-len(shape):])
-                natives[name] = None
-                allocated[name] = (shape, dtype, native)
+                allocated[name] = _new_output(bridge, views, name, shape, dtype, metas[like].strides[-len(shape):],
+                                              heads_first)
         layouts = _kernel_layouts(views, ("dout", "q", "k", "v", "out", "dq", "dk", "dv"), problem.packed)
         aligned = pointers_aligned("backward", _view_pointers(BACKWARD_ARRAYS, views))
         tiling = backward_tiling_for(problem, layouts, layouts, bool(deterministic), aligned)

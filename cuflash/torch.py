@@ -107,27 +107,20 @@ class _AttentionFunction(torch.autograd.Function):
     """The eager route: cuflash's forward, and its backward from the saved
     inputs, output and log-sum-exp. ``variants``: ``Variants`` (the slopes
     and dropout's seed among them; not differentiated). ``heads_first``:
-    q, k, v and the output in SDPA's (batch, heads, seqlen, dim) layout,
-    made cuflash's by views inside, so that the graph holds this one node
-    (four transposes around it would add four nodes to every backward)."""
+    q, k, v and the output in SDPA's (batch, heads, seqlen, dim) layout
+    (``cuflash.attention``'s option), so that the graph holds this one node
+    and no transposes (four around it would add four nodes to every
+    backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first):
-        out = None
-        if heads_first:
-            # The output is made here, laid out like q (as cuflash lays out
-            # its own), and returned as is: a view of it would refuse
-            # in-place changes (a custom Function's views do), which SDPA's
-            # output allows.
-            out_heads_first = torch.empty_like(q)
-            q, k, v, out = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out_heads_first.transpose(1, 2)
         kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, out=out,
-                                 return_lse=True, fp32_precision=fp32_precision)
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, return_lse=True,
+                                 fp32_precision=fp32_precision, heads_first=heads_first)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.variants, ctx.heads_first = variants, heads_first
-        return out_heads_first if heads_first else out
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -137,17 +130,13 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _attention_backward(ctx, dout):
+    # The gradients are made like q, k and v (dense, their dimensions in the
+    # same order): autograd takes them as the leaves' gradients without a copy.
     q, k, v, out, lse = ctx.saved_tensors
-    if ctx.heads_first:
-        dout = dout.transpose(1, 2)
     kwargs = _NO_VARIANT_KWARGS if ctx.variants is _NO_VARIANTS else _variant_kwargs(ctx.variants)
     dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
-                                        softmax_scale=ctx.softmax_scale, **kwargs, deterministic=ctx.deterministic)
-    if ctx.heads_first:
-        # Allocated like q, k and v (cuflash._interop.dense_strides_like),
-        # these views have the layout of the caller's tensors: autograd
-        # takes them as the leaves' gradients without a copy.
-        dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+                                        softmax_scale=ctx.softmax_scale, **kwargs, deterministic=ctx.deterministic,
+                                        heads_first=ctx.heads_first)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -251,11 +240,9 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
     variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply_attention(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first)
-    if heads_first:
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
-    out = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, fp32_precision=fp32_precision)
-    return out.transpose(1, 2) if heads_first else out
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, fp32_precision=fp32_precision,
+                         heads_first=heads_first)
 
 
 def _float32_precision_of_torch() -> str:

@@ -550,7 +550,7 @@ def test_torch_sdpa_dropin_is_one_autograd_node():
         assert leaf.grad.stride() == leaf.stride() and torch.isfinite(leaf.grad).all()
     ct.scaled_dot_product_attention(q, k, v, is_causal=True).mul_(2)  # in place, recorded: allowed
     out = ct.scaled_dot_product_attention(q, k, v, is_causal=True)
-    (grad_q,) = torch.autograd.grad(out, q, dout, create_graph=True)
+    (grad_q,) = torch.autograd.grad(out, q, dout.requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_q.sum().backward()
 

@@ -440,6 +440,36 @@ def test_torch_cached_calls_allocate_outputs_and_one_work_buffer(fresh_plans):
 
 
 @pytest.mark.gpu
+def test_heads_first_calls_match_seqlen_first_ones(fresh_plans):
+    """heads_first=True takes (batch, nheads, seqlen, head_dim) arrays and
+    gives outputs so laid out, bitwise equal to the same call on the
+    swapped views, on the full path and from the cached plan; its plans are
+    its own; a 3-D array is refused naming it."""
+    cupy = _cupy()
+    import cuflash
+
+    q, k, v = random_qkv(cupy, 2, 77, 90, 4, 2, 64, cupy.float16, seed=11)
+    dout = cupy.asarray(np.random.default_rng(12).standard_normal(q.shape)).astype(q.dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    first = [x.swapaxes(1, 2) for x in (q, k, v, dout, out)]
+    for call in range(2):
+        hq, hk, hv, hdout, _ = (cupy.ascontiguousarray(x) for x in first)  # new pointers each call
+        h_out, h_lse = cuflash.attention(hq, hk, hv, causal=True, return_lse=True, heads_first=True)
+        assert h_out.shape == hq.shape and h_out.strides == hq.strides
+        assert bool((h_out == first[4]).all()) and bool((h_lse == lse).all())
+        h_grads = cuflash.attention_backward(hdout, hq, hk, hv, h_out, h_lse, causal=True, heads_first=True)
+        for got, like, want in zip(h_grads, (hq, hk, hv), grads):
+            assert got.shape == like.shape and got.strides == like.strides
+            cupy.testing.assert_allclose(got.swapaxes(1, 2), want, atol=2e-3, rtol=0)  # dq: float32 atomics
+    assert len(fresh_plans) == 4
+    with pytest.raises(ValueError, match=r"k must be \(batch, nheads, seqlen, head_dim\) with heads_first"):
+        cuflash.attention(hq, hk[0], hv, heads_first=True)
+    with pytest.raises(TypeError, match="heads_first must be a bool"):
+        cuflash.attention(hq, hk, hv, heads_first=1)
+
+
+@pytest.mark.gpu
 def test_plan_does_not_serve_another_device(fresh_plans):
     cupy = _cupy()
     import cuflash
