@@ -140,7 +140,8 @@ def test_wgmma_atomic_backward_rotates_its_walks_without_a_mask(head_dim, seqlen
 @pytest.fixture
 def poisoned_allocations(monkeypatch):
     """Every array cuflash allocates for a CuPy caller (outputs and work
-    buffers) comes filled with garbage: float NaN, int32 0x7f7f7f7f. The
+    buffers) comes filled with garbage: float NaN, int32 0x7f7f7f7f, the
+    bytes of the work buffers' one allocation 0xff (NaN as float32). The
     Hopper backward on dense batches no longer zeroes the float32 dQ
     accumulator (stores_first_dq): each query block's first tile is written
     over it, and blocks no tile reaches must come out as zeros, not as what
@@ -154,7 +155,7 @@ def poisoned_allocations(monkeypatch):
 
         def allocate_poisoned():
             array, pointer = allocate()
-            array.fill(float("nan") if array.dtype.kind == "f" else 0x7F7F7F7F)
+            array.fill(float("nan") if array.dtype.kind == "f" else 0xFF if array.dtype.itemsize == 1 else 0x7F7F7F7F)
             return array, pointer
         return allocate_poisoned
     monkeypatch.setattr(_interop, "_cupy_allocator", poisoning)
