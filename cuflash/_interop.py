@@ -293,15 +293,19 @@ def _cupy_allocator(shape, dtype, device, strides=None):
     import cupy
 
     dtype = np.dtype(dtype)
-    strides = contiguous_strides(shape) if strides is None else strides
     ndarray, alloc = cupy.ndarray, cupy.cuda.alloc
     nbytes = int(np.prod(shape)) * dtype.itemsize
+    if strides is None or strides == contiguous_strides(shape):
+        def allocate():  # C-contiguous: the constructor's default strides, the cheapest call
+            memory = alloc(nbytes)
+            return ndarray(shape, dtype, memory), memory.ptr
+        return allocate
     byte_strides = tuple(stride * dtype.itemsize for stride in strides)
 
-    def allocate():
+    def allocate_strided():
         memory = alloc(nbytes)
         return ndarray(shape, dtype, memory, strides=byte_strides), memory.ptr
-    return allocate
+    return allocate_strided
 
 
 def _torch_allocator(shape, dtype, device, strides=None):
