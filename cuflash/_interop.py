@@ -269,6 +269,7 @@ class FastLane:
     stream, for one framework."""
 
     allocator: object  #: (shape, NumPy dtype, device, element strides or None) -> () -> (array, pointer)
+    memory: object  #: (bytes, device) -> () -> (owner, pointer): device memory that is no array of the call's
     stream: object  #: device -> () -> current stream of that device, as an int
 
 
@@ -308,6 +309,25 @@ def _cupy_allocator(shape, dtype, device, strides=None):
     return allocate_strided
 
 
+def _cupy_memory(nbytes: int, device: int):
+    """() -> (CuPy memory pointer, address) of ``nbytes`` from CuPy's pool
+    on the current device: a call's work buffers, which need no array."""
+    import cupy
+
+    alloc = cupy.cuda.alloc
+
+    def allocate():
+        memory = alloc(nbytes)
+        return memory, memory.ptr
+    return allocate
+
+
+def _torch_memory(nbytes: int, device: int):
+    """() -> (uint8 tensor, address) of ``nbytes`` from PyTorch's caching
+    allocator on its current stream: a call's work buffers."""
+    return _torch_allocator((nbytes,), "uint8", device)
+
+
 def _torch_allocator(shape, dtype, device, strides=None):
     """() -> (tensor, pointer) from PyTorch's caching allocator on its current
     stream, with element ``strides`` (dense) or C-contiguous.
@@ -332,7 +352,7 @@ def _cupy_lane() -> FastLane:
         return lambda: get_current_stream().ptr
 
     _SIGNATURES[cupy.ndarray] = _cupy_signature
-    return FastLane(_cupy_allocator, stream)
+    return FastLane(_cupy_allocator, _cupy_memory, stream)
 
 
 def _torch_lane() -> FastLane:
@@ -348,7 +368,7 @@ def _torch_lane() -> FastLane:
 
     _SIGNATURES[torch.Tensor] = _torch_signature
     _SIGNATURES[torch.nn.Parameter] = _torch_signature
-    return FastLane(_torch_allocator, stream)
+    return FastLane(_torch_allocator, _torch_memory, stream)
 
 
 _LANES = {CUPY: _cupy_lane, TORCH: _torch_lane}

@@ -476,11 +476,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
               *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
-             *_mod_flags(score_mod, mod_arrays), mask_mod, heads_first.__class__, heads_first)
+             *_mod_flags(score_mod, mod_arrays), mask_mod, heads_first.__class__, heads_first, bool(return_lse))
     key, pointers = _signature("forward", arrays, flags) if _planned(mask_mod) else (None, None)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-                                    fp32_precision=fp32_precision, num_splits=num_splits,
+                                    fp32_precision=fp32_precision, num_splits=num_splits, keep_lse=bool(return_lse),
                                     heads_first=check_heads_first(heads_first),
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
                                                       dropout_offset, score_mod, mod_arrays, mask_mod),
@@ -586,11 +586,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
               None, *_mod_list(mod_arrays), None]
     flags = (causal.__class__, causal, softmax_scale.__class__, softmax_scale, fp32_precision.__class__,
              fp32_precision, "varlen", max_seqlen_q.__class__, max_seqlen_q, max_seqlen_k.__class__, max_seqlen_k,
-             *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays))
+             *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays), bool(return_lse))
     key, pointers = _signature("forward", arrays, flags)
     if key is None or not _cached_call(key, arrays, pointers):
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-                                    fp32_precision=fp32_precision,
+                                    fp32_precision=fp32_precision, keep_lse=bool(return_lse),
                                     variants=Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
                                                       dropout_offset, score_mod, mod_arrays),
                                     packing=(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -947,7 +947,7 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
         allocations += tuple((names.index(name), functools.partial(_fixed_array, views[name])) for name in fixed)
         work_slots = None
         if work is not None and work.nbytes:
-            work_slots = (lane.allocator((work.nbytes,), "uint8", bridge.device_id),
+            work_slots = (lane.memory(work.nbytes, bridge.device_id),
                           tuple((names.index(name), offset) for name, _, _, offset in work.buffers))
         written = {index for index, _ in allocations} | {index for index, _ in (work_slots or (None, ()))[1]}
         # Slots of arrays absent from the signature (None) hold the null
@@ -999,11 +999,14 @@ def _element_strides(view) -> tuple[int, ...]:
 
 
 def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, fp32_precision="ieee",
-                       num_splits=None, packing=None, variants: Variants = Variants(), heads_first=False) -> list:
+                       num_splits=None, packing=None, variants: Variants = Variants(), heads_first=False,
+                       keep_lse=True) -> list:
     """The full path of a forward call: validation, plan, launch.
     ``packing``: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    of a variable-length call. Returns the arrays of ``FORWARD_ARRAYS`` in
-    q's framework."""
+    of a variable-length call. ``keep_lse``: the caller keeps the
+    log-sum-exp (``return_lse``); else, unless given, it goes into the work
+    buffers' allocation (one allocation less). Returns the arrays of
+    ``FORWARD_ARRAYS`` in q's framework."""
     arrays = {"q": q, "k": k, "v": v}
     if packing is not None:
         arrays |= {"cu_seqlens_q": packing[0], "cu_seqlens_k": packing[1]}
@@ -1032,7 +1035,7 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
         q_shape = tuple(views["q"].shape)
         for name, shape, dtype, like in (("out", q_shape, views["q"].dtype, metas["q"].strides[-len(q_shape):]),
                                          ("lse", lse_shape, "float32", None)):
-            if name not in given:
+            if name not in given and (name == "out" or keep_lse):
                 allocated[name] = _new_output(bridge, views, name, shape, dtype, like, heads_first)
         num_splits = check_num_splits(num_splits)
         layouts = _kernel_layouts(views, ("q", "k", "v", "out"), problem.packed)
@@ -1046,8 +1049,9 @@ def _attention_forward(q, k, v, *, causal, softmax_scale, out, lse, signature, f
             tiling = _forward_tiles(problem, layouts, aligned, 1)[0]
             views["tile_map"] = variants.tile_map_view(problem, tiling, views)
         plan = forward_plan(problem, layouts, aligned=aligned, tiling=tiling, num_splits=num_splits)
-        # Split-KV's work buffers come from the caller's framework, on the call's stream.
-        work = WorkArena.of(plan.work_buffers)
+        # Split-KV's work buffers (and a log-sum-exp no one keeps) come from
+        # the caller's framework, on the call's stream.
+        work = WorkArena.of(plan.work_buffers | ({} if "lse" in views else {"lse": (lse_shape, "float32")}))
         work.allocate(bridge, views)
         pointers = _view_pointers(FORWARD_ARRAYS, views, variants.scalars(problem))
         return _run_planned(signature, bridge, plan, FORWARD_ARRAYS, views, pointers, natives, allocated,

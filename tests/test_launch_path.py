@@ -407,9 +407,10 @@ def test_torch_cached_plan_runs_on_the_current_stream(fresh_plans):
 
 @pytest.mark.gpu
 def test_torch_cached_calls_allocate_outputs_and_one_work_buffer(fresh_plans):
-    """A cached forward allocates its output and log-sum-exp, a cached
-    backward dq, dk, dv and one allocation for its work buffers (delta, the
-    float32 dQ accumulator, counters), from PyTorch's caching allocator; the
+    """A cached forward allocates its output and log-sum-exp (or, without
+    return_lse, one work allocation holding the latter), a cached backward
+    dq, dk, dv and one allocation for its work buffers (delta, the float32
+    dQ accumulator, counters), from PyTorch's caching allocator; the
     gradients stay right when the arena is reused by the next call."""
     torch = pytest.importorskip("torch")
     import cupy
@@ -430,9 +431,13 @@ def test_torch_cached_calls_allocate_outputs_and_one_work_buffer(fresh_plans):
 
     count, (out, lse) = allocations(lambda: cuflash.attention(q, k, v, causal=True, return_lse=True))
     assert count == 2
+    for _ in range(2):  # without return_lse the log-sum-exp goes into the work allocation
+        count, alone = allocations(lambda: cuflash.attention(q, k, v, causal=True))
+        assert count == 2 and torch.equal(alone, out)
+    assert len(fresh_plans) == 3
     for _ in range(2):
         count, grads = allocations(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True))
-        assert count == 4 and len(fresh_plans) == 2
+        assert count == 4 and len(fresh_plans) == 3
     views = [cupy.from_dlpack(x) for x in (dout, q, k, v)]
     baselines = naive_attention_backward_same_precision(*views, causal=True, softmax_scale=1 / 8)
     for got, want, base in zip(grads, attention_backward_reference(*views, causal=True), baselines):
