@@ -282,7 +282,7 @@ def test_second_call_of_a_signature_reuses_its_plan(dtype, fresh_plans, full_pat
     q2, k2, v2 = random_qkv(cupy, 2, 127, 130, 4, 2, 64, cupy.dtype(dtype), seed=2)  # new pointers, same signature
     out, lse = cuflash.attention(q2, k2, v2, causal=True, return_lse=True)
     assert full_path_counter["forward"] == 1 and len(fresh_plans) == 1
-    again = cuflash.attention(q, k, v, causal=True)
+    again = cuflash.attention(q, k, v, causal=True, return_lse=True)[0]
     assert bool((again == first).all())  # bitwise: same plan, same inputs
     _check_forward(out, q2, k2, v2, causal=True)
     dout = cupy.asarray(np.random.default_rng(3).standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
@@ -366,7 +366,7 @@ def test_cached_plan_runs_on_the_stream_of_each_call(fresh_plans):
     spin = cupy.RawKernel(SPIN_AND_COPY, "spin_and_copy")
     rng = cupy.random.default_rng(7)
     q_src, k, v = (rng.standard_normal((2, 300, 4, 64), dtype=cupy.float32) for _ in range(3))
-    cuflash.attention(q_src, k, v, causal=True)  # plan made on the default stream
+    cuflash.attention(q_src, k, v, causal=True, return_lse=True)  # plan made on the default stream
     cupy.cuda.Device().synchronize()
     for _ in range(2):
         stream = cupy.cuda.Stream(non_blocking=True)
