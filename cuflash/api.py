@@ -181,10 +181,9 @@ class CachedCall:
     def run(self, arrays: list, pointers: list) -> None:
         for index, allocate in self.allocations:
             arrays[index], pointers[index] = allocate()
-        work = None
         if self.work is not None:
             allocate, offsets = self.work
-            work, base = allocate()  # held until the launches are queued; freed in stream order
+            memory, base = allocate()  # noqa: F841 (held until the launches are queued; freed in stream order)
             for index, offset in offsets:
                 pointers[index] = base + offset
         self.plan.launch(pointers, self.stream(), self.live)
@@ -931,8 +930,8 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
     call's array classes) for the fast path where q's framework has one.
     ``allocated``: name -> (shape, dtype, element strides, native array) of
     the outputs this call allocated (``_new_output``), which later calls of
-    the signature allocate the same way; ``work``: the call's work buffers (allocated by
-    the caller, ``WorkArena.allocate``); ``fixed``: names of views every
+    the signature allocate the same way; ``work``: the call's work buffers
+    (allocated by the caller, ``WorkArena.allocate``); ``fixed``: names of views every
     call of the signature passes as they are (a BlockMask's tile map, the
     BlockMask being part of the signature). Returns the call's arrays in the
     order of ``names`` (None for an absent one)."""

@@ -200,6 +200,61 @@ def test_work_arena_lays_buffers_out_aligned_and_apart():
     assert api.WorkArena.of({}).nbytes == 0 and api.WorkArena.of({"x": ((0, 4), "float32")}).nbytes == 0
 
 
+class _NumpyBridge:
+    """Stands for a call's bridge on the CPU: outputs are NumPy arrays, laid
+    out as ``Bridge.empty`` lays them out."""
+
+    def empty(self, shape, dtype, like_strides=None):
+        from cuflash._interop import dense_strides_like
+
+        dtype = np.dtype(dtype)
+        strides = (dense_strides_like(tuple(shape), tuple(like_strides)) if like_strides is not None
+                   else api.contiguous_strides(tuple(shape)))
+        size = max((n - 1) * s for n, s in zip(shape, strides)) + 1 if 0 not in shape else 0
+        array = np.lib.stride_tricks.as_strided(np.empty(size, dtype), shape,
+                                                tuple(s * dtype.itemsize for s in strides))
+        return array, array
+
+
+def test_heads_first_outputs_are_made_in_the_callers_axes():
+    """With heads_first, an output is allocated (batch, nheads, seqlen,
+    head_dim), dense like the caller's q, and the kernels' view of it is
+    (batch, seqlen, nheads, head_dim); the log-sum-exp (3-D) is untouched,
+    and what later calls allocate (shape, element strides) is the caller's."""
+    views = {}
+    q_heads_first_strides = (4 * 7 * 16, 7 * 16, 16, 1)  # a contiguous (2, 4, 7, 16) q ...
+    kernel_like = (q_heads_first_strides[0], q_heads_first_strides[2], q_heads_first_strides[1], 1)  # ... as seen
+    shape, dtype, strides, native = api._new_output(_NumpyBridge(), views, "out", (2, 7, 4, 16), "float16",
+                                                    kernel_like, heads_first=True)
+    assert shape == native.shape == (2, 4, 7, 16) and strides == q_heads_first_strides
+    assert views["out"].shape == (2, 7, 4, 16) and np.shares_memory(views["out"], native)
+    assert api._new_output(_NumpyBridge(), views, "lse", (2, 4, 7), "float32", None, heads_first=True)[0] == (2, 4, 7)
+    plain = api._new_output(_NumpyBridge(), {}, "out", (2, 7, 4, 16), "float16", kernel_like)
+    assert plain[0] == (2, 7, 4, 16) and plain[2] == kernel_like
+
+
+def test_heads_first_views_are_swapped_and_other_ranks_refused():
+    views = {"q": np.zeros((2, 4, 7, 16)), "k": np.zeros((2, 1, 9, 16)), "lse": np.zeros((2, 4, 7))}
+    api._seqlen_first_views(views, ("q", "k", "v", "out"))
+    assert views["q"].shape == (2, 7, 4, 16) and views["k"].shape == (2, 9, 1, 16) and views["lse"].shape == (2, 4, 7)
+    with pytest.raises(ValueError, match=r"v must be \(batch, nheads, seqlen, head_dim\) with heads_first=True, "
+                                         r"got shape \(9, 16\)"):
+        api._seqlen_first_views({"v": np.zeros((9, 16))}, ("v",))
+
+
+def test_work_arena_views_lie_inside_one_allocation():
+    buffers = {"delta": ((4, 33), "float32"), "dq_accum": ((33, 4, 8), "float32"), "dq_semaphore": ((1, 4, 2), "int32")}
+    arena = api.WorkArena.of(buffers)
+    views = {}
+    arena.allocate(_NumpyBridge(), views)
+    for name, (shape, dtype) in buffers.items():
+        assert views[name].shape == shape and views[name].dtype == np.dtype(dtype)
+        assert views[name].flags.c_contiguous
+    starts = sorted((views[name].__array_interface__["data"][0], name) for name in buffers)
+    origin = starts[0][0]
+    assert [start - origin for start, _ in starts] == [offset for _, _, _, offset in arena.buffers]
+
+
 def test_plan_rejects_a_struct_it_cannot_address():
     with pytest.raises(KeyError, match="no field 'bogus.ptr'"):
         LaunchPlan(0, [_forward_struct()], ("bogus.ptr",), [])
