@@ -152,14 +152,19 @@ def _apply_attention(q, k, v, *args):
     ``forward`` has none of) and checks for functorch transforms on every
     call; without an active transform, the C++ apply it ends in is called
     directly, after the same unwrapping of dead functorch wrappers."""
-    if torch._C._are_functorch_transforms_active():
+    if _unwrap_if_dead is None or _transforms_active():
         return _AttentionFunction.apply(q, k, v, *args)
     unwrap = _unwrap_if_dead
     return _raw_apply(unwrap(q), unwrap(k), unwrap(v), *args)
 
 
 _raw_apply = super(torch.autograd.Function, _AttentionFunction).apply
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# PyTorch's private hooks that Function.apply itself calls; where a PyTorch
+# version lacks one, every call takes the public apply.
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+if _transforms_active is None:
+    _unwrap_if_dead = None
 
 
 #: How eager calls reach the kernels: "function" (``torch.autograd.Function``)

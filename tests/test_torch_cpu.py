@@ -57,3 +57,74 @@ def test_error_is_one_line():
     with pytest.raises(TypeError) as caught:
         cuflash_torch.scaled_dot_product_attention(cpu, cpu, cpu)
     assert len(str(caught.value).splitlines()) == 1
+
+
+# --- the eager autograd node's plumbing, with float64 stand-ins for the kernels ---
+
+def _reference_scores(q, k, causal, softmax_scale):
+    """(batch, heads, seqlen_q, seqlen_k) scaled scores of heads-first q, k, bottom-right causal mask applied."""
+    scores = q @ k.transpose(-1, -2) * (softmax_scale or q.shape[-1] ** -0.5)
+    if causal:
+        seqlen_q, seqlen_k = scores.shape[-2:]
+        hidden = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).triu(seqlen_k - seqlen_q + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """cuflash.api's forward and backward replaced by PyTorch on the CPU,
+    taking the layouts the autograd node passes (heads_first or not);
+    records each call's heads_first."""
+    seen = []
+
+    def heads_first_view(x, heads_first):
+        return x if heads_first else x.transpose(1, 2)
+
+    def attention(q, k, v, *, causal, softmax_scale, return_lse, heads_first, **_):
+        seen.append(("forward", heads_first))
+        qh, kh, vh = (heads_first_view(x, heads_first) for x in (q, k, v))
+        scores = _reference_scores(qh, kh, causal, softmax_scale)
+        out = heads_first_view(torch.softmax(scores, -1) @ vh, heads_first).clone()
+        return (out, torch.logsumexp(scores, -1)) if return_lse else out
+
+    def attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, heads_first, **_):
+        seen.append(("backward", heads_first))
+        with torch.enable_grad():
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            qh, kh, vh = (heads_first_view(x, heads_first) for x in leaves)
+            recomputed = heads_first_view(torch.softmax(_reference_scores(qh, kh, causal, softmax_scale), -1) @ vh,
+                                          heads_first)
+            return torch.autograd.grad(recomputed, leaves, dout)
+
+    monkeypatch.setattr(cuflash.api, "attention", attention)
+    monkeypatch.setattr(cuflash.api, "attention_backward", attention_backward)
+    return seen
+
+
+@pytest.mark.parametrize("public_apply", [False, True])
+def test_sdpa_dropin_node_on_stand_in_kernels(stand_in_kernels, monkeypatch, public_apply):
+    """The drop-in's one autograd node passes SDPA's layout through
+    (heads_first), its gradients match autograd through the same math,
+    and a second derivative raises; with PyTorch's private apply hooks
+    missing (public_apply), the public apply gives the same."""
+    if public_apply:
+        monkeypatch.setattr(cuflash_torch, "_unwrap_if_dead", None)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 3, 9, 8, dtype=torch.float64, generator=gen) for _ in range(4))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    # The drop-in's route past its device check (the stand-ins run on the CPU).
+    out = cuflash_torch._forward(*leaves, True, None, heads_first=True)
+    assert [type(node).__name__ for node, _ in out.grad_fn.next_functions] == ["AccumulateGrad"] * 3
+    out.backward(dout)
+    expected_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    expected = torch.nn.functional.scaled_dot_product_attention(*expected_leaves, is_causal=True)
+    expected.backward(dout)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(leaves, expected_leaves):
+        torch.testing.assert_close(got.grad, want.grad)
+    assert stand_in_kernels == [("forward", True), ("backward", True)]
+    out = cuflash_torch._forward(*leaves, True, None, heads_first=True)
+    (grad_q,) = torch.autograd.grad(out, leaves[0], dout.clone().requires_grad_(), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()
