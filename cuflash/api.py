@@ -944,11 +944,12 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
         allocations = tuple((names.index(name), lane.allocator(shape, dtype, bridge.device_id, strides))
                             for name, (shape, dtype, strides, _) in allocated.items())
         allocations += tuple((names.index(name), functools.partial(_fixed_array, views[name])) for name in fixed)
+        written = {index for index, _ in allocations}
         work_slots = None
         if work is not None and work.nbytes:
-            work_slots = (lane.memory(work.nbytes, bridge.device_id),
-                          tuple((names.index(name), offset) for name, _, _, offset in work.buffers))
-        written = {index for index, _ in allocations} | {index for index, _ in (work_slots or (None, ()))[1]}
+            offsets = tuple((names.index(name), offset) for name, _, _, offset in work.buffers)
+            work_slots = (lane.memory(work.nbytes, bridge.device_id), offsets)
+            written |= {index for index, _ in offsets}
         # Slots of arrays absent from the signature (None) hold the null
         # pointer the first call wrote; the rest are written each call.
         live = tuple(i for i, part in enumerate(key[1]) if part is not None or i in written)  # key[1]: the arrays' parts
