@@ -202,3 +202,18 @@ def test_benchmarks_md_renders_the_h100_json():
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.
     assert committed.replace("![TFLOP/s against seqlen](h100_forward.png)\n\n", "") == rendered
+
+
+def test_host_rows_are_compared_with_sdpa_of_the_same_run():
+    """The host table's ratio column: one call against SDPA's forward,
+    an autograd step against SDPA's step, both from the same run."""
+    from host_overhead import markdown, sdpa_ratios
+
+    rows = [{"what": "forward", "call": "F.scaled_dot_product_attention", "host_us": 20.0},
+            {"what": "forward", "call": "cuflash.attention (CuPy)", "host_us": 15.0},
+            {"what": "backward", "call": "cuflash.attention_backward (PyTorch)", "host_us": 30.0},
+            {"what": "autograd fwd+bwd", "call": "cuflash.torch.scaled_dot_product_attention", "host_us": 250.0}]
+    assert sdpa_ratios(rows) == [1.0, 0.75, 1.5, None]  # no SDPA step in this run
+    rows.append({"what": "autograd fwd+bwd", "call": "F.scaled_dot_product_attention", "host_us": 200.0})
+    assert sdpa_ratios(rows)[3] == 1.25
+    assert "| backward | cuflash.attention_backward (PyTorch) | 30.0 | 1.50 |" in markdown(rows, [])
