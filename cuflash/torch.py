@@ -114,9 +114,8 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first):
-        kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, return_lse=True,
-                                 fp32_precision=fp32_precision, heads_first=heads_first)
+        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+                                 return_lse=True, fp32_precision=fp32_precision, heads_first=heads_first)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.variants, ctx.heads_first = variants, heads_first
@@ -133,10 +132,9 @@ def _attention_backward(ctx, dout):
     # The gradients are made like q, k and v (dense, their dimensions in the
     # same order): autograd takes them as the leaves' gradients without a copy.
     q, k, v, out, lse = ctx.saved_tensors
-    kwargs = _NO_VARIANT_KWARGS if ctx.variants is _NO_VARIANTS else _variant_kwargs(ctx.variants)
     dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
-                                        softmax_scale=ctx.softmax_scale, **kwargs, deterministic=ctx.deterministic,
-                                        heads_first=ctx.heads_first)
+                                        softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
+                                        deterministic=ctx.deterministic, heads_first=ctx.heads_first)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -176,7 +174,14 @@ EAGER_ROUTE = "function"
 
 def _variant_kwargs(variants: api.Variants) -> dict:
     """The variants as keyword arguments of the API's calls (mask_mod only
-    where given: the variable-length calls take none)."""
+    where given: the variable-length calls take none); for the common call
+    without variants, a dict made once (read-only: callers only unpack it)."""
+    if variants is _NO_VARIANTS:
+        return _NO_VARIANT_KWARGS
+    return _keyword_arguments(variants)
+
+
+def _keyword_arguments(variants: api.Variants) -> dict:
     kwargs = dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
                   dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
                   dropout_offset=variants.dropout_offset, score_mod=variants.score_mod,
@@ -188,7 +193,7 @@ def _variant_kwargs(variants: api.Variants) -> dict:
 
 #: No window, soft cap, ALiBi or dropout; and as keyword arguments, made once.
 _NO_VARIANTS = api.Variants()
-_NO_VARIANT_KWARGS = _variant_kwargs(_NO_VARIANTS)
+_NO_VARIANT_KWARGS = _keyword_arguments(_NO_VARIANTS)
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -245,9 +250,8 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
     variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply_attention(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first)
-    kwargs = _NO_VARIANT_KWARGS if variants is _NO_VARIANTS else _variant_kwargs(variants)
-    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs, fp32_precision=fp32_precision,
-                         heads_first=heads_first)
+    return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
+                         fp32_precision=fp32_precision, heads_first=heads_first)
 
 
 def _float32_precision_of_torch() -> str:
