@@ -144,7 +144,7 @@ class WorkArena:
         entries, offset = [], 0
         for name, (shape, dtype) in buffers.items():
             entries.append((name, tuple(shape), dtype, offset))
-            offset += -(-math.prod(shape) * np.dtype(dtype).itemsize // _WORK_ALIGNMENT) * _WORK_ALIGNMENT
+            offset += -(-_byte_size(shape, dtype) // _WORK_ALIGNMENT) * _WORK_ALIGNMENT
         return cls(tuple(entries), offset)
 
     def allocate(self, bridge, views: dict) -> None:
@@ -157,8 +157,11 @@ class WorkArena:
             return
         _, base = bridge.empty((self.nbytes,), "uint8")
         for name, shape, dtype, offset in self.buffers:
-            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-            views[name] = base[offset:offset + nbytes].view(dtype).reshape(shape)
+            views[name] = base[offset:offset + _byte_size(shape, dtype)].view(dtype).reshape(shape)
+
+
+def _byte_size(shape: tuple[int, ...], dtype) -> int:
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 @dataclass(frozen=True)
