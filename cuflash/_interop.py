@@ -216,13 +216,15 @@ def _cupy_signature(x):
 def _torch_signature(x):
     # is_cuda and the device index together: an index alone would let a
     # tensor of another device type with the same shapes match a CUDA plan.
+    # (x.device instead took longer inside a training step: a new object
+    # each call.)
     return (x.__class__, x.dtype, x.shape, x.stride(), x.get_device(), x.is_cuda), x.data_ptr()
 
 
-#: Array class -> function returning (its part of a call's signature, data
-#: pointer). Filled as frameworks are first seen (``fast_lane``); any class
-#: not here (JAX arrays, other DLPack producers, tensor subclasses) takes the
-#: full path every call.
+def _cupy_pointer(x):
+    return x.data.ptr
+
+
 def _counter_word(x: int):
     """A call's dropout seed or offset: a value written into a plan slot
     (its class in the signature); outside [0, 2**64) the full path explains."""
@@ -231,7 +233,16 @@ def _counter_word(x: int):
     return int, x
 
 
-_SIGNATURES = {int: _counter_word}
+#: Array class -> function returning (its part of a call's signature, data
+#: pointer). Filled as frameworks are first seen (``fast_lane``); any class
+#: not here (JAX arrays, other DLPack producers, tensor subclasses) takes the
+#: full path every call.
+SIGNATURES = {int: _counter_word}
+
+
+#: Array class -> function returning its data pointer: for arrays whose
+#: signature part is known already (``cuflash.api.backward_following``).
+POINTERS = {}
 
 
 def call_signature(arrays):
@@ -245,7 +256,7 @@ def call_signature(arrays):
     try:
         for i, x in enumerate(arrays):
             if x is not None:
-                parts[i], pointers[i] = _SIGNATURES[x.__class__](x)
+                parts[i], pointers[i] = SIGNATURES[x.__class__](x)
     except Exception:  # not a fast-lane class, or an array the full path will explain
         return None, None
     return tuple(parts), pointers
@@ -351,7 +362,8 @@ def _cupy_lane() -> FastLane:
         get_current_stream = cupy.cuda.get_current_stream
         return lambda: get_current_stream().ptr
 
-    _SIGNATURES[cupy.ndarray] = _cupy_signature
+    SIGNATURES[cupy.ndarray] = _cupy_signature
+    POINTERS[cupy.ndarray] = _cupy_pointer
     return FastLane(_cupy_allocator, _cupy_memory, stream)
 
 
@@ -366,8 +378,9 @@ def _torch_lane() -> FastLane:
             return functools.partial(raw, device)
         return lambda: torch.cuda.current_stream(device).cuda_stream
 
-    _SIGNATURES[torch.Tensor] = _torch_signature
-    _SIGNATURES[torch.nn.Parameter] = _torch_signature
+    for tensor_class in (torch.Tensor, torch.nn.Parameter):
+        SIGNATURES[tensor_class] = _torch_signature
+        POINTERS[tensor_class] = torch.Tensor.data_ptr
     return FastLane(_torch_allocator, _torch_memory, stream)
 
 

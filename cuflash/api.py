@@ -180,6 +180,9 @@ class CachedCall:
     live: tuple[int, ...]
     stream: Callable[[], int]
     current_device: Callable[[], int]
+    #: A forward's backward calls (``backward_following``), by dout's
+    #: signature part, its pointer's 16-byte alignment and ``deterministic``.
+    followers: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def run(self, arrays: list, pointers: list) -> None:
         for index, allocate in self.allocations:
@@ -208,6 +211,18 @@ class Variants:
     score_mod: object = None
     mod_arrays: object = None
     mask_mod: object = None
+
+    def values(self) -> tuple:
+        """The fields in order, as ``_attention`` and ``_backward`` take them."""
+        return (self.window_size, self.softcap, self.alibi_slopes, self.dropout_p, self.dropout_seed,
+                self.dropout_offset, self.score_mod, self.mod_arrays, self.mask_mod)
+
+    @property
+    def plain(self) -> bool:
+        """No ALiBi slopes, dropout or mods (a window and a soft cap at most):
+        the variants ``backward_following`` serves."""
+        return (self.alibi_slopes is None and self.dropout_p.__class__ is float and self.dropout_p == 0.0
+                and self.score_mod is None and self.mod_arrays is None and self.mask_mod is None)
 
     def applied(self, problem: AttentionProblem, alibi_slopes=None, mod_metas=None) -> AttentionProblem:
         """``problem`` with these variants, the slopes' and the mod arrays'
@@ -371,18 +386,18 @@ def _signature(kind: str, arrays: list, flags: tuple):
     return (kind, signature, flags, pointers_aligned(kind, pointers)), pointers
 
 
-def _cached_call(key, arrays: list, pointers: list) -> bool:
-    """Runs the call from its cached plan; False where there is none, the
-    current device is not the plan's, or a flag cannot be hashed (then the
-    full path runs, and explains a bad flag)."""
+def _cached_call(key, arrays: list, pointers: list) -> CachedCall | None:
+    """Runs the call from its cached plan and returns that; None where there
+    is none, the current device is not the plan's, or a flag cannot be
+    hashed (then the full path runs, and explains a bad flag)."""
     try:
         call = plans.get(key)
     except TypeError:  # an unhashable flag
-        return False
+        return None
     if call is None or call.current_device() != call.plan.device:
-        return False
+        return None
     call.run(arrays, pointers)
-    return True
+    return call
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -473,6 +488,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
+    arrays, _ = _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                           dropout_offset, score_mod, mod_arrays, mask_mod, return_lse, out, lse, fp32_precision,
+                           num_splits, heads_first)
+    return (arrays[3], arrays[4]) if return_lse else arrays[3]
+
+
+def _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+               dropout_offset, score_mod, mod_arrays, mask_mod, return_lse, out, lse, fp32_precision, num_splits,
+               heads_first) -> tuple[list, CachedCall | None]:
+    """``attention``'s call (the variants in ``Variants``' order): the
+    arrays of FORWARD_ARRAYS (out and lse at 3 and 4) and the cached call
+    that ran it (None where the full path ran)."""
     mod_arrays = _mask_mod_arrays(mask_mod, mod_arrays)
     arrays = [q, k, v, out, lse, None, None, None, None, alibi_slopes, dropout_seed, dropout_offset, None,
               *_mod_list(mod_arrays), None]
@@ -480,7 +507,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
              fp32_precision, num_splits.__class__, num_splits, *_variant_flags(window_size, softcap, dropout_p),
              *_mod_flags(score_mod, mod_arrays), mask_mod, heads_first.__class__, heads_first, bool(return_lse))
     key, pointers = _signature("forward", arrays, flags) if _planned(mask_mod) else (None, None)
-    if key is None or not _cached_call(key, arrays, pointers):
+    call = None if key is None else _cached_call(key, arrays, pointers)
+    if call is None:
         arrays = _attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
                                     fp32_precision=fp32_precision, num_splits=num_splits, keep_lse=bool(return_lse),
                                     heads_first=check_heads_first(heads_first),
@@ -488,7 +516,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                                                       dropout_offset, score_mod, mod_arrays, mask_mod),
                                     signature=(functools.partial(_signature, "forward", arrays, flags)
                                                if _planned(mask_mod) else _unplanned))
-    return (arrays[3], arrays[4]) if return_lse else arrays[3]
+    return arrays, call
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -526,6 +554,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         share each key/value head. Kernels run on the current stream of q's
         framework.
     """
+    arrays, _ = _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                          dropout_p, dropout_seed, dropout_offset, score_mod, mod_arrays, mask_mod, deterministic, dq,
+                          dk, dv, heads_first)
+    return arrays[6], arrays[7], arrays[8]
+
+
+def _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+              dropout_seed, dropout_offset, score_mod, mod_arrays, mask_mod, deterministic, dq, dk, dv,
+              heads_first) -> tuple[list, CachedCall | None]:
+    """``attention_backward``'s call (the variants in ``Variants``' order):
+    the arrays of BACKWARD_ARRAYS (dq, dk, dv at 6-8) and the cached call
+    that ran it (None where the full path ran)."""
     mod_arrays = _mask_mod_arrays(mask_mod, mod_arrays)
     arrays = [dout, q, k, v, out, lse, dq, dk, dv, None, None, None, None, None, alibi_slopes, dropout_seed,
               dropout_offset, None, *_mod_list(mod_arrays), None]
@@ -533,13 +573,57 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
              deterministic, *_variant_flags(window_size, softcap, dropout_p), *_mod_flags(score_mod, mod_arrays),
              mask_mod, heads_first.__class__, heads_first)
     key, pointers = _signature("backward", arrays, flags) if _planned(mask_mod) else (None, None)
-    if key is None or not _cached_call(key, arrays, pointers):
+    call = None if key is None else _cached_call(key, arrays, pointers)
+    if call is None:
         arrays = _attention_backward(arrays, causal=causal, softmax_scale=softmax_scale,
                                      deterministic=deterministic, heads_first=check_heads_first(heads_first),
                                      variants=Variants(window_size, softcap, None, dropout_p, dropout_seed,
                                                        dropout_offset, score_mod, mod_arrays, mask_mod),
                                      signature=(functools.partial(_signature, "backward", list(arrays), flags)
                                                 if _planned(mask_mod) else _unplanned))
+    return arrays, call
+
+
+#: A backward's arrays beyond dout, q, k, v, out and lse where the call has
+#: no ALiBi slopes, dropout or mod arrays (dropout's offset is the int 0).
+_PLAIN_BACKWARD_REST = (None,) * 10 + (0,) + (None,) * (len(BACKWARD_ARRAYS) - 17)
+#: Most followers one forward's cached call keeps (a few dout layouts).
+_MAX_FOLLOWERS = 16
+
+
+def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, softcap,
+                       deterministic, heads_first) -> tuple:
+    """``attention_backward(dout, q, k, v, out, lse, ...)`` (returns ``(dq,
+    dk, dv)``) of a forward that ran from the cached call ``forward``
+    (``_attention``'s) on these q, k and v, allocating the out and lse given
+    here (same arrays, same layouts: the caller knows, as PyTorch's autograd
+    does of a node's saved tensors), with the same flags and no ALiBi
+    slopes, dropout or mods. Its plan is then fixed by the forward's and by
+    dout's signature part, alignment and ``deterministic``: the first such
+    backward takes ``attention_backward``'s path and is remembered on the
+    forward's call; later ones read only dout's signature and the six
+    pointers (signatures of q, k, v, out and lse cost 3-4 us each inside a
+    training step). ``forward`` None: ``attention_backward``'s path."""
+    if forward is not None:
+        try:
+            part, pointer = _interop.SIGNATURES[dout.__class__](dout)
+        except Exception:  # not a fast-lane array: attention_backward explains
+            part = None
+        if part is not None:
+            follower_key = (part, not pointer & 15, deterministic)
+            follower = forward.followers.get(follower_key)
+            if follower is not None and follower.current_device() == follower.plan.device:
+                arrays = [dout, q, k, v, out, lse, *_PLAIN_BACKWARD_REST]
+                read = _interop.POINTERS[q.__class__]
+                # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
+                follower.run(arrays, [pointer, read(q), read(k), read(v), read(out), read(lse), *_PLAIN_BACKWARD_REST])
+                return arrays[6], arrays[7], arrays[8]
+    arrays, follower = _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, None, 0.0,
+                                 None, 0, None, None, None, deterministic, None, None, None, heads_first)
+    if forward is not None and part is not None and follower is not None:
+        if len(forward.followers) >= _MAX_FOLLOWERS:
+            forward.followers.clear()
+        forward.followers[follower_key] = follower
     return arrays[6], arrays[7], arrays[8]
 
 

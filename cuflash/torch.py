@@ -19,6 +19,7 @@ call has compiled the kernels).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -114,11 +115,13 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first):
-        out, lse = api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
-                                 return_lse=True, fp32_precision=fp32_precision, heads_first=heads_first)
+        arrays, call = api._attention(q, k, v, causal, softmax_scale, *_variant_values(variants), True, None, None,
+                                      fp32_precision, None, heads_first)
+        out, lse = arrays[3], arrays[4]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.variants, ctx.heads_first = variants, heads_first
+        ctx.saved_forward = _SavedForward(call, q, k, v, out, lse) if call is not None and variants.plain else None
         return out
 
     @staticmethod
@@ -128,13 +131,45 @@ class _AttentionFunction(torch.autograd.Function):
         return _attention_backward(ctx, dout)
 
 
+class _SavedForward:
+    """What a backward needs to follow its forward's cached call
+    (``cuflash.api.backward_following``): that call, and how to tell that
+    the saved tensors autograd hands back are the forward's own. Unpacked
+    without saved-tensor hooks, q, k, v and lse (saved as they are: inputs
+    and an intermediate) are the very objects saved, and out (an output,
+    unpacked as a new tensor) has its layout; a hook (``save_on_cpu``,
+    checkpointing) may return others, of other layouts, and then the
+    backward takes ``attention_backward``'s path. Weak references: the ctx
+    must not keep the forward's tensors alive past what autograd saves."""
+
+    __slots__ = ("call", "q", "k", "v", "lse", "out_layout")
+
+    def __init__(self, call, q, k, v, out, lse):
+        self.call = call
+        self.q, self.k, self.v, self.lse = weakref.ref(q), weakref.ref(k), weakref.ref(v), weakref.ref(lse)
+        self.out_layout = (out.size(), out.stride())
+
+    def holds(self, q, k, v, out, lse) -> bool:
+        return (q is self.q() and k is self.k() and v is self.v() and lse is self.lse()
+                and (out.size(), out.stride()) == self.out_layout)
+
+
 def _attention_backward(ctx, dout):
     # The gradients are made like q, k and v (dense, their dimensions in the
     # same order): autograd takes them as the leaves' gradients without a copy.
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
-                                        softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
-                                        deterministic=ctx.deterministic, heads_first=ctx.heads_first)
+    dout = _contiguous_gradient(dout)
+    forward = ctx.saved_forward
+    if forward is not None and forward.holds(q, k, v, out, lse):
+        variants = ctx.variants
+        dq, dk, dv = api.backward_following(forward.call, dout, q, k, v, out, lse, causal=ctx.causal,
+                                            softmax_scale=ctx.softmax_scale, window_size=variants.window_size,
+                                            softcap=variants.softcap, deterministic=ctx.deterministic,
+                                            heads_first=ctx.heads_first)
+    else:
+        dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, causal=ctx.causal,
+                                            softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
+                                            deterministic=ctx.deterministic, heads_first=ctx.heads_first)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -181,6 +216,11 @@ def _variant_kwargs(variants: api.Variants) -> dict:
     return _keyword_arguments(variants)
 
 
+def _variant_values(variants: api.Variants) -> tuple:
+    """``variants.values()``, made once for the common call without variants."""
+    return _NO_VARIANT_VALUES if variants is _NO_VARIANTS else variants.values()
+
+
 def _keyword_arguments(variants: api.Variants) -> dict:
     kwargs = dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
                   dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
@@ -194,6 +234,7 @@ def _keyword_arguments(variants: api.Variants) -> dict:
 #: No window, soft cap, ALiBi or dropout; and as keyword arguments, made once.
 _NO_VARIANTS = api.Variants()
 _NO_VARIANT_KWARGS = _keyword_arguments(_NO_VARIANTS)
+_NO_VARIANT_VALUES = _NO_VARIANTS.values()
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -247,7 +288,8 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
             q, k, v, check_causal(causal), scale, *check_window(variants.window_size), check_softcap(variants.softcap),
             variants.alibi_slopes, dropout_p, seed, offset, deterministic, check_fp32_precision(fp32_precision))[0]
         return out.transpose(1, 2) if heads_first else out
-    variants = _resolved(variants, q, generator)
+    if variants is not _NO_VARIANTS:
+        variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply_attention(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first)
     return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
@@ -315,15 +357,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise NotImplementedError("cuflash.torch.scaled_dot_product_attention does not support attn_mask yet")
     if not (query.is_cuda and key.is_cuda and value.is_cuda):
         _check_cuda_tensors(("query", "key", "value"), (query, key, value))
-    for name, tensor in (("query", query), ("key", key), ("value", value)):
-        if tensor.dim() != 4:
-            raise ValueError(f"{name} must be (batch, heads, seqlen, dim), got shape {tuple(tensor.shape)}")
-    if key.shape[1] != query.shape[1] and not enable_gqa:
+    # Each shape read once: inside a training step every accessor call costs.
+    query_shape, key_shape = query.shape, key.shape
+    if len(query_shape) != 4 or len(key_shape) != 4 or value.dim() != 4:
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if tensor.dim() != 4:
+                raise ValueError(f"{name} must be (batch, heads, seqlen, dim), got shape {tuple(tensor.shape)}")
+    if key_shape[1] != query_shape[1] and not enable_gqa:
         raise ValueError(
-            f"key has {key.shape[1]} heads but query has {query.shape[1]}; pass enable_gqa=True for "
+            f"key has {key_shape[1]} heads but query has {query_shape[1]}; pass enable_gqa=True for "
             "grouped-query attention"
         )
-    if is_causal and query.shape[2] != key.shape[2]:
+    if is_causal and query_shape[2] != key_shape[2]:
         raise NotImplementedError(
             "is_causal with different query and key lengths: PyTorch's SDPA aligns the mask to the top-left "
             "corner, cuflash to the bottom-right; use cuflash.torch.attention(causal=True) for the latter"

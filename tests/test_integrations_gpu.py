@@ -555,6 +555,62 @@ def test_torch_sdpa_dropin_is_one_autograd_node():
         grad_q.sum().backward()
 
 
+@pytest.mark.parametrize("window_size,softcap", [((-1, -1), 0.0), ((40, 0), 5.0)])
+def test_torch_backward_follows_its_forwards_cached_call(monkeypatch, window_size, softcap):
+    """A training loop's backward runs the plan remembered on its forward's
+    cached call (api.backward_following): after the first backward of each
+    dout layout, no backward reads the signatures of q, k, v, out and lse
+    (api._backward, the signature path, is not called), and every step's
+    output and gradients are bitwise those of cuflash.attention /
+    attention_backward on the same tensors (deterministic dQ), for two
+    dout layouts, with GQA, a window and a soft cap. Under saved-tensor
+    hooks (save_on_cpu: the saved tensors come back as copies) the
+    signature path runs, with the same results."""
+    torch, ct = _torch(), _ct()
+    from cuflash import api
+    from cuflash._launch import PlanCache
+
+    monkeypatch.setattr(api, "plans", PlanCache())
+    signature_path = []
+    backward = api._backward
+
+    def counted(*args):
+        signature_path.append(args)
+        return backward(*args)
+
+    monkeypatch.setattr(api, "_backward", counted)
+    q, k, v = (x.transpose(1, 2).contiguous() for x in _qkv(torch, (2, 130, 8, 64), (2, 150, 2, 64),
+                                                              torch.bfloat16, seed=21))
+    variants = api.Variants(window_size=window_size, softcap=softcap)
+    gen = torch.Generator(device="cuda").manual_seed(22)
+
+    def step(dout_seqlen_first: bool):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]  # new tensors every step, as in training
+        dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
+        if dout_seqlen_first:  # SDPA's shape, cuflash's memory order
+            dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        out = ct._forward(*leaves, True, None, True, variants=variants, heads_first=True)
+        before = len(signature_path)
+        out.backward(dout)
+        took_signature_path = len(signature_path) > before
+        want_out, want_lse = cuflash.attention(*leaves, causal=True, window_size=window_size, softcap=softcap,
+                                               return_lse=True, heads_first=True)
+        want = cuflash.attention_backward(dout, *leaves, want_out, want_lse, causal=True, window_size=window_size,
+                                          softcap=softcap, deterministic=True, heads_first=True)
+        assert torch.equal(out.detach(), want_out)
+        for leaf, expected in zip(leaves, want):
+            assert torch.equal(leaf.grad, expected)
+        return took_signature_path
+
+    # Step 0's forward is planned (no cached call to follow); step 1's dout
+    # layout is new (its backward planned, not cached yet: nothing to
+    # remember); steps 2 and 3 are each layout's first cached backward
+    # after a cached forward, remembered; the steps after follow.
+    assert [step(i % 2 == 1) for i in range(7)] == [True] * 4 + [False] * 3
+    with torch.autograd.graph.save_on_cpu():
+        assert step(False)
+
+
 def test_torch_wrappers_reject_cpu_tensors_in_one_line():
     torch, ct = _torch(), _ct()
     q = torch.randn(1, 2, 8, 16)

@@ -10,7 +10,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from cuflash import _launch, api
+from cuflash import _interop, _launch, api
 from cuflash._launch import KernelLaunch, LaunchPlan, PlanCache
 from cuflash._params import BACKWARD_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, NO_VARIANT, pack
 from cuflash.reference import attention_backward_reference, attention_reference
@@ -279,11 +279,84 @@ def test_plan_cache_is_bounded_and_least_recently_used_goes_first():
 def test_signature_refuses_unknown_classes_and_unhashable_flags():
     assert api._signature("forward", [np.zeros(3)] + [None] * 4, ())[0] is None  # NumPy: full path, clear error
     key, pointers = api._signature("forward", [None] * 5, ([],))
-    assert api._cached_call(key, [None] * 5, pointers) is False  # an unhashable flag: the full path explains it
+    assert api._cached_call(key, [None] * 5, pointers) is None  # an unhashable flag: the full path explains it
     key, pointers = api._signature("forward", [None] * 5, (bool, True))
     assert pointers == [0] * 5 and key == ("forward", (None,) * 5, (bool, True), True)
     assert not api.pointers_aligned("backward", [0, 16, 32, 8, 0, 0, 0, 64, 80, 0, 0])  # v misaligned
     assert api.pointers_aligned("backward", [0, 16, 32, 48, 4, 4, 0, 64, 80, 4, 0])  # out, lse, delta are not copied
+
+
+class _LaneArray:
+    """A fast-lane array stand-in: its signature part is its layout."""
+
+    def __init__(self, pointer, layout="dense"):
+        self.pointer, self.layout = pointer, layout
+
+
+class _RecordedPlan:
+    """A plan stand-in recording the pointers of the slots each launch writes."""
+
+    def __init__(self, device=0):
+        self.device, self.launches = device, []
+
+    def launch(self, pointers, stream, slots=None):
+        self.launches.append(([pointers[i] for i in slots], stream))
+
+
+def test_backward_following_runs_the_remembered_call_on_six_pointers(monkeypatch):
+    """A backward after a cached forward looks its plan up on the forward's
+    call by dout's signature part, alignment and ``deterministic``: the
+    first takes attention_backward's path (``_backward``) and is
+    remembered, the next runs it on dout, q, k, v, out, lse (the slots it
+    writes all ints: absent arrays' slots are not written); a misaligned
+    dout, another deterministic flag, another current device or no forward
+    call take the signature path again; a forward keeps at most 16."""
+    monkeypatch.setitem(_interop.SIGNATURES, _LaneArray, lambda x: (x.layout, x.pointer))
+    monkeypatch.setitem(_interop.POINTERS, _LaneArray, lambda x: x.pointer)
+    device = {"current": 0}
+
+    def follower_call(plan):
+        outputs = tuple((index, lambda index=index: (f"grad{index}", 0x1000 * index)) for index in (6, 7, 8))
+        live = (0, 1, 2, 3, 4, 5, 6, 7, 8, api.BACKWARD_ARRAYS.index("dropout_offset"))
+        return api.CachedCall(plan, outputs, None, live, lambda: 99, lambda: device["current"])
+
+    general = []
+
+    def signature_path(*args):
+        general.append(args)
+        plan = _RecordedPlan()
+        follower = follower_call(plan)
+        arrays = list(args[:6]) + [None] * (len(api.BACKWARD_ARRAYS) - 6)
+        follower.run(arrays, [0] * len(arrays))
+        return arrays, follower
+
+    monkeypatch.setattr(api, "_backward", signature_path)
+    forward = api.CachedCall(_RecordedPlan(), (), None, (), lambda: 0, lambda: 0)
+    q, k, v, out, lse = (_LaneArray(0x100 * i) for i in range(1, 6))
+    flags = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, heads_first=True)
+
+    def backward(dout, deterministic=False, call=forward):
+        return api.backward_following(call, dout, q, k, v, out, lse, deterministic=deterministic, **flags)
+
+    assert backward(_LaneArray(0x700)) == ("grad6", "grad7", "grad8") and len(general) == 1
+    assert general[0][6:] == (True, None, (-1, -1), 0.0, None, 0.0, None, 0, None, None, None, False, None, None, None,
+                              True)
+    follower = forward.followers[("dense", True, False)]
+    assert backward(_LaneArray(0x800)) == ("grad6", "grad7", "grad8") and len(general) == 1
+    assert follower.plan.launches[-1] == ([0x800, 0x100, 0x200, 0x300, 0x400, 0x500, 0x6000, 0x7000, 0x8000, 0], 99)
+    backward(_LaneArray(0x808))  # misaligned dout: a plan of its own
+    backward(_LaneArray(0x800), deterministic=True)
+    backward(_LaneArray(0x800, layout="strided"))
+    assert len(general) == 4 and len(forward.followers) == 4
+    device["current"] = 1
+    backward(_LaneArray(0x800))
+    assert len(general) == 5
+    device["current"] = 0
+    backward(_LaneArray(0x800), call=None)
+    assert len(general) == 6
+    for i in range(api._MAX_FOLLOWERS):
+        backward(_LaneArray(0x800, layout=i))
+    assert len(forward.followers) <= api._MAX_FOLLOWERS
 
 
 # --- on the GPU ---

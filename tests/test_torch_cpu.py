@@ -71,25 +71,34 @@ def _reference_scores(q, k, causal, softmax_scale):
     return scores
 
 
+class _StandIns(list):
+    """The calls the stand-in kernels saw, ("forward" / "backward" /
+    "following", heads_first); ``call``: what the stand-in forward returns
+    as its cached call (None: as the full path does)."""
+
+    call = None
+
+
 @pytest.fixture
 def stand_in_kernels(monkeypatch):
     """cuflash.api's forward and backward replaced by PyTorch on the CPU,
     taking the layouts the autograd node passes (heads_first or not);
     records each call's heads_first."""
-    seen = []
+    seen = _StandIns()
 
     def heads_first_view(x, heads_first):
         return x if heads_first else x.transpose(1, 2)
 
-    def attention(q, k, v, *, causal, softmax_scale, return_lse, heads_first, **_):
+    def attention(q, k, v, causal, softmax_scale, *rest):
+        # rest: the variants (Variants' order), return_lse, out, lse, fp32_precision, num_splits, heads_first
+        heads_first = rest[-1]
         seen.append(("forward", heads_first))
         qh, kh, vh = (heads_first_view(x, heads_first) for x in (q, k, v))
         scores = _reference_scores(qh, kh, causal, softmax_scale)
         out = heads_first_view(torch.softmax(scores, -1) @ vh, heads_first).clone()
-        return (out, torch.logsumexp(scores, -1)) if return_lse else out
+        return [q, k, v, out, torch.logsumexp(scores, -1)], seen.call
 
-    def attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, heads_first, **_):
-        seen.append(("backward", heads_first))
+    def gradients(dout, q, k, v, causal, softmax_scale, heads_first):
         with torch.enable_grad():
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             qh, kh, vh = (heads_first_view(x, heads_first) for x in leaves)
@@ -97,8 +106,19 @@ def stand_in_kernels(monkeypatch):
                                           heads_first)
             return torch.autograd.grad(recomputed, leaves, dout)
 
-    monkeypatch.setattr(cuflash.api, "attention", attention)
+    def attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic, heads_first, **_):
+        seen.append(("backward", heads_first))
+        return gradients(dout, q, k, v, causal, softmax_scale, heads_first)
+
+    def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, softcap,
+                           deterministic, heads_first):
+        assert forward is seen.call
+        seen.append(("following", heads_first))
+        return gradients(dout, q, k, v, causal, softmax_scale, heads_first)
+
+    monkeypatch.setattr(cuflash.api, "_attention", attention)
     monkeypatch.setattr(cuflash.api, "attention_backward", attention_backward)
+    monkeypatch.setattr(cuflash.api, "backward_following", backward_following)
     return seen
 
 
@@ -128,3 +148,43 @@ def test_sdpa_dropin_node_on_stand_in_kernels(stand_in_kernels, monkeypatch, pub
     (grad_q,) = torch.autograd.grad(out, leaves[0], dout.clone().requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_q.sum().backward()
+
+
+def test_backward_follows_the_forwards_cached_call_only_on_its_own_tensors(stand_in_kernels):
+    """The eager node's backward takes the forward's cached call
+    (api.backward_following) when its forward ran from one, without
+    variants that carry arrays, and autograd hands back the tensors the
+    forward saved; under saved-tensor hooks (which may return others, of
+    other layouts) and with dropout it takes attention_backward's path."""
+    stand_in_kernels.call = object()  # the forward "ran from a cached call"
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=gen) for _ in range(4))
+
+    def step(**kwargs):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        cuflash_torch._forward(*leaves, True, None, heads_first=True, **kwargs).backward(dout)
+        return [leaf.grad for leaf in leaves]
+
+    plain = step()
+    assert stand_in_kernels[-1] == ("following", True)
+    with torch.autograd.graph.save_on_cpu():
+        hooked = step()
+    assert stand_in_kernels[-1] == ("backward", True)
+    for a, b in zip(plain, hooked):
+        torch.testing.assert_close(a, b)
+    step(variants=cuflash.api.Variants(dropout_p=0.1, dropout_seed=1))
+    assert stand_in_kernels[-1] == ("backward", True)
+    stand_in_kernels.call = None  # the full path ran the forward
+    step()
+    assert stand_in_kernels[-1] == ("backward", True)
+
+
+def test_variants_values_follow_the_fields():
+    import dataclasses
+
+    variants = cuflash.api.Variants((3, 4), 2.0, None, 0.0, 5, 6, None, None, None)
+    assert variants.values() == tuple(getattr(variants, f.name) for f in dataclasses.fields(variants))
+    assert variants.plain and cuflash.api.Variants().plain
+    for field, value in (("alibi_slopes", object()), ("dropout_p", 0.1), ("dropout_p", 0), ("score_mod", object()),
+                         ("mod_arrays", {}), ("mask_mod", object())):
+        assert not dataclasses.replace(variants, **{field: value}).plain
