@@ -225,6 +225,46 @@ def markdown(torch_rows: list[dict], jax_rows: list[dict]) -> list[str]:
     return lines
 
 
+def following_rows(rounds: int = 3) -> list[dict]:
+    """The small problem's autograd step (SDPA drop-in) with the backward
+    following its forward's cached call and made not to (the signature
+    path every step), against SDPA's step, interleaved; ``rounds`` runs of
+    ``host_us``."""
+    import torch
+    import torch.nn.functional as F
+
+    import cuflash.torch as ct
+
+    b, s, h, d = SMALL["batch"], SMALL["seqlen"], SMALL["heads"], SMALL["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # As torch_host_table's: SDPA's axes over cuflash's memory order.
+    leaves = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+              .clone().requires_grad_() for _ in range(3)]
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+    holds = ct._SavedForward.holds
+
+    def step(attention, follow=True):
+        def run():
+            ct._SavedForward.holds = holds if follow else (lambda *_: False)
+            for leaf in leaves:
+                leaf.grad = None
+            attention(*leaves, is_causal=True).backward(dout)
+        return run
+
+    candidates = {"F.scaled_dot_product_attention": step(F.scaled_dot_product_attention),
+                  "drop-in, backward following": step(ct.scaled_dot_product_attention),
+                  "drop-in, signature path": step(ct.scaled_dot_product_attention, follow=False)}
+    rows = []
+    try:
+        for round_ in range(rounds):
+            timings = host_us(candidates, calls=50, repeats=21)
+            rows += [{"round": round_, "call": name, "host_us": us,
+                      "ratio": us / timings["F.scaled_dot_product_attention"]} for name, us in timings.items()]
+    finally:
+        ct._SavedForward.holds = holds
+    return rows
+
+
 def profile(what: str, calls: int = 2000, top: int = 25) -> None:
     """cProfile of ``calls`` calls of one small-problem call ("forward-torch",
     "forward-cupy", "backward-torch", "autograd-function", "autograd-custom_op"),
@@ -281,9 +321,14 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="host cost per call; --profile NAME for a cProfile of one call")
     parser.add_argument("--profile", action="append", default=[])
+    parser.add_argument("--compare-following", action="store_true",
+                        help="the autograd step with and without the backward following its forward")
     args = parser.parse_args()
     for name in args.profile:
         print(f"=== {name}")
         profile(name)
-    if not args.profile:
+    if args.compare_following:
+        for row in following_rows():
+            print(f"round {row['round']}  {row['call']:32s} {row['host_us']:8.1f} us  {row['ratio']:.3f}x")
+    if not args.profile and not args.compare_following:
         print("\n".join(markdown(torch_host_table(), jax_table())))
