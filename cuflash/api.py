@@ -614,9 +614,11 @@ def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scal
             follower = forward.followers.get(follower_key)
             if follower is not None and follower.current_device() == follower.plan.device:
                 arrays = [dout, q, k, v, out, lse, *_PLAIN_BACKWARD_REST]
-                read = _interop.POINTERS[q.__class__]
+                read = _interop.POINTERS  # each array's class: a call may mix fast-lane frameworks
+                pointers = [pointer, read[q.__class__](q), read[k.__class__](k), read[v.__class__](v),
+                            read[out.__class__](out), read[lse.__class__](lse), *_PLAIN_BACKWARD_REST]
                 # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
-                follower.run(arrays, [pointer, read(q), read(k), read(v), read(out), read(lse), *_PLAIN_BACKWARD_REST])
+                follower.run(arrays, pointers)
                 return arrays[6], arrays[7], arrays[8]
     arrays, follower = _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, None, 0.0,
                                  None, 0, None, None, None, deterministic, None, None, None, heads_first)
