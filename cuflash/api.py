@@ -586,7 +586,7 @@ def _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softc
 
 #: A backward's arrays beyond dout, q, k, v, out and lse where the call has
 #: no ALiBi slopes, dropout or mod arrays (dropout's offset is the int 0).
-_PLAIN_BACKWARD_REST = (None,) * 10 + (0,) + (None,) * (len(BACKWARD_ARRAYS) - 17)
+_PLAIN_BACKWARD_REST = tuple(0 if name == "dropout_offset" else None for name in BACKWARD_ARRAYS[6:])
 #: Most followers one forward's cached call keeps (a few dout layouts).
 _MAX_FOLLOWERS = 16
 
@@ -604,11 +604,12 @@ def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scal
     forward's call; later ones read only dout's signature and the six
     pointers (signatures of q, k, v, out and lse cost 3-4 us each inside a
     training step). ``forward`` None: ``attention_backward``'s path."""
+    part = None
     if forward is not None:
         try:
             part, pointer = _interop.SIGNATURES[dout.__class__](dout)
         except Exception:  # not a fast-lane array: attention_backward explains
-            part = None
+            pass
         if part is not None:
             follower_key = (part, not pointer & 15, deterministic)
             follower = forward.followers.get(follower_key)
@@ -622,7 +623,7 @@ def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scal
                 return arrays[6], arrays[7], arrays[8]
     arrays, follower = _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, None, 0.0,
                                  None, 0, None, None, None, deterministic, None, None, None, heads_first)
-    if forward is not None and part is not None and follower is not None:
+    if part is not None and follower is not None:
         if len(forward.followers) >= _MAX_FOLLOWERS:
             forward.followers.clear()
         forward.followers[follower_key] = follower
