@@ -117,8 +117,10 @@ class KernelFamily:
     #: argument: "atomic" (float32 atomics: fast, not bitwise repeatable),
     #: "ordered" (the key blocks add in turn, in order: deterministic),
     #: "claimed" (atomic, the first tile of each query block stored over an
-    #: unzeroed accumulator: ``cuflash.api.stores_first_dq``), "separate" (no
-    #: dQ here: the deterministic dQ pass follows)
+    #: unzeroed accumulator: ``cuflash.api.stores_first_dq``), "direct" (the
+    #: only key block of its query blocks stores dQ in the input dtype:
+    #: ``runs_direct_dq``), "separate" (no dQ here: the deterministic dQ pass
+    #: follows)
     dq_modes: dict[str, str] = field(default_factory=dict)
     #: tiling -> (template arguments after Mask and Score, key suffix) of the
     #: tile choices beyond the common ones (K/V or Q/dO buffers, blocks per SM)
@@ -335,8 +337,8 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  "cuflash::flash_backward_dkdv_wgmma_kernel", _WGMMA_BACKWARD, arch="sm_90a", kernel="wgmma",
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
-                 # kDqAtomic, kDqOrdered, kDqClaimed (kernels_cu/ordered_accumulation.cuh)
-                 dq_modes={"atomic": "0", "ordered": "1", "claimed": "2"},
+                 # kDqAtomic, kDqOrdered, kDqClaimed, kDqDirect (kernels_cu/ordered_accumulation.cuh)
+                 dq_modes={"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3"},
                  tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
@@ -465,6 +467,37 @@ def runs_claimed_dq(kernel: str, dq_mode: str, mask: MaskPolicy, layout: str, se
     later (the launcher, ``cuflash.api.stores_first_dq``, and the
     simulator's plan)."""
     return kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(mask, layout) and seqlen_q >= seqlen_k
+
+
+def direct_dq_applies(mask: MaskPolicy, layout: str) -> bool:
+    """Whether the Hopper dK/dV kernel's direct dQ mode is built for a mask
+    and batch layout: dense batches (a packed batch's tiles run into the
+    next sequence's rows, which a store would overwrite) without a mask or
+    under a causal or window mask, whose one key block's walk can visit
+    every query block (``runs_direct_dq``)."""
+    return layout == "dense" and mask.dq_turns in ("rotated", "last-key-first")
+
+
+def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int, block_n: int,
+                   own_dq: bool) -> bool:
+    """Whether a backward runs its dK/dV kernel (``kernel``, whose key
+    blocks are ``block_n`` keys) in the direct dQ mode, in either the atomic
+    or the deterministic mode (one key block adds in one order): the Hopper
+    kernel where the mode is built (``direct_dq_applies``), one key block
+    (``seqlen_k <= block_n``) whose walk visits every query block (always
+    without a mask; under a causal or window mask where no query row comes
+    before the keys, ``seqlen_q <= seqlen_k``: every row then sees its
+    diagonal key, and a query block no key block visits would be left
+    unwritten), and a dq the call allocates (``own_dq``: 16-byte aligned,
+    which a tensor map needs; a dq given by the caller may not be). The
+    kernel then stores each query block's dQ in the input dtype: no float32
+    accumulator, no zeroing, no conversion kernel (the launcher,
+    ``cuflash.api.backward_plan``, and the simulator's plan)."""
+    if kernel != "wgmma" or not own_dq or not direct_dq_applies(mask, layout):
+        return False
+    if not (0 < seqlen_k <= block_n and seqlen_q > 0):
+        return False
+    return mask.dq_turns == "rotated" or seqlen_q <= seqlen_k
 
 
 def family_of(role: str, kernel: str) -> KernelFamily:

@@ -27,7 +27,8 @@ from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
-                               merge_states_in_flight, merge_variant, merge_vectors, runs_claimed_dq, select)
+                               merge_states_in_flight, merge_variant, merge_vectors, runs_claimed_dq, runs_direct_dq,
+                               select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
@@ -1219,12 +1220,15 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
+        own_dq = "dq" not in given
         work = WorkArena.of(backward_work_buffers(*sizes, tiling, bool(deterministic), total_q=problem.total_q,
-                                                  packed=problem.packed))
+                                                  packed=problem.packed,
+                                                  direct=stores_dq_directly(problem, layouts, tiling, own_dq)))
         work.allocate(bridge, views)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
-        plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling)
+        plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling,
+                             own_dq=own_dq)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
                             variants.fixed_arrays(views), work)
 
@@ -1684,8 +1688,21 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
     return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k)
 
 
+def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, own_dq: bool) -> bool:
+    """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
+    direct dQ mode (``runs_direct_dq``: one key block, which stores dQ in
+    the input dtype through a tensor map of dq; ``own_dq``: the call
+    allocates dq), dq's layout (in ``layouts``) taking a tensor map. Then
+    the backward is two kernels (delta, dK/dV) and its only work buffer is
+    delta: on small problems a launch and an allocation fewer, and the
+    float32 accumulator's traffic gone."""
+    return (runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
+                           tiling.block_n, own_dq)
+            and takes_layout(layouts["dq"].shape, layouts["dq"].strides))
+
+
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
-                          total_q: int | None = None, packed: bool = False) -> dict:
+                          total_q: int | None = None, packed: bool = False, direct: bool = False) -> dict:
     """The work buffers a backward (batch b, h query heads, seqlen_q sq,
     head_dim d; ``total_q`` the query rows of a packed batch, b * sq by
     default) on the dK/dV kernel of ``tiling`` needs, name -> (shape, dtype),
@@ -1694,11 +1711,14 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     dQ; the int32 counters (b, h, query blocks) of the ordered mode and,
     for the Hopper kernel's atomic mode on dense batches, of first stores
     (``stores_first_dq``, which the plan decides from the mask; a few KB,
-    zeroed either way). ``tiling`` None: every buffer any dK/dV kernel could
-    need (JAX decides its buffers before the kernel is known), the counters
-    for the smallest query block of any kernel that counts."""
+    zeroed either way); ``direct`` (``stores_dq_directly``): delta alone.
+    ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides
+    its buffers before the kernel is known), the counters for the smallest
+    query block of any kernel that counts."""
     rows = b * sq if total_q is None else total_q
     buffers = {"delta": ((h, rows), "float32")}
+    if direct:
+        return buffers
     if tiling is None:
         block_m = min(t.block_m for family in FAMILIES if "ordered" in family.dq_modes
                       for _, t in family.compiled_tilings())
@@ -1760,12 +1780,14 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
-                  aligned: bool, tiling: Tiling | None = None) -> LaunchPlan:
+                  aligned: bool, tiling: Tiling | None = None, own_dq: bool = True) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, the dQ
     accumulator zeroed unless ``stores_first_dq``, the counters), dK/dV (dQ
     added with atomics, the first tile of each block stored where
     ``stores_first_dq``; added in a fixed order (dq_turn); or left to the
-    deterministic dQ pass), then dQ conversion. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
+    deterministic dQ pass), then dQ conversion; where ``stores_dq_directly``
+    (``own_dq``: the call allocates dq), preprocess (delta) and dK/dV, which
+    stores dQ itself. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
     layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
     be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``
     decides where not given). Pointer slots: ``BACKWARD_SLOTS``, the work
@@ -1780,7 +1802,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
                            _multiprocessor_count(problem.device))
-    claimed = stores_first_dq(problem, dkdv_tiling, dq_mode)
+    direct = stores_dq_directly(problem, layouts, dkdv_tiling, own_dq)
+    claimed = not direct and stores_first_dq(problem, dkdv_tiling, dq_mode)
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
@@ -1814,8 +1837,9 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score,
-                                      "claimed" if claimed else dq_mode, layout=problem.layout)
+        mode = "direct" if direct else "claimed" if claimed else dq_mode
+        variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, mode,
+                                      layout=problem.layout)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
     if rows and dq_mode == "separate":
         # The dQ pass has the forward's tiles; its grid is over those query
@@ -1826,18 +1850,21 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         grid = _grid_size(fields["num_m_blocks"], problem, problem.nheads, "the backward dQ pass")
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
                                      struct=1))
-    elif rows:
+    elif rows and not direct:
         elementwise("backward-convert-dq", rows * 32)  # one warp per query row
-    tensor_maps = _wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0]) if hopper and rows and grid else []
+    tensor_maps = (_wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0], direct) if hopper and rows and grid
+                   else [])
     return LaunchPlan(device, structs, BACKWARD_SLOTS, launches, tensor_maps)
 
 
-def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct) -> list:
+def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct, direct: bool) -> list:
     """(slot, encoder) of the Hopper backward's tensor maps in ``struct``: Q
     and dO by blocks of block_m rows, K and V of block_n, in the kernel's
     swizzles (``wgmma_backward_swizzles``), and the float32 dQ accumulator
     (contiguous (total_q, heads, head_dim), seen like q) in 32-column boxes of
-    block_m rows, 128-byte swizzle, into which the kernel adds its dQ tiles."""
+    block_m rows, 128-byte swizzle, into which the kernel adds its dQ tiles;
+    ``direct`` (``stores_dq_directly``): dq itself in Q's boxes instead, into
+    which the kernel stores them."""
     q_swizzle, kv_swizzle = wgmma_backward_swizzles(tiling)
     d = tiling.head_dim_padded
     maps = []
@@ -1853,6 +1880,11 @@ def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
         layout = layouts[name]
         add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
             TileBox(rows=rows, cols=d, swizzle_width=swizzle))
+    if direct:
+        layout = layouts["dq"]
+        add("dq.ptr", "dq_map", problem.dtype, layout.shape, layout.strides,
+            TileBox(rows=tiling.block_m, cols=d, swizzle_width=q_swizzle))
+        return maps
     shape = (*layouts["q"].shape[:2], problem.nheads, problem.head_dim)
     add("dq_accum", "dq_map", "float32", shape, tuple(4 * stride for stride in contiguous_strides(shape)),
         TileBox(rows=tiling.block_m, cols=d, swizzle_width=128, element_bytes=4))

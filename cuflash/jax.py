@@ -335,7 +335,9 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=option)
     problem = check_variants(problem, **variants)
-    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned)
+    # dq is XLA's buffer, whose alignment the plan's key does not hold: the
+    # kernels add into the float32 accumulator and convert (no direct dQ).
+    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, own_dq=False)
 
 
 # --- eager route for a JAX without buffer_callback ---

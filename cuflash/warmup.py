@@ -19,9 +19,13 @@ from ._cuda import gpu_access, import_cupy
 from ._tiling import ELEMENT_SIZE, MAX_HEAD_DIM, wgmma_forward_key_limits
 from ._validation import FP32_PRECISIONS, TensorMeta, check_backward, check_forward, contiguous_strides
 
-#: Query rows of the planned calls, and keys of the planned backward (its
-#: tiles do not depend on them).
+#: Query rows of the planned forwards.
 _PLAN_SEQLEN = 128
+#: Query rows and keys of the planned backwards (their tiles do not depend
+#: on them, their dQ mode does): one key block, whose dQ the Hopper kernel
+#: stores directly (``cuflash._kernel_families.runs_direct_dq``), and more
+#: keys than any key block holds (256 at most).
+BACKWARD_SEQLENS = (1, 512)
 
 
 def forward_key_counts() -> tuple[int, ...]:
@@ -66,14 +70,16 @@ def _plan(config: dict, device: int) -> None:
             api.forward_plan(problem, {name: api.Layout.contiguous(shapes[name], dtype) for name in names},
                              aligned=True)
         return
-    metas = {name: _meta(name, shape, dtype, device) for name in names + ("dout",)}
-    layouts = {name: api.Layout.contiguous(shape, dtype) for name in names + ("dout", "dq", "dk", "dv")}
-    lse_shape = (1, 1, _PLAN_SEQLEN)
-    problem = check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"],
-                             _meta("lse", lse_shape, "float32", device), None, None, None, causal=config["causal"],
-                             softmax_scale=None, deterministic=config["deterministic"])
-    api.backward_plan(problem, layouts, api.Layout.contiguous(lse_shape, "float32"), config["deterministic"],
-                      aligned=True)
+    for seqlen in BACKWARD_SEQLENS:
+        shape = (1, seqlen, 1, head_dim)
+        metas = {name: _meta(name, shape, dtype, device) for name in names + ("dout",)}
+        layouts = {name: api.Layout.contiguous(shape, dtype) for name in names + ("dout", "dq", "dk", "dv")}
+        lse_shape = (1, 1, seqlen)
+        problem = check_backward(metas["dout"], metas["q"], metas["k"], metas["v"], metas["out"],
+                                 _meta("lse", lse_shape, "float32", device), None, None, None,
+                                 causal=config["causal"], softmax_scale=None, deterministic=config["deterministic"])
+        api.backward_plan(problem, layouts, api.Layout.contiguous(lse_shape, "float32"), config["deterministic"],
+                          aligned=True)
 
 
 def warmup(dtypes: Iterable[str] = ("bfloat16", "float16"), head_dims: Iterable[int] = (64, 128), *,

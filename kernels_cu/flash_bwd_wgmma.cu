@@ -18,6 +18,11 @@
 //    additions to land, only for the tile to be read: adding dQ was the
 //    previous kernel's bound (its warps all stalled in the same window of
 //    every step, docs/perf-notes.md);
+//  - in the direct mode, where this is the only key block (the launcher
+//    picks it for one block of keys whose walk visits every query block),
+//    the consumers write the tile in the input dtype and Q's layout and the
+//    dQ warp has the copy engine store it into dq itself: no float32
+//    accumulator, no conversion kernel after this one;
 //  - in the claimed mode, where this key block is the first to reach a
 //    query block, the dQ warp hands the tile to the store warp, which
 //    stores it over the unzeroed accumulator (tma_store_tile), so that no
@@ -73,6 +78,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // batch's tiles run into the next sequence's rows (the launcher never
     // asks for them there; a packed variant adds as kDqAtomic does).
     constexpr bool kClaimsDq = kDqMode == kDqClaimed && !Batch::kPacked;
+    // Direct stores need each tile's rows in one sequence too.
+    constexpr bool kDirectDq = kDqMode == kDqDirect && !Batch::kPacked;
     using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
@@ -90,6 +97,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         consumer_registers(kWarps * 32, kConsumerThreads, kBackwardProducerRegisters, 1);
     static_assert(kConsumerRegisters >= registers_at_entry(kWarps * 32, 1),
                   "setmaxnreg.inc may only raise the consumers' registers");
+    static_assert(QTile::kBytes <= DqTile::kBytes, "a direct dQ tile takes the float32 tile's place");
 
     require_shared_memory<Traits>();
     unsigned char* smem;
@@ -208,8 +216,13 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     post_first_store(base + Traits::kStoreSlot, static_cast<int>(walk.head), walk.m_block);
                     mbarrier_arrive(base + Traits::kStoreJob);
                 } else {
-                    tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
-                                                block.tensor_batch);
+                    if constexpr (kDirectDq) {  // params.dq_map: dq's own map, Q's boxes
+                        tma_store_tile<QTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start, walk.head,
+                                              block.tensor_batch);
+                    } else {
+                        tma_reduce_add_tile<DqTile>(params.dq_map, base + Traits::kDq, block.q_row0 + m_start,
+                                                    walk.head, block.tensor_batch);
+                    }
                     bulk_commit();
                     bulk_wait_read<0>();
                     mbarrier_arrive(dq_empty);  // the consumers may write the next tile
@@ -426,13 +439,28 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             if (chunk == 0) {
                 mbarrier_wait(dq_empty, (step & 1) ^ 1);
             }
-            const auto dq_lane = DqTile::fragment_lane(dq_row0, lane_index_now());
+            if constexpr (kDirectDq) {
+                // dQ rounded once, to the input dtype, in Q's layout (the map's boxes).
+                const int lane_now = lane_index_now();
 #pragma unroll
-            for (int j = 0; j < kDqChunk / 8; ++j) {
+                for (int j = 0; j < kDqChunk / 8; ++j) {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    *reinterpret_cast<float2*>(smem + Traits::kDq + dq_lane.offset(chunk_col0 + 8 * j, half)) =
-                        make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                    for (int half = 0; half < 2; ++half) {
+                        const int offset =
+                            QTile::chunk_offset(dq_row0 + lane_now / 4 + 8 * half, chunk_col0 / 8 + j) + 4 * (lane_now % 4);
+                        *reinterpret_cast<u32*>(smem + Traits::kDq + offset) =
+                            pack_pair<Element>(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                    }
+                }
+            } else {
+                const auto dq_lane = DqTile::fragment_lane(dq_row0, lane_index_now());
+#pragma unroll
+                for (int j = 0; j < kDqChunk / 8; ++j) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        *reinterpret_cast<float2*>(smem + Traits::kDq + dq_lane.offset(chunk_col0 + 8 * j, half)) =
+                            make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                    }
                 }
             }
         }

@@ -21,10 +21,13 @@ namespace cuflash {
 // kernels' mangled names show): kDqAtomic in any order into zeros;
 // kDqOrdered in turns (this file), into zeros; kDqClaimed in any order, the
 // first tile of each block stored over the unzeroed accumulator (first
-// stores, below).
+// stores, below); kDqDirect not at all: the kernel's one key block is the
+// only one to reach each query block, so its tile is dQ itself, stored in
+// the input dtype (no accumulator, no conversion pass).
 constexpr int kDqAtomic = 0;
 constexpr int kDqOrdered = 1;
 constexpr int kDqClaimed = 2;
+constexpr int kDqDirect = 3;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
     int value;

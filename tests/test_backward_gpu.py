@@ -31,17 +31,20 @@ def forward_for_backward(q, k, v, *, causal, softmax_scale=None, seed=0, **varia
     return dout, out, lse
 
 
-def run_backward_and_check(q, k, v, *, causal, softmax_scale=None, deterministic=False, seed=0, **variants):
-    """cuflash's backward (with ``variants``: window_size, ...) against the float64 reference."""
+def run_backward_and_check(q, k, v, *, causal, softmax_scale=None, deterministic=False, seed=0, allocate=False,
+                           **variants):
+    """cuflash's backward (with ``variants``: window_size, ...) against the
+    float64 reference, into NaN-poisoned dq, dk, dv, or (``allocate``) into
+    the gradients it allocates itself."""
     cupy = _cupy()
     head_dim = q.shape[-1]
     scale = 1 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
     dout, out, lse = forward_for_backward(q, k, v, causal=causal, softmax_scale=softmax_scale, seed=seed, **variants)
-    poisoned = [cupy.full(x.shape, cupy.nan, dtype=x.dtype) for x in (q, k, v)]
+    poisoned = [None] * 3 if allocate else [cupy.full(x.shape, cupy.nan, dtype=x.dtype) for x in (q, k, v)]
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                        deterministic=deterministic, dq=poisoned[0], dk=poisoned[1], dv=poisoned[2],
                                        **variants)
-    assert all(g is p for g, p in zip(grads, poisoned))
+    assert allocate or all(g is p for g, p in zip(grads, poisoned))
     expected = attention_backward_reference(dout, q, k, v, causal=causal, softmax_scale=scale, **variants)
     # float32 results are judged by relative error; their baseline only
     # matters where the exact gradient cancels to zero (see assert_output_accurate).

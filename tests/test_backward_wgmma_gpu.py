@@ -193,6 +193,63 @@ def test_wgmma_backward_claims_each_dq_blocks_first_store(deterministic, head_di
     assert decisions == [claimed and not deterministic]
 
 
+@needs_hopper
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "ordered"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,window,causal,heads", [
+    (1, 1, None, False, (4, 4)),
+    (17, 17, None, True, (4, 4)),
+    (1000, 60, None, False, (4, 1)),     # many query blocks of one key block, grouped heads
+    (127, 128, None, True, (6, 2)),      # head dim 256: two key blocks of 64
+    (50, 90, (20, 5), False, (2, 2)),    # a window, fewer queries than keys
+    (300, 50, None, True, (4, 4)),       # rows before the keys see none: claimed first stores instead
+    (100, 1000, None, False, (4, 4)),    # many key blocks
+])
+@pytest.mark.parametrize("allocate", [True, False], ids=["own-dq", "given-dq"])
+def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, head_dim, seqlen_q, seqlen_k, window,
+                                                              causal, heads, allocate, poisoned_allocations,
+                                                              monkeypatch):
+    """Against the float64 reference with every allocation poisoned: where
+    one key block reaches every query block and the call allocates dq
+    (api.stores_dq_directly), the dK/dV kernel stores dQ in the input dtype
+    through dq's tensor map and nothing converts it after; a tile left
+    unstored, stored into the wrong rows, heads or columns, or rounded
+    twice fails here. A dq the caller gives goes through the accumulator."""
+    decisions = []
+    decide = api.stores_dq_directly
+    monkeypatch.setattr(api, "stores_dq_directly", lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"),
+                         seed=seqlen_q + head_dim)
+    tiling = _chosen(q, k, v, deterministic=deterministic)
+    assert tiling.kernel == "wgmma"
+    masking = dict(causal=causal) if window is None else dict(causal=False, window_size=window)
+    run_backward_and_check(q, k, v, deterministic=deterministic, seed=seqlen_k, allocate=allocate, **masking)
+    reaches_every_block = window is None and not causal or seqlen_q <= seqlen_k
+    assert set(decisions) == {allocate and seqlen_k <= tiling.block_n and reaches_every_block}
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_direct_dq_in_the_callers_axes(head_dim):
+    """heads_first: dq allocated as (batch, heads, seqlen, head_dim) and
+    stored there through its own tensor map; bitwise the seqlen-first call's
+    gradients (one key block stores each dQ once: nothing depends on order)."""
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 3, 77, 77, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    dout, out, lse = forward_for_backward(q, k, v, causal=True)
+    seqlen_first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+
+    def heads_first(x):
+        return cupy.ascontiguousarray(x.transpose(0, 2, 1, 3))
+
+    grads = cuflash.attention_backward(*(heads_first(x) for x in (dout, q, k, v, out)), lse, causal=True,
+                                       heads_first=True)
+    for got, want in zip(grads, seqlen_first):
+        assert got.flags.c_contiguous and got.shape == heads_first(want).shape
+        assert bool((got.view(cupy.uint16) == heads_first(want).view(cupy.uint16)).all())
+
+
 def assert_deterministic_backward_is_bitwise_repeatable(q, k, v, causal):
     """Ten deterministic backwards of bfloat16 q, k, v, alternating between
     the null stream and another: bitwise the same dq, dk, dv; dq of the

@@ -185,6 +185,58 @@ def test_plan_writes_only_the_slots_a_cached_call_names(recorded_launches):
     assert written["size"]["cu_seqlens_q"] == 0x6000 and written["size"]["cu_seqlens_k"] == 0x7000
 
 
+@pytest.fixture
+def stand_in_hopper(monkeypatch):
+    """Plans made for a stand-in H100 (no GPU, nothing compiled); the keys
+    of the variants the plans asked the loader for, in order."""
+    requested = []
+    monkeypatch.setattr(api.loader, "get", lambda variant, device: requested.append(variant.key) or _FakeKernel(0))
+    monkeypatch.setattr(api, "_kernel_generation", lambda device: 90)
+    monkeypatch.setattr(api, "_multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(api, "_shared_memory_per_block", lambda device: 227 * 1024)
+    return requested
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,own_dq,direct", [
+    (100, 128, True, True, True),     # one key block of 128: dQ stored by the dK/dV kernel
+    (1000, 17, False, True, True),
+    (100, 128, True, False, False),   # the caller's dq: added into the accumulator and converted
+    (100, 129, False, True, False),   # two key blocks
+    (300, 100, True, True, False),    # causal rows before the keys: claimed first stores
+])
+def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, seqlen_q, seqlen_k, causal,
+                                                                       own_dq, direct):
+    """The Hopper backward of one key block (head dim 64: 128 keys a block)
+    is two kernels, delta and dK/dV in the direct dQ mode, whose tensor map
+    of dq (not of the accumulator) the call's dq pointer encodes; its only
+    work buffer is delta. Otherwise the conversion follows, into the
+    accumulator's map."""
+    from cuflash._validation import TensorMeta, check_backward, contiguous_strides
+
+    def meta(name, shape, dtype="bfloat16"):
+        return TensorMeta(name, shape, contiguous_strides(shape), dtype, 0)
+
+    q_shape, kv_shape = (2, seqlen_q, 4, 64), (2, seqlen_k, 2, 64)
+    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
+    metas = {name: meta(name, shape) for name, shape in shapes.items()}
+    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
+                             meta("lse", (2, 4, seqlen_q), "float32"), None, None, None, causal=causal,
+                             softmax_scale=None, deterministic=False)
+    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
+    tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
+    assert (tiling.kernel, tiling.block_n) == ("wgmma", 128)
+    assert api.stores_dq_directly(problem, layouts, tiling, own_dq) is direct
+    plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
+                             aligned=True, tiling=tiling, own_dq=own_dq)
+    families = [key.split("/")[0] for key in stand_in_hopper]
+    assert families == ["backward-preprocess", "backward-dkdv-wgmma"] + ([] if direct else ["backward-convert-dq"])
+    assert stand_in_hopper[1].endswith("/direct-dq") is direct and plan.kernel_count == len(families)
+    mapped = {api.BACKWARD_SLOTS[slot] for slot, _ in plan._tensor_maps}
+    assert mapped == {"dout.ptr", "q.ptr", "k.ptr", "v.ptr", "dq.ptr" if direct else "dq_accum"}
+    buffers = api.backward_work_buffers(2, 4, seqlen_q, 64, tiling, False, direct=direct)
+    assert (set(buffers) == {"delta"}) is direct and ("dq_accum" in buffers) is not direct
+
+
 def test_work_arena_lays_buffers_out_aligned_and_apart():
     """A backward's work buffers in one allocation: each at a 256-byte
     aligned offset (the alignment separate allocations had), none

@@ -185,6 +185,36 @@ def test_cuflash_on_hopper_stores_first_dq_tiles_where_the_launcher_does():
     assert preprocess[False].dram_bytes - preprocess[True].dram_bytes == 2 * 16 * 2048 * 128 * 4
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuflash_on_hopper_stores_dq_directly_from_one_key_block(deterministic):
+    """One key block (128 keys at head dim 64) on Hopper, deterministic or
+    not (cuflash.api.stores_dq_directly): dQ is written once, in the input
+    dtype, by the dK/dV kernel; no float32 accumulator, no zeroing, no
+    conversion launch. With 129 keys, or on an A100, the accumulator and
+    the conversion are back."""
+    from cuflash.simulate.timing import launches
+
+    h100 = MACHINES["h100"]
+    one_block = Problem(batch=4, nheads=8, seqlen_q=1000, seqlen_k=128, head_dim=64, causal=False,
+                        deterministic=deterministic)
+    two_blocks = Problem(**{**one_block.__dict__, "seqlen_k": 129})
+
+    def backward(problem, machine):
+        return summarize(run("cuflash", problem, machine, "bwd"), machine)
+
+    def launch_names(problem, machine):
+        return [launch.name for launch in launches("cuflash", problem, machine, "bwd")]
+
+    direct = backward(one_block, h100)
+    assert "dQ_accum" not in direct["tensors"] and "dQ" in direct["tensors"]
+    assert launch_names(one_block, h100) == ["cuflash backward preprocess", "cuflash backward dK/dV"]
+    if not deterministic:  # (an A100's deterministic dQ pass writes dQ once too)
+        assert direct["requested_write_bytes"] < backward(one_block, A100)["requested_write_bytes"]
+    for problem, machine in ((two_blocks, h100), (one_block, A100)):
+        assert "cuflash backward dQ conversion" in launch_names(problem, machine) or deterministic
+        assert ("dQ_accum" in backward(problem, machine)["tensors"]) is not deterministic
+
+
 def test_gqa_reduces_cuflash_backward_traffic_but_not_flash2s_dk_writes():
     mha = Problem(batch=1, nheads=8, seqlen_q=4096, head_dim=64)
     gqa = Problem(batch=1, nheads=8, nheads_k=1, seqlen_q=4096, head_dim=64)

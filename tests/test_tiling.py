@@ -214,12 +214,44 @@ def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
     from cuflash._kernel_families import claimed_dq_applies
 
     family = FAMILY["backward-dkdv-wgmma"]
-    assert family.dq_modes == {"atomic": "0", "ordered": "1", "claimed": "2"}
+    assert family.dq_modes == {"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3"}
     assert family.dq_mode(False) == "atomic"  # a call asks for claimed by stores_first_dq, never by default
     variant = family.variant("bfloat16", family.tiles("bfloat16", 128), MASKS["causal"], dq_mode="claimed")
     assert variant.key.endswith("/causal/q2/claimed-dq") and variant.template_args[-1] == "2"
     assert claimed_dq_applies(MASKS["causal"], "dense") and claimed_dq_applies(MASKS["window"], "dense")
     assert not claimed_dq_applies(MASKS["none"], "dense") and not claimed_dq_applies(MASKS["causal"], "packed")
+
+
+@pytest.mark.parametrize("mask,seqlen_q,seqlen_k,block_n,own_dq,direct", [
+    ("none", 1, 1, 128, True, True),
+    ("none", 1000, 128, 128, True, True),      # many query blocks, one key block
+    ("none", 1000, 129, 128, True, False),     # two key blocks add into one dQ block
+    ("none", 100, 100, 64, True, False),       # the d256 tiles' 64 keys a block
+    ("none", 100, 100, 128, False, False),     # a dq the caller gave: its alignment is not the plan's
+    ("causal", 17, 17, 128, True, True),
+    ("causal", 50, 90, 128, True, True),       # fewer queries than keys: every row sees its diagonal key
+    ("causal", 300, 50, 128, True, False),     # rows before the keys see none: their blocks are never visited
+    ("window", 90, 90, 128, True, True),
+    ("window", 91, 90, 128, True, False),
+    ("none", 0, 10, 128, True, False),         # nothing to store
+    ("none", 10, 0, 128, True, False),         # no key block: dq is zeros from the conversion
+])
+def test_direct_dq_runs_for_one_key_block_that_visits_every_query_block(mask, seqlen_q, seqlen_k, block_n, own_dq,
+                                                                        direct):
+    """The Hopper dK/dV kernel stores dQ itself (kDqDirect, the fourth
+    template argument) exactly where each query block's dQ comes from one key
+    block that visits it: one key block, a dense batch without a mask or
+    under a causal or window mask with no rows before the keys, and a dq the
+    call allocates."""
+    from cuflash._kernel_families import direct_dq_applies, runs_direct_dq
+
+    assert runs_direct_dq("wgmma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, own_dq) is direct
+    assert not runs_direct_dq("mma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, own_dq)
+    assert not runs_direct_dq("wgmma", MASKS[mask], "packed", seqlen_q, seqlen_k, block_n, own_dq)
+    assert direct_dq_applies(MASKS[mask], "dense") and not direct_dq_applies(MASKS[mask], "packed")
+    family = FAMILY["backward-dkdv-wgmma"]
+    variant = family.variant("bfloat16", family.tiles("bfloat16", 64), MASKS[mask], dq_mode="direct")
+    assert variant.key.endswith(f"/{mask}/q2/direct-dq") and variant.template_args[-1] == "3"
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])

@@ -100,8 +100,8 @@ def test_after_warmup_a_new_process_first_call_takes_under_0_2_s(tmp_path):
 def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     """On a stand-in Hopper (no GPU needed): warmup asks the loader for
     exactly the kernels the launcher's plans launch: the forward per mask,
-    the backward's preprocess, dK/dV (atomic and ordered dQ) and dQ
-    conversion."""
+    the backward's preprocess, dK/dV (atomic, ordered, claimed and direct
+    dQ) and dQ conversion."""
     from cuflash import api
 
     from types import SimpleNamespace
@@ -125,10 +125,14 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     assert {k.split("/")[0] for k in keys} == {"forward-wgmma", "backward-preprocess", "backward-dkdv-wgmma",
                                               "backward-convert-dq"}
     dkdv = sorted(k for k in keys if k.startswith("backward-dkdv-wgmma/"))
-    # A causal call with as many queries as keys stores each dQ block's first tile (api.stores_first_dq).
+    # A causal call with as many queries as keys stores each dQ block's first
+    # tile (api.stores_first_dq); one of a single key block stores dQ itself,
+    # deterministic or not (api.stores_dq_directly).
     assert [k.split("/", 2)[2] for k in dkdv] == [
-        "hdim96/m64n128w12/causal/q2/claimed-dq", "hdim96/m64n128w12/causal/q2/ordered-dq",
-        "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/ordered-dq"]
+        "hdim96/m64n128w12/causal/q2/claimed-dq", "hdim96/m64n128w12/causal/q2/direct-dq",
+        "hdim96/m64n128w12/causal/q2/ordered-dq",
+        "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/direct-dq",
+        "hdim96/m64n128w12/none/q2/ordered-dq"]
     # none and causal, each with persistent blocks (up to 8192 keys) and without (past them)
     assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 4
 

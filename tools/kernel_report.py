@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cuflash._kernel_families import (FAMILIES, KernelVariant, cache_append_variants, claimed_dq_applies,  # noqa: E402
-                                      merge_variants)
+                                      direct_dq_applies, merge_variants)
 from cuflash._loader import kernel_source_dir  # noqa: E402
 from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS, built_in_masks  # noqa: E402
 from cuflash._tiling import copy_engine_layouts  # noqa: E402
@@ -68,7 +68,13 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     layouts = [layout for layout in layouts if layout in (copy_engine_layouts(tiling) or (layout,))]
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
             for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
-            for mode in family.dq_modes or ("atomic",) if mode != "claimed" or claimed_dq_applies(mask, layout)]
+            for mode in family.dq_modes or ("atomic",) if _mode_built(mode, mask, layout)]
+
+
+def _mode_built(mode: str, mask, layout: str) -> bool:
+    """Whether a dK/dV family's dQ ``mode`` is built for ``mask`` in ``layout`` batches."""
+    built = {"claimed": claimed_dq_applies, "direct": direct_dq_applies}.get(mode)
+    return built is None or built(mask, layout)
 
 
 def spill_limit(key: str) -> int:

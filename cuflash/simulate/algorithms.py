@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .._kernel_families import FAMILY, family_of, runs_claimed_dq, select
+from .._kernel_families import FAMILY, family_of, runs_claimed_dq, runs_direct_dq, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
                        decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
@@ -441,6 +441,10 @@ class _TiledPlan:
     #: cuflash._kernel_families.runs_claimed_dq says, as its launcher):
     #: no zeroing pass, no accumulator lines fetched for the first additions
     claimed_dq: bool = False
+    #: the dK/dV kernel's one key block stores dQ in the input dtype (cuflash
+    #: where cuflash._kernel_families.runs_direct_dq says, as its launcher):
+    #: no accumulator, no zeroing, no conversion kernel
+    direct_dq: bool = False
 
 
 def _decode_grid(p: Problem, plan: _TiledPlan, pack: int) -> tuple[int, int]:
@@ -580,7 +584,7 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     t.read("dO", heads * nq * d * e, element_size=e, formula="preprocess reads dO once")
     t.write("D", heads * nq * f, element_size=f, formula="preprocess writes D = rowsum(dO ∘ O), float32")
     t.flops(0, 2 * heads * nq * d, "preprocess: 2·B·H·Nq·d")
-    if not deterministic and not plan.claimed_dq:
+    if not deterministic and not plan.claimed_dq and not plan.direct_dq:
         t.write("dQ_accum", heads * nq * d * f, element_size=f, formula="preprocess zeroes the float32 dQ accumulator")
     # dK/dV pass: one block per key block of a K/V head (cuflash) or of a query head (flash2)
     sweep = key_sweep(p, plan.bwd_m, plan.bwd_n)
@@ -605,7 +609,10 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
         t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * dram_rows * size,
                formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j (Tc = {len(sweep)} key blocks)")
-    if not deterministic:
+    if plan.direct_dq:
+        t.write("dQ", heads * rows_visited * d * e, element_size=e, dram=heads * dram_rows * d * e,
+                formula="dQ_i = scale·dS K_j stored in the input dtype by each row's one key block")
+    elif not deterministic:
         t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * dram_rows * d * f,
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
         if plan.claimed_dq:
@@ -622,8 +629,11 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
             "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dK, dQ); other 4 per score")
     t.live("backward", {**_inputs(p, expand=False), "O": heads * nq * d * e, "dO": heads * nq * d * e,
                         "LSE": heads * nq * f, "D": heads * nq * f,
-                        "dQ_accum": 0 if deterministic else heads * nq * d * f, "dQ": heads * nq * d * e,
+                        "dQ_accum": 0 if deterministic or plan.direct_dq else heads * nq * d * f,
+                        "dQ": heads * nq * d * e,
                         **_gradients(p, expand=not plan.native_gqa)})
+    if plan.direct_dq:
+        return
     if deterministic:
         dq_sweep = query_sweep(p, plan.dq_m, plan.dq_n)
         keys_visited = sum(b.keys for b in dq_sweep)
@@ -723,6 +733,10 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # otherwise; the deterministic dQ pass always has the SIMT forward's tiles.
     dq = FAMILY["backward-dq"].tiles(dtype, p.head_dim)
     fwd, bwd = _cuflash_tiles(p, machine)
+    # a block-sparse problem stands for a user's mask, which adds into zeros;
+    # the launcher's outputs are its own (dq allocated by the call)
+    direct_dq = p.block_density == 1 and runs_direct_dq(bwd.kernel, mask_for(p.causal), "dense", p.seqlen_q,
+                                                        p.seqlen_k, bwd.block_n, own_dq=True)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
@@ -734,10 +748,10 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
-        # a block-sparse problem stands for a user's mask, which adds into zeros
-        claimed_dq=p.block_density == 1 and runs_claimed_dq(
+        claimed_dq=p.block_density == 1 and not direct_dq and runs_claimed_dq(
             bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
             p.seqlen_q, p.seqlen_k),
+        direct_dq=direct_dq,
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS
