@@ -136,8 +136,9 @@ def test_fast_path_spill_gate_command_line(only):
                              "--only", only, "--fail-on-spill"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     # the three masks (and the heaviest policies dense), dense and packed;
-    # the backward in both dQ modes (atomic, ordered), and claimed for the
-    # dense causal, window and heaviest policies; the mma.sync forward's
+    # the backward in both dQ modes (atomic, ordered), and claimed and
+    # direct for the dense causal, window and heaviest policies (direct for
+    # the dense one without a mask too); the mma.sync forward's
     # two kinds of decode tiles without and with split-KV and the four
     # cluster counts of the one-tile split beside its own (dense only), and
     # all nine for KV caches, contiguous and paged; the one-tile ones (two
@@ -149,7 +150,7 @@ def test_fast_path_spill_gate_command_line(only):
     # identity, and causal soft cap with ALiBi, dense)
     expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * (4 + 3 + 3),
                 "forward-wgmma": 2 * (4 + 3) + 3,
-                "backward-dkdv-wgmma": (4 + 3) * 2 + 3}[only.split("/")[0]]
+                "backward-dkdv-wgmma": (4 + 3) * 2 + 3 + 4}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
 
