@@ -265,6 +265,103 @@ def following_rows(rounds: int = 3) -> list[dict]:
     return rows
 
 
+#: Backwards of one key block (direct dQ on Hopper): (batch, seqlen, heads, head_dim, causal).
+DIRECT_DQ_POINTS = ((1, 128, 8, 64, True), (32, 128, 16, 128, False), (64, 128, 16, 64, True),
+                    (16, 100, 32, 128, True))
+
+
+def direct_dq_rows(rounds: int = 3) -> list[dict]:
+    """The backward with the direct dQ mode (``cuflash.api.stores_dq_directly``
+    as the launcher decides) against the same calls with it refused (the
+    float32 accumulator and the conversion kernel), in one process: each side
+    plans into its own plan cache, swapped in per call. Host µs (``host_us``,
+    ``rounds`` runs) of the small problem's autograd step (SDPA drop-in,
+    against SDPA's) and of ``attention_backward``; GPU µs per
+    ``attention_backward`` call at ``DIRECT_DQ_POINTS``, with launches queued
+    (CUDA events over 50 calls) and per call waited for (host clock around a
+    call and a synchronisation), medians of 7 alternating rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    import cuflash
+    import cuflash.torch as ct
+    from cuflash import api
+    from cuflash._launch import PlanCache
+
+    decide = api.stores_dq_directly
+    sides = {"direct": (PlanCache(), decide), "converted": (PlanCache(), lambda *args: False)}
+
+    def on(side, fn):
+        cache, decision = sides[side]
+
+        def run():
+            api.plans, api.stores_dq_directly = cache, decision
+            return fn()
+        return run
+
+    def tensors(b, s, h, d):
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        return [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+
+    plans = api.plans
+    rows = []
+    try:
+        b, s, h, d = SMALL["batch"], SMALL["seqlen"], SMALL["heads"], SMALL["head_dim"]
+        q, k, v, dout = tensors(b, s, h, d)
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        leaves = [x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v)]
+
+        def step(attention):
+            def run():
+                for leaf in leaves:
+                    leaf.grad = None
+                attention(*leaves, is_causal=True).backward(dout.transpose(1, 2))
+            return run
+
+        for round_ in range(rounds):
+            candidates = {"SDPA step": step(F.scaled_dot_product_attention)}
+            for side in sides:
+                candidates[f"{side}: drop-in step"] = on(side, step(ct.scaled_dot_product_attention))
+                candidates[f"{side}: attention_backward"] = on(
+                    side, lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=True))
+            timings = host_us(candidates, calls=50, repeats=21)
+            rows += [{"kind": "host", "round": round_, "call": name, "us": us,
+                      "ratio": us / timings["SDPA step"] if "step" in name else None}
+                     for name, us in timings.items()]
+        for b, s, h, d, causal in DIRECT_DQ_POINTS:
+            q, k, v, dout = tensors(b, s, h, d)
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            calls = {side: on(side, lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
+                     for side in sides}
+            queued, waited = {side: [] for side in sides}, {side: [] for side in sides}
+            for fn in calls.values():
+                for _ in range(5):
+                    fn()
+            torch.cuda.synchronize()
+            for _ in range(7):
+                for side, fn in calls.items():
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(50):
+                        fn()
+                    end.record()
+                    end.synchronize()
+                    queued[side].append(start.elapsed_time(end) / 50 * 1e3)
+                    once = []
+                    for _ in range(30):
+                        begin = time.perf_counter()
+                        fn()
+                        torch.cuda.synchronize()
+                        once.append((time.perf_counter() - begin) * 1e6)
+                    waited[side].append(statistics.median(once))
+            point = f"{b}x{s}x{h}x{d}{' causal' if causal else ''}"
+            rows += [{"kind": "gpu", "point": point, "call": side, "queued_us": statistics.median(queued[side]),
+                      "waited_us": statistics.median(waited[side])} for side in sides]
+    finally:
+        api.plans, api.stores_dq_directly = plans, decide
+    return rows
+
+
 def profile(what: str, calls: int = 2000, top: int = 25) -> None:
     """cProfile of ``calls`` calls of one small-problem call ("forward-torch",
     "forward-cupy", "backward-torch", "autograd-function", "autograd-custom_op"),
@@ -323,6 +420,8 @@ if __name__ == "__main__":
     parser.add_argument("--profile", action="append", default=[])
     parser.add_argument("--compare-following", action="store_true",
                         help="the autograd step with and without the backward following its forward")
+    parser.add_argument("--compare-direct-dq", action="store_true",
+                        help="backwards of one key block with and without the direct dQ mode")
     args = parser.parse_args()
     for name in args.profile:
         print(f"=== {name}")
@@ -330,5 +429,13 @@ if __name__ == "__main__":
     if args.compare_following:
         for row in following_rows():
             print(f"round {row['round']}  {row['call']:32s} {row['host_us']:8.1f} us  {row['ratio']:.3f}x")
-    if not args.profile and not args.compare_following:
+    if args.compare_direct_dq:
+        for row in direct_dq_rows():
+            if row["kind"] == "host":
+                ratio = "" if row["ratio"] is None else f"  {row['ratio']:.3f}x"
+                print(f"round {row['round']}  {row['call']:32s} {row['us']:8.1f} us{ratio}")
+            else:
+                print(f"{row['point']:22s} {row['call']:10s} queued {row['queued_us']:7.1f} us  "
+                      f"waited {row['waited_us']:7.1f} us")
+    if not (args.profile or args.compare_following or args.compare_direct_dq):
         print("\n".join(markdown(torch_host_table(), jax_table())))
