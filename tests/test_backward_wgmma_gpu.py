@@ -137,6 +137,20 @@ def test_wgmma_atomic_backward_rotates_its_walks_without_a_mask(head_dim, seqlen
     assert orders["atomic"] and set(orders["atomic"]) == {rotates}
 
 
+def _recorded_decisions(monkeypatch, name: str) -> list:
+    """What every call of ``api.<name>`` (a launcher's decision) returns from now on, in order."""
+    decisions = []
+    decide = getattr(api, name)
+    monkeypatch.setattr(api, name, lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    return decisions
+
+
+def _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim):
+    """Batch-2 bfloat16 q, k, v with (nheads, nheads_k) ``heads``, seeded by their sizes."""
+    cupy = _cupy()
+    return random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"), seed=seqlen_q + head_dim)
+
+
 @pytest.fixture
 def poisoned_allocations(monkeypatch):
     """Every array cuflash allocates for a CuPy caller (outputs and work
@@ -181,12 +195,8 @@ def test_wgmma_backward_claims_each_dq_blocks_first_store(deterministic, head_di
     least as many queries as keys) a dQ block that no tile reaches (rows
     that see no key) would keep NaN, and a first tile added instead of
     stored would add it to NaN; the other modes add into a zeroed one."""
-    decisions = []
-    decide = api.stores_first_dq
-    monkeypatch.setattr(api, "stores_first_dq", lambda *args: decisions.append(decide(*args)) or decisions[-1])
-    cupy = _cupy()
-    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"),
-                         seed=seqlen_q + head_dim)
+    decisions = _recorded_decisions(monkeypatch, "stores_first_dq")
+    q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim)
     assert _chosen(q, k, v, deterministic=deterministic).kernel == "wgmma"
     masking = dict(causal=True) if window is None else dict(causal=False, window_size=window)
     run_backward_and_check(q, k, v, deterministic=deterministic, seed=seqlen_k, **masking)
@@ -215,12 +225,8 @@ def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, hea
     through dq's tensor map and nothing converts it after; a tile left
     unstored, stored into the wrong rows, heads or columns, or rounded
     twice fails here. A dq the caller gives goes through the accumulator."""
-    decisions = []
-    decide = api.stores_dq_directly
-    monkeypatch.setattr(api, "stores_dq_directly", lambda *args: decisions.append(decide(*args)) or decisions[-1])
-    cupy = _cupy()
-    q, k, v = random_qkv(cupy, 2, seqlen_q, seqlen_k, *heads, head_dim, cupy.dtype("bfloat16"),
-                         seed=seqlen_q + head_dim)
+    decisions = _recorded_decisions(monkeypatch, "stores_dq_directly")
+    q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim)
     tiling = _chosen(q, k, v, deterministic=deterministic)
     assert tiling.kernel == "wgmma"
     masking = dict(causal=causal) if window is None else dict(causal=False, window_size=window)
