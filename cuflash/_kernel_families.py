@@ -479,7 +479,7 @@ def direct_dq_applies(mask: MaskPolicy, layout: str) -> bool:
 
 
 def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int, block_n: int,
-                   own_dq: bool) -> bool:
+                   dq_aligned: bool) -> bool:
     """Whether a backward runs its dK/dV kernel (``kernel``, whose key
     blocks are ``block_n`` keys) in the direct dQ mode, in either the atomic
     or the deterministic mode (one key block adds in one order): the Hopper
@@ -488,12 +488,13 @@ def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, se
     without a mask; under a causal or window mask where no query row comes
     before the keys, ``seqlen_q <= seqlen_k``: every row then sees its
     diagonal key, and a query block no key block visits would be left
-    unwritten), and a dq the call allocates (``own_dq``: 16-byte aligned,
-    which a tensor map needs; a dq given by the caller may not be). The
-    kernel then stores each query block's dQ in the input dtype: no float32
+    unwritten), and a dq whose pointer is 16-byte aligned, which its tensor
+    map needs (``dq_aligned``: one the call allocates, or an XLA buffer whose
+    alignment the plan's key holds; a dq given to ``attention_backward`` may
+    not be, and its key does not say). The kernel then stores each query block's dQ in the input dtype: no float32
     accumulator, no zeroing, no conversion kernel (the launcher,
     ``cuflash.api.backward_plan``, and the simulator's plan)."""
-    if kernel != "wgmma" or not own_dq or not direct_dq_applies(mask, layout):
+    if kernel != "wgmma" or not dq_aligned or not direct_dq_applies(mask, layout):
         return False
     if not (0 < seqlen_k <= block_n and seqlen_q > 0):
         return False

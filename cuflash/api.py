@@ -1220,15 +1220,15 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
-        own_dq = "dq" not in given
+        dq_aligned = "dq" not in given  # the allocators align; a given dq's alignment is not in the key
         work = WorkArena.of(backward_work_buffers(*sizes, tiling, bool(deterministic), total_q=problem.total_q,
                                                   packed=problem.packed,
-                                                  direct=stores_dq_directly(problem, layouts, tiling, own_dq)))
+                                                  direct=stores_dq_directly(problem, layouts, tiling, dq_aligned)))
         work.allocate(bridge, views)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling,
-                             own_dq=own_dq)
+                             dq_aligned=dq_aligned)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
                             variants.fixed_arrays(views), work)
 
@@ -1688,16 +1688,17 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
     return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k)
 
 
-def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, own_dq: bool) -> bool:
+def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, dq_aligned: bool) -> bool:
     """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
     direct dQ mode (``runs_direct_dq``: one key block, which stores dQ in
-    the input dtype through a tensor map of dq; ``own_dq``: the call
-    allocates dq), dq's layout (in ``layouts``) taking a tensor map. Then
+    the input dtype through a tensor map of dq; ``dq_aligned``: dq's pointer
+    will be 16-byte aligned), dq's layout (in ``layouts``) taking a tensor
+    map. Then
     the backward is two kernels (delta, dK/dV) and its only work buffer is
     delta: on small problems a launch and an allocation fewer, and the
     float32 accumulator's traffic gone."""
     return (runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
-                           tiling.block_n, own_dq)
+                           tiling.block_n, dq_aligned)
             and takes_layout(layouts["dq"].shape, layouts["dq"].strides))
 
 
@@ -1780,14 +1781,16 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
-                  aligned: bool, tiling: Tiling | None = None, own_dq: bool = True) -> LaunchPlan:
+                  aligned: bool, tiling: Tiling | None = None, dq_aligned: bool = True) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, the dQ
     accumulator zeroed unless ``stores_first_dq``, the counters), dK/dV (dQ
     added with atomics, the first tile of each block stored where
     ``stores_first_dq``; added in a fixed order (dq_turn); or left to the
     deterministic dQ pass), then dQ conversion; where ``stores_dq_directly``
-    (``own_dq``: the call allocates dq), preprocess (delta) and dK/dV, which
-    stores dQ itself. ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
+    (``dq_aligned``: dq's pointer will be 16-byte aligned, as the call's own
+    is), preprocess (delta) and dK/dV, which stores dQ itself (the plan then
+    writes no accumulator or counter pointers: a caller that has those
+    buffers anyway, JAX, does not have them zeroed). ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
     layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
     be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``
     decides where not given). Pointer slots: ``BACKWARD_SLOTS``, the work
@@ -1802,7 +1805,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
                            _multiprocessor_count(problem.device))
-    direct = stores_dq_directly(problem, layouts, dkdv_tiling, own_dq)
+    direct = stores_dq_directly(problem, layouts, dkdv_tiling, dq_aligned)
     claimed = not direct and stores_first_dq(problem, dkdv_tiling, dq_mode)
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
@@ -1825,6 +1828,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     # The element-wise kernels take the BackwardParams at the start of the
     # Hopper kernel's struct.
     structs = [pack(WGMMA_BACKWARD_PARAMS if hopper else BACKWARD_PARAMS, **fields)]
+    slots = tuple(() if direct and slot in ("dq_accum", "dq_semaphore") else slot for slot in BACKWARD_SLOTS)
     device = problem.device
     launches = []
 
@@ -1854,7 +1858,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-convert-dq", rows * 32)  # one warp per query row
     tensor_maps = (_wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0], direct) if hopper and rows and grid
                    else [])
-    return LaunchPlan(device, structs, BACKWARD_SLOTS, launches, tensor_maps)
+    return LaunchPlan(device, structs, slots, launches, tensor_maps)
 
 
 def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct, direct: bool) -> list:

@@ -268,10 +268,11 @@ def _launch(flags: tuple, stream: int, buffers: dict, names: tuple[str, ...]) ->
     with gpu_access():  # JAX runs here; the CuPy build may not
         device = _device_of_pointer(pointers[names.index("q")])
     aligned = api.pointers_aligned(flags[0], pointers)
-    key = ("jax", flags, tuple(shapes), dtype, device, aligned)
+    dq_aligned = flags[0] == "backward" and not pointers[names.index("dq")] & 15
+    key = ("jax", flags, tuple(shapes), dtype, device, aligned, dq_aligned)
     plan = api.plans.get(key)
     if plan is None:
-        plan = _plan(flags, shapes, dtype, device, names, aligned)
+        plan = _plan(flags, shapes, dtype, device, names, aligned, dq_aligned)
         api.plans.put(key, plan)
     if _interop.current_device() == device:
         plan.launch(pointers, stream)
@@ -311,9 +312,11 @@ _WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq
                 "alibi_slopes": "float32", "dropout_rng": "uint32"}
 
 
-def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool):
+def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool,
+          dq_aligned: bool):
     """The launch plan of one buffer signature (validated again, now with
-    the folded shapes and the device)."""
+    the folded shapes and the device); ``dq_aligned``: a backward's dq
+    buffer is 16-byte aligned (direct dQ may store into it)."""
     trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1, "dropout_rng": 1}
     metas = {}
     for name, shape in zip(names, shapes):
@@ -335,9 +338,7 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=option)
     problem = check_variants(problem, **variants)
-    # dq is XLA's buffer, whose alignment the plan's key does not hold: the
-    # kernels add into the float32 accumulator and convert (no direct dQ).
-    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, own_dq=False)
+    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, dq_aligned=dq_aligned)
 
 
 # --- eager route for a JAX without buffer_callback ---

@@ -464,6 +464,41 @@ def test_jax_jit_matches_eager_bitwise(dtype):
             assert_output_accurate(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_jax_jit_backward_of_one_key_block_stores_dq_directly(causal, monkeypatch):
+    """Under jax.jit a backward whose 120 keys fit one key block takes the
+    direct dQ mode where XLA's dq buffer is 16-byte aligned (the JAX plan's
+    key holds that): dQ stored by the dK/dV kernel into XLA's buffer, not
+    converted from the accumulator XLA also allocates (and the plan leaves
+    unzeroed). The jitted gradients are bitwise the eager
+    cuflash.attention_backward's on the same arrays (its own dq, also
+    direct: one key block, one order)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import cuflash.jax as cj
+    from cuflash import api
+
+    decisions = []
+    decide = api.stores_dq_directly
+    monkeypatch.setattr(api, "stores_dq_directly", lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    api.plans.clear()
+    q, k, v = _jax_qkv((2, 100, 4, 64), (2, 120, 2, 64), jnp.bfloat16, seed=5)
+    cotangent = jax.random.normal(jax.random.PRNGKey(6), q.shape, dtype=jnp.bfloat16)
+
+    def loss(q, k, v):  # d loss / d out is the cotangent exactly
+        return jnp.sum((cj.attention(q, k, v, causal=causal) * cotangent).astype(jnp.float32))
+
+    jit_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert decisions == [True]
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    eager_grads = cuflash.attention_backward(cotangent, q, k, v, out, lse, causal=causal)
+    for j, e in zip(jit_grads, eager_grads):
+        assert not np.isnan(np.asarray(j, dtype=np.float64)).any()
+        assert np.array_equal(np.asarray(j).view(np.uint16), np.asarray(e).view(np.uint16))
+    api.plans.clear()
+
+
 def test_jax_vmap_folds_into_the_batch():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp

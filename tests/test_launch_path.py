@@ -197,7 +197,7 @@ def stand_in_hopper(monkeypatch):
     return requested
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,own_dq,direct", [
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,dq_aligned,direct", [
     (100, 128, True, True, True),     # one key block of 128: dQ stored by the dK/dV kernel
     (1000, 17, False, True, True),
     (100, 128, True, False, False),   # the caller's dq: added into the accumulator and converted
@@ -205,7 +205,7 @@ def stand_in_hopper(monkeypatch):
     (300, 100, True, True, False),    # causal rows before the keys: claimed first stores
 ])
 def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, seqlen_q, seqlen_k, causal,
-                                                                       own_dq, direct):
+                                                                       dq_aligned, direct):
     """The Hopper backward of one key block (head dim 64: 128 keys a block)
     is two kernels, delta and dK/dV in the direct dQ mode, whose tensor map
     of dq (not of the accumulator) the call's dq pointer encodes; its only
@@ -225,14 +225,18 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
     tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
     assert (tiling.kernel, tiling.block_n) == ("wgmma", 128)
-    assert api.stores_dq_directly(problem, layouts, tiling, own_dq) is direct
+    assert api.stores_dq_directly(problem, layouts, tiling, dq_aligned) is direct
     plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
-                             aligned=True, tiling=tiling, own_dq=own_dq)
+                             aligned=True, tiling=tiling, dq_aligned=dq_aligned)
     families = [key.split("/")[0] for key in stand_in_hopper]
     assert families == ["backward-preprocess", "backward-dkdv-wgmma"] + ([] if direct else ["backward-convert-dq"])
     assert stand_in_hopper[1].endswith("/direct-dq") is direct and plan.kernel_count == len(families)
     mapped = {api.BACKWARD_SLOTS[slot] for slot, _ in plan._tensor_maps}
     assert mapped == {"dout.ptr", "q.ptr", "k.ptr", "v.ptr", "dq.ptr" if direct else "dq_accum"}
+    # Direct: the accumulator's and counters' pointers are never written (JAX
+    # passes buffers for them anyway; the preprocessing must not zero them).
+    unwritten = {slot for slot, writes in zip(api.BACKWARD_SLOTS, plan._writes) if not writes}
+    assert unwritten == ({"dq_accum", "dq_semaphore"} if direct else set())
     buffers = api.backward_work_buffers(2, 4, seqlen_q, 64, tiling, False, direct=direct)
     assert (set(buffers) == {"delta"}) is direct and ("dq_accum" in buffers) is not direct
 
