@@ -491,9 +491,10 @@ def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, se
     unwritten), and a dq whose pointer is 16-byte aligned, which its tensor
     map needs (``dq_aligned``: one the call allocates, or an XLA buffer whose
     alignment the plan's key holds; a dq given to ``attention_backward`` may
-    not be, and its key does not say). The kernel then stores each query block's dQ in the input dtype: no float32
-    accumulator, no zeroing, no conversion kernel (the launcher,
-    ``cuflash.api.backward_plan``, and the simulator's plan)."""
+    not be, and its key does not say). The kernel then stores each query
+    block's dQ in the input dtype: no float32 accumulator, no zeroing, no
+    conversion kernel (the launcher, ``cuflash.api.backward_plan``, and the
+    simulator's plan)."""
     if kernel != "wgmma" or not dq_aligned or not direct_dq_applies(mask, layout):
         return False
     if not (0 < seqlen_k <= block_n and seqlen_q > 0):

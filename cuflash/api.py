@@ -1693,10 +1693,9 @@ def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling,
     direct dQ mode (``runs_direct_dq``: one key block, which stores dQ in
     the input dtype through a tensor map of dq; ``dq_aligned``: dq's pointer
     will be 16-byte aligned), dq's layout (in ``layouts``) taking a tensor
-    map. Then
-    the backward is two kernels (delta, dK/dV) and its only work buffer is
-    delta: on small problems a launch and an allocation fewer, and the
-    float32 accumulator's traffic gone."""
+    map. Then the backward is two kernels (delta, dK/dV) and its only work
+    buffer is delta: on small problems a launch fewer, and the float32
+    accumulator's traffic gone."""
     return (runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
                            tiling.block_n, dq_aligned)
             and takes_layout(layouts["dq"].shape, layouts["dq"].strides))
@@ -1790,11 +1789,12 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     (``dq_aligned``: dq's pointer will be 16-byte aligned, as the call's own
     is), preprocess (delta) and dK/dV, which stores dQ itself (the plan then
     writes no accumulator or counter pointers: a caller that has those
-    buffers anyway, JAX, does not have them zeroed). ``layouts`` of dout, q, k, v, out, dq, dk, dv; ``lse``'s
-    layout; ``aligned`` whether the pointers of dout, q, k, v, dk and dv will
-    be 16-byte aligned; ``tiling`` the dK/dV kernel's (``backward_tiling_for``
-    decides where not given). Pointer slots: ``BACKWARD_SLOTS``, the work
-    buffers of ``backward_work_buffers`` (0 for the others)."""
+    buffers anyway, JAX, does not have them zeroed). ``layouts`` of dout, q,
+    k, v, out, dq, dk, dv; ``lse``'s layout; ``aligned`` whether the
+    pointers of dout, q, k, v, dk and dv will be 16-byte aligned; ``tiling``
+    the dK/dV kernel's (``backward_tiling_for`` decides where not given).
+    Pointer slots: ``BACKWARD_SLOTS``, the work buffers of
+    ``backward_work_buffers`` (0 for the others)."""
     dkdv_tiling = tiling or backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
     dkdv_family = family_of("backward-dkdv", dkdv_tiling.kernel)
     dq_mode = dkdv_family.dq_mode(deterministic)
