@@ -207,6 +207,7 @@ def test_cuflash_on_hopper_stores_dq_directly_from_one_key_block(deterministic):
 
     direct = backward(one_block, h100)
     assert "dQ_accum" not in direct["tensors"] and "dQ" in direct["tensors"]
+    assert any("stores dQ itself" in note for note in run("cuflash", one_block, h100, "bwd").notes)
     assert launch_names(one_block, h100) == ["cuflash backward preprocess", "cuflash backward dK/dV"]
     if not deterministic:  # (an A100's deterministic dQ pass writes dQ once too)
         assert direct["requested_write_bytes"] < backward(one_block, A100)["requested_write_bytes"]

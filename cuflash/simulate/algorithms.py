@@ -612,6 +612,8 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     if plan.direct_dq:
         t.write("dQ", heads * rows_visited * d * e, element_size=e, dram=heads * dram_rows * d * e,
                 formula="dQ_i = scale·dS K_j stored in the input dtype by each row's one key block")
+        t.notes.append("backward: one key block reaches every query block, so it stores dQ itself "
+                       "(no float32 accumulator, no zeroing, no conversion kernel)")
     elif not deterministic:
         t.write("dQ_accum", heads * rows_visited * d * f, element_size=f, dram=heads * dram_rows * d * f,
                 formula="atomic float32 dQ_i += scale·dS K_j for every visited (i, j)")
