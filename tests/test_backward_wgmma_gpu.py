@@ -236,6 +236,21 @@ def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, hea
 
 
 @needs_hopper
+@pytest.mark.parametrize("head_dim", [8, 72, 104, 200])
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(100, 60, False), (33, 40, True)])
+def test_direct_dq_at_padded_head_dims(head_dim, seqlen_q, seqlen_k, causal, poisoned_allocations, monkeypatch):
+    """Head dims the kernels pad (to 32, 96, 128, 256): dq's map clips the
+    store's last column panel at head_dim as the loads' maps zero-fill
+    theirs; against the float64 reference with every allocation poisoned,
+    the direct mode taken."""
+    decisions = _recorded_decisions(monkeypatch, "stores_dq_directly")
+    q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, (4, 2), head_dim)
+    assert _chosen(q, k, v).head_dim_padded > head_dim
+    run_backward_and_check(q, k, v, causal=causal, seed=head_dim, allocate=True)
+    assert set(decisions) == {True}
+
+
+@needs_hopper
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_direct_dq_in_the_callers_axes(head_dim):
     """heads_first: dq allocated as (batch, heads, seqlen, head_dim) and
