@@ -248,7 +248,8 @@ static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
 // The Hopper backward's parameters (flash_bwd_wgmma.cu, a __grid_constant__
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
 // kernel's swizzled tiles) and of the float32 dQ accumulator (32-column
-// boxes, 128-byte swizzle), which the copy engine reads in place.
+// boxes, 128-byte swizzle), which the copy engine reads in place; in the
+// direct dQ mode (kDqDirect) dq_map is dq's own, in Q's boxes.
 struct WgmmaBackwardParams : BackwardParams {
     TensorMap q_map, k_map, v_map, do_map, dq_map;
 };
