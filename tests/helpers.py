@@ -281,6 +281,18 @@ def pin_kernel_generation(monkeypatch, generation: int) -> None:
     monkeypatch.setattr(api, "plans", PlanCache())
 
 
+def recorded_decisions(monkeypatch, name: str) -> list:
+    """What every call of ``cuflash.api.<name>`` (one of the launcher's
+    decisions, e.g. ``stores_dq_directly``) returns from now on, in order.
+    Plans already cached do not decide again: clear them first."""
+    from cuflash import api
+
+    decisions = []
+    decide = getattr(api, name)
+    monkeypatch.setattr(api, name, lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    return decisions
+
+
 def pin_ordered_dq_order(monkeypatch, rotated: bool) -> dict:
     """Makes the launcher rotate the walks of every ordered-dQ backward that
     may rotate (``rotated``: as if the GPU had room for any number of key

@@ -11,7 +11,7 @@ import cuflash
 from cuflash import api
 from cuflash._validation import check_backward, meta_of
 
-from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv
+from tests.helpers import pin_kernel_generation, pin_ordered_dq_order, random_qkv, recorded_decisions
 from tests.test_backward_gpu import forward_for_backward, run_backward_and_check
 from tests.test_forward_wgmma_gpu import needs_hopper
 
@@ -137,14 +137,6 @@ def test_wgmma_atomic_backward_rotates_its_walks_without_a_mask(head_dim, seqlen
     assert orders["atomic"] and set(orders["atomic"]) == {rotates}
 
 
-def _recorded_decisions(monkeypatch, name: str) -> list:
-    """What every call of ``api.<name>`` (a launcher's decision) returns from now on, in order."""
-    decisions = []
-    decide = getattr(api, name)
-    monkeypatch.setattr(api, name, lambda *args: decisions.append(decide(*args)) or decisions[-1])
-    return decisions
-
-
 def _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim):
     """Batch-2 bfloat16 q, k, v with (nheads, nheads_k) ``heads``, seeded by their sizes."""
     cupy = _cupy()
@@ -195,7 +187,7 @@ def test_wgmma_backward_claims_each_dq_blocks_first_store(deterministic, head_di
     least as many queries as keys) a dQ block that no tile reaches (rows
     that see no key) would keep NaN, and a first tile added instead of
     stored would add it to NaN; the other modes add into a zeroed one."""
-    decisions = _recorded_decisions(monkeypatch, "stores_first_dq")
+    decisions = recorded_decisions(monkeypatch, "stores_first_dq")
     q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim)
     assert _chosen(q, k, v, deterministic=deterministic).kernel == "wgmma"
     masking = dict(causal=True) if window is None else dict(causal=False, window_size=window)
@@ -225,7 +217,7 @@ def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, hea
     through dq's tensor map and nothing converts it after; a tile left
     unstored, stored into the wrong rows, heads or columns, or rounded
     twice fails here. A dq the caller gives goes through the accumulator."""
-    decisions = _recorded_decisions(monkeypatch, "stores_dq_directly")
+    decisions = recorded_decisions(monkeypatch, "stores_dq_directly")
     q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim)
     tiling = _chosen(q, k, v, deterministic=deterministic)
     assert tiling.kernel == "wgmma"
@@ -243,7 +235,7 @@ def test_direct_dq_at_padded_head_dims(head_dim, seqlen_q, seqlen_k, causal, poi
     store's last column panel at head_dim as the loads' maps zero-fill
     theirs; against the float64 reference with every allocation poisoned,
     the direct mode taken."""
-    decisions = _recorded_decisions(monkeypatch, "stores_dq_directly")
+    decisions = recorded_decisions(monkeypatch, "stores_dq_directly")
     q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, (4, 2), head_dim)
     assert _chosen(q, k, v).head_dim_padded > head_dim
     run_backward_and_check(q, k, v, causal=causal, seed=head_dim, allocate=True)

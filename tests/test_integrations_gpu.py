@@ -19,6 +19,7 @@ from tests.helpers import (
     assert_output_accurate,
     naive_attention_backward_same_precision,
     naive_attention_same_precision,
+    recorded_decisions,
 )
 
 pytestmark = pytest.mark.gpu
@@ -479,9 +480,7 @@ def test_jax_jit_backward_of_one_key_block_stores_dq_directly(causal, monkeypatc
     import cuflash.jax as cj
     from cuflash import api
 
-    decisions = []
-    decide = api.stores_dq_directly
-    monkeypatch.setattr(api, "stores_dq_directly", lambda *args: decisions.append(decide(*args)) or decisions[-1])
+    decisions = recorded_decisions(monkeypatch, "stores_dq_directly")
     api.plans.clear()
     q, k, v = _jax_qkv((2, 100, 4, 64), (2, 120, 2, 64), jnp.bfloat16, seed=5)
     cotangent = jax.random.normal(jax.random.PRNGKey(6), q.shape, dtype=jnp.bfloat16)
