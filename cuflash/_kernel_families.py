@@ -24,7 +24,6 @@ from ._tiling import (
     MMA_BACKWARD_TILES,
     MMA_3XTF32_DTYPE,
     MMA_FORWARD_TILES,
-    WGMMA_BACKWARD_MARKED_STEPS,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
@@ -120,9 +119,8 @@ class KernelFamily:
     #: "claimed" (atomic, the first tile of each query block stored over an
     #: unzeroed accumulator: ``cuflash.api.stores_first_dq``), "direct" (the
     #: only key block of its query blocks stores dQ in the input dtype:
-    #: ``runs_direct_dq``), "converted" (atomic, and the key block whose
-    #: addition completes a query block converts it: ``runs_converted_dq``),
-    #: "separate" (no dQ here: the deterministic dQ pass follows)
+    #: ``runs_direct_dq``), "separate" (no dQ here: the deterministic dQ pass
+    #: follows)
     dq_modes: dict[str, str] = field(default_factory=dict)
     #: tiling -> (template arguments after Mask and Score, key suffix) of the
     #: tile choices beyond the common ones (K/V or Q/dO buffers, blocks per SM)
@@ -340,7 +338,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_BACKWARD_TILES), tiles=wgmma_backward_tiling,
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
                  # kDqAtomic, kDqOrdered, kDqClaimed, kDqDirect (kernels_cu/ordered_accumulation.cuh)
-                 dq_modes={"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3", "converted": "4"},
+                 dq_modes={"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3"},
                  tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
@@ -502,32 +500,6 @@ def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, se
     if not (0 < seqlen_k <= block_n and seqlen_q > 0):
         return False
     return mask.dq_turns == "rotated" or seqlen_q <= seqlen_k
-
-
-def converted_dq_applies(mask: MaskPolicy, layout: str) -> bool:
-    """Whether the Hopper dK/dV kernel's converted dQ mode is built for a
-    mask and batch layout: dense batches without a mask, where every key
-    block adds into every query block, so that the block whose count of
-    landed additions reaches the number of key blocks knows it is the last
-    (``runs_converted_dq``)."""
-    return layout == "dense" and mask.dq_turns == "rotated"
-
-
-def runs_converted_dq(kernel: str, dq_mode: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int,
-                      walk_steps: int, dq_in_chunks: bool) -> bool:
-    """Whether a backward runs its dK/dV kernel (``kernel``, in ``dq_mode``)
-    in the converted dQ mode: the Hopper kernel with atomic dQ where the mode
-    is built (``converted_dq_applies``), queries and keys to walk, a walk of
-    at most ``WGMMA_BACKWARD_MARKED_STEPS`` steps (``walk_steps``: query blocks
-    times the query heads of a K/V head; the kernel marks its completing
-    steps in a bit each), and a dq whose rows are whole 16-byte chunks
-    (``dq_in_chunks``: pointer and strides; the kernel converts 16 bytes at
-    a time). The kernel then adds each dQ tile as in the atomic mode, counts
-    it once landed, and the key block whose count completes a query block
-    converts its rows after its walk: no conversion kernel (the launcher,
-    ``cuflash.api.converts_dq_in_walks``, and the simulator's plan)."""
-    return (kernel == "wgmma" and dq_mode == "atomic" and converted_dq_applies(mask, layout) and seqlen_q > 0
-            and seqlen_k > 0 and walk_steps <= WGMMA_BACKWARD_MARKED_STEPS and dq_in_chunks)
 
 
 def family_of(role: str, kernel: str) -> KernelFamily:

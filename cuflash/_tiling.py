@@ -262,9 +262,6 @@ WGMMA_BACKWARD_TILES = {
     192: (64, 64, 12, 2),
     256: (64, 64, 12, 1),
 }
-#: The longest walk (query blocks times query heads a K/V head) a Hopper
-#: dK/dV block of the converted dQ mode can mark (``WgmmaBackwardTraits::kMarkedSteps``).
-WGMMA_BACKWARD_MARKED_STEPS = 6144
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
@@ -433,9 +430,8 @@ class Tiling:
         if self.kernel == "wgmma":
             e = ELEMENT_SIZE[dtype_name]
             q = self.q_stages
-            # K/V full; Q full, dO full, empty per stage; dQ full, empty, store job; the job's slot; counts
-            # made; the marked steps' bits
-            barriers = 8 * (1 + 3 * q + 3) + 8 + 8 + WGMMA_BACKWARD_MARKED_STEPS // 8
+            # K/V full; Q full, dO full, empty per stage; dQ full, empty, store job; the job's slot
+            barriers = 8 * (1 + 3 * q + 3) + 8
             return ((2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4
                     + barriers + WGMMA_SMEM_ALIGNMENT)
         t = self._tiles(dtype_name)

@@ -27,8 +27,8 @@ from . import _interop, _tiling, mods
 from ._cuda import import_cupy
 from .dropout import dropout_keep_probability
 from ._kernel_families import (CACHE_APPEND_THREADS, FAMILIES, FAMILY, MERGE_WARPS, cache_append_variant, family_of,
-                               merge_states_in_flight, merge_variant, merge_vectors, runs_claimed_dq, runs_converted_dq,
-                               runs_direct_dq, select)
+                               merge_states_in_flight, merge_variant, merge_vectors, runs_claimed_dq, runs_direct_dq,
+                               select)
 from ._masks import CACHE_LAYOUTS
 from .block_mask import BlockMask, build_tile_map, tile_map_strides
 from ._launch import KernelLaunch, LaunchPlan, PlanCache
@@ -1701,22 +1701,6 @@ def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling,
             and takes_layout(layouts["dq"].shape, layouts["dq"].strides))
 
 
-def converts_dq_in_walks(problem: AttentionProblem, layouts: dict, tiling: Tiling, dq_mode: str,
-                         dq_aligned: bool) -> bool:
-    """Whether a backward on the dK/dV kernel of ``tiling`` (in ``dq_mode``)
-    runs it in the converted dQ mode (``runs_converted_dq``): without a mask,
-    the key block whose addition completes a query block converts its rows
-    of the float32 accumulator into dq after its walk, so the backward is two
-    kernels (preprocess, dK/dV) with the work buffers of the atomic mode.
-    ``dq_aligned``: dq's pointer will be 16-byte aligned; with dq's layout
-    (in ``layouts``) and the head dim, its rows are whole 16-byte chunks."""
-    num_m_blocks = -(-problem.seqlen_q // tiling.block_m)
-    walk_steps = problem.nheads // max(problem.nheads_k, 1) * num_m_blocks
-    dq_in_chunks = dq_aligned and problem.head_dim % 8 == 0 and _rows_are_16_byte_chunks(layouts["dq"])
-    return runs_converted_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q,
-                             problem.seqlen_k, walk_steps, dq_in_chunks)
-
-
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
                           total_q: int | None = None, packed: bool = False, direct: bool = False) -> dict:
     """The work buffers a backward (batch b, h query heads, seqlen_q sq,
@@ -1810,9 +1794,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     pointers of dout, q, k, v, dk and dv will be 16-byte aligned; ``tiling``
     the dK/dV kernel's (``backward_tiling_for`` decides where not given).
     Pointer slots: ``BACKWARD_SLOTS``, the work buffers of
-    ``backward_work_buffers`` (0 for the others). Where
-    ``converts_dq_in_walks``, the dK/dV kernel converts dQ itself: no
-    conversion kernel follows it."""
+    ``backward_work_buffers`` (0 for the others)."""
     dkdv_tiling = tiling or backward_tiling_for(problem, layouts, layouts, deterministic, aligned)
     dkdv_family = family_of("backward-dkdv", dkdv_tiling.kernel)
     dq_mode = dkdv_family.dq_mode(deterministic)
@@ -1825,7 +1807,6 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
                            _multiprocessor_count(problem.device))
     direct = stores_dq_directly(problem, layouts, dkdv_tiling, dq_aligned)
     claimed = not direct and stores_first_dq(problem, dkdv_tiling, dq_mode)
-    converted = not (direct or claimed) and converts_dq_in_walks(problem, layouts, dkdv_tiling, dq_mode, dq_aligned)
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
         lse=0,
@@ -1860,7 +1841,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
-        mode = "direct" if direct else "claimed" if claimed else "converted" if converted else dq_mode
+        mode = "direct" if direct else "claimed" if claimed else dq_mode
         variant = dkdv_family.variant(problem.dtype, dkdv_tiling, problem.mask, problem.score, mode,
                                       layout=problem.layout)
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes))
@@ -1873,7 +1854,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         grid = _grid_size(fields["num_m_blocks"], problem, problem.nheads, "the backward dQ pass")
         launches.append(KernelLaunch(loader.get(variant, device), grid, variant.threads, variant.smem_bytes,
                                      struct=1))
-    elif rows and not (direct or converted):
+    elif rows and not direct:
         elementwise("backward-convert-dq", rows * 32)  # one warp per query row
     tensor_maps = (_wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0], direct) if hopper and rows and grid
                    else [])

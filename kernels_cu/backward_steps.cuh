@@ -61,16 +61,6 @@ struct QueryBlockWalk {
         head = next_head;
         m_block = next_m_block;
     }
-
-    // The head and query block `step` steps on from where this walk stands,
-    // which must be its start or a head's first step (a walk not yet advanced
-    // gives the steps of the whole walk).
-    __device__ __forceinline__ void ahead(int step, index_t& step_head, int& step_m_block) const {
-        const int blocks = end - begin;
-        const int across = m_block - begin + step % blocks;
-        step_head = head + step / blocks;
-        step_m_block = begin + (across < blocks ? across : across - blocks);
-    }
 };
 
 // With a tile map: each head's listed query tiles of this key tile, in
@@ -213,18 +203,6 @@ __device__ __forceinline__ int dq_turn(const Mask& mask, const BackwardParams& p
 template <typename Mask>
 __device__ __forceinline__ int walk_rotation(const BackwardParams& params, int n_block) {
     return Mask::kDqTurns == DqTurns::kRotated && params.rotate_walks ? n_block : 0;
-}
-
-// The first query block of key block n_block's walk in the converted dQ
-// mode (kDqConverted; no mask, so every key block walks all num_m_blocks of
-// a head): n_block x num_m_blocks / num_n_blocks. Walks advancing together
-// then reach each query block last from the key block that starts just
-// past it, so the blocks whose additions complete a query block, and
-// convert it, are spread evenly: about num_m_blocks / num_n_blocks each a
-// head, in the walks' last steps. (Rotated by n_block alone, with twice as
-// many query blocks as key blocks, key block 0 would complete half of them.)
-__device__ __forceinline__ int spread_rotation(const BackwardParams& params, int n_block) {
-    return static_cast<int>(static_cast<index_t>(n_block) * params.num_m_blocks / params.num_n_blocks);
 }
 
 // Stores one warp's P^T or dS^T, packed to 16 bits as A fragments

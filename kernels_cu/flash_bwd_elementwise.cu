@@ -6,7 +6,6 @@
 #include "numeric.cuh"
 #include "params.cuh"
 #include "warp_reduce.cuh"
-#include "dq_conversion.cuh"
 
 namespace cuflash {
 
@@ -58,6 +57,15 @@ __device__ __forceinline__ void for_each_query_row(const ProblemSize& size, F&& 
         const index_t row = valid ? r : rows - 1;
         f(row, query_row(row, size), lane % kLanesPerRow, valid);
     }
+}
+
+// Whether every row of `t` starts on a 16-byte boundary (whole chunks of 8
+// 16-bit elements): the pointer and every stride. Uniform over the grid.
+template <typename Element>
+__device__ __forceinline__ bool rows_in_chunks(const TensorRef& t, int head_dim) {
+    static_assert(sizeof(Element) == 2, "chunks of 8 16-bit elements");
+    return head_dim % 8 == 0 && reinterpret_cast<unsigned long long>(t.ptr) % 16 == 0 && t.batch_stride % 8 == 0 &&
+           t.row_stride % 8 == 0 && t.head_stride % 8 == 0;
 }
 
 // kLanesPerRow as a type, for the generic lambdas of with_lanes_per_row.
@@ -221,7 +229,9 @@ flash_backward_convert_dq_kernel(const BackwardParams params) {
                     }
                     const float4* acc = reinterpret_cast<const float4*>(params.dq_accum + r * head_dim);
                     for (int c = sub; c < head_dim / 8; c += kLanesPerRow) {
-                        dq[c] = dq_chunk<Element>(acc[2 * c], acc[2 * c + 1]);
+                        const float4 lo = acc[2 * c], hi = acc[2 * c + 1];
+                        dq[c] = make_uint4(pack_pair<Element>(lo.x, lo.y), pack_pair<Element>(lo.z, lo.w),
+                                           pack_pair<Element>(hi.x, hi.y), pack_pair<Element>(hi.z, hi.w));
                     }
                 });
             });

@@ -23,13 +23,6 @@
 //    the consumers write the tile in the input dtype and Q's layout and the
 //    dQ warp has the copy engine store it into dq itself: no float32
 //    accumulator, no conversion kernel after this one;
-//  - in the converted mode (no mask, dense batches), the dQ warp also counts
-//    each step's addition into its query block's counter once it has landed
-//    (a bulk group behind: the next step's addition may be in flight) and
-//    marks the steps whose count completed the query block; after the walk,
-//    and dK and dV, the consumers convert the marked blocks' rows of the
-//    accumulator into dq (dq_conversion.cuh): no conversion kernel, and the
-//    conversions spread over the blocks (spread_rotation);
 //  - in the claimed mode, where this key block is the first to reach a
 //    query block, the dQ warp hands the tile to the store warp, which
 //    stores it over the unzeroed accumulator (tma_store_tile), so that no
@@ -66,7 +59,6 @@
 #include "wgmma.cuh"
 #include "backward_steps.cuh"
 #include "ordered_accumulation.cuh"
-#include "dq_conversion.cuh"
 
 namespace cuflash {
 
@@ -88,11 +80,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     constexpr bool kClaimsDq = kDqMode == kDqClaimed && !Batch::kPacked;
     // Direct stores need each tile's rows in one sequence too.
     constexpr bool kDirectDq = kDqMode == kDqDirect && !Batch::kPacked;
-    // The converting block is the one whose count reaches num_n_blocks: every
-    // key block must visit every query block (no mask), in one sequence.
-    constexpr bool kConvertsDq = kDqMode == kDqConverted && !Batch::kPacked;
-    static_assert(kDqMode != kDqConverted || Mask::kDqTurns == DqTurns::kRotated,
-                  "the converted dQ mode counts every key block into every query block: no mask");
     using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
@@ -149,22 +136,13 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         if constexpr (kClaimsDq) {
             mbarrier_init(base + Traits::kStoreJob, 1);
         }
-        if constexpr (kConvertsDq) {
-            mbarrier_init(base + Traits::kCountsMade, 1);
-        }
         mbarrier_init_fence();
-    }
-    if constexpr (kConvertsDq) {
-        for (int word = thread; word < Traits::kMarkedSteps / 32; word += kWarps * 32) {
-            reinterpret_cast<u32*>(smem + Traits::kLastAdditions)[word] = 0u;
-        }
     }
     // The only block-wide barrier: after it the producer may leave early.
     __syncthreads();
 
     const int n_start = block.n_start;
-    const int rotation = kConvertsDq ? spread_rotation(params, block.n_block) : walk_rotation<Mask>(params, block.n_block);
-    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, rotation);
+    QueryBlockWalk walk(ctx.mask, block, kBlockN, kBlockM, walk_rotation<Mask>(params, block.n_block));
 
     if (warpgroup == 0) {
         release_registers<kBackwardProducerRegisters>();
@@ -206,18 +184,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         } else if (warp == 1 && lane == 0) {
             // The dQ warp: each step's tile, once the consumers have written it.
             u32 phase = 0;
-            // kDqConverted: the query block of the step before, whose
-            // additions are counted once they have landed; a step that
-            // completes its block is marked for the consumers to convert.
-            index_t counted_head = 0;
-            int counted_m_block = 0;
-            const auto count_landed = [&](int step) {
-                fence_async_global();  // the landed additions before the count that releases them
-                if (count_landed_addition(params.dq_counter(block.tensor_batch, counted_head, counted_m_block)) ==
-                    params.num_n_blocks - 1) {
-                    reinterpret_cast<u32*>(smem + Traits::kLastAdditions)[step / 32] |= 1u << (step % 32);
-                }
-            };
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
                 // kDqClaimed: the query block's counter (a dense batch's
@@ -261,14 +227,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     bulk_wait_read<0>();
                     mbarrier_arrive(dq_empty);  // the consumers may write the next tile
                 }
-                if constexpr (kConvertsDq) {
-                    if (step > 0) {
-                        bulk_wait<1>();  // the step before's additions have landed; this step's may not have
-                        count_landed(step - 1);
-                    }
-                    counted_head = walk.head;
-                    counted_m_block = walk.m_block;
-                }
                 if constexpr (kOrderedDq) {
                     // The additions must have landed, and be visible at gpu
                     // scope, before the next key block's turn.
@@ -288,12 +246,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 mbarrier_arrive(base + Traits::kStoreJob);
             }
             bulk_wait<0>();
-            if constexpr (kConvertsDq) {
-                if (walk.steps > 0) {
-                    count_landed(walk.steps - 1);
-                }
-                mbarrier_arrive(base + Traits::kCountsMade);  // the marks, complete, to the consumers
-            }
         } else if (kClaimsDq && warp == 2 && lane == 0) {
             // The store warp (kDqClaimed): the first stores the dQ warp hands
             // it, each waited for until it has landed and then marked stored
@@ -544,28 +496,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     store_warp_rows<KvTile, kAccCols>(block.key_row<Element>(params.dv, block.kv_head, consumer_n_start),
                                       params.dv.row_stride, tiles[1], warp_key0, ctx.seqlen_k - consumer_n_start,
                                       ctx.head_dim, lane, acc_col0);
-    if constexpr (kConvertsDq) {
-        // The query blocks this block's additions completed, their rows
-        // converted by all consumer threads together, 16 bytes a thread at a
-        // time (the launcher picks the mode where dq's rows are whole
-        // 16-byte chunks). The marks are complete once the dQ warp's last
-        // count is made; its acquiring counts order every other block's
-        // additions before these reads.
-        mbarrier_wait(base + Traits::kCountsMade, 0);
-        const QueryBlockWalk start(ctx.mask, block, kBlockN, kBlockM, rotation);
-        const u32* marks = reinterpret_cast<const u32*>(smem + Traits::kLastAdditions);
-        for (int word = 0; word < (walk.steps + 31) / 32; ++word) {
-            for (u32 bits = marks[word]; bits != 0; bits &= bits - 1) {
-                index_t head;
-                int m_block;
-                start.ahead(word * 32 + __ffs(bits) - 1, head, m_block);
-                const int row0 = m_block * kBlockM;
-                convert_dq_rows_in_chunks<Element>(params, block.tensor_batch, head, row0,
-                                                   min(kBlockM, ctx.seqlen_q - row0), ctx.head_dim, thread - 128,
-                                                   kConsumerThreads);
-            }
-        }
-    }
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).
     __trap();

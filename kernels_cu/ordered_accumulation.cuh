@@ -23,15 +23,11 @@ namespace cuflash {
 // first tile of each block stored over the unzeroed accumulator (first
 // stores, below); kDqDirect not at all: the kernel's one key block is the
 // only one to reach each query block, so its tile is dQ itself, stored in
-// the input dtype (no accumulator, no conversion pass); kDqConverted as
-// kDqAtomic, each block's additions also counted once they have landed
-// (count_landed_addition), so that the key block whose addition completes a
-// query block converts its rows to dq after its walk (no conversion pass).
+// the input dtype (no accumulator, no conversion pass).
 constexpr int kDqAtomic = 0;
 constexpr int kDqOrdered = 1;
 constexpr int kDqClaimed = 2;
 constexpr int kDqDirect = 3;
-constexpr int kDqConverted = 4;
 
 __device__ __forceinline__ int load_acquire(const int* address) {
     int value;
@@ -79,18 +75,6 @@ __device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
 __device__ __forceinline__ void hand_on_turn(int* counter) {
     __threadfence();
     add_release(counter, 1);
-}
-
-// Counts one key block's addition into a query block's accumulator rows,
-// once it has landed and been made visible at gpu scope (the caller's
-// bulk_wait and fence_async_global): returns the count before it. The
-// key block that sees `expected - 1` added last and converts the rows;
-// acquire-release, so that it then reads every other block's additions
-// (each released by its own count) and none of its own are left behind.
-__device__ __forceinline__ int count_landed_addition(int* counter) {
-    int prior;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(prior) : "l"(counter) : "memory");
-    return prior;
 }
 
 // The turn a block holds from its last additions until it hands it on one

@@ -299,18 +299,13 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kBarriers = kStats + kStages * kStatsBytes;
     // K and V full; per stage Q full, dO full, Q/dO empty; dQ full, dQ
     // empty; a first store handed to the store warp (kDqClaimed), then that
-    // store's slot (FirstStoreJob); the dQ warp's last count made
-    // (kDqConverted), then a bit for each step of the walk whose addition
-    // completed its query block (walks of up to kMarkedSteps steps).
+    // store's slot (FirstStoreJob).
     static constexpr int kKvFull = kBarriers;
     static constexpr int kDqFull = kKvFull + 8 + 3 * 8 * kStages;
     static constexpr int kDqEmpty = kDqFull + 8;
     static constexpr int kStoreJob = kDqEmpty + 8;
     static constexpr int kStoreSlot = kStoreJob + 8;
-    static constexpr int kCountsMade = kStoreSlot + 8;
-    static constexpr int kMarkedSteps = 6144;
-    static constexpr int kLastAdditions = kCountsMade + 8;
-    static constexpr int kLayoutBytes = kLastAdditions + kMarkedSteps / 8;
+    static constexpr int kLayoutBytes = kStoreSlot + 8;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 

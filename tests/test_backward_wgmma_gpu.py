@@ -228,49 +228,6 @@ def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, hea
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 192, 256])
-@pytest.mark.parametrize("seqlen_q,seqlen_k,heads", [
-    (1000, 1000, (4, 4)),   # several query and key blocks, the last of each partial
-    (2049, 300, (6, 2)),    # more query blocks than key blocks, grouped heads: completions at each head's end
-    (17, 1000, (4, 4)),     # one query block, many key blocks: one of them completes it
-    (300, 129, (8, 1)),     # eight query heads a K/V head
-])
-@pytest.mark.parametrize("allocate", [True, False], ids=["own-dq", "given-dq"])
-def test_wgmma_backward_converts_dq_in_the_walks(head_dim, seqlen_q, seqlen_k, heads, allocate,
-                                                 poisoned_allocations, monkeypatch):
-    """Against the float64 reference with every allocation poisoned: without
-    a mask, where the call allocates dq (api.converts_dq_in_walks), the key
-    block whose landed addition completes a query block converts its rows of
-    the accumulator into dq, and no conversion kernel follows; a query block
-    left unconverted keeps NaN, one converted before every addition landed
-    misses some, and a mark on the wrong step converts the wrong rows or
-    heads. A dq the caller gives goes through the conversion kernel."""
-    decisions = recorded_decisions(monkeypatch, "converts_dq_in_walks")
-    q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, heads, head_dim)
-    tiling = _chosen(q, k, v)
-    assert tiling.kernel == "wgmma" and seqlen_k > tiling.block_n
-    run_backward_and_check(q, k, v, causal=False, seed=seqlen_k, allocate=allocate)
-    assert set(decisions) == {allocate}
-
-
-@needs_hopper
-def test_converted_dq_is_the_conversion_kernels_dq():
-    """The same backward with dq given (conversion kernel) and allocated
-    (the dK/dV kernel converts): dq agrees to the atomics' reordering (the
-    additions land in any order either way), dk and dv likewise."""
-    cupy = _cupy()
-    q, k, v = random_qkv(cupy, 2, 1500, 1100, 8, 2, 128, cupy.dtype("bfloat16"), seed=11)
-    dout, out, lse = forward_for_backward(q, k, v, causal=False)
-    converted = cuflash.attention_backward(dout, q, k, v, out, lse)
-    given = tuple(cupy.full_like(x, float("nan")) for x in (q, k, v))
-    separate = cuflash.attention_backward(dout, q, k, v, out, lse, dq=given[0], dk=given[1], dv=given[2])
-    for a, b in zip(converted, separate):
-        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
-        assert bool(cupy.isfinite(a32).all())
-        assert float(cupy.abs(a32 - b32).max()) <= 0.02 * float(cupy.abs(b32).max())
-
-
-@needs_hopper
 @pytest.mark.parametrize("head_dim", [8, 72, 104, 200])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(100, 60, False), (33, 40, True)])
 def test_direct_dq_at_padded_head_dims(head_dim, seqlen_q, seqlen_k, causal, poisoned_allocations, monkeypatch):

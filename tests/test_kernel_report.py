@@ -76,11 +76,9 @@ def test_every_variant_compiles_and_is_reported():
     assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 22 * (4 + 3) + 20 * 3
     # 12 tilings, atomic and ordered dQ; the claimed dQ mode for the dense
     # causal and window masks and the heaviest policies (claimed_dq_applies);
-    # the direct one for those and the dense no-mask policy (direct_dq_applies);
-    # the converted one for the dense no-mask policy (converted_dq_applies)
-    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 12 * ((4 + 3) * 2 + 3 + 4 + 1)
+    # the direct one for those and the dense no-mask policy (direct_dq_applies)
+    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 12 * ((4 + 3) * 2 + 3 + 4)
     assert sum(row["variant"].endswith("/direct-dq") for row in rows) == 12 * 4
-    assert sum(row["variant"].endswith("/converted-dq") for row in rows) == 12
 
 
 def test_hopper_only_variants_are_left_out_of_other_architectures():
@@ -141,8 +139,8 @@ def test_fast_path_spill_gate_command_line(only):
     assert result.returncode == 0, result.stdout + result.stderr
     # the three masks (and the heaviest policies dense), dense and packed;
     # the backward in both dQ modes (atomic, ordered), and claimed and
-    # direct for the dense causal, window and heaviest policies (direct and
-    # converted for the dense one without a mask too); the mma.sync forward's
+    # direct for the dense causal, window and heaviest policies (direct for
+    # the dense one without a mask too); the mma.sync forward's
     # two kinds of decode tiles without and with split-KV and the four
     # cluster counts of the one-tile split beside its own (dense only), and
     # all nine for KV caches, contiguous and paged; the one-tile ones (two
@@ -154,7 +152,7 @@ def test_fast_path_spill_gate_command_line(only):
     # identity, and causal soft cap with ALiBi, dense)
     expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * (4 + 3 + 3),
                 "forward-wgmma": 2 * (4 + 3) + 3,
-                "backward-dkdv-wgmma": (4 + 3) * 2 + 3 + 4 + 1}[only.split("/")[0]]
+                "backward-dkdv-wgmma": (4 + 3) * 2 + 3 + 4}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
 

@@ -197,23 +197,20 @@ def stand_in_hopper(monkeypatch):
     return requested
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,dq_aligned,direct,converted", [
-    (100, 128, True, True, True, False),     # one key block of 128: dQ stored by the dK/dV kernel
-    (1000, 17, False, True, True, False),
-    (100, 128, True, False, False, False),   # the caller's dq: added into the accumulator and converted
-    (100, 129, False, True, False, True),    # two key blocks without a mask: converted by the dK/dV kernel
-    (100, 129, False, False, False, False),  # ... but not into the caller's dq
-    (300, 100, True, True, False, False),    # causal rows before the keys: claimed first stores
+@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,dq_aligned,direct", [
+    (100, 128, True, True, True),     # one key block of 128: dQ stored by the dK/dV kernel
+    (1000, 17, False, True, True),
+    (100, 128, True, False, False),   # the caller's dq: added into the accumulator and converted
+    (100, 129, False, True, False),   # two key blocks
+    (300, 100, True, True, False),    # causal rows before the keys: claimed first stores
 ])
 def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, seqlen_q, seqlen_k, causal,
-                                                                       dq_aligned, direct, converted):
+                                                                       dq_aligned, direct):
     """The Hopper backward of one key block (head dim 64: 128 keys a block)
     is two kernels, delta and dK/dV in the direct dQ mode, whose tensor map
     of dq (not of the accumulator) the call's dq pointer encodes; its only
-    work buffer is delta. Without a mask, several key blocks are two kernels
-    too, the dK/dV kernel in the converted dQ mode (adding into the
-    accumulator's map, converting it itself). Otherwise the conversion
-    follows."""
+    work buffer is delta. Otherwise the conversion follows, into the
+    accumulator's map."""
     from cuflash._validation import TensorMeta, check_backward, contiguous_strides
 
     def meta(name, shape, dtype="bfloat16"):
@@ -232,11 +229,8 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
                              aligned=True, tiling=tiling, dq_aligned=dq_aligned)
     families = [key.split("/")[0] for key in stand_in_hopper]
-    assert families == ["backward-preprocess", "backward-dkdv-wgmma"] + ([] if direct or converted
-                                                                         else ["backward-convert-dq"])
+    assert families == ["backward-preprocess", "backward-dkdv-wgmma"] + ([] if direct else ["backward-convert-dq"])
     assert stand_in_hopper[1].endswith("/direct-dq") is direct and plan.kernel_count == len(families)
-    assert stand_in_hopper[1].endswith("/converted-dq") is converted
-    assert direct or api.converts_dq_in_walks(problem, layouts, tiling, "atomic", dq_aligned) is converted
     mapped = {api.BACKWARD_SLOTS[slot] for slot, _ in plan._tensor_maps}
     assert mapped == {"dout.ptr", "q.ptr", "k.ptr", "v.ptr", "dq.ptr" if direct else "dq_accum"}
     # Direct: the accumulator's and counters' pointers are never written (JAX

@@ -214,7 +214,7 @@ def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
     from cuflash._kernel_families import claimed_dq_applies
 
     family = FAMILY["backward-dkdv-wgmma"]
-    assert family.dq_modes == {"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3", "converted": "4"}
+    assert family.dq_modes == {"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3"}
     assert family.dq_mode(False) == "atomic"  # a call asks for claimed by stores_first_dq, never by default
     variant = family.variant("bfloat16", family.tiles("bfloat16", 128), MASKS["causal"], dq_mode="claimed")
     assert variant.key.endswith("/causal/q2/claimed-dq") and variant.template_args[-1] == "2"
@@ -252,35 +252,6 @@ def test_direct_dq_runs_for_one_key_block_that_visits_every_query_block(mask, se
     family = FAMILY["backward-dkdv-wgmma"]
     variant = family.variant("bfloat16", family.tiles("bfloat16", 64), MASKS[mask], dq_mode="direct")
     assert variant.key.endswith(f"/{mask}/q2/direct-dq") and variant.template_args[-1] == "3"
-
-
-@pytest.mark.parametrize("kernel,dq_mode,mask,layout,seqlen_q,seqlen_k,steps,dq_in_chunks,converted", [
-    ("wgmma", "atomic", "none", "dense", 2048, 2048, 32, True, True),
-    ("wgmma", "atomic", "none", "dense", 17, 1000, 1, True, True),      # fewer query blocks than key blocks
-    ("wgmma", "atomic", "none", "dense", 2048, 2048, 6144, True, True),  # the marks' capacity
-    ("wgmma", "atomic", "none", "dense", 2048, 2048, 6145, True, False),
-    ("wgmma", "atomic", "none", "dense", 2048, 2048, 32, False, False),  # dq rows not in 16-byte chunks
-    ("wgmma", "atomic", "causal", "dense", 2048, 2048, 32, True, False),  # key blocks skip query blocks
-    ("wgmma", "atomic", "window", "dense", 2048, 2048, 32, True, False),
-    ("wgmma", "atomic", "none", "packed", 2048, 2048, 32, True, False),
-    ("wgmma", "ordered", "none", "dense", 2048, 2048, 32, True, False),
-    ("mma", "atomic", "none", "dense", 2048, 2048, 32, True, False),
-    ("wgmma", "atomic", "none", "dense", 0, 10, 0, True, False),         # nothing to convert
-    ("wgmma", "atomic", "none", "dense", 10, 0, 1, True, False),         # no key block: the conversion's zeros
-])
-def test_converted_dq_runs_without_a_mask_where_the_marks_fit(kernel, dq_mode, mask, layout, seqlen_q, seqlen_k,
-                                                               steps, dq_in_chunks, converted):
-    """The Hopper dK/dV kernel converts dQ itself (kDqConverted, the fifth
-    template argument) where every key block adds into every query block
-    (no mask, dense batches), the atomic mode, a walk its marks hold, and dq
-    rows of whole 16-byte chunks."""
-    from cuflash._kernel_families import converted_dq_applies, runs_converted_dq
-
-    assert runs_converted_dq(kernel, dq_mode, MASKS[mask], layout, seqlen_q, seqlen_k, steps, dq_in_chunks) is converted
-    assert converted_dq_applies(MASKS[mask], layout) is (mask == "none" and layout == "dense")
-    family = FAMILY["backward-dkdv-wgmma"]
-    variant = family.variant("bfloat16", family.tiles("bfloat16", 128), MASKS["none"], dq_mode="converted")
-    assert variant.key.endswith("/none/q2/converted-dq") and variant.template_args[-1] == "4"
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 64, 72, 96, 120, 128, 136, 192, 200, 256])

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cuflash._kernel_families import (FAMILIES, KernelVariant, cache_append_variants, claimed_dq_applies,  # noqa: E402
-                                      converted_dq_applies, direct_dq_applies, merge_variants)
+                                      direct_dq_applies, merge_variants)
 from cuflash._loader import kernel_source_dir  # noqa: E402
 from cuflash._masks import BATCH_LAYOUTS, CACHE_LAYOUTS, MASKS, SCORE_TRANSFORMS, built_in_masks  # noqa: E402
 from cuflash._tiling import copy_engine_layouts  # noqa: E402
@@ -73,7 +73,7 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
 
 def _mode_built(mode: str, mask, layout: str) -> bool:
     """Whether a dK/dV family's dQ ``mode`` is built for ``mask`` in ``layout`` batches."""
-    built = {"claimed": claimed_dq_applies, "direct": direct_dq_applies, "converted": converted_dq_applies}.get(mode)
+    built = {"claimed": claimed_dq_applies, "direct": direct_dq_applies}.get(mode)
     return built is None or built(mask, layout)
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .._kernel_families import FAMILY, family_of, runs_claimed_dq, runs_converted_dq, runs_direct_dq, select
+from .._kernel_families import FAMILY, family_of, runs_claimed_dq, runs_direct_dq, select
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
                        decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
@@ -445,11 +445,6 @@ class _TiledPlan:
     #: where cuflash._kernel_families.runs_direct_dq says, as its launcher):
     #: no accumulator, no zeroing, no conversion kernel
     direct_dq: bool = False
-    #: the key block whose dQ addition completes a query block converts its
-    #: rows of the accumulator after its walk (cuflash where
-    #: cuflash._kernel_families.runs_converted_dq says, as its launcher):
-    #: the conversion's bytes move into the dK/dV kernel, no conversion kernel
-    converted_dq: bool = False
 
 
 def _decode_grid(p: Problem, plan: _TiledPlan, pack: int) -> tuple[int, int]:
@@ -657,13 +652,9 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
         t.flops(8 * heads * dq_pairs * d, heads * NONMATMUL["flash_bwd"] * dq_pairs,
                 "deterministic dQ pass: matmul 8·B·H·Σ rows·keys·d (S, dP recomputed, dQ); other 4 per score")
     else:
-        who = "the key block completing each query block" if plan.converted_dq else "conversion"
         t.read("dQ_accum", heads * nq * d * f, element_size=f,
-               dram=0 if _fits(machine, heads * nq * d * f) else None, formula=f"{who} reads the accumulator")
-        t.write("dQ", heads * nq * d * e, element_size=e, formula=f"{who} writes dQ in the input dtype")
-        if plan.converted_dq:
-            t.notes.append("backward: the key block whose dQ addition completes a query block converts its rows "
-                           "after its walk (no conversion kernel)")
+               dram=0 if _fits(machine, heads * nq * d * f) else None, formula="conversion reads the accumulator")
+        t.write("dQ", heads * nq * d * e, element_size=e, formula="conversion writes dQ in the input dtype")
 
 
 def _flash2_tiles(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
@@ -753,20 +744,16 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         # Its launch bounds set the registers for exactly blocks_per_sm
         # resident blocks; the other kernels are sized by shared memory here.
         fwd_blocks_per_sm = min(fwd_blocks_per_sm, fwd.blocks_per_sm)
-    dq_mode = family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic)
-    claimed_dq = p.block_density == 1 and not direct_dq and runs_claimed_dq(
-        bwd.kernel, dq_mode, mask_for(p.causal), "dense", p.seqlen_q, p.seqlen_k)
     plan = _TiledPlan(
         fwd_m=block_m or fwd.block_m, fwd_n=block_n or fwd.block_n,
         bwd_m=bwd.block_m, bwd_n=bwd.block_n,
         fwd_blocks_per_sm=fwd_blocks_per_sm,
         bwd_blocks_per_sm=_blocks_per_sm(machine, bwd.backward_dkdv_smem_bytes(dtype), bwd.threads),
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
-        claimed_dq=claimed_dq,
+        claimed_dq=p.block_density == 1 and not direct_dq and runs_claimed_dq(
+            bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
+            p.seqlen_q, p.seqlen_k),
         direct_dq=direct_dq,
-        converted_dq=p.block_density == 1 and not (direct_dq or claimed_dq) and runs_converted_dq(
-            bwd.kernel, dq_mode, mask_for(p.causal), "dense", p.seqlen_q, p.seqlen_k,
-            walk_steps=p.group * _cdiv(p.seqlen_q, bwd.block_m), dq_in_chunks=p.head_dim % 8 == 0),
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS

@@ -291,17 +291,16 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
             # delta = rowsum(dO * O) and the zeroed float32 dQ accumulator
             # (not where the dK/dV kernel stores each block's first tile, or
             # stores dQ itself) before; the accumulator converted to the
-            # input dtype after (not where dQ is stored directly, and by
-            # the dK/dV kernel itself where its blocks convert it).
+            # input dtype after (not where dQ is stored directly).
             zeroed = not (plan.claimed_dq or plan.direct_dq)
             preprocess = heads * nq * (2 * d * e + f + (d * f if zeroed else 0))
-            conversion = 0 if plan.direct_dq or plan.converted_dq else heads * nq * d * (f + e)
+            conversion = 0 if plan.direct_dq else heads * nq * d * (f + e)
             backward_dram = run(algorithm, p, machine, "bwd").total("dram")
             out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
             out.append(Launch(f"{algorithm} backward dK/dV", _backward_blocks(p, plan.bwd_m, plan.bwd_n, group),
                               plan.bwd_blocks_per_sm, max(backward_dram - preprocess - conversion, 0.0),
                               kernel_cost(algorithm, "bwd", machine)))
-            if not (plan.direct_dq or plan.converted_dq):
+            if not plan.direct_dq:
                 out.append(_elementwise(f"{algorithm} backward dQ conversion", conversion))
         return out
     if algorithm == "flash1":
