@@ -169,6 +169,33 @@ struct QueryCoordinates {
     }
 };
 
+// A query tile's coordinates in 16 bytes of shared memory at `slot` (16-byte
+// aligned), 32-bit each (a grid has fewer than 2^31 tiles): a
+// warp-specialised kernel's producer decodes each tile once and hands it to
+// its consumers with the tile's Q (flash_fwd_wgmma.cu), which then divide
+// nothing (a tile's decoding is a chain of integer divisions, about 6% of
+// the Hopper forward's time at 512 keys, causal). m_start < 0 marks the end
+// of a walk.
+__device__ __forceinline__ void store_query_coordinates(u32 slot, const QueryCoordinates& c) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(c.m_start),
+                 "r"(static_cast<int>(c.head)), "r"(static_cast<int>(c.kv_head)), "r"(static_cast<int>(c.batch))
+                 : "memory");
+}
+
+__device__ __forceinline__ QueryCoordinates load_query_coordinates(u32 slot) {
+    int head, kv_head, batch;
+    QueryCoordinates c;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(c.m_start), "=r"(head), "=r"(kv_head), "=r"(batch)
+                 : "r"(slot)
+                 : "memory");
+    c.head = head;
+    c.kv_head = kv_head;
+    c.batch = batch;
+    c.split = 0;
+    return c;
+}
+
 // Reads the parameters Batch::rows reads first (the key counts' address;
 // the offsets' where packed) into registers: a dependent launch does it
 // before its wait, so that their constant-cache misses come before it too.

@@ -6,7 +6,9 @@
 // causal): one block per resident slot, walking the query tiles gridDim.x
 // apart (causal: in pairs of a long and a short walk, PersistentTileWalk),
 // Q double-buffered and the K/V rings running on across tiles, so that a
-// tile's copies overlap the previous tile. Warpgroup 0 is the
+// tile's copies overlap the previous tile; the producer decodes each tile
+// once and leaves its coordinates beside its Q buffer for the consumers
+// (the end of the walk too). Warpgroup 0 is the
 // producer: it hands most of its registers back (setmaxnreg) and one of its
 // threads issues every copy with the Tensor Memory Accelerator (tma.cuh):
 // the query tile once, then K and V tiles through a ring of kStages shared
@@ -145,9 +147,14 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
                 const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
                 // Q's buffer is free once the consumers have staged and
-                // stored the output of the tile before last in it.
+                // stored the output of the tile before last in it (and read
+                // its coordinates for the last time).
                 const u32 q_full = Traits::q_full(base, q_ring.stage);
                 mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
+                if constexpr (kPersistent) {
+                    store_query_coordinates(Traits::q_coordinates(base, q_ring.stage),
+                                            QueryCoordinates{block.batch, block.head, block.kv_head, block.m_start, 0});
+                }
                 if (visits.count > 0) {
                     // Tensor-map coordinates are tensor rows: a packed batch's
                     // tiles that run past a sequence's end copy the next
@@ -183,6 +190,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                         v_ring.advance();
                     }
                 }
+            }
+            if constexpr (kPersistent) {
+                // The walk's end, in the next Q buffer once it is free: no rows.
+                mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
+                store_query_coordinates(Traits::q_coordinates(base, q_ring.stage), QueryCoordinates{0, 0, 0, -1, 0});
+                mbarrier_arrive(Traits::q_full(base, q_ring.stage));
             }
         }
         return;
@@ -226,17 +239,38 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // longer overlaps the softmax's end.
     constexpr bool kTwoPSets = !Score::kDropout;
 
+    // Persistent: the tile whose Q is in buffer q_buffer (once it is full),
+    // as the producer decoded it, through a shuffle from lane 0, so that the
+    // compiler knows its values, and the walk's bounds, warp-uniform (see
+    // `warpgroup`). One tile a block: the block's own, decoded here (once a
+    // block, from its index: nothing held in registers for it).
+    const auto tile_in = [&](int q_buffer) {
+        QueryCoordinates c = load_query_coordinates(Traits::q_coordinates(base, q_buffer));
+        c.m_start = __shfl_sync(0xffffffffu, c.m_start, 0);
+        c.head = __shfl_sync(0xffffffffu, static_cast<int>(c.head), 0);
+        c.kv_head = __shfl_sync(0xffffffffu, static_cast<int>(c.kv_head), 0);
+        c.batch = __shfl_sync(0xffffffffu, static_cast<int>(c.batch), 0);
+        return c;
+    };
+    const auto tile_block_in = [&](int q_buffer) {
+        if constexpr (kPersistent) {
+            return query_block_at<Batch>(params.size, tile_in(q_buffer));
+        } else {
+            return tile_block(block_index());
+        }
+    };
+
     // K_i's and V_i's buffer, running on across tiles as the producer's
     // rings do. Once scores_to_p has advanced it past block i-1, V_{i-1}'s
     // buffer is one position behind it and V_{i-2}'s two (RingPosition::behind).
     Ring ring;
-    // One query tile, Q in buffer q_buffer (its full barrier's phase q_phase).
-    const auto consume_tile = [&](int tile, int q_buffer, u32 q_phase) {
+    // One query tile, Q in buffer q_buffer, which is full.
+    const auto consume_tile = [&](int q_buffer) {
         // Read afresh in each tile: what a persistent block's compiler would
         // otherwise hoist out of the tile loop (the lane and what derives from
         // it) stays live through the main loop and spills (see lane_index_now).
         const int lane = lane_index_now();
-        const QueryBlock origin = tile_block(tile);
+        const QueryBlock origin = tile_block_in(q_buffer);
         const BlockContext<Mask, Score> ctx(params, origin);
         const int warp_row = origin.m_start + warp_row0;
         const VisitedKeyBlocks<Mask> visits(ctx.mask, origin.m_start, kBlockM, kBlockN);
@@ -345,7 +379,6 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             mbarrier_arrive(Traits::v_empty(base, previous.stage));
         };
 
-        mbarrier_wait(Traits::q_full(base, q_buffer), q_phase);
         if (n_blocks > 0) {
             if (kConsumers > 1 && consumer == kConsumers - 1) {
                 named_barrier_arrive(1, 256);
@@ -384,9 +417,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // the consumer goes on to its next tile instead of reading the rows
         // back and storing them: at 512 keys this took d64 causal from 0.139
         // to 0.131 ms, d128 without a mask from 0.137 to 0.133 (H100).
-        // The tile's rows computed again rather than kept from `origin`, so
+        // The tile's rows read again rather than kept from `origin`, so
         // that they hold no registers through the main loop.
-        const QueryBlock block = tile_block(tile);
+        const QueryBlock block = tile_block_in(q_buffer);
         const int first_row = block.m_start;
         unsigned char* const q_tile = Traits::q_tile(smem, q_buffer);
         finish_forward_rows<Element>(
@@ -414,17 +447,17 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         mbarrier_arrive(Traits::q_empty(base, q_buffer));
     };
     if constexpr (kPersistent) {
-        QRing q_ring;
-        for (int step = blockIdx.x; step < walk_end; step += gridDim.x) {
-            const int tile = walk.tile(step);
-            if (tile >= 0 && !tile_is_empty(tile_block(tile))) {
-                consume_tile(tile, q_ring.stage, q_ring.phase);
-                q_ring.advance();
+        for (QRing q_ring;; q_ring.advance()) {
+            mbarrier_wait(Traits::q_full(base, q_ring.stage), q_ring.phase);
+            if (tile_in(q_ring.stage).m_start < 0) {
+                break;  // the walk's end
             }
+            consume_tile(q_ring.stage);
         }
         bulk_wait<0>();  // the output's last stores are done
     } else {
-        consume_tile(blockIdx.x, 0, 0);
+        mbarrier_wait(Traits::q_full(base, 0), 0);
+        consume_tile(0);
     }
 #else
     // Built only for sm_90a (the launcher picks this kernel on compute capability 9.0 alone).

@@ -209,8 +209,9 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kK = kQ + kQBuffers * QTile::kBytes;    // kStages K buffers
     static constexpr int kV = kK + kStages * KvTile::kBytes;     // kStages V buffers
     static constexpr int kBarriers = kV + kStages * KvTile::kBytes;
-    static constexpr int kQFull = kBarriers;                     // per Q buffer: Q full, Q empty
-    static constexpr int kKFull = kQFull + 16 * kQBuffers;       // per stage: K full, K empty, V full, V empty
+    // Per Q buffer: Q full, Q empty, its tile's coordinates (16 bytes, store_query_coordinates).
+    static constexpr int kQFull = kBarriers;
+    static constexpr int kKFull = kQFull + 32 * kQBuffers;       // per stage: K full, K empty, V full, V empty
     static constexpr int kLayoutBytes = kKFull + 4 * 8 * kStages;
     // Swizzle atoms must be 1024-byte aligned; the dynamic shared memory is
     // only guaranteed 16, so the launch asks for this much more and the
@@ -223,8 +224,9 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static __device__ __forceinline__ u32 k_empty(u32 base, int s) { return base + kKFull + 32 * s + 8; }
     static __device__ __forceinline__ u32 v_full(u32 base, int s) { return base + kKFull + 32 * s + 16; }
     static __device__ __forceinline__ u32 v_empty(u32 base, int s) { return base + kKFull + 32 * s + 24; }
-    static __device__ __forceinline__ u32 q_full(u32 base, int b) { return base + kQFull + 16 * b; }
-    static __device__ __forceinline__ u32 q_empty(u32 base, int b) { return base + kQFull + 16 * b + 8; }
+    static __device__ __forceinline__ u32 q_full(u32 base, int b) { return base + kQFull + 32 * b; }
+    static __device__ __forceinline__ u32 q_empty(u32 base, int b) { return base + kQFull + 32 * b + 8; }
+    static __device__ __forceinline__ u32 q_coordinates(u32 base, int b) { return base + kQFull + 32 * b + 16; }
     static __device__ __forceinline__ unsigned char* q_tile(unsigned char* smem, int b) {
         return smem + kQ + b * QTile::kBytes;
     }
