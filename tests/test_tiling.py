@@ -612,8 +612,9 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
         assert persistent.kv_stages >= 2 and smem <= MAX_SMEM_BYTES
         assert persistent.blocks_per_sm * (smem + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM
         fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, four mbarriers
+        # the second Q buffer with its two mbarriers and its tile's coordinates
         assert smem - tiling.forward_smem_bytes("bfloat16") == (
-            tiling.block_m * head_dim * 2 + 16 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
+            tiling.block_m * head_dim * 2 + 32 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
         assert wgmma_forward_persistent(tiling, "bfloat16", "causal", "dense", False, keys) == persistent
         for mask, layout, dropout, length in (("window", "dense", False, 512), ("none", "packed", False, 512),
                                               ("causal", "packed", False, 512), ("none", "dense", True, 512),
