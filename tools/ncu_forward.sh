@@ -2,14 +2,15 @@
 # Nsight Compute profile of the forward against cuDNN's (PyTorch SDPA's cuDNN backend) at one point of the
 # FlashAttention-2 grid (bf16, 16k tokens, hidden 2048): per kernel its duration, DRAM bytes and throughput,
 # L2 hit rate and reads, instructions, launch shape, then the warp-state and source-counter sections (stall
-# reasons). Reports land in $OUT; the summary table of docs/perf-notes.md's d128 causal 512 comparison came
-# from this run.
+# reasons), and the source page by SASS line (ncu_source_<impl>.csv) with tools/sass_profile.py's summary of
+# it (ncu_sass_<impl>.md). Reports land in $OUT; the summary table of docs/perf-notes.md's d128 causal 512
+# comparison came from this run, its "by SASS line" table from the source page.
 #
 #   OUT=/tmp/out bash tools/ncu_forward.sh 512 128 1      (seqlen, head_dim, causal)
 source "$(dirname "$0")/ncu_setup.sh"
 seqlen=${1:-512} head_dim=${2:-128} causal=${3:-1}
 # The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
-workload=$OUT/ncu_forward_workload.py
+workload=$(mktemp -d)/ncu_forward_workload.py  # outside $OUT: the device returns 8 files at most
 cat > "$workload" <<'PY'
 import sys
 import torch
@@ -42,7 +43,12 @@ for impl in cuflash cudnn; do
   "$NCU" "${common[@]}" --metrics "$metrics" python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 \
     > "$OUT/ncu_metrics_$impl.txt" 2>&1
   "$NCU" "${common[@]}" --section WarpStateStats --section SourceCounters --section SchedulerStats \
-    --print-details all python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 > "$OUT/ncu_stalls_$impl.txt" 2>&1
+    --import-source no -o "$OUT/ncu_$impl" python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 \
+    > /dev/null 2>&1
+  "$NCU" -i "$OUT/ncu_$impl.ncu-rep" --page details --print-details all > "$OUT/ncu_stalls_$impl.txt" 2>&1
+  "$NCU" -i "$OUT/ncu_$impl.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$impl.csv" 2>&1
+  python3 tools/sass_profile.py "$OUT/ncu_source_$impl.csv" --floor 0.02 --top 12 > "$OUT/ncu_sass_$impl.md" 2>&1
+  rm -f "$OUT/ncu_$impl.ncu-rep"  # what the pages hold is exported; the device returns few files
   echo "== $impl (seqlen $seqlen, head_dim $head_dim, causal=$causal)"
   grep -E "\(1?[0-9]+, 1, 1\)x\(|^\s+(gpu__|dram__|lts__|sm__|smsp__|launch__)" "$OUT/ncu_metrics_$impl.txt"
   grep -E "Warp Cycles Per Issued|Stall (Wait|Barrier|Long Scoreboard)" "$OUT/ncu_stalls_$impl.txt"
