@@ -2,13 +2,15 @@
 # Nsight Compute profile of the tensor-core dK/dV kernel (flash_backward_dkdv_*) on the
 # head-dim sweep's shape (bf16, seqlen 4096, 16k tokens, hidden 2048), one head dim per argument:
 # the speed-of-light, memory, compute and warp-state sections, then the L2 throughput broken down
-# by unit and the L2 sectors by operation (reads, writes, reductions). Reports land in $OUT.
+# by unit and the L2 sectors by operation (reads, writes, reductions); the source page by SASS line
+# (ncu_source_<head_dim>.csv) with tools/sass_profile.py's summary (ncu_sass_<head_dim>.md). Reports land
+# in $OUT, four files a head dim (the device returns 8 at most: two head dims a call).
 #
 #   OUT=/tmp/out bash tools/ncu_backward.sh 256 192 128     (CAUSAL=1 for the causal mask)
 source "$(dirname "$0")/ncu_setup.sh"
 causal=${CAUSAL:-0}
 # The workload lives in a file: Nsight Compute does not pass exported shell functions to its child.
-workload=$OUT/ncu_backward_workload.py
+workload=$(mktemp -d)/ncu_backward_workload.py  # outside $OUT: the device returns 8 files at most
 cat > "$workload" <<'PY'
 import sys
 import torch
@@ -31,8 +33,12 @@ for head_dim in "$@"; do
   python3 "$workload" "$head_dim" "$causal" 1 > /dev/null  # compiles outside the profile
   common=(--clock-control none --target-processes all --kernel-name regex:flash_backward_dkdv --launch-skip 1 --launch-count 1)
   "$NCU" "${common[@]}" --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    --section WarpStateStats --section LaunchStats --section Occupancy \
-    python3 "$workload" "$head_dim" "$causal" 2 > "$OUT/ncu_sections_$head_dim.txt" 2>&1
+    --section WarpStateStats --section LaunchStats --section Occupancy --section SourceCounters --import-source no \
+    -o "$OUT/ncu_bwd_$head_dim" python3 "$workload" "$head_dim" "$causal" 2 > /dev/null 2>&1
+  "$NCU" -i "$OUT/ncu_bwd_$head_dim.ncu-rep" --page details > "$OUT/ncu_sections_$head_dim.txt" 2>&1
+  "$NCU" -i "$OUT/ncu_bwd_$head_dim.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$head_dim.csv" 2>&1
+  python3 tools/sass_profile.py "$OUT/ncu_source_$head_dim.csv" --floor 0.02 --top 12 > "$OUT/ncu_sass_$head_dim.md" 2>&1
+  rm -f "$OUT/ncu_bwd_$head_dim.ncu-rep"  # what the pages hold is exported
   "$NCU" "${common[@]}" --metrics "$metrics" python3 "$workload" "$head_dim" "$causal" 2 > "$OUT/ncu_l2_$head_dim.txt" 2>&1
   echo "== head_dim $head_dim (causal=$causal)"
   grep -E "Duration|Throughput|Registers Per|Eligible Warps" "$OUT/ncu_sections_$head_dim.txt"
