@@ -99,7 +99,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     };
     // A packed batch's grid covers its longest sequence; the tiles past a
     // shorter one's end have no rows (a block of one such tile leaves before
-    // any barrier; a persistent block skips it on every side).
+    // any barrier; a persistent block's producer skips it, so its consumers
+    // never see it).
     const auto tile_is_empty = [&](const QueryBlock& block) {
         return Batch::kPacked && block.m_start >= block.seqlen_q;
     };
@@ -242,8 +243,9 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // Persistent: the tile whose Q is in buffer q_buffer (once it is full),
     // as the producer decoded it, through a shuffle from lane 0, so that the
     // compiler knows its values, and the walk's bounds, warp-uniform (see
-    // `warpgroup`). One tile a block: the block's own, decoded here (once a
-    // block, from its index: nothing held in registers for it).
+    // `warpgroup`). One tile a block: the block's own, decoded from its index
+    // where it is needed (at the tile's start and in the epilogue: twice a
+    // block, nothing held in registers for it between).
     const auto tile_in = [&](int q_buffer) {
         QueryCoordinates c = load_query_coordinates(Traits::q_coordinates(base, q_buffer));
         c.m_start = __shfl_sync(0xffffffffu, c.m_start, 0);

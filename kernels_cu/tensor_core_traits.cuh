@@ -192,7 +192,8 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 // walks query tiles gridDim.x apart) double-buffers Q, so that the next
 // tile's arrives while this one's runs (and its output is staged in its
 // own buffer). After the tiles come the mbarriers: Q full and Q empty per Q
-// buffer, then per stage K full, K empty, V full, V empty.
+// buffer, each pair followed by the buffer's tile coordinates (16 bytes),
+// then per stage K full, K empty, V full, V empty.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
