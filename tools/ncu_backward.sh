@@ -35,10 +35,7 @@ for head_dim in "$@"; do
   "$NCU" "${common[@]}" --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section LaunchStats --section Occupancy --section SourceCounters --import-source no \
     -o "$OUT/ncu_bwd_$head_dim" python3 "$workload" "$head_dim" "$causal" 2 > /dev/null 2>&1
-  "$NCU" -i "$OUT/ncu_bwd_$head_dim.ncu-rep" --page details > "$OUT/ncu_sections_$head_dim.txt" 2>&1
-  "$NCU" -i "$OUT/ncu_bwd_$head_dim.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$head_dim.csv" 2>&1
-  python3 tools/sass_profile.py "$OUT/ncu_source_$head_dim.csv" --floor 0.02 --top 12 > "$OUT/ncu_sass_$head_dim.md" 2>&1
-  rm -f "$OUT/ncu_bwd_$head_dim.ncu-rep"  # what the pages hold is exported
+  export_report "$OUT/ncu_bwd_$head_dim" "$OUT/ncu_sections_$head_dim.txt" "$head_dim"
   "$NCU" "${common[@]}" --metrics "$metrics" python3 "$workload" "$head_dim" "$causal" 2 > "$OUT/ncu_l2_$head_dim.txt" 2>&1
   echo "== head_dim $head_dim (causal=$causal)"
   grep -E "Duration|Throughput|Registers Per|Eligible Warps" "$OUT/ncu_sections_$head_dim.txt"

@@ -45,10 +45,7 @@ for impl in cuflash cudnn; do
   "$NCU" "${common[@]}" --section WarpStateStats --section SourceCounters --section SchedulerStats \
     --import-source no -o "$OUT/ncu_$impl" python3 "$workload" "$impl" "$seqlen" "$head_dim" "$causal" 2 \
     > /dev/null 2>&1
-  "$NCU" -i "$OUT/ncu_$impl.ncu-rep" --page details --print-details all > "$OUT/ncu_stalls_$impl.txt" 2>&1
-  "$NCU" -i "$OUT/ncu_$impl.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_source_$impl.csv" 2>&1
-  python3 tools/sass_profile.py "$OUT/ncu_source_$impl.csv" --floor 0.02 --top 12 > "$OUT/ncu_sass_$impl.md" 2>&1
-  rm -f "$OUT/ncu_$impl.ncu-rep"  # what the pages hold is exported; the device returns few files
+  export_report "$OUT/ncu_$impl" "$OUT/ncu_stalls_$impl.txt" "$impl" --print-details all
   echo "== $impl (seqlen $seqlen, head_dim $head_dim, causal=$causal)"
   grep -E "\(1?[0-9]+, 1, 1\)x\(|^\s+(gpu__|dram__|lts__|sm__|smsp__|launch__)" "$OUT/ncu_metrics_$impl.txt"
   grep -E "Warp Cycles Per Issued|Stall (Wait|Barrier|Long Scoreboard)" "$OUT/ncu_stalls_$impl.txt"

@@ -58,6 +58,11 @@ def read_source_page(path: str) -> tuple[str, list[dict]]:
     return rows[0][1], lines
 
 
+def total_samples(lines: list[dict]) -> float:
+    """All warp samples of the kernel (1 where there are none, so that shares divide by it)."""
+    return sum(_number(line[SAMPLES]) for line in lines) or 1.0
+
+
 def stall_columns(lines: list[dict]) -> list[str]:
     """The per-reason sample columns (all samples, not the not-issued ones)."""
     return [name for name in (lines[0] if lines else {}) if name.startswith("stall_") and "Not Issued" not in name]
@@ -65,7 +70,7 @@ def stall_columns(lines: list[dict]) -> list[str]:
 
 def stall_shares(lines: list[dict]) -> dict[str, float]:
     """Each stall reason's share of all samples, largest first."""
-    total = sum(_number(line[SAMPLES]) for line in lines) or 1.0
+    total = total_samples(lines)
     shares = Counter()
     for line in lines:
         for name in stall_columns(lines):
@@ -77,7 +82,7 @@ def runs(lines: list[dict], length: int, floor: float) -> list[dict]:
     """Runs of ``length`` consecutive lines holding at least ``floor`` of the
     samples: first and last line, share, most executions of a line, the three
     largest stall reasons' shares and the landmark opcodes' counts."""
-    total = sum(_number(line[SAMPLES]) for line in lines) or 1.0
+    total = total_samples(lines)
     columns = stall_columns(lines)
     out = []
     for first in range(0, len(lines), length):
@@ -99,7 +104,7 @@ def runs(lines: list[dict], length: int, floor: float) -> list[dict]:
 
 def top_lines(lines: list[dict], count: int) -> list[tuple[int, float, dict]]:
     """The ``count`` lines with most samples, in program order: (index, share, line)."""
-    total = sum(_number(line[SAMPLES]) for line in lines) or 1.0
+    total = total_samples(lines)
     ranked = sorted(range(len(lines)), key=lambda i: -_number(lines[i][SAMPLES]))[:count]
     return [(i, _number(lines[i][SAMPLES]) / total, lines[i]) for i in sorted(ranked)]
 
