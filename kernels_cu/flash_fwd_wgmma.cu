@@ -209,8 +209,14 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 
     // Ping-pong: consumer c issues its products after barrier 1 + c, which
     // the previous consumer (cyclically) arrives at once it has issued its
-    // own. In each tile the last consumer hands the first turn out, and does
-    // not pass its last one on: every arrival meets a wait.
+    // own. One tile a block: the last consumer hands the first turn out at
+    // the tile's start and does not pass its last one on. Persistent: the
+    // turns run on across tiles (the first handed out once a walk, consumer
+    // 0 taking the last consumer's final pass after it), so that a consumer
+    // issues its next tile's first S once its own epilogue is done instead
+    // of waiting for the last consumer's last P V and epilogue as well.
+    // Either way every arrival meets a wait.
+    constexpr bool kTurnsRunOn = kPersistent && kConsumers > 1;
     const auto take_turn = [&]() {
         if constexpr (kConsumers > 1) {
             named_barrier_sync(1 + consumer, 256);
@@ -220,7 +226,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     constexpr int kStagedBarrier = 1 + kConsumers;
     const auto pass_turn = [&](bool last) {
         if constexpr (kConsumers > 1) {
-            if (!(last && consumer == kConsumers - 1)) {
+            if (kTurnsRunOn || !(last && consumer == kConsumers - 1)) {
                 named_barrier_arrive(1 + (consumer + 1) % kConsumers, 256);
             }
         }
@@ -266,6 +272,21 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
     // rings do. Once scores_to_p has advanced it past block i-1, V_{i-1}'s
     // buffer is one position behind it and V_{i-2}'s two (RingPosition::behind).
     Ring ring;
+    // Persistent: the Q buffer whose staged output rows the copy engine may
+    // still be reading (-1: none). Freed at the next tile's first S, which
+    // the consumer waits for anyway, rather than by waiting for the engine
+    // before the next tile starts. Every thread waits for its bulk groups
+    // (only the storing thread has one) and arrives: no divergent branch.
+    int staged_q_buffer = -1;
+    const auto free_staged_q_buffer = [&]() {
+        if constexpr (kPersistent) {
+            if (staged_q_buffer >= 0) {
+                bulk_wait_read<0>();
+                mbarrier_arrive(Traits::q_empty(base, staged_q_buffer));
+                staged_q_buffer = -1;
+            }
+        }
+    };
     // One query tile, Q in buffer q_buffer, which is full.
     const auto consume_tile = [&](int q_buffer) {
         // Read afresh in each tile: what a persistent block's compiler would
@@ -382,7 +403,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         };
 
         if (n_blocks > 0) {
-            if (kConsumers > 1 && consumer == kConsumers - 1) {
+            if (!kTurnsRunOn && kConsumers > 1 && consumer == kConsumers - 1) {
                 named_barrier_arrive(1, 256);
             }
             mbarrier_wait(Traits::k_full(base, ring.stage), ring.phase);
@@ -391,8 +412,11 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             take_turn();
             issue_s(s_flat);
             pass_turn(n_blocks == 1);
+            free_staged_q_buffer();
             wgmma_wait<0>();
             scores_to_p(s, s_flat, visits.n_block(0) * kBlockN, p_even);
+        } else {
+            free_staged_q_buffer();
         }
         // Two steps a pass, so that each P set is named at compile time (a
         // runtime index would put both sets in local memory).
@@ -438,23 +462,30 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 tma_store_tile<QTile>(params.out_map, rows, block.q_row0 + first_row + consumer * 64, block.head,
                                       block.tensor_batch);
                 bulk_commit();
-                bulk_wait_read<0>();  // the buffer may take a later tile's Q once the engine has read the rows
             }
             __syncwarp();
+            // The buffer may take a later tile's Q once the engine has read the rows.
+            staged_q_buffer = q_buffer;
         } else {
             __syncwarp();
             store_warp_rows<QTile>(block.query_row<Element>(params.out, block.head, first_row), params.out.row_stride,
                                    q_tile, warp_row0, ctx.seqlen_q - first_row, ctx.head_dim, lane);
+            mbarrier_arrive(Traits::q_empty(base, q_buffer));
         }
-        mbarrier_arrive(Traits::q_empty(base, q_buffer));
     };
     if constexpr (kPersistent) {
+        if (kTurnsRunOn && consumer == kConsumers - 1) {
+            named_barrier_arrive(1, 256);  // the walk's first turn
+        }
         for (QRing q_ring;; q_ring.advance()) {
             mbarrier_wait(Traits::q_full(base, q_ring.stage), q_ring.phase);
             if (tile_in(q_ring.stage).m_start < 0) {
                 break;  // the walk's end
             }
             consume_tile(q_ring.stage);
+        }
+        if (kTurnsRunOn && consumer == 0) {
+            named_barrier_sync(1, 256);  // the last consumer's final pass
         }
         bulk_wait<0>();  // the output's last stores are done
     } else {
