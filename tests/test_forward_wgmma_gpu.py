@@ -377,6 +377,44 @@ def test_wgmma_forward_persistent_stores_exactly_out(head_dim, causal):
                                                                         softmax_scale=head_dim ** -0.5))
 
 
+@needs_hopper
+@pytest.mark.parametrize("head_dim,seqlen_q,seqlen_k,consumers", [(64, 1100, 300, 1), (128, 1100, 300, 2),
+                                                                   (64, 2600, 2100, 3)])
+def test_wgmma_forward_persistent_walks_tiles_that_see_no_key(head_dim, seqlen_q, seqlen_k, consumers):
+    """Causal with more queries than keys (bottom-right aligned): the first
+    tiles of every head see no key. Persistent blocks walk them between
+    tiles that do, so a walk mixes tiles that take no ping-pong turn and
+    free their Q buffer at once with tiles whose turns run on across tiles
+    and whose Q buffer is freed at the next tile's first S (one, two and
+    three consumer warpgroups). Rows that see no
+    key get output 0 and log-sum-exp -inf, the others the float64
+    reference; out and lse start as NaN."""
+    import cuflash
+    from cuflash._tiling import wgmma_forward_for_call
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    batch, heads = 3, 12
+    q, k, v = random_qkv(cupy, batch, seqlen_q, seqlen_k, heads, heads, head_dim, cupy.dtype("bfloat16"),
+                         seed=head_dim + 5)
+    problem = check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), None, causal=True,
+                            softmax_scale=None)
+    table = api.forward_tiling_for(problem, [q, k, v, q], aligned=True)
+    tiling = wgmma_forward_for_call(table, "bfloat16", head_dim, "causal", "dense", False, seqlen_k)
+    assert tiling.persistent and tiling.warps // 4 - 1 == consumers  # one producer warpgroup
+    assert (seqlen_q - seqlen_k) // tiling.block_m >= 2  # whole tiles without a key in every head
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    lse = cupy.full((batch, heads, seqlen_q), cupy.nan, dtype=cupy.float32)
+    cuflash.attention(q, k, v, causal=True, out=out, lse=lse, return_lse=True)
+    cupy.cuda.get_current_stream().synchronize()
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = attention_reference(q, k, v, causal=True, softmax_scale=scale)
+    assert bool((out[:, :seqlen_q - seqlen_k] == 0).all())
+    assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, causal=True, softmax_scale=scale))
+    assert_lse_close(lse, ref_lse)
+
+
 def _scores_along_keys(cupy, q, k, key_scores, scale):
     """Rewrites q and k (in place) so that every query row's score against key
     j is key_scores[j] (natural units, after the softmax scale) plus a small
