@@ -328,7 +328,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // warp then still has most of that step to take the tile before the
     // consumers write the next. The ordered mode hands over at once: each
     // key block's turn waits for it.
-    constexpr bool kDqHandOverLate = !kOrderedDq;
+    constexpr bool kDqHandOverLate = kClaimsDq;
     const auto hand_over_dq_tile = [&]() {
         fence_async_shared();  // the dQ tile, written by ordinary stores, is read by the copy engine
         mbarrier_arrive(dq_full);
