@@ -955,8 +955,40 @@ def persistent_grid(tiles: int, slots: int, tiles_per_head: int, paired: bool) -
     fewer where there are fewer steps to share. Paired (a causal mask's
     uneven tiles, kernels_cu/grid.cuh ``PersistentTileWalk``), a block's
     share is units of two tiles, ceil(tiles_per_head / 2) a head."""
-    units = tiles // tiles_per_head * -(-tiles_per_head // 2) if paired else tiles
-    return min(units, slots)
+    return min(_walk_units(tiles, tiles_per_head) if paired else tiles, slots)
+
+
+def _walk_units(tiles: int, tiles_per_head: int) -> int:
+    """A paired walk's units: ceil(tiles_per_head / 2) a head (kernels_cu/grid.cuh ``PersistentTileWalk::units``)."""
+    return tiles // tiles_per_head * -(-tiles_per_head // 2)
+
+
+def persistent_tile_walks(num_tiles: int, tiles_per_head: int, grid: int, paired: bool) -> list[list[int]]:
+    """The tiles (indices, head-major) each of ``grid`` blocks takes, in
+    order, as kernels_cu/grid.cuh's ``PersistentTileWalk`` hands them out
+    (its Python mirror, for models and tests; ``persistent_grid`` sizes the
+    grid): block g takes steps g, g + grid, ...; paired, a step names a unit
+    of a head's tiles p and even - 1 - p (even: tiles_per_head rounded up to
+    even), the long one in even rounds and the short one in odd rounds, and
+    a position past the head's tiles is no tile."""
+    walks = [[] for _ in range(grid)]
+    if not paired:
+        for tile in range(num_tiles):
+            walks[tile % grid].append(tile)
+        return walks
+    units = _walk_units(num_tiles, tiles_per_head)
+    end = 2 * -(-units // grid) * grid
+    even = tiles_per_head + tiles_per_head % 2
+    for step in range(end):
+        round_, lane = divmod(step, grid)
+        unit = round_ // 2 * grid + lane
+        if unit >= units:
+            continue
+        head, p = divmod(unit, even // 2)
+        position = p if round_ % 2 == 0 else even - 1 - p
+        if position < tiles_per_head:
+            walks[lane].append(head * tiles_per_head + position)
+    return walks
 
 
 def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:

@@ -1,5 +1,6 @@
 """tools/persistent_schedule.py: the persistent forward's static tile walk
-(the kernel's PersistentTileWalk, mirrored) against a dynamic longest-first
+(the kernel's PersistentTileWalk, mirrored by
+cuflash._tiling.persistent_tile_walks) against a dynamic longest-first
 scheduler (CPU only)."""
 
 import sys
@@ -16,9 +17,9 @@ sys.path.insert(0, str(REPO / "tools"))
 @pytest.mark.parametrize("tiles_per_head,heads,grid", [(4, 512, 132), (5, 7, 3), (1, 9, 4), (23, 36, 132),
                                                         (8, 3, 40)])
 def test_static_walk_takes_every_tile_once(paired, tiles_per_head, heads, grid):
-    from persistent_schedule import static_walk
+    from cuflash._tiling import persistent_tile_walks
 
-    walks = static_walk(heads * tiles_per_head, tiles_per_head, grid, paired)
+    walks = persistent_tile_walks(heads * tiles_per_head, tiles_per_head, grid, paired)
     assert len(walks) == grid
     assert Counter(t for walk in walks for t in walk) == Counter(range(heads * tiles_per_head))
 
@@ -27,23 +28,23 @@ def test_static_walk_blocks_match_the_launchers_grid():
     """A paired walk's blocks that get work are ``persistent_grid``'s count
     where there are fewer units than slots (the launcher launches no idle
     block)."""
-    from cuflash._tiling import persistent_grid
-    from persistent_schedule import static_walk
+    from cuflash._tiling import persistent_grid, persistent_tile_walks
 
     for tiles_per_head, heads in ((4, 10), (5, 7), (23, 3)):
         slots = 132
-        busy = sum(1 for walk in static_walk(heads * tiles_per_head, tiles_per_head, slots, True) if walk)
+        busy = sum(1 for walk in persistent_tile_walks(heads * tiles_per_head, tiles_per_head, slots, True) if walk)
         assert busy == persistent_grid(heads * tiles_per_head, slots, tiles_per_head, True)
 
 
 def test_paired_causal_walks_pair_long_and_short_tiles():
     """With an even number of tiles a head, each block's tiles come in pairs
     whose key blocks sum to tiles + 1: a block of k units costs k pairs."""
-    from persistent_schedule import makespans, static_walk, tile_blocks
+    from cuflash._tiling import persistent_tile_walks
+    from persistent_schedule import makespans, tile_blocks
 
     blocks = tile_blocks(1024, True, 128, 128)
     assert blocks == [1, 2, 3, 4, 5, 6, 7, 8]
-    walks = static_walk(8 * 64, 8, 16, True)
+    walks = persistent_tile_walks(8 * 64, 8, 16, True)
     for walk in walks:
         assert len(walk) % 2 == 0
         longest_first = blocks[::-1]

@@ -679,27 +679,16 @@ def test_persistent_causal_walk_pairs_long_and_short_tiles(tiles_per_head, heads
     walks (longest first: position p sees n - p key blocks) each block's
     share stays within one unit of the even share; the unpaired walk
     (tiles gridDim.x apart) can be far off with 8 tiles a head."""
-    from cuflash._tiling import persistent_grid
+    from cuflash._tiling import persistent_grid, persistent_tile_walks
 
     slots, n = 264, tiles_per_head
     tiles = heads * n
-    even = n + n % 2  # an odd n walks as n + 1 tiles, the last empty
-    half = even // 2
-
-    def paired_tile(step, grid):
-        round_, g = divmod(step, grid)
-        unit = round_ // 2 * grid + g
-        if unit >= tiles // n * half:
-            return -1
-        head, p = divmod(unit, half)
-        position = p if round_ % 2 == 0 else even - 1 - p
-        return head * n + position if position < n else -1
+    half = (n + n % 2) // 2  # an odd n walks as n + 1 tiles, the last empty
 
     work = [n - linear % n for linear in range(tiles)]
     grid = persistent_grid(tiles, slots, n, paired=True)
     assert grid == min(heads * half, slots)
-    end = 2 * -(-(heads * half) // grid) * grid
-    walks = [[t for step in range(g, end, grid) if (t := paired_tile(step, grid)) >= 0] for g in range(grid)]
+    walks = persistent_tile_walks(tiles, n, grid, paired=True)
     assert sorted(t for walk in walks for t in walk) == list(range(tiles))
     share = [sum(work[t] for t in walk) for walk in walks]
     assert max(share) - sum(work) / grid <= n + 1

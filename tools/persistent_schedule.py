@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import heapq
 
+from cuflash._tiling import persistent_tile_walks
 from cuflash.simulate.algorithms import query_sweep
 from cuflash.simulate.traffic import Problem
 
@@ -29,33 +30,6 @@ def tile_blocks(seqlen: int, causal: bool, block_m: int, block_n: int) -> list[i
     sweep = query_sweep(Problem(batch=1, nheads=1, seqlen_q=seqlen, seqlen_k=seqlen, causal=causal),
                         block_m, block_n)
     return [-(-tile.keys // block_n) for tile in sweep]
-
-
-def static_walk(num_tiles: int, tiles_per_head: int, grid: int, paired: bool) -> list[list[int]]:
-    """The tiles (indices, head-major) each of ``grid`` blocks takes, in
-    order, as ``PersistentTileWalk`` hands them out: block g takes steps g,
-    g + grid, ...; paired, a step names a unit of a head's tiles p and
-    even - 1 - p (even: tiles_per_head rounded up to even), the long one in
-    even rounds and the short one in odd rounds, and a position past the
-    head's tiles is no tile."""
-    walks = [[] for _ in range(grid)]
-    if not paired:
-        for tile in range(num_tiles):
-            walks[tile % grid].append(tile)
-        return walks
-    units = num_tiles // tiles_per_head * ((tiles_per_head + 1) // 2)
-    end = 2 * -(-units // grid) * grid
-    even = tiles_per_head + tiles_per_head % 2
-    for step in range(end):
-        round_, lane = divmod(step, grid)
-        unit = round_ // 2 * grid + lane
-        if unit >= units:
-            continue
-        head, p = divmod(unit, even // 2)
-        position = p if round_ % 2 == 0 else even - 1 - p
-        if position < tiles_per_head:
-            walks[lane].append(head * tiles_per_head + position)
-    return walks
 
 
 def makespans(blocks_per_tile: list[int], heads: int, grid: int, a: float, b: float,
@@ -68,7 +42,7 @@ def makespans(blocks_per_tile: list[int], heads: int, grid: int, a: float, b: fl
     # (block_info.cuh, query_coordinates_from: longest first).
     order = blocks_per_tile[::-1] if paired else blocks_per_tile
     cost = [a + b * order[t % per_head] for t in range(heads * per_head)]
-    static = max(sum(cost[t] for t in walk) for walk in static_walk(len(cost), per_head, grid, paired))
+    static = max(sum(cost[t] for t in walk) for walk in persistent_tile_walks(len(cost), per_head, grid, paired))
     finish = [0.0] * grid
     for c in sorted(cost, reverse=True):
         heapq.heappush(finish, heapq.heappop(finish) + c)
