@@ -217,3 +217,21 @@ def test_host_rows_are_compared_with_sdpa_of_the_same_run():
     rows.append({"what": "autograd fwd+bwd", "call": "F.scaled_dot_product_attention", "host_us": 200.0})
     assert sdpa_ratios(rows)[3] == 1.25
     assert "| backward | cuflash.attention_backward (PyTorch) | 30.0 | 1.50 |" in markdown(rows, [])
+
+
+def test_cudnn_summary_reads_issue_17s_bars_per_dtype_and_pass():
+    """The bench's closing lines: per dtype and pass, the lowest ratio to
+    cuDNN from seqlen 2048 up (bar 1.0) and below it (bar 0.9), and where."""
+    from bench import cudnn_summary
+
+    def row(dtype, pass_name, seqlen, causal, ratio):
+        return {"dtype": dtype, "pass": pass_name, "head_dim": 128, "causal": causal, "seqlen": seqlen,
+                "cuflash_over_cudnn": ratio}
+
+    rows = [row("float16", "bwd", 2048, False, 0.99), row("float16", "bwd", 4096, True, 1.03),
+            row("float16", "bwd", 512, False, 0.89), row("float16", "fwd+bwd", 2048, False, 0.5),
+            row("bfloat16", "fwd", 1024, True, 0.95)]
+    assert cudnn_summary(rows) == [
+        "bfloat16 fwd cuflash/cuDNN: below 2k min 0.950 (d128 causal 1024), >= 0.9: 1/1",
+        "float16 bwd cuflash/cuDNN: from 2k min 0.990 (d128 full 2048), >= 1.0: 1/2; "
+        "below 2k min 0.890 (d128 full 512), >= 0.9: 0/1"]

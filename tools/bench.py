@@ -8,7 +8,8 @@ seqlen 512 ... 16k, head_dim 64 and 128, causal and not, bf16 and fp16.
 FLOPs follow FlashAttention-2: 4 * batch * heads * seqlen^2 * head_dim,
 halved for causal; the backward counts 2.5 times that, forward + backward
 3.5 times (its time is the sum of the two measured times). Backward rows are
-made for the dtypes of --backward-dtype (default bfloat16; "none" for none).
+made for the dtypes of --backward-dtype (default bfloat16 and float16, the
+grid of issue 17's bars; "none" for none).
 
 Timing: CUDA events on PyTorch's current stream. Before each timed batch
 the stream is held by ``torch.cuda._sleep`` so that every launch of the batch
@@ -348,6 +349,29 @@ def environment() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def cudnn_summary(rows) -> list[str]:
+    """Issue 17's bars, read off the grid's rows: per dtype and pass, the
+    lowest cuflash / cuDNN ratio from seqlen 2048 up and below it, and how
+    many points reach 1.0 (from 2k) and 0.9 (below)."""
+    lines = []
+    for dtype in sorted({r["dtype"] for r in rows if "cuflash_over_cudnn" in r}):
+        for pass_name in ("fwd", "bwd"):
+            picked = [r for r in rows if r["dtype"] == dtype and r["pass"] == pass_name and "cuflash_over_cudnn" in r]
+            if not picked:
+                continue
+            parts = []
+            for label, chosen, bar in (("from 2k", [r for r in picked if r["seqlen"] >= 2048], 1.0),
+                                       ("below 2k", [r for r in picked if r["seqlen"] < 2048], 0.9)):
+                if chosen:
+                    ratios = [r["cuflash_over_cudnn"] for r in chosen]
+                    worst = min(chosen, key=lambda r: r["cuflash_over_cudnn"])
+                    parts.append(f"{label} min {min(ratios):.3f} (d{worst['head_dim']} "
+                                 f"{'causal' if worst['causal'] else 'full'} {worst['seqlen']}), "
+                                 f">= {bar}: {sum(x >= bar for x in ratios)}/{len(ratios)}")
+            lines.append(f"{dtype} {pass_name} cuflash/cuDNN: " + "; ".join(parts))
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", action="append", choices=("bfloat16", "float16", "float32"),
@@ -361,7 +385,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--tiles", action="append", default=[], help="HEAD_DIM=[KERNEL:]BMxBNwWARPS[sSTAGES][bBLOCKS][p], extra cuflash column (p: persistent)")
     parser.add_argument("--backward-dtype", action="append", choices=("bfloat16", "float16", "none"),
-                        help="dtypes that also get backward and forward+backward rows (default: bfloat16)")
+                        help="dtypes that also get backward and forward+backward rows (default: bfloat16 and "
+                             "float16)")
     parser.add_argument("--deterministic", action="store_true",
                         help="backward rows also time deterministic=True (column cuflash-deterministic)")
     parser.add_argument("--no-user", action="store_true", help="skip the as-the-user-sees-it timings")
@@ -429,7 +454,7 @@ def main() -> int:
     if not args.host_only and not only:
         print(HEADER)
         rows += run_grid(args.dtype or ["bfloat16", "float16"], seqlens, head_dims, causals, args.calls, args.repeats,
-                         _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16"]),
+                         _parse_tiles(args.tiles), backward_dtypes=tuple(args.backward_dtype or ["bfloat16", "float16"]),
                          deterministic=args.deterministic, user=not args.no_user)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -445,6 +470,8 @@ def main() -> int:
         if user:
             print(f"bf16 {pass_name} as the user sees it, cuflash/flash: min {min(user):.3f}, "
                   f"median {statistics.median(user):.3f}; points >= 1.0: {sum(r >= 1.0 for r in user)}/{len(user)}")
+    for line in cudnn_summary(rows):
+        print(line)
     fp32 = [r for r in rows if r["dtype"] == "float32" and r["pass"] == "fwd" and "cuflash_3xtf32_over_efficient" in r]
     if fp32:
         for label, key in (("3xtf32", "cuflash_3xtf32_over_efficient"), ("exact", "cuflash_over_efficient")):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench  # noqa: E402  (tools/: the grid's summary against cuDNN)
+
 BACKENDS = ("cuflash", "flash", "cudnn")
 
 
@@ -73,6 +75,7 @@ def markdown(result: dict, plot: str | None) -> str:
             ratios = [r["cuflash_over_flash"] for r in rows if r["pass"] == pass_name and r["dtype"] == dtype]
             lines.append(f"\n{dtype}: cuflash / flash from {min(ratios):.2f} to {max(ratios):.2f}, "
                          f">= 1.00 at {sum(x >= 1.0 for x in ratios)} of {len(ratios)} points.")
+        lines += [f"\n{line}." for line in bench.cudnn_summary([r for r in rows if r["pass"] == pass_name])]
         lines.append("")
         user = [r for r in rows if r["pass"] == pass_name and "user_ms" in r]
         if user:

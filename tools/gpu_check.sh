@@ -88,8 +88,9 @@ if [ "${CUFLASH_SKIP_SANITIZER:-0}" != "1" ] && command -v compute-sanitizer > /
   done
 fi
 
-# Forward (bf16, fp16) and backward (bf16, default and deterministic) speed against PyTorch SDPA (flash,
-# cuDNN) on the FlashAttention-2 grid: table in bench.log, rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
+# Forward and backward (bf16, fp16; backward default and deterministic) speed against PyTorch SDPA (flash,
+# cuDNN) on the FlashAttention-2 grid: table in bench.log (bf16 rows echoed, then the ratios to cuDNN against
+# issue 17's bars per dtype), rows in bench.json. Skipped with CUFLASH_SKIP_BENCH=1.
 bench_rc=0
 if [ "${CUFLASH_SKIP_BENCH:-0}" != "1" ]; then
   # CUFLASH_BENCH_ARGS replaces the default run's arguments (e.g. --variants-only).
