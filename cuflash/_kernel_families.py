@@ -27,6 +27,7 @@ from ._tiling import (
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
+    backward_splits_head_dim,
     backward_tiling,
     copy_engine_layouts,
     every_decode_tiling,
@@ -449,24 +450,31 @@ def cache_append_variants() -> list[KernelVariant]:
 FAMILY = {family.name: family for family in FAMILIES}
 
 
-def claimed_dq_applies(mask: MaskPolicy, layout: str) -> bool:
-    """Whether the Hopper dK/dV kernel's claimed dQ mode is built for a mask
-    and batch layout: dense batches (a packed batch's tiles run into the
-    next sequence's rows, whose blocks they cannot claim) under a causal or
-    window mask, whose key blocks start their walks on their own diagonals
-    (``runs_claimed_dq``)."""
-    return layout == "dense" and mask.dq_turns == "last-key-first"
+def claimed_dq_applies(mask: MaskPolicy, layout: str, head_dim_padded: int) -> bool:
+    """Whether the Hopper dK/dV kernel's claimed dQ mode is built for a mask,
+    batch layout and head dim: dense batches (a packed batch's tiles run into
+    the next sequence's rows, whose blocks they cannot claim) under a causal
+    or window mask, whose key blocks start their walks on their own
+    diagonals (``runs_claimed_dq``), at head dims whose consumers each hold
+    all of it (``backward_splits_head_dim``). Above 128 the dQ tile a step
+    (64 queries by 192 or 256 float32 columns) is 1.5-2x d128's while a
+    step's products are as long: the atomic mode measured 8-14% faster there
+    (H200, causal, d160 and d256 at 2k-4k; claimed 2-3% faster at d64 and
+    d128, even at d96; docs/perf-notes.md)."""
+    return layout == "dense" and mask.dq_turns == "last-key-first" and not backward_splits_head_dim(head_dim_padded)
 
 
-def runs_claimed_dq(kernel: str, dq_mode: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int) -> bool:
-    """Whether a backward runs its dK/dV kernel (``kernel``, in ``dq_mode``)
-    in the claimed dQ mode: the Hopper kernel with atomic dQ where the mode
-    is built (``claimed_dq_applies``) and there are at least as many queries
-    as keys, so that each key block's walk starts on its own diagonal: it is
-    the first at its first query blocks, and the others reach them steps
-    later (the launcher, ``cuflash.api.stores_first_dq``, and the
-    simulator's plan)."""
-    return kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(mask, layout) and seqlen_q >= seqlen_k
+def runs_claimed_dq(kernel: str, dq_mode: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int,
+                    head_dim_padded: int) -> bool:
+    """Whether a backward runs its dK/dV kernel (``kernel``, in ``dq_mode``,
+    at ``head_dim_padded``) in the claimed dQ mode: the Hopper kernel with
+    atomic dQ where the mode is built (``claimed_dq_applies``) and there are
+    at least as many queries as keys, so that each key block's walk starts
+    on its own diagonal: it is the first at its first query blocks, and the
+    others reach them steps later (the launcher, ``cuflash.api.stores_first_dq``,
+    and the simulator's plan)."""
+    return (kernel == "wgmma" and dq_mode == "atomic" and claimed_dq_applies(mask, layout, head_dim_padded)
+            and seqlen_q >= seqlen_k)
 
 
 def direct_dq_applies(mask: MaskPolicy, layout: str) -> bool:

@@ -1685,7 +1685,8 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
     preprocessing saved (measured again with the store warp, rotated walks
     and a bound that never waits: the waits are about a sixth of it, the
     rest not located)."""
-    return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k)
+    return runs_claimed_dq(tiling.kernel, dq_mode, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
+                           tiling.head_dim_padded)
 
 
 def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, dq_aligned: bool) -> bool:

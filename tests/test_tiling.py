@@ -210,7 +210,8 @@ def test_dq_modes_of_the_dkdv_families(name, deterministic, mode, key):
 def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
     """kDqAtomic, kDqOrdered, kDqClaimed (kernels_cu/ordered_accumulation.cuh)
     as the int the kernel's mangled name shows; the claimed mode is built for
-    dense batches under causal or window masks only (kernel_report)."""
+    dense batches under causal or window masks, at head dims up to 128 only
+    (kernel_report)."""
     from cuflash._kernel_families import claimed_dq_applies
 
     family = FAMILY["backward-dkdv-wgmma"]
@@ -218,8 +219,14 @@ def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
     assert family.dq_mode(False) == "atomic"  # a call asks for claimed by stores_first_dq, never by default
     variant = family.variant("bfloat16", family.tiles("bfloat16", 128), MASKS["causal"], dq_mode="claimed")
     assert variant.key.endswith("/causal/q2/claimed-dq") and variant.template_args[-1] == "2"
-    assert claimed_dq_applies(MASKS["causal"], "dense") and claimed_dq_applies(MASKS["window"], "dense")
-    assert not claimed_dq_applies(MASKS["none"], "dense") and not claimed_dq_applies(MASKS["causal"], "packed")
+    for head_dim in (32, 64, 96, 128):
+        assert claimed_dq_applies(MASKS["causal"], "dense", head_dim)
+        assert claimed_dq_applies(MASKS["window"], "dense", head_dim)
+        assert not claimed_dq_applies(MASKS["none"], "dense", head_dim)
+        assert not claimed_dq_applies(MASKS["causal"], "packed", head_dim)
+    # Head dims whose consumers split it add their dQ tiles (measured faster).
+    assert not any(claimed_dq_applies(MASKS[mask], "dense", head_dim)
+                   for mask in ("causal", "window") for head_dim in (192, 256))
 
 
 @pytest.mark.parametrize("mask,seqlen_q,seqlen_k,block_n,dq_aligned,direct", [

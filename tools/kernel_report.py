@@ -68,13 +68,14 @@ def _family_variants(family, dtype: str, tiling, layouts=("dense",)) -> list[Ker
     layouts = [layout for layout in layouts if layout in (copy_engine_layouts(tiling) or (layout,))]
     return [family.variant(dtype, tiling, mask, score, dq_mode=mode, layout=layout)
             for layout in layouts for mask, score in policies + (heaviest if layout == "dense" else [])
-            for mode in family.dq_modes or ("atomic",) if _mode_built(mode, mask, layout)]
+            for mode in family.dq_modes or ("atomic",) if _mode_built(mode, mask, layout, tiling)]
 
 
-def _mode_built(mode: str, mask, layout: str) -> bool:
-    """Whether a dK/dV family's dQ ``mode`` is built for ``mask`` in ``layout`` batches."""
-    built = {"claimed": claimed_dq_applies, "direct": direct_dq_applies}.get(mode)
-    return built is None or built(mask, layout)
+def _mode_built(mode: str, mask, layout: str, tiling) -> bool:
+    """Whether a dK/dV family's dQ ``mode`` is built for ``mask`` in ``layout`` batches on ``tiling``."""
+    if mode == "claimed":
+        return claimed_dq_applies(mask, layout, tiling.head_dim_padded)
+    return mode != "direct" or direct_dq_applies(mask, layout)
 
 
 def spill_limit(key: str) -> int:

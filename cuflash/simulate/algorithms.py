@@ -752,7 +752,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         dq_m=dq.block_m, dq_n=dq.block_n, native_gqa=True,
         claimed_dq=p.block_density == 1 and not direct_dq and runs_claimed_dq(
             bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
-            p.seqlen_q, p.seqlen_k),
+            p.seqlen_q, p.seqlen_k, bwd.head_dim_padded),
         direct_dq=direct_dq,
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
