@@ -159,7 +159,7 @@ def test_cuflash_deterministic_trades_atomics_for_a_dq_pass():
 
 
 def test_cuflash_on_hopper_stores_first_dq_tiles_where_the_launcher_does():
-    """Causal with seqlen_q >= seqlen_k on Hopper (cuflash.api.stores_first_dq):
+    """Causal with seqlen_q >= seqlen_k on Hopper at head dims up to 128 (cuflash.api.stores_first_dq):
     no pass zeroes the float32 dQ accumulator and no zeroed lines come from
     DRAM for the first additions; the same call without a mask, or on an
     A100, adds into zeros. The preprocessing launch moves the accumulator's
@@ -179,6 +179,9 @@ def test_cuflash_on_hopper_stores_first_dq_tiles_where_the_launcher_does():
     assert zeroing <= formulas(full, h100) and zeroing <= formulas(causal, A100)
     # Fewer queries than keys: the walks share their first query block, and add into zeros.
     assert zeroing <= formulas(Problem(**{**causal.__dict__, "seqlen_k": 4096}), h100)
+    # Head dims whose consumers split it (above 128) add into zeros too (claimed_dq_applies).
+    assert zeroing <= formulas(Problem(**{**causal.__dict__, "head_dim": 256}), h100)
+    assert not zeroing & formulas(Problem(**{**causal.__dict__, "head_dim": 96}), h100)
     preprocess = {problem.causal: next(launch for launch in launches("cuflash", problem, h100, "bwd")
                                        if launch.name == "cuflash backward preprocess")
                   for problem in (causal, full)}
