@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""What rows that start mid-sector cost the Hopper forward, and whether
+copying K and V into padded rows pays (docs/perf-notes.md, "Design, not
+built: head dim 72's forward").
+
+For each length of the FlashAttention-2 grid (batch x seqlen = 16384,
+heads = 2048 / head_dim), causal and not: cuflash's forward on contiguous
+q, k, v (rows of head_dim x 2 bytes), on K and V as views of rows padded to
+``--pad`` elements, on Q, K and V so, the copy of K and V into the padded
+rows, and SDPA's cuDNN backend; GPU time of queued launches
+(``bench.time_gpu``), ms. The last columns say whether the padded call
+plus its copy beats the plain one and cuDNN, and whether the padded call's
+output is bitwise the plain one's.
+
+    python3 tools/bench_padded_rows.py --head-dim 72 --pad 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=72)
+    parser.add_argument("--pad", type=int, default=80, help="elements a padded row holds (rows of pad x 2 bytes)")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192")
+    args = parser.parse_args(argv)
+    if args.pad < args.head_dim:
+        parser.error(f"--pad must be at least --head-dim ({args.head_dim}), got {args.pad}")
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import cuflash
+    from bench import time_gpu
+
+    d, pad = args.head_dim, args.pad
+
+    def padded_copy(x):
+        view = torch.zeros(*x.shape[:-1], pad, device=x.device, dtype=x.dtype)[..., :d]
+        view.copy_(x)
+        return view
+
+    print("| seqlen | causal | plain | padded K/V | padded Q/K/V | copy K/V | cuDNN | plain / cuDNN | "
+          "(padded + copy) / plain | bitwise |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        batch, heads = 16384 // seqlen, 2048 // d
+        for causal in (False, True):
+            generator = torch.Generator(device="cuda").manual_seed(seqlen)
+            q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
+                                   generator=generator) for _ in range(3))
+            qp, kp, vp = padded_copy(q), padded_copy(k), padded_copy(v)
+            calls = max(3, min(30, int(60 * 2048 / seqlen)))
+
+            def best(fn):
+                return min(time_gpu(fn, calls=calls, repeats=7) for _ in range(2))
+
+            plain = best(lambda: cuflash.attention(q, k, v, causal=causal))
+            padded_kv = best(lambda: cuflash.attention(q, kp, vp, causal=causal))
+            padded_all = best(lambda: cuflash.attention(qp, kp, vp, causal=causal))
+            copy_kv = best(lambda: (kp.copy_(k), vp.copy_(v)))
+            same = torch.equal(cuflash.attention(q, k, v, causal=causal), cuflash.attention(q, kp, vp, causal=causal))
+            leaves = tuple(x.transpose(1, 2) for x in (q, k, v))
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    cudnn = best(lambda: sdpa(*leaves, is_causal=causal))
+            except RuntimeError:  # no cuDNN kernel for this head dim
+                cudnn = float("nan")
+            print(f"| {seqlen} | {'yes' if causal else 'no'} | {plain:.4f} | {padded_kv:.4f} | {padded_all:.4f} | "
+                  f"{copy_kv:.4f} | {cudnn:.4f} | {cudnn / plain:.3f} | {(padded_kv + copy_kv) / plain:.3f} | "
+                  f"{same} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
