@@ -4,10 +4,11 @@ takes steps g, g + grid, ...; causal tiles in pairs of a long and a short
 walk) against a dynamic scheduler that hands each free block the longest
 tile left (list scheduling, longest first), the same scheduler taking heads
 in groups (longest first within a group: what keeps L2's working set, see
-``group_heads``), and the ideal (all work spread evenly). A tile's cost is ``a + b x key blocks``, the per-tile and
-per-block microseconds ``tools/tile_cost_fit.py`` fits from a benchmark
-JSON; tiles and their key blocks come from the simulator's query sweep
-(cuflash.simulate), whose mask rules are the kernels'.
+``group_heads``), and the ideal (all work spread evenly). A tile's cost is
+``a + b x key blocks``, the per-tile and per-block microseconds
+``tools/tile_cost_fit.py`` fits from a benchmark JSON; tiles and their key
+blocks come from the simulator's query sweep (cuflash.simulate), whose mask
+rules are the kernels'.
 
 A model, not a measurement: it predicts what a dynamic scheduler (not
 built; docs/perf-notes.md, "Design, not built: a dynamic tile scheduler")
@@ -90,11 +91,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         heads = 16384 // seqlen * (2048 // args.head_dim)
-        spans = makespans(tile_blocks(seqlen, args.causal, args.block_m, args.block_n), heads, args.sms, args.a,
-                          args.b, paired=args.causal)
-        tiles = len(tile_blocks(seqlen, args.causal, args.block_m, args.block_n))
+        blocks = tile_blocks(seqlen, args.causal, args.block_m, args.block_n)
+        spans = makespans(blocks, heads, args.sms, args.a, args.b, paired=args.causal)
         print(f"| {seqlen} | {spans['static']:.1f} | {spans['dynamic']:.1f} | {spans['grouped']:.1f} "
-              f"({group_heads(tiles, args.sms)}) | {spans['even']:.1f} | {spans['static'] / spans['dynamic']:.3f} | "
+              f"({group_heads(len(blocks), args.sms)}) | {spans['even']:.1f} | {spans['static'] / spans['dynamic']:.3f} | "
               f"{spans['static'] / spans['grouped']:.3f} |")
     return 0
 
