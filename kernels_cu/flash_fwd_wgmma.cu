@@ -12,8 +12,10 @@
 // producer: it hands most of its registers back (setmaxnreg) and one of its
 // threads issues every copy with the Tensor Memory Accelerator (tma.cuh):
 // the query tile once, then K and V tiles through a ring of kStages shared
-// buffers, each guarded by a full and an empty mbarrier (mbarrier.cuh). The
-// other warpgroups are consumers, each owning 64 query rows; they never copy,
+// buffers, each guarded by a full and an empty mbarrier (mbarrier.cuh);
+// where a head's rows start mid-sector its copies start 8 columns early
+// (sector_aligned_shift), and the output is staged back in the head's
+// columns. The other warpgroups are consumers, each owning 64 query rows; they never copy,
 // never wait for each other at a block-wide barrier, and take the registers
 // the producer gave back.
 //
@@ -147,6 +149,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 }
                 const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
                 const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
+                // Q's columns follow K's (their products pair them up), the
+                // output's V's (see sector_aligned_shift).
+                const int qk_shift = sector_aligned_shift<Element, kHeadDim>(params.k, block.tensor_batch,
+                                                                             block.kv_head, params.size.head_dim_int());
+                const int v_shift = sector_aligned_shift<Element, kHeadDim>(params.v, block.tensor_batch,
+                                                                            block.kv_head, params.size.head_dim_int());
                 // Q's buffer is free once the consumers have staged and
                 // stored the output of the tile before last in it (and read
                 // its coordinates for the last time).
@@ -163,31 +171,32 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                     // past a dense one.
                     mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
                     tma_load_tile<QTile>(base + Traits::kQ + q_ring.stage * QTile::kBytes, params.q_map, q_full,
-                                         block.q_row0 + block.m_start, block.head, block.tensor_batch);
+                                         block.q_row0 + block.m_start, block.head, block.tensor_batch, -qk_shift);
                 } else {
                     mbarrier_arrive(q_full);  // no keys to see: the buffer only stages the output
                 }
                 q_ring.advance();
                 // K_i and V_{i-1}, in the order the consumers take them (a
                 // step multiplies by K_i and by V_{i-1}); V lags K by one block.
-                const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i) {
+                const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i,
+                                      int shift) {
                     // Waiting for the phase before the current one: on the
                     // first pass over the ring every buffer is free at once.
                     mbarrier_wait(empty, at.phase ^ 1);
                     mbarrier_arrive_expect_tx(full, KvTile::kBytes);
                     tma_load_tile<KvTile>(base + kv_base + at.stage * KvTile::kBytes, map, full,
                                           block.k_row0 + visits.n_block(i) * kBlockN, block.kv_head,
-                                          block.tensor_batch);
+                                          block.tensor_batch, -shift);
                 };
                 for (int i = 0; i <= visits.count; ++i) {
                     if (i < visits.count) {
                         load(params.k_map, Traits::kK, Traits::k_full(base, k_ring.stage),
-                             Traits::k_empty(base, k_ring.stage), k_ring, i);
+                             Traits::k_empty(base, k_ring.stage), k_ring, i, qk_shift);
                         k_ring.advance();
                     }
                     if (i > 0) {
                         load(params.v_map, Traits::kV, Traits::v_full(base, v_ring.stage),
-                             Traits::v_empty(base, v_ring.stage), v_ring, i - 1);
+                             Traits::v_empty(base, v_ring.stage), v_ring, i - 1, v_shift);
                         v_ring.advance();
                     }
                 }
@@ -447,12 +456,20 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // that they hold no registers through the main loop.
         const QueryBlock block = tile_block_in(q_buffer);
         const int first_row = block.m_start;
+        // O's columns are V's as the producer copied them, shift_chunks
+        // 8-column chunks before the head's (sector_aligned_shift): staged
+        // in the head's columns, so that the stores start at its first.
+        const int shift_chunks = sector_aligned_shift<Element, kHeadDim>(params.v, block.tensor_batch,
+                                                                         block.kv_head, ctx.head_dim) / 8;
         unsigned char* const q_tile = Traits::q_tile(smem, q_buffer);
         finish_forward_rows<Element>(
             softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0, first_row, warp_row0,
             ctx.seqlen_q, lane,
             [&](int row_in_block, int dt, u32 packed) {
-                *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt) + 4 * (lane % 4)) = packed;
+                if (dt >= shift_chunks) {  // the chunks before the head hold zeros
+                    *reinterpret_cast<u32*>(q_tile + QTile::chunk_offset(row_in_block, dt - shift_chunks) +
+                                            4 * (lane % 4)) = packed;
+                }
             });
         if constexpr (kPersistent) {
             fence_async_shared();  // the staged rows, written by ordinary stores, are read by the copy engine

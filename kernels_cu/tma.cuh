@@ -34,15 +34,46 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TensorMap& map, u32 b
 
 // Loads a kRows x Tile::kCols tile whose first row is `row` into a swizzled
 // tile (SwizzledTile, swizzled_tile.cuh) at `dst`: one box per column panel
-// (the map's box is kPanelCols wide and kRows tall, in the tile's swizzle).
+// (the map's box is kPanelCols wide and kRows tall, in the tile's swizzle),
+// the tile's column 0 being the head's column col0 (0, or minus a shift
+// from sector_aligned_shift).
 template <typename Tile>
 __device__ __forceinline__ void tma_load_tile(u32 dst, const TensorMap& map, u32 barrier, int row, index_t head,
-                                              index_t batch) {
+                                              index_t batch, int col0 = 0) {
 #pragma unroll
     for (int panel = 0; panel < Tile::kCols / Tile::kPanelCols; ++panel) {
-        tma_load_4d(dst + panel * Tile::kPanelBytes, map, barrier, panel * Tile::kPanelCols, row,
+        tma_load_4d(dst + panel * Tile::kPanelBytes, map, barrier, col0 + panel * Tile::kPanelCols, row,
                     static_cast<int>(head), static_cast<int>(batch));
     }
+}
+
+// The columns a tile's copies of one head start before the head's first
+// column, so that they move whole 32-byte sectors: 16 bytes' worth where
+// every row of the head starts 16 bytes into a sector and the tile has
+// that many columns to spare past head_dim, else 0. The copy engine reads
+// global memory by sectors: a 64-byte box row that starts mid-sector spans
+// three of them instead of two. Rows of head dims that end mid-sector (72:
+// 144 bytes) put every other head of a (batch, seqlen, heads, head_dim)
+// array there when the heads' rows are a whole number of sectors apart
+// (an even head count); the shift took the Hopper forward at head dim 72,
+// 28 heads, 4k keys from 1.68 to 1.35 ms (H200, docs/perf-notes.md). The columns
+// before the head lie outside the map (negative coordinates): they arrive
+// as zeros, so the products over them add nothing. A store cannot start
+// there (a negative coordinate in cp.async.bulk.tensor's store is an
+// illegal instruction on the H200): a tile computed in shifted columns is
+// staged back in the head's before it is stored.
+// `batch` is the map's batch coordinate (a tensor's, not a sequence's).
+template <typename Element, int kCols>
+__device__ __forceinline__ int sector_aligned_shift(const TensorRef& tensor, index_t batch, index_t head,
+                                                    int head_dim) {
+    constexpr u32 kElementBytes = sizeof(Element);
+    constexpr int kShift = 16 / kElementBytes;
+    // The start's place in its sector from the addresses' low 32 bits (a
+    // multiple of 32 apart from the whole address).
+    const u32 start = static_cast<u32>(reinterpret_cast<unsigned long long>(tensor.ptr)) +
+                      static_cast<u32>(batch * tensor.batch_stride + head * tensor.head_stride) * kElementBytes;
+    const bool rows_start_alike = static_cast<u32>(tensor.row_stride) * kElementBytes % 32 == 0;
+    return rows_start_alike && start % 32 == 16 && head_dim + kShift <= kCols ? kShift : 0;
 }
 
 // Adds the box at `src` (shared) into the box at coordinates (c0, c1, c2,

@@ -231,6 +231,60 @@ def test_wgmma_forward_encodes_maps_for_each_calls_arrays(head_dim):
     assert len(api.plans) == plans_after_first  # one signature, one plan
 
 
+def _offset_copy(cupy, array, offset):
+    """``array``'s values in a contiguous array that starts ``offset``
+    elements into a larger NaN-filled allocation (its first elements stay NaN)."""
+    flat = cupy.full(array.size + offset, cupy.nan, dtype=array.dtype)
+    view = flat[offset:].reshape(array.shape)
+    view[...] = array
+    return view, flat
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [24, 48, 64, 72, 104, 200])
+@pytest.mark.parametrize("offsets", [(0, 0, 0, 0), (0, 8, 0, 0), (8, 0, 8, 8), (8, 8, 0, 8)],
+                         ids=["aligned", "k", "q-v-out", "q-k-out"])
+@pytest.mark.parametrize("walk", ["persistent-full", "persistent-causal", "window"])
+def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
+    """Heads whose rows start 16 bytes into a 32-byte sector: the kernel's
+    copies then start 8 columns before the head (sector_aligned_shift in
+    tma.cuh; the columns before it arrive as zeros), Q's by K's choice and
+    the output's by V's. Head dims 24, 72, 104, 200 (rows ending mid-sector)
+    put every other head there; an array starting 8 elements (16 bytes)
+    into its allocation moves every head (``offsets``: q, k, v, out), so K
+    and V, and Q and K, differ. Head dim 48 has room in its 64-column tile
+    for the shift, 64 has none (its misaligned heads keep their columns).
+    Grouped-query (4 heads on 2), persistent blocks (the output stored by
+    the copy engine) and one tile a block (a window mask: rows stored by
+    the warps), outputs in a poisoned allocation, against float64."""
+    import cuflash
+    from cuflash._tiling import wgmma_forward_for_call
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    seqlen = 600
+    q, k, v = random_qkv(cupy, 2, seqlen, seqlen, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim + sum(offsets))
+    (q, _), (k, _), (v, _) = (_offset_copy(cupy, x, offset) for x, offset in zip((q, k, v), offsets))
+    out, out_allocation = _offset_copy(cupy, cupy.full(q.shape, cupy.nan, dtype=q.dtype), offsets[3])
+    assert [x.data.ptr % 32 for x in (q, k, v, out)] == [2 * offset for offset in offsets]
+    kwargs = {"causal": walk == "persistent-causal", "window_size": (150, 40) if walk == "window" else (-1, -1)}
+    problem = check_variants(check_forward(meta_of("q", q), meta_of("k", k), meta_of("v", v), meta_of("out", out),
+                                           causal=kwargs["causal"], softmax_scale=None),
+                             window_size=kwargs["window_size"])
+    table = api.forward_tiling_for(problem, (q, k, v, out), aligned=True)
+    assert table.kernel == "wgmma"
+    chosen = wgmma_forward_for_call(table, "bfloat16", head_dim, problem.mask.name, "dense", False, seqlen)
+    assert chosen.persistent == walk.startswith("persistent")
+    lse = cupy.full((2, 4, seqlen), cupy.nan, dtype=cupy.float32)
+    cuflash.attention(q, k, v, out=out, lse=lse, return_lse=True, **kwargs)
+    assert bool(cupy.isnan(out_allocation[:offsets[3]]).all()), "the forward wrote before out"
+    scale = head_dim ** -0.5
+    ref_out, ref_lse = attention_reference(q, k, v, softmax_scale=scale, **kwargs)
+    assert_output_accurate(out, ref_out, naive_attention_same_precision(q, k, v, softmax_scale=scale, **kwargs))
+    assert_lse_close(lse, ref_lse)
+
+
 @needs_hopper
 def test_negative_strides_take_a_kernel_without_tensor_maps():
     """A reversed view has negative strides, which a tensor map cannot
