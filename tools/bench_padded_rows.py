@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What rows that start mid-sector cost the Hopper forward, and whether
-copying K and V into padded rows pays (docs/perf-notes.md, "Design, not
-built: head dim 72's forward").
+copying K and V into padded rows pays (docs/perf-notes.md, "Head dim 72's
+forward: copies that start on a sector").
 
 For each length of the FlashAttention-2 grid (batch x seqlen = 16384,
 heads = 2048 / head_dim), causal and not: cuflash's forward on contiguous
@@ -10,7 +10,12 @@ q, k, v (rows of head_dim x 2 bytes), on K and V as views of rows padded to
 rows, and SDPA's cuDNN backend; GPU time of queued launches
 (``bench.time_gpu``), ms. The last columns say whether the padded call
 plus its copy beats the plain one and cuDNN, and whether the padded call's
-output is bitwise the plain one's.
+output is bitwise the plain one's. Since d9f794f the forward starts the
+copies of heads whose rows all begin mid-sector 8 columns early
+(sector_aligned_shift in kernels_cu/tma.cuh), so "plain" is within a few
+percent of "padded K/V" there and no longer bitwise equal to it (the
+zeros' columns shift the products' k16 steps); with an odd head count the
+rows alternate and plain stays slower.
 
     python3 tools/bench_padded_rows.py --head-dim 72 --pad 80
 """
