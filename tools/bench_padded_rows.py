@@ -17,7 +17,11 @@ percent of "padded K/V" there and no longer bitwise equal to it (the
 zeros' columns shift the products' k16 steps); with an odd head count the
 rows alternate and plain stays slower.
 
-    python3 tools/bench_padded_rows.py --head-dim 72 --pad 80
+    python3 tools/bench_padded_rows.py --head-dim 72 --pad 80 [--backward]
+
+``--backward`` times ``cuflash.attention_backward`` instead: every input
+(dout, q, k, v, out) and output (dq, dk, dv) contiguous, against all of
+them as views of padded rows (the backward does not shift its copies).
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=72)
     parser.add_argument("--pad", type=int, default=80, help="elements a padded row holds (rows of pad x 2 bytes)")
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192")
+    parser.add_argument("--backward", action="store_true", help="time the backward, plain against padded rows")
     args = parser.parse_args(argv)
     if args.pad < args.head_dim:
         parser.error(f"--pad must be at least --head-dim ({args.head_dim}), got {args.pad}")
+    if args.backward:
+        return backward_table(args)
 
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -82,6 +89,44 @@ def main(argv=None) -> int:
             print(f"| {seqlen} | {'yes' if causal else 'no'} | {plain:.4f} | {padded_kv:.4f} | {padded_all:.4f} | "
                   f"{copy_kv:.4f} | {cudnn:.4f} | {cudnn / plain:.3f} | {(padded_kv + copy_kv) / plain:.3f} | "
                   f"{same} |", flush=True)
+    return 0
+
+
+def backward_table(args) -> int:
+    """The backward on contiguous rows against padded ones (ms)."""
+    import torch
+
+    import cuflash
+    from bench import time_gpu
+
+    d, pad = args.head_dim, args.pad
+
+    def padded_like(x):
+        view = torch.zeros(*x.shape[:-1], pad, device=x.device, dtype=x.dtype)[..., :d]
+        view.copy_(x)
+        return view
+
+    print("| seqlen | causal | plain | padded | padded / plain |")
+    print("|---|---|---|---|---|")
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        batch, heads = 16384 // seqlen, 2048 // d
+        for causal in (False, True):
+            generator = torch.Generator(device="cuda").manual_seed(seqlen)
+            q, k, v, dout = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
+                                         generator=generator) for _ in range(4))
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            padded = [padded_like(x) for x in (dout, q, k, v, out)]
+            grads = [padded_like(torch.empty_like(x)) for x in (q, k, v)]
+            calls = max(3, min(20, int(30 * 2048 / seqlen)))
+
+            def best(fn):
+                return min(time_gpu(fn, calls=calls, repeats=7) for _ in range(2))
+
+            plain = best(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
+            rows = best(lambda: cuflash.attention_backward(*padded, lse, causal=causal, dq=grads[0], dk=grads[1],
+                                                           dv=grads[2]))
+            print(f"| {seqlen} | {'yes' if causal else 'no'} | {plain:.4f} | {rows:.4f} | {rows / plain:.3f} |",
+                  flush=True)
     return 0
 
 
