@@ -235,3 +235,15 @@ def test_cudnn_summary_reads_issue_17s_bars_per_dtype_and_pass():
         "bfloat16 fwd cuflash/cuDNN: below 2k min 0.950 (d128 causal 1024), >= 0.9: 1/1",
         "float16 bwd cuflash/cuDNN: from 2k min 0.990 (d128 full 2048), >= 1.0: 1/2; "
         "below 2k min 0.890 (d128 full 512), >= 0.9: 0/1"]
+
+
+def test_bench_padded_rows_refuses_rows_narrower_than_the_head_dim(capsys):
+    """A padded row must hold the head's elements: refused before any
+    framework is imported, the message naming --pad and the head dim."""
+    import bench_padded_rows
+
+    for backward in ([], ["--backward"]):
+        with pytest.raises(SystemExit) as refused:
+            bench_padded_rows.main(["--head-dim", "72", "--pad", "64", *backward])
+        assert refused.value.code == 2
+        assert "--pad must be at least --head-dim (72), got 64" in capsys.readouterr().err
