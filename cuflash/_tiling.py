@@ -173,7 +173,9 @@ WGMMA_FORWARD_TILES = {
 #: such rows it ran at half speed (d40 139 against 251 TFLOP/s, d8 40
 #: against 68; padding the storage so rows start on a sector did not help,
 #: so it is the copies of rows ending mid-sector, not their alignment:
-#: docs/perf-notes.md). Head dims 16, 32, 48 and 64 keep the 64-row tile.
+#: docs/perf-notes.md; the 128-row tile pays for them too, 13-20% at head
+#: dim 72, where the same rows read 80 columns wide ran that much faster).
+#: Head dims 16, 32, 48 and 64 keep the 64-row tile.
 WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
     32: (128, 128, 12, 1),
     64: (128, 128, 12, 1),
