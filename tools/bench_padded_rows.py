@@ -36,6 +36,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def padded_rows(x, pad: int):
+    """``x``'s values as a view of rows of ``pad`` elements (zeros past its last dimension)."""
+    import torch
+
+    view = torch.zeros(*x.shape[:-1], pad, device=x.device, dtype=x.dtype)[..., :x.shape[-1]]
+    view.copy_(x)
+    return view
+
+
+def best_of_two(fn, calls: int) -> float:
+    """The lower of two medians of ``bench.time_gpu`` (ms)."""
+    from bench import time_gpu
+
+    return min(time_gpu(fn, calls=calls, repeats=7) for _ in range(2))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=72)
@@ -53,15 +69,8 @@ def main(argv=None) -> int:
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import cuflash
-    from bench import time_gpu
 
     d, pad = args.head_dim, args.pad
-
-    def padded_copy(x):
-        view = torch.zeros(*x.shape[:-1], pad, device=x.device, dtype=x.dtype)[..., :d]
-        view.copy_(x)
-        return view
-
     print("| seqlen | causal | plain | padded K/V | padded Q/K/V | as head dim pad | copy K/V | cuDNN | "
           "plain / cuDNN | (padded + copy) / plain | bitwise |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -71,11 +80,11 @@ def main(argv=None) -> int:
             generator = torch.Generator(device="cuda").manual_seed(seqlen)
             q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                                    generator=generator) for _ in range(3))
-            qp, kp, vp = padded_copy(q), padded_copy(k), padded_copy(v)
+            qp, kp, vp = (padded_rows(x, pad) for x in (q, k, v))
             calls = max(3, min(30, int(60 * 2048 / seqlen)))
 
             def best(fn):
-                return min(time_gpu(fn, calls=calls, repeats=7) for _ in range(2))
+                return best_of_two(fn, calls)
 
             plain = best(lambda: cuflash.attention(q, k, v, causal=causal))
             padded_kv = best(lambda: cuflash.attention(q, kp, vp, causal=causal))
@@ -93,8 +102,8 @@ def main(argv=None) -> int:
             except RuntimeError:  # no cuDNN kernel for this head dim
                 cudnn = float("nan")
             print(f"| {seqlen} | {'yes' if causal else 'no'} | {plain:.4f} | {padded_kv:.4f} | {padded_all:.4f} | "
-                  f"{as_pad:.4f} | {copy_kv:.4f} | {cudnn:.4f} | {cudnn / plain:.3f} | {(padded_kv + copy_kv) / plain:.3f} | "
-                  f"{same} |", flush=True)
+                  f"{as_pad:.4f} | {copy_kv:.4f} | {cudnn:.4f} | {cudnn / plain:.3f} | "
+                  f"{(padded_kv + copy_kv) / plain:.3f} | {same} |", flush=True)
     return 0
 
 
@@ -103,15 +112,8 @@ def backward_table(args) -> int:
     import torch
 
     import cuflash
-    from bench import time_gpu
 
     d, pad = args.head_dim, args.pad
-
-    def padded_like(x):
-        view = torch.zeros(*x.shape[:-1], pad, device=x.device, dtype=x.dtype)[..., :d]
-        view.copy_(x)
-        return view
-
     print("| seqlen | causal | plain | padded | padded / plain |")
     print("|---|---|---|---|---|")
     for seqlen in (int(s) for s in args.seqlens.split(",")):
@@ -121,16 +123,12 @@ def backward_table(args) -> int:
             q, k, v, dout = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16,
                                          generator=generator) for _ in range(4))
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            padded = [padded_like(x) for x in (dout, q, k, v, out)]
-            grads = [padded_like(torch.empty_like(x)) for x in (q, k, v)]
+            padded = [padded_rows(x, pad) for x in (dout, q, k, v, out)]
+            grads = [padded_rows(torch.empty_like(x), pad) for x in (q, k, v)]
             calls = max(3, min(20, int(30 * 2048 / seqlen)))
-
-            def best(fn):
-                return min(time_gpu(fn, calls=calls, repeats=7) for _ in range(2))
-
-            plain = best(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal))
-            rows = best(lambda: cuflash.attention_backward(*padded, lse, causal=causal, dq=grads[0], dk=grads[1],
-                                                           dv=grads[2]))
+            plain = best_of_two(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal), calls)
+            rows = best_of_two(lambda: cuflash.attention_backward(*padded, lse, causal=causal, dq=grads[0],
+                                                                  dk=grads[1], dv=grads[2]), calls)
             print(f"| {seqlen} | {'yes' if causal else 'no'} | {plain:.4f} | {rows:.4f} | {rows / plain:.3f} |",
                   flush=True)
     return 0

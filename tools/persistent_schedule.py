@@ -94,8 +94,8 @@ def main(argv=None) -> int:
         blocks = tile_blocks(seqlen, args.causal, args.block_m, args.block_n)
         spans = makespans(blocks, heads, args.sms, args.a, args.b, paired=args.causal)
         print(f"| {seqlen} | {spans['static']:.1f} | {spans['dynamic']:.1f} | {spans['grouped']:.1f} "
-              f"({group_heads(len(blocks), args.sms)}) | {spans['even']:.1f} | {spans['static'] / spans['dynamic']:.3f} | "
-              f"{spans['static'] / spans['grouped']:.3f} |")
+              f"({group_heads(len(blocks), args.sms)}) | {spans['even']:.1f} | "
+              f"{spans['static'] / spans['dynamic']:.3f} | {spans['static'] / spans['grouped']:.3f} |")
     return 0
 
 
