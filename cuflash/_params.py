@@ -59,6 +59,7 @@ FORWARD_PARAMS = np.dtype(
         ("size", PROBLEM_SIZE),
         ("num_m_blocks", _INDEX),
         ("softmax_scale_log2", np.float32),
+        ("kv_pair_maps", np.int32),
         ("num_splits", _INDEX),
         ("out_split_stride", _INDEX),
         ("lse_split_stride", _INDEX),
@@ -141,8 +142,10 @@ def _with_maps(base: np.dtype, maps: tuple[str, ...]) -> np.dtype:
 
 
 #: WgmmaForwardParams (params.cuh): ForwardParams, then the maps of Q, K, V
-#: and the output (persistent blocks store their rows through it).
-WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map", "out_map"))
+#: and the output (persistent blocks store their rows through it), and K's
+#: and V's two head-pair maps each (``kv_pair_maps``).
+WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map", "out_map", "k_pair_map0",
+                                                   "k_pair_map1", "v_pair_map0", "v_pair_map1"))
 #: WgmmaBackwardParams: BackwardParams, then the maps of Q, K, V, dO and the float32 dQ accumulator.
 WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
 

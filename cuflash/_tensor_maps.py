@@ -85,6 +85,38 @@ def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox)
     return dims, tuple(byte_strides), (box.panel_cols, box.rows, 1, 1)
 
 
+#: Bytes a 32-byte sector holds: the copy engine reads global memory by them.
+SECTOR_BYTES = 32
+
+
+def head_pair_geometry(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int,
+                       head_dim_padded: int):
+    """The head-pair view of a (batch, seqlen, heads, head_dim) array of
+    byte ``strides`` that the Hopper forward copies K and V through where
+    rows end 16 bytes into a sector (params.cuh's ``k_pair_maps``): ((batch,
+    seqlen, heads / 2, head_dim + 16 bytes' worth), byte strides, the odd
+    heads' map's offset from the array's start) or None. Over pairs of
+    heads, so that no stride is shorter than the width it steps over; the
+    even heads' map starts at the array (a head and the next one's first 16
+    bytes), the odd heads' 16 bytes before head 1 (the previous head's last
+    16 bytes and the head). Every row it reads then starts and ends on a
+    sector where the array starts on one (the kernel checks the pointer),
+    and stays inside the array's rows. Needs 16-bit elements, heads
+    contiguous and an even number of them, rows and batch entries whole
+    sectors apart, and the columns in the kernel's padded tile."""
+    batch, seqlen, heads, head_dim = shape
+    batch_stride, row_stride, head_stride, _ = strides
+    spare = _GRANULE // element_bytes  # the neighbour's columns a row takes
+    row_bytes = head_dim * element_bytes
+    applies = (element_bytes == 2 and row_bytes % SECTOR_BYTES == _GRANULE and heads % 2 == 0
+               and head_stride == row_bytes and row_stride % SECTOR_BYTES == 0
+               and (batch == 1 or batch_stride % SECTOR_BYTES == 0) and head_dim + spare <= head_dim_padded)
+    if not applies:
+        return None
+    return ((batch, seqlen, heads // 2, head_dim + spare), (batch_stride, row_stride, 2 * head_stride, element_bytes),
+            row_bytes - _GRANULE)
+
+
 def takes_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """Whether a (batch, seqlen, heads, head_dim) array of byte ``strides``
     can have a tensor map: no empty dimension (the driver takes none) and
@@ -125,16 +157,20 @@ class TensorMapEncoder:
     the bytes of one of the last ``remembered`` pointers back in place (a
     training loop hands the same few buffers over and over; a copy costs a
     fraction of the driver's encode), and asks the driver otherwise.
-    ``encode`` replaces the driver's function (tests)."""
+    ``encode`` replaces the driver's function (tests). ``offset``: bytes
+    from the pointer to the map's base (a head-pair map of odd heads)."""
 
     def __init__(self, address: int, dtype_name: str, shape, strides, box: TileBox, encode=None,
-                 remembered: int = 64):
+                 remembered: int = 64, offset: int = 0):
         if box.element_bytes != _ELEMENT_BYTES[dtype_name]:
             raise ValueError(f"a box of {box.element_bytes}-byte elements does not fit a {dtype_name} array")
         if address % TENSOR_MAP_ALIGNMENT:
             raise ValueError(f"a tensor map must be {TENSOR_MAP_ALIGNMENT}-byte aligned, got address {address:#x}")
         dims, byte_strides, box_dims = map_geometry(tuple(shape), tuple(strides), box)
+        if offset % _GRANULE:
+            raise ValueError(f"a tensor map's base must stay {_GRANULE}-byte aligned, got an offset of {offset} bytes")
         self.address = address
+        self.offset = offset
         self._encode = encode
         self._arguments = (
             ctypes.c_void_p(address), _DATA_TYPE[dtype_name], len(dims),
@@ -159,7 +195,7 @@ class TensorMapEncoder:
             raise ValueError(f"a tensor map needs a {_GRANULE}-byte aligned base pointer, got {pointer:#x}")
         encode = self._encode or _driver_encode()
         address, data_type, rank, *rest = self._arguments
-        status = encode(address, data_type, rank, ctypes.c_void_p(pointer), *rest)
+        status = encode(address, data_type, rank, ctypes.c_void_p(pointer + self.offset), *rest)
         if status != 0:
             dims, strides, box = (list(array) for array in rest[:3])
             raise TensorMapError(f"cuTensorMapEncodeTiled failed (CUresult {status}) for dims {dims}, "

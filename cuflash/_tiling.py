@@ -240,8 +240,8 @@ SMEM_RESERVED_PER_BLOCK = 1024
 
 def wgmma_forward_barrier_bytes(stages: int, q_buffers: int = 1) -> int:
     """The Hopper forward's mbarriers: Q full and empty per Q buffer with its tile's coordinates (16 bytes), then
-    full and empty for K and V per stage."""
-    return 8 * (4 * q_buffers + 4 * stages)
+    full and empty for K and V per stage, then K landed per stage (K copied with its neighbour's columns)."""
+    return 8 * (4 * q_buffers + 5 * stages)
 
 
 #: Hopper backward dK/dV tiles (wgmma, sm_90a; flash_bwd_wgmma.cu) per

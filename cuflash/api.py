@@ -36,7 +36,7 @@ from ._loader import builds_sm90a, loader
 from ._params import (BACKWARD_PARAMS, CACHE_APPEND_PARAMS, FORWARD_PARAMS, MERGE_PARAMS, VARIANT_PARAMS,
                       WGMMA_BACKWARD_PARAMS, WGMMA_FORWARD_PARAMS, pack,
                       tensor_ref)
-from ._tensor_maps import TensorMapEncoder, TileBox, takes_layout
+from ._tensor_maps import TensorMapEncoder, TileBox, head_pair_geometry, takes_layout
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tail_split, decode_tilings, decode_ring,
@@ -1563,6 +1563,8 @@ def _forward_parts(problem: AttentionProblem, layouts: dict, aligned: bool, tili
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
+        kv_pair_maps=sum(1 << bit for bit, geometry in enumerate(_kv_pair_geometries(problem, layouts, tiling))
+                         if geometry is not None),
         num_splits=splits,
         out_split_stride=0,
         lse_split_stride=0,
@@ -1598,7 +1600,25 @@ def _forward_tensor_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
         address = params.ctypes.data + params.dtype.fields[f"{name}_map"][1]
         box = TileBox(rows=rows[name], cols=tiling.head_dim_padded)
         maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, layout.shape, layout.strides, box)))
+    for name, geometry in zip(("k", "v"), _kv_pair_geometries(problem, layouts, tiling)):
+        if geometry is None:
+            continue
+        shape, strides, odd_offset = geometry
+        box = TileBox(rows=rows[name], cols=tiling.head_dim_padded)
+        for parity, offset in enumerate((0, odd_offset)):
+            address = params.ctypes.data + params.dtype.fields[f"{name}_pair_map{parity}"][1]
+            maps.append((f"{name}.ptr", TensorMapEncoder(address, problem.dtype, shape, strides, box, offset=offset)))
     return maps
+
+
+def _kv_pair_geometries(problem: AttentionProblem, layouts: dict, tiling: Tiling) -> tuple:
+    """K's and V's head-pair map geometries (``head_pair_geometry``) for the
+    Hopper forward, None for a tensor without them (and for every other
+    forward)."""
+    if tiling.kernel != "wgmma" or problem.is_empty:
+        return None, None
+    return tuple(head_pair_geometry(layouts[name].shape, layouts[name].strides, layouts[name].itemsize,
+                                    tiling.head_dim_padded) for name in ("k", "v"))
 
 
 def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling, splits: int,
@@ -1623,6 +1643,7 @@ def _split_forward_plan(problem: AttentionProblem, layouts: dict, tiling: Tiling
         size=_size_fields(problem),
         num_m_blocks=num_m_blocks,
         softmax_scale_log2=problem.softmax_scale * _LOG2E,
+        kv_pair_maps=0,
         num_splits=splits,
         out_split_stride=b * sq * h * d,
         lse_split_stride=b * h * sq,

@@ -15,7 +15,10 @@
 // buffers, each guarded by a full and an empty mbarrier (mbarrier.cuh);
 // where a head's rows start mid-sector its copies start 8 columns early
 // (sector_aligned_shift), and the output is staged back in the head's
-// columns. The other warpgroups are consumers, each owning 64 query rows; they never copy,
+// columns. Where rows end mid-sector too (head_dim % 16 == 8, an even
+// head count), K and V come through head-pair maps whose rows start and
+// end on sectors, with the neighbouring head's 8 columns; the copy
+// thread's warp zeroes K's before the consumers see it. The other warpgroups are consumers, each owning 64 query rows; they never copy,
 // never wait for each other at a block-wide barrier, and take the registers
 // the producer gave back.
 //
@@ -125,6 +128,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             mbarrier_init(Traits::k_empty(base, s), Traits::kConsumerThreads);
             mbarrier_init(Traits::v_full(base, s), 1);
             mbarrier_init(Traits::v_empty(base, s), Traits::kConsumerThreads);
+            mbarrier_init(Traits::k_landed(base, s), 1);  // K with its neighbour's columns: the copy
         }
         mbarrier_init_fence();
     }
@@ -133,11 +137,47 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 
     if (warpgroup == 0) {
         release_registers<kForwardProducerRegisters>();
-        if (thread == 0) {
+        // K and V through their head-pair maps (params.cuh): rows on whole
+        // sectors, the neighbouring head's 8 columns in place of zeros.
+        const bool k_pairs = head_pair_maps_serve(params.kv_pair_maps & 1, params.k);
+        const bool v_pairs = head_pair_maps_serve(params.kv_pair_maps & 2, params.v);
+        if (thread < 32) {
+            // The copy warp: lane 0 issues every copy; where K comes with its
+            // neighbour's columns, the whole warp zeroes them (below).
+            const int lane = thread;
             // The rings run on across tiles: a tile's first K/V copies start
             // as soon as the previous tile's consumers free their buffers.
             Ring k_ring, v_ring;
             QRing q_ring;
+            // K with its neighbour's columns lands on K landed; Q's columns
+            // facing them are zeros, but 0 x inf is NaN, so a neighbouring
+            // head's non-finite key must not reach this head's scores: the
+            // warp zeroes those 16 bytes of each K row and only then arrives
+            // on K full, one key block behind the copies so that the copies
+            // run ahead while a tile lands. An even head's neighbour
+            // columns follow its own (chunk head_dim / 8), an odd head's come
+            // first (chunk 0); a lane's rows, lane + 32 j, share one place in
+            // the swizzle (it repeats every 8 rows), so one offset serves them.
+            static_assert(kBlockN % 8 == 0, "whole swizzle atoms of rows");
+            const auto zero_neighbour_columns = [&](const Ring& at, index_t kv_head) {
+                mbarrier_wait(Traits::k_landed(base, at.stage), at.phase);
+                const int chunk = (kv_head & 1) ? 0 : params.size.head_dim_int() / 8;
+                const u32 rows = base + Traits::kK + at.stage * KvTile::kBytes + KvTile::chunk_offset(lane, chunk);
+#pragma unroll
+                for (int j = 0; j < ceil_div(kBlockN, 32); ++j) {
+                    if (kBlockN % 32 == 0 || lane + 32 * j < kBlockN) {
+                        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(
+                                         rows + j * 32 * KvTile::kSwizzleBytes),
+                                     "r"(0u)
+                                     : "memory");
+                    }
+                }
+                fence_async_shared();  // the zeros, ordinary stores, are read by the tensor cores
+                __syncwarp();
+                if (lane == 0) {
+                    mbarrier_arrive(Traits::k_full(base, at.stage));
+                }
+            };
             for (int step = blockIdx.x; step < walk_end; step += gridDim.x) {
                 const int tile = walk.tile(step);
                 if (tile < 0) {
@@ -160,52 +200,76 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 // its coordinates for the last time).
                 const u32 q_full = Traits::q_full(base, q_ring.stage);
                 mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
-                if constexpr (kPersistent) {
-                    store_query_coordinates(Traits::q_coordinates(base, q_ring.stage),
-                                            QueryCoordinates{block.batch, block.head, block.kv_head, block.m_start, 0});
-                }
-                if (visits.count > 0) {
-                    // Tensor-map coordinates are tensor rows: a packed batch's
-                    // tiles that run past a sequence's end copy the next
-                    // sequence's rows, which the mask hides like the zeros
-                    // past a dense one.
-                    mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-                    tma_load_tile<QTile>(base + Traits::kQ + q_ring.stage * QTile::kBytes, params.q_map, q_full,
-                                         block.q_row0 + block.m_start, block.head, block.tensor_batch, -qk_shift);
-                } else {
-                    mbarrier_arrive(q_full);  // no keys to see: the buffer only stages the output
+                if (lane == 0) {
+                    if constexpr (kPersistent) {
+                        store_query_coordinates(
+                            Traits::q_coordinates(base, q_ring.stage),
+                            QueryCoordinates{block.batch, block.head, block.kv_head, block.m_start, 0});
+                    }
+                    if (visits.count > 0) {
+                        // Tensor-map coordinates are tensor rows: a packed
+                        // batch's tiles that run past a sequence's end copy
+                        // the next sequence's rows, which the mask hides like
+                        // the zeros past a dense one.
+                        mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+                        tma_load_tile<QTile>(base + Traits::kQ + q_ring.stage * QTile::kBytes, params.q_map, q_full,
+                                             block.q_row0 + block.m_start, block.head, block.tensor_batch, -qk_shift);
+                    } else {
+                        mbarrier_arrive(q_full);  // no keys to see: the buffer only stages the output
+                    }
                 }
                 q_ring.advance();
                 // K_i and V_{i-1}, in the order the consumers take them (a
-                // step multiplies by K_i and by V_{i-1}); V lags K by one block.
-                const auto load = [&](const TensorMap& map, int kv_base, u32 full, u32 empty, const Ring& at, int i,
-                                      int shift) {
+                // step multiplies by K_i and by V_{i-1}); V lags K by one
+                // block. Through a head-pair map the tile's column 0 is the
+                // head's column -shift as well, at the pair's coordinates.
+                const auto load = [&](const TensorMap& map, const TensorMap* pair_maps, int kv_base, u32 full,
+                                      u32 empty, const Ring& at, int i, int shift) {
                     // Waiting for the phase before the current one: on the
                     // first pass over the ring every buffer is free at once.
                     mbarrier_wait(empty, at.phase ^ 1);
-                    mbarrier_arrive_expect_tx(full, KvTile::kBytes);
-                    tma_load_tile<KvTile>(base + kv_base + at.stage * KvTile::kBytes, map, full,
-                                          block.k_row0 + visits.n_block(i) * kBlockN, block.kv_head,
-                                          block.tensor_batch, -shift);
+                    if (lane == 0) {
+                        mbarrier_arrive_expect_tx(full, KvTile::kBytes);
+                        const u32 buffer = base + kv_base + at.stage * KvTile::kBytes;
+                        const int row = block.k_row0 + visits.n_block(i) * kBlockN;
+                        if (pair_maps != nullptr) {
+                            tma_load_tile<KvTile>(buffer, pair_maps[block.kv_head & 1], full, row, block.kv_head >> 1,
+                                                  block.tensor_batch);
+                        } else {
+                            tma_load_tile<KvTile>(buffer, map, full, row, block.kv_head, block.tensor_batch, -shift);
+                        }
+                    }
                 };
                 for (int i = 0; i <= visits.count; ++i) {
                     if (i < visits.count) {
-                        load(params.k_map, Traits::kK, Traits::k_full(base, k_ring.stage),
+                        load(params.k_map, k_pairs ? params.k_pair_maps : nullptr, Traits::kK,
+                             k_pairs ? Traits::k_landed(base, k_ring.stage) : Traits::k_full(base, k_ring.stage),
                              Traits::k_empty(base, k_ring.stage), k_ring, i, qk_shift);
                         k_ring.advance();
                     }
                     if (i > 0) {
-                        load(params.v_map, Traits::kV, Traits::v_full(base, v_ring.stage),
-                             Traits::v_empty(base, v_ring.stage), v_ring, i - 1, v_shift);
+                        load(params.v_map, v_pairs ? params.v_pair_maps : nullptr, Traits::kV,
+                             Traits::v_full(base, v_ring.stage), Traits::v_empty(base, v_ring.stage), v_ring, i - 1,
+                             v_shift);
                         v_ring.advance();
+                        if (k_pairs) {
+                            // K_{i-1}: two positions behind the ring once K_i
+                            // is issued, one at the tile's end.
+                            zero_neighbour_columns(
+                                i < visits.count ? k_ring.template behind<2>() : k_ring.template behind<1>(),
+                                block.kv_head);
+                        }
                     }
                 }
             }
             if constexpr (kPersistent) {
                 // The walk's end, in the next Q buffer once it is free: no rows.
                 mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
-                store_query_coordinates(Traits::q_coordinates(base, q_ring.stage), QueryCoordinates{0, 0, 0, -1, 0});
-                mbarrier_arrive(Traits::q_full(base, q_ring.stage));
+                if (lane == 0) {
+                    store_query_coordinates(Traits::q_coordinates(base, q_ring.stage),
+                                            QueryCoordinates{0, 0, 0, -1, 0});
+                    mbarrier_arrive(Traits::q_full(base, q_ring.stage));
+                }
             }
         }
         return;

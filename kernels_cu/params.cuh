@@ -117,6 +117,9 @@ struct ForwardParams {
     ProblemSize size;
     index_t num_m_blocks;       // ceil(seqlen_q / kBlockM): the grid is flattened over it
     float softmax_scale_log2;  // softmax_scale * log2(e), see numeric.cuh
+    // The Hopper forward: bit 0 (K) and bit 1 (V) set where the launcher
+    // encoded the tensor's head-pair maps (WgmmaForwardParams); 0 elsewhere.
+    int kv_pair_maps;
     // Split-KV (the mma.sync forward with kSplitKv): each query block's keys
     // are cut into num_splits ranges, one thread block each; out and lse then
     // point at float32 partial results, split s's at s * out_split_stride and
@@ -144,14 +147,23 @@ struct alignas(64) TensorMap {
 // blocks, encoded only for them), whose global addresses the launcher
 // writes per call. Passed as a __grid_constant__ parameter so that the maps
 // keep a parameter-space address the copy engine can read.
+//
+// k_pair_maps and v_pair_maps (encoded where kv_pair_maps says): K and V
+// over pairs of heads, head_dim + 8 columns wide, for head dims whose rows
+// end 16 bytes into a 32-byte sector (head_dim % 16 == 8, 16-bit), heads
+// contiguous and an even number of them: [0] starts at the tensor (an even
+// head's columns and the next head's first 8), [1] at head 1's start less
+// 16 bytes (an odd head's columns after the previous head's last 8). Every
+// box row then starts and ends on a sector (sector_aligned_shift, tma.cuh).
 struct WgmmaForwardParams : ForwardParams {
     TensorMap q_map, k_map, v_map, out_map;
+    TensorMap k_pair_maps[2], v_pair_maps[2];
 };
 
 static_assert(sizeof(VariantParams) == 20 * 8, "VariantParams layout must match cuflash/_params.py");
 static_assert(sizeof(TensorRef) == 4 * 8, "TensorRef layout must match cuflash/_params.py");
 static_assert(sizeof(TensorMap) == 128, "a CUtensorMap is 128 bytes");
-static_assert(sizeof(WgmmaForwardParams) == 512 + 4 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaForwardParams) == 512 + 8 * 128, "WgmmaForwardParams layout must match cuflash/_params.py");
 static_assert(sizeof(ProblemSize) == 14 * 8, "ProblemSize layout must match cuflash/_params.py");
 static_assert(sizeof(ForwardParams) == 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8,
               "ForwardParams layout must match cuflash/_params.py");

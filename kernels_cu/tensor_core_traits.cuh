@@ -193,7 +193,10 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 // tile's arrives while this one's runs (and its output is staged in its
 // own buffer). After the tiles come the mbarriers: Q full and Q empty per Q
 // buffer, each pair followed by the buffer's tile coordinates (16 bytes),
-// then per stage K full, K empty, V full, V empty.
+// then per stage K full, K empty, V full, V empty, and last per stage K
+// landed (where K is copied with its neighbour's columns, the copy lands
+// there and a producer warp zeroes those columns before K full:
+// flash_fwd_wgmma.cu).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
@@ -213,7 +216,8 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     // Per Q buffer: Q full, Q empty, its tile's coordinates (16 bytes, store_query_coordinates).
     static constexpr int kQFull = kBarriers;
     static constexpr int kKFull = kQFull + 32 * kQBuffers;       // per stage: K full, K empty, V full, V empty
-    static constexpr int kLayoutBytes = kKFull + 4 * 8 * kStages;
+    static constexpr int kKLanded = kKFull + 4 * 8 * kStages;    // per stage: K landed
+    static constexpr int kLayoutBytes = kKLanded + 8 * kStages;
     // Swizzle atoms must be 1024-byte aligned; the dynamic shared memory is
     // only guaranteed 16, so the launch asks for this much more and the
     // kernel rounds its base up.
@@ -225,6 +229,7 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static __device__ __forceinline__ u32 k_empty(u32 base, int s) { return base + kKFull + 32 * s + 8; }
     static __device__ __forceinline__ u32 v_full(u32 base, int s) { return base + kKFull + 32 * s + 16; }
     static __device__ __forceinline__ u32 v_empty(u32 base, int s) { return base + kKFull + 32 * s + 24; }
+    static __device__ __forceinline__ u32 k_landed(u32 base, int s) { return base + kKLanded + 8 * s; }
     static __device__ __forceinline__ u32 q_full(u32 base, int b) { return base + kQFull + 32 * b; }
     static __device__ __forceinline__ u32 q_empty(u32 base, int b) { return base + kQFull + 32 * b + 8; }
     static __device__ __forceinline__ u32 q_coordinates(u32 base, int b) { return base + kQFull + 32 * b + 16; }

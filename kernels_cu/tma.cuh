@@ -76,6 +76,15 @@ __device__ __forceinline__ int sector_aligned_shift(const TensorRef& tensor, ind
     return rows_start_alike && start % 32 == 16 && head_dim + kShift <= kCols ? kShift : 0;
 }
 
+// Whether a tensor's head-pair maps (WgmmaForwardParams) serve a launch:
+// encoded (`encoded`, the launcher's bit of kv_pair_maps) and the tensor
+// starting on a sector, so that its even heads' rows start on one and its
+// odd heads' 16 bytes in, as the maps' columns -8 and 0 assume (the shift
+// sector_aligned_shift then gives each head agrees with its map).
+__device__ __forceinline__ bool head_pair_maps_serve(int encoded, const TensorRef& tensor) {
+    return encoded != 0 && static_cast<u32>(reinterpret_cast<unsigned long long>(tensor.ptr)) % 32 == 0;
+}
+
 // Adds the box at `src` (shared) into the box at coordinates (c0, c1, c2,
 // c3) of `map`'s float32 tensor, in the bulk group of the issuing thread.
 __device__ __forceinline__ void tma_reduce_add_4d(const TensorMap& map, u32 src, int c0, int c1, int c2, int c3) {

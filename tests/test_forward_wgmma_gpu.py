@@ -286,6 +286,37 @@ def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
 
 
 @needs_hopper
+@pytest.mark.parametrize("head_dim", [40, 72, 104])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_wgmma_forward_head_pairs_keep_neighbours_apart(head_dim, causal, value):
+    """Rows that end mid-sector with an even head count: K and V are copied
+    through head-pair maps that bring 8 columns of the neighbouring head
+    (params.cuh). A non-finite value there must not reach the other head:
+    head 1's first 8 K and V columns and head 2's last 8 are poisoned, which
+    heads 0 and 3 read beside their own; their outputs must match float64
+    (without the zeroing of K's neighbour columns they are NaN)."""
+    import cuflash
+    from cuflash.reference import attention_reference
+    from tests.helpers import assert_output_accurate, naive_attention_same_precision
+
+    cupy = _cupy()
+    q, k, v = random_qkv(cupy, 2, 300, 300, 4, 4, head_dim, cupy.dtype("bfloat16"), seed=head_dim + causal)
+    assert k.data.ptr % 32 == 0 and v.data.ptr % 32 == 0
+    for x in (k, v):
+        x[:, 5, 1, :8] = value
+        x[:, 7, 2, -8:] = value
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    cuflash.attention(q, k, v, causal=causal, out=out)
+    scale = head_dim ** -0.5
+    heads = [0, 3]
+    ref_out, _ = attention_reference(q[:, :, heads], k[:, :, heads], v[:, :, heads], causal=causal,
+                                     softmax_scale=scale)
+    assert_output_accurate(out[:, :, heads], ref_out, naive_attention_same_precision(
+        q[:, :, heads], k[:, :, heads], v[:, :, heads], causal=causal, softmax_scale=scale))
+
+
+@needs_hopper
 def test_negative_strides_take_a_kernel_without_tensor_maps():
     """A reversed view has negative strides, which a tensor map cannot
     describe: such a call runs on another kernel, with the same results."""

@@ -34,7 +34,7 @@ class _FakeKernel:
 def _forward_struct():
     return pack(FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                 lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
-                softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0,
+                softmax_scale_log2=0.5, kv_pair_maps=0, num_splits=1, out_split_stride=0, lse_split_stride=0,
                 variant=NO_VARIANT)
 
 

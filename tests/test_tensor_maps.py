@@ -164,7 +164,7 @@ def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
     monkeypatch.setattr(driver, "launchKernel", lambda *arguments: events.append(("launch",)))
     struct = pack(WGMMA_FORWARD_PARAMS, q=(0, 1, 2, 3), k=(0, 4, 5, 6), v=(0, 7, 8, 9), out=(0, 10, 11, 12), lse=0,
                   lse_batch_stride=13, lse_head_stride=14, size=(1, 2, 3, 4, 5, 6, 0, 0, 4, 5, 0, 0, 0, 0), num_m_blocks=15,
-                  softmax_scale_log2=0.5, num_splits=1, out_split_stride=0, lse_split_stride=0,
+                  softmax_scale_log2=0.5, kv_pair_maps=0, num_splits=1, out_split_stride=0, lse_split_stride=0,
                   variant=NO_VARIANT)
     assert struct.ctypes.data % 64 == 0
     shape = (1, 64, 2, 64)
@@ -240,3 +240,80 @@ def test_backward_maps_follow_the_kernels_tiles(head_dim, q_panel, kv_panel, dir
     else:
         assert boxes["dq_accum"] == ([32, tiling.block_m], 3, 7)
         assert dq_call["strides"] == [4 * 4 * (head_dim - 8), 4 * (head_dim - 8), 4 * 300 * 4 * (head_dim - 8)]
+
+
+@pytest.mark.parametrize("shape,order,padded,expected", [
+    ((2, 300, 28, 72), (0, 1, 2, 3), 96, True),    # rows of 144 bytes, heads contiguous and even
+    ((2, 300, 8, 40), (0, 1, 2, 3), 64, True),
+    ((1, 300, 2, 200), (0, 1, 2, 3), 256, True),
+    ((2, 300, 19, 104), (0, 1, 2, 3), 128, False),  # an odd head count: rows 3952 bytes apart, mid-sector
+    ((2, 300, 28, 72), (0, 2, 1, 3), 96, False),    # heads first: a head's rows alternate within sectors
+    ((2, 300, 28, 80), (0, 1, 2, 3), 96, False),    # rows of whole sectors: nothing to gain
+    ((2, 300, 4, 64), (0, 1, 2, 3), 64, False),
+])
+def test_head_pair_geometry_only_where_rows_end_mid_sector(shape, order, padded, expected):
+    """The head-pair view K and V take in the Hopper forward (params.cuh's
+    k_pair_maps): pairs of heads, 8 columns (16 bytes) wider than a head,
+    the pair stride two heads, the odd heads' map 16 bytes before head 1;
+    only where every head's rows start alike and the reads stay in the
+    array's rows."""
+    from cuflash._tensor_maps import head_pair_geometry
+
+    strides = _byte_strides(shape, order)
+    geometry = head_pair_geometry(shape, strides, 2, padded)
+    assert (geometry is not None) == expected
+    if expected:
+        batch, seqlen, heads, head_dim = shape
+        pair_shape, pair_strides, odd_offset = geometry
+        assert pair_shape == (batch, seqlen, heads // 2, head_dim + 8)
+        assert pair_strides == (strides[0], strides[1], 2 * strides[2], 2)
+        assert odd_offset == 2 * head_dim - 16
+        # the odd heads' last byte read is their own last one; the even heads' the next head's 16th
+        assert odd_offset + pair_shape[3] * 2 == strides[2] + head_dim * 2
+
+
+def test_head_pair_geometry_needs_a_padded_tile_with_room():
+    from cuflash._tensor_maps import head_pair_geometry
+
+    shape = (1, 64, 4, 88)
+    assert head_pair_geometry(shape, _byte_strides(shape, (0, 1, 2, 3)), 2, 96) is not None
+    assert head_pair_geometry(shape, _byte_strides(shape, (0, 1, 2, 3)), 2, 88) is None
+
+
+def test_forward_plan_encodes_head_pair_maps_at_their_offsets():
+    """A Hopper forward at head dim 72 with K and V in the flash layout: two
+    more maps each, over head pairs, the odd heads' 128 bytes past the
+    pointer, and the struct's kv_pair_maps bits set; V heads first takes none."""
+    from types import SimpleNamespace
+
+    from cuflash._tiling import Tiling
+
+    shape = (2, 300, 4, 72)
+    tiling = Tiling(head_dim_padded=96, block_m=128, block_n=128, warps=12, kernel="wgmma", kv_stages=3)
+    problem = SimpleNamespace(dtype="bfloat16", is_empty=False)
+    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name in ("q", "k", "v", "out")}
+    assert [g is not None for g in api._kv_pair_geometries(problem, layouts, tiling)] == [True, True]
+    heads_first = api.Layout(shape, _byte_strides(shape, (0, 2, 1, 3)), 2)
+    assert [g is not None for g in api._kv_pair_geometries(problem, {**layouts, "v": heads_first}, tiling)] == [
+        True, False]
+    storage = np.zeros(WGMMA_FORWARD_PARAMS.itemsize + 64, dtype=np.uint8)
+    start = -storage.ctypes.data % 64
+    struct = storage[start:start + WGMMA_FORWARD_PARAMS.itemsize].view(WGMMA_FORWARD_PARAMS)
+    maps = api._forward_tensor_maps(problem, layouts, tiling, struct)
+    recorded = _RecordedEncode()
+    pair_calls = {}
+    for slot, encoder in maps:
+        encoder._encode = recorded
+        encoder.encode(0x10000)
+        field = next(name for name in WGMMA_FORWARD_PARAMS.names
+                     if WGMMA_FORWARD_PARAMS.fields[name][1] == encoder.address - struct.ctypes.data)
+        if "pair" in field:
+            assert slot == f"{field[0]}.ptr"
+            pair_calls[field] = recorded.calls[-1]
+    assert sorted(pair_calls) == ["k_pair_map0", "k_pair_map1", "v_pair_map0", "v_pair_map1"]
+    for name in ("k", "v"):
+        even, odd = pair_calls[f"{name}_pair_map0"], pair_calls[f"{name}_pair_map1"]
+        assert even["pointer"] == 0x10000 and odd["pointer"] == 0x10000 + 128
+        assert even["dims"] == odd["dims"] == [80, 300, 2, 2]
+        assert even["strides"] == [4 * 72 * 2, 2 * 72 * 2, 300 * 4 * 72 * 2]
+        assert even["box"] == [32, 128, 1, 1] and even["fill"] == 0

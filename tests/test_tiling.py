@@ -483,8 +483,9 @@ def test_fragment_lane_offsets_follow_the_float_tile_swizzle(tmp_path):
 def test_python_and_cxx_agree_on_params_layout(tmp_path, struct, dtype):
     fields = flat_fields(dtype)
     body = [f'printf("%zu\\n", sizeof(cuflash::{struct}));']
-    # the Python side names the user arrays' pointers user_array0..3 (plan slots), C++ holds an array of them
-    paths = [re.sub(r"user_array(\d)$", r"user_arrays[\1]", path) for path, _ in fields]
+    # the Python side names the user arrays' pointers user_array0..3 (plan slots) and the head-pair maps
+    # k_pair_map0..1, v_pair_map0..1; C++ holds arrays of them
+    paths = [re.sub(r"(user_array|k_pair_map|v_pair_map)(\d)$", r"\1s[\2]", path) for path, _ in fields]
     body += [f'printf("%zu\\n", offsetof(cuflash::{struct}, {path}));' for path in paths]
     printed = [int(x) for x in _run_host_program(tmp_path, "\n".join(body))]
     assert printed[0] == dtype.itemsize
@@ -618,10 +619,10 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
         smem = persistent.forward_smem_bytes("bfloat16")
         assert persistent.kv_stages >= 2 and smem <= MAX_SMEM_BYTES
         assert persistent.blocks_per_sm * (smem + SMEM_RESERVED_PER_BLOCK) <= SMEM_PER_SM
-        fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, four mbarriers
+        fewer_stages = tiling.kv_stages - persistent.kv_stages  # each: a K and a V buffer, five mbarriers
         # the second Q buffer with its two mbarriers and its tile's coordinates
         assert smem - tiling.forward_smem_bytes("bfloat16") == (
-            tiling.block_m * head_dim * 2 + 32 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 32))
+            tiling.block_m * head_dim * 2 + 32 - fewer_stages * (2 * tiling.block_n * head_dim * 2 + 40))
         assert wgmma_forward_persistent(tiling, "bfloat16", "causal", "dense", False, keys) == persistent
         for mask, layout, dropout, length in (("window", "dense", False, 512), ("none", "packed", False, 512),
                                               ("causal", "packed", False, 512), ("none", "dense", True, 512),

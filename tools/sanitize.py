@@ -84,6 +84,18 @@ def main() -> int:
             if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
                 failures.append(f"persistent d{head_dim} {seqlen} causal={causal}: out not finite")
         print(f"persistent head_dim {head_dim} seqlen {seqlen}: ran", flush=True)
+    # Rows that end mid-sector with two K/V heads: K and V through head-pair
+    # maps, the copy warp zeroing K's neighbour columns before each tile's
+    # K full (one key block behind the copies), persistent and one tile a
+    # block (a window), d40 (one 64-column panel) and d72 (three).
+    for head_dim in (40, 72):
+        q, k, v = (cupy.concatenate([x, x], axis=2) for x in _inputs(head_dim, 300, 300, seed=head_dim))
+        for options in ({"causal": False}, {"causal": True}, {"window_size": (100, 20)}):
+            out = cuflash.attention(q, k, v, **options)
+            cupy.cuda.Device().synchronize()
+            if not bool(cupy.isfinite(out.astype(cupy.float32)).all()):
+                failures.append(f"head pairs d{head_dim} {options}: out not finite")
+        print(f"head pairs head_dim {head_dim}: ran", flush=True)
     # Variants: a window (blocks skipped at both ends, rows that see no key),
     # the soft cap and ALiBi slopes read per (batch entry, head).
     # d64 at 1100 keys: the 192-row forward tile, one a block (the causal
