@@ -143,8 +143,10 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         const bool v_pairs = head_pair_maps_serve(params.kv_pair_maps & 2, params.v);
         if (thread < 32) {
             // The copy warp: lane 0 issues every copy; where K comes with its
-            // neighbour's columns, the whole warp zeroes them (below).
-            const int lane = thread;
+            // neighbour's columns, the whole warp zeroes them (below). The
+            // lane is read afresh where needed (lane_index_now): kept in a
+            // register it spilled from the producer's 24 at head dim 256.
+            const auto first_lane = [] { return lane_index_now() == 0; };
             // The rings run on across tiles: a tile's first K/V copies start
             // as soon as the previous tile's consumers free their buffers.
             Ring k_ring, v_ring;
@@ -153,19 +155,22 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             // facing them are zeros, but 0 x inf is NaN, so a neighbouring
             // head's non-finite key must not reach this head's scores: the
             // warp zeroes those 16 bytes of each K row and only then arrives
-            // on K full, one key block behind the copies so that the copies
-            // run ahead while a tile lands. An even head's neighbour
-            // columns follow its own (chunk head_dim / 8), an odd head's come
-            // first (chunk 0); a lane's rows, lane + 32 j, share one place in
-            // the swizzle (it repeats every 8 rows), so one offset serves them.
+            // on K full. It does so at the next key block's turn, first
+            // thing: the copy has landed meanwhile, and no wait for the
+            // consumers comes between (zeroed after the next V copy, whose
+            // buffer frees only as the step that needs this K starts, head
+            // dim 200 ran 31% slower). An even head's neighbour columns
+            // follow its own (chunk head_dim / 8), an odd head's come first
+            // (chunk 0); a lane's rows, lane + 32 j, share one place in the
+            // swizzle (it repeats every 8 rows), so one offset serves them.
             static_assert(kBlockN % 8 == 0, "whole swizzle atoms of rows");
             const auto zero_neighbour_columns = [&](const Ring& at, index_t kv_head) {
                 mbarrier_wait(Traits::k_landed(base, at.stage), at.phase);
                 const int chunk = (kv_head & 1) ? 0 : params.size.head_dim_int() / 8;
-                const u32 rows = base + Traits::kK + at.stage * KvTile::kBytes + KvTile::chunk_offset(lane, chunk);
+                const u32 rows = base + Traits::kK + at.stage * KvTile::kBytes + KvTile::chunk_offset(lane_index_now(), chunk);
 #pragma unroll
                 for (int j = 0; j < ceil_div(kBlockN, 32); ++j) {
-                    if (kBlockN % 32 == 0 || lane + 32 * j < kBlockN) {
+                    if (kBlockN % 32 == 0 || lane_index_now() + 32 * j < kBlockN) {
                         asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(
                                          rows + j * 32 * KvTile::kSwizzleBytes),
                                      "r"(0u)
@@ -174,7 +179,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 }
                 fence_async_shared();  // the zeros, ordinary stores, are read by the tensor cores
                 __syncwarp();
-                if (lane == 0) {
+                if (first_lane()) {
                     mbarrier_arrive(Traits::k_full(base, at.stage));
                 }
             };
@@ -190,17 +195,19 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 const Mask mask = make_mask<Mask>(block, params.variant, block.batch, block.head);
                 const VisitedKeyBlocks<Mask> visits(mask, block.m_start, kBlockM, kBlockN);
                 // Q's columns follow K's (their products pair them up), the
-                // output's V's (see sector_aligned_shift).
-                const int qk_shift = sector_aligned_shift<Element, kHeadDim>(params.k, block.tensor_batch,
-                                                                             block.kv_head, params.size.head_dim_int());
-                const int v_shift = sector_aligned_shift<Element, kHeadDim>(params.v, block.tensor_batch,
-                                                                            block.kv_head, params.size.head_dim_int());
+                // output's V's (see sector_aligned_shift); each shift is
+                // computed where a copy needs it, not held through the tile
+                // (the producer's 24 registers).
+                const auto shift_of = [&](const TensorRef& tensor) {
+                    return sector_aligned_shift<Element, kHeadDim>(tensor, block.tensor_batch, block.kv_head,
+                                                                   params.size.head_dim_int());
+                };
                 // Q's buffer is free once the consumers have staged and
                 // stored the output of the tile before last in it (and read
                 // its coordinates for the last time).
                 const u32 q_full = Traits::q_full(base, q_ring.stage);
                 mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
-                if (lane == 0) {
+                if (first_lane()) {
                     if constexpr (kPersistent) {
                         store_query_coordinates(
                             Traits::q_coordinates(base, q_ring.stage),
@@ -213,7 +220,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                         // the zeros past a dense one.
                         mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
                         tma_load_tile<QTile>(base + Traits::kQ + q_ring.stage * QTile::kBytes, params.q_map, q_full,
-                                             block.q_row0 + block.m_start, block.head, block.tensor_batch, -qk_shift);
+                                             block.q_row0 + block.m_start, block.head, block.tensor_batch,
+                                             -shift_of(params.k));
                     } else {
                         mbarrier_arrive(q_full);  // no keys to see: the buffer only stages the output
                     }
@@ -223,12 +231,12 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 // step multiplies by K_i and by V_{i-1}); V lags K by one
                 // block. Through a head-pair map the tile's column 0 is the
                 // head's column -shift as well, at the pair's coordinates.
-                const auto load = [&](const TensorMap& map, const TensorMap* pair_maps, int kv_base, u32 full,
-                                      u32 empty, const Ring& at, int i, int shift) {
+                const auto load = [&](const TensorMap& map, const TensorMap* pair_maps, const TensorRef& tensor,
+                                      int kv_base, u32 full, u32 empty, const Ring& at, int i) {
                     // Waiting for the phase before the current one: on the
                     // first pass over the ring every buffer is free at once.
                     mbarrier_wait(empty, at.phase ^ 1);
-                    if (lane == 0) {
+                    if (first_lane()) {
                         mbarrier_arrive_expect_tx(full, KvTile::kBytes);
                         const u32 buffer = base + kv_base + at.stage * KvTile::kBytes;
                         const int row = block.k_row0 + visits.n_block(i) * kBlockN;
@@ -236,36 +244,36 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                             tma_load_tile<KvTile>(buffer, pair_maps[block.kv_head & 1], full, row, block.kv_head >> 1,
                                                   block.tensor_batch);
                         } else {
-                            tma_load_tile<KvTile>(buffer, map, full, row, block.kv_head, block.tensor_batch, -shift);
+                            tma_load_tile<KvTile>(buffer, map, full, row, block.kv_head, block.tensor_batch,
+                                                  -shift_of(tensor));
                         }
                     }
                 };
                 for (int i = 0; i <= visits.count; ++i) {
+                    if (k_pairs && i > 0) {
+                        // K_{i-1}, one position behind the next K's, before
+                        // anything that waits for the consumers: a step
+                        // needs its K before it frees the buffers the next
+                        // copies wait for.
+                        zero_neighbour_columns(k_ring.template behind<1>(), block.kv_head);
+                    }
                     if (i < visits.count) {
-                        load(params.k_map, k_pairs ? params.k_pair_maps : nullptr, Traits::kK,
+                        load(params.k_map, k_pairs ? params.k_pair_maps : nullptr, params.k, Traits::kK,
                              k_pairs ? Traits::k_landed(base, k_ring.stage) : Traits::k_full(base, k_ring.stage),
-                             Traits::k_empty(base, k_ring.stage), k_ring, i, qk_shift);
+                             Traits::k_empty(base, k_ring.stage), k_ring, i);
                         k_ring.advance();
                     }
                     if (i > 0) {
-                        load(params.v_map, v_pairs ? params.v_pair_maps : nullptr, Traits::kV,
-                             Traits::v_full(base, v_ring.stage), Traits::v_empty(base, v_ring.stage), v_ring, i - 1,
-                             v_shift);
+                        load(params.v_map, v_pairs ? params.v_pair_maps : nullptr, params.v, Traits::kV,
+                             Traits::v_full(base, v_ring.stage), Traits::v_empty(base, v_ring.stage), v_ring, i - 1);
                         v_ring.advance();
-                        if (k_pairs) {
-                            // K_{i-1}: two positions behind the ring once K_i
-                            // is issued, one at the tile's end.
-                            zero_neighbour_columns(
-                                i < visits.count ? k_ring.template behind<2>() : k_ring.template behind<1>(),
-                                block.kv_head);
-                        }
                     }
                 }
             }
             if constexpr (kPersistent) {
                 // The walk's end, in the next Q buffer once it is free: no rows.
                 mbarrier_wait(Traits::q_empty(base, q_ring.stage), q_ring.phase ^ 1);
-                if (lane == 0) {
+                if (first_lane()) {
                     store_query_coordinates(Traits::q_coordinates(base, q_ring.stage),
                                             QueryCoordinates{0, 0, 0, -1, 0});
                     mbarrier_arrive(Traits::q_full(base, q_ring.stage));
