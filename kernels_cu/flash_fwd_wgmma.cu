@@ -18,7 +18,8 @@
 // columns. Where rows end mid-sector too (head_dim % 16 == 8, an even
 // head count), K and V come through head-pair maps whose rows start and
 // end on sectors, with the neighbouring head's 8 columns; the copy
-// thread's warp zeroes K's before the consumers see it. The other warpgroups are consumers, each owning 64 query rows; they never copy,
+// thread's warp zeroes K's before the consumers see it. The other
+// warpgroups are consumers, each owning 64 query rows; they never copy,
 // never wait for each other at a block-wide barrier, and take the registers
 // the producer gave back.
 //
@@ -167,7 +168,8 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
             const auto zero_neighbour_columns = [&](const Ring& at, index_t kv_head) {
                 mbarrier_wait(Traits::k_landed(base, at.stage), at.phase);
                 const int chunk = (kv_head & 1) ? 0 : params.size.head_dim_int() / 8;
-                const u32 rows = base + Traits::kK + at.stage * KvTile::kBytes + KvTile::chunk_offset(lane_index_now(), chunk);
+                const u32 rows =
+                    base + Traits::kK + at.stage * KvTile::kBytes + KvTile::chunk_offset(lane_index_now(), chunk);
 #pragma unroll
                 for (int j = 0; j < ceil_div(kBlockN, 32); ++j) {
                     if (kBlockN % 32 == 0 || lane_index_now() + 32 * j < kBlockN) {
