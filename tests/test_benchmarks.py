@@ -189,10 +189,11 @@ def test_float32_rows_are_consistent(path):
         assert r["cuflash_3xtf32_over_efficient"] == pytest.approx(r["ms"]["efficient"] / r["ms"]["cuflash-3xtf32"])
 
 
-def test_benchmarks_md_renders_the_h100_json():
+def test_benchmarks_md_renders_the_benchmark_jsons():
     rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
                                str(REPO / "benchmarks" / "h100.json"), "--head-dims",
-                               str(REPO / "benchmarks" / "h100_head_dims.json"), "--float32",
+                               str(REPO / "benchmarks" / "h100_head_dims.json"), "--head-dims",
+                               str(REPO / "benchmarks" / "h200_head_dims.json"), "--float32",
                                str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",
                                str(REPO / "benchmarks" / "h100_varlen.json"), "--kvcache",
                                str(REPO / "benchmarks" / "h100_kvcache.json"), "--variants",

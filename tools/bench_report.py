@@ -4,13 +4,13 @@ markdown of BENCHMARKS.md, and optionally a PNG of TFLOP/s against seqlen per
 backend (needs matplotlib).
 
   python3 tools/bench_report.py benchmarks/h100.json [--plot benchmarks/h100_forward.png]
-                                [--head-dims benchmarks/h100_head_dims.json]
+                                [--head-dims benchmarks/h100_head_dims.json ...]
                                 [--float32 benchmarks/h100_float32.json]
                                 [--varlen benchmarks/h100_varlen.json] [--kvcache benchmarks/h100_kvcache.json] \
                                 [--variants benchmarks/h100_variants.json] \
                                 [--mods benchmarks/h100_mods.json] > BENCHMARKS.md
 
-``--head-dims`` adds the head-dim sweep (``tools/bench.py --head-dims sweep
+``--head-dims`` (once per device kind) adds a head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
 backward's cost. ``--float32`` adds the float32 forward (``tools/bench.py
 --dtype float32``): the exact path and 3xTF32 against SDPA's
@@ -111,45 +111,50 @@ def markdown(result: dict, plot: str | None) -> str:
 
 
 def head_dim_markdown(result: dict) -> str:
-    """The head-dim sweep as one table row per (dtype, head dim, causal)."""
+    """The head-dim sweep as one table row per (dtype, head dim, causal),
+    its section titled by the device (a sweep per device kind)."""
     env, rows = result["environment"], result["rows"]
     seqlens = sorted({r["seqlen"] for r in rows})
     lines = [
-        "## Head-dim sweep", "",
+        f"## Head-dim sweep, {env['device']}", "",
         f"Every head dim of common models at seqlen {'/'.join(map(str, seqlens))} (batch x seqlen = 16384, "
         f"heads = 2048 / head_dim), {env['device']}, cuflash commit `{env['commit']}`, {env['date']}; same timing "
-        "and FLOP convention as above. TFLOP/s of cuflash / SDPA flash (FlashAttention-2) / SDPA cuDNN; "
-        "\"det.\" is `deterministic=True` (dQ added in a fixed order) and its speed relative to the default "
-        "backward.", "",
-        "| dtype | head_dim | causal | fwd TFLOP/s | fwd / flash | bwd TFLOP/s | bwd / flash | det. TFLOP/s | "
-        "det. / default |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "and FLOP convention as above. TFLOP/s of cuflash / SDPA flash (FlashAttention-2) / SDPA cuDNN, and "
+        "cuflash's ratio to each; \"det.\" is `deterministic=True` (dQ added in a fixed order) and its speed "
+        "relative to the default backward.", "",
+        "| dtype | head_dim | causal | fwd TFLOP/s | fwd / flash | fwd / cuDNN | bwd TFLOP/s | bwd / flash | "
+        "bwd / cuDNN | det. TFLOP/s | det. / default |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     by_key = {(r["pass"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r for r in rows}
     for (pass_name, dtype, head_dim, causal, seqlen), forward in by_key.items():
         if pass_name != "fwd":
             continue
         backward = by_key.get(("bwd", dtype, head_dim, causal, seqlen))
-        t = forward["tflops"]
-        cells = [dtype, str(head_dim), "yes" if causal else "no",
-                 f"{t['cuflash']:.0f} / {t.get('flash', float('nan')):.0f} / {t.get('cudnn', float('nan')):.0f}",
-                 f"{forward.get('cuflash_over_flash', float('nan')):.2f}"]
+        cells = [dtype, str(head_dim), "yes" if causal else "no", *_sweep_cells(forward)]
         if backward:
-            b = backward["tflops"]
-            det = b.get("cuflash-deterministic")
-            cells += [f"{b['cuflash']:.0f} / {b.get('flash', float('nan')):.0f} / {b.get('cudnn', float('nan')):.0f}",
-                      f"{backward.get('cuflash_over_flash', float('nan')):.2f}",
-                      f"{det:.0f}" if det else "-", f"{det / b['cuflash']:.2f}" if det else "-"]
+            det = backward["tflops"].get("cuflash-deterministic")
+            cells += [*_sweep_cells(backward), f"{det:.0f}" if det else "-",
+                      f"{det / backward['tflops']['cuflash']:.2f}" if det else "-"]
         else:
-            cells += ["-"] * 4
+            cells += ["-"] * 5
         lines.append("| " + " | ".join(cells) + " |")
     for pass_name in ("fwd", "bwd"):
         for dtype in sorted({r["dtype"] for r in rows}):
-            ratios = [r["cuflash_over_flash"] for r in rows
-                      if r["pass"] == pass_name and r["dtype"] == dtype and "cuflash_over_flash" in r]
-            if ratios:
-                lines.append(f"\n{dtype} {pass_name}: cuflash / flash from {min(ratios):.2f} to {max(ratios):.2f}, "
-                             f">= 1.00 at {sum(x >= 1.0 for x in ratios)} of {len(ratios)} points.")
+            for backend, name in (("flash", "flash"), ("cudnn", "cuDNN")):
+                ratios = [r[f"cuflash_over_{backend}"] for r in rows
+                          if r["pass"] == pass_name and r["dtype"] == dtype and f"cuflash_over_{backend}" in r]
+                if ratios:
+                    lines.append(f"\n{dtype} {pass_name}: cuflash / {name} from {min(ratios):.2f} to "
+                                 f"{max(ratios):.2f}, >= 1.00 at {sum(x >= 1.0 for x in ratios)} of {len(ratios)} "
+                                 "points.")
     return "\n".join(lines) + "\n"
+
+
+def _sweep_cells(row: dict) -> list[str]:
+    """TFLOP/s of cuflash / flash / cuDNN, then cuflash's ratio to flash and to cuDNN."""
+    t, nan = row["tflops"], float("nan")
+    return [f"{t['cuflash']:.0f} / {t.get('flash', nan):.0f} / {t.get('cudnn', nan):.0f}",
+            f"{row.get('cuflash_over_flash', nan):.2f}", f"{row.get('cuflash_over_cudnn', nan):.2f}"]
 
 
 def draw(result: dict, path: str) -> None:
@@ -310,7 +315,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plot", help="write a PNG here")
-    parser.add_argument("--head-dims", help="a head-dim sweep's JSON, rendered as its own section")
+    parser.add_argument("--head-dims", action="append", default=[],
+                        help="a head-dim sweep's JSON, rendered as its own section (repeatable: one per device)")
     parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
     parser.add_argument("--varlen", help="a variable-length JSON (bench.py --varlen-only), its own section")
     parser.add_argument("--kvcache", help="a decode JSON (bench.py --decode-only), its own section")
@@ -321,8 +327,8 @@ def main() -> int:
     if args.plot:
         draw(result, args.plot)
     print(markdown(result, args.plot))
-    if args.head_dims:
-        print(head_dim_markdown(json.loads(Path(args.head_dims).read_text())))
+    for path in args.head_dims:
+        print(head_dim_markdown(json.loads(Path(path).read_text())))
     if args.float32:
         print(float32_markdown(json.loads(Path(args.float32).read_text())))
     if args.varlen:
