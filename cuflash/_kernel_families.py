@@ -296,6 +296,14 @@ def _mma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
         return ((str(tiling.kv_stages), flag(tiling.warps_split_keys), str(tiling.cluster_splits)),
                 f"{key}/cluster{tiling.cluster_splits}")
     return (str(tiling.kv_stages), flag(tiling.split_kv), flag(tiling.warps_split_keys)), key
+
+
+def _wgmma_backward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
+    """The Hopper backward's template arguments after Batch, and key suffix:
+    Q/dO buffers, the columns its products run over (``Tiling.product_dim``;
+    the bucket's where 0, unnamed in the key)."""
+    key = f"/q{tiling.q_stages}" + (f"/k{tiling.product_dim}" if tiling.product_dim else "")
+    return (str(tiling.q_stages), str(tiling.product_dim or tiling.head_dim_padded)), key
 _FORWARD = "cuflash::ForwardParams"
 #: The Hopper forward's: ForwardParams and the tensor maps of Q, K and V, a
 #: __grid_constant__ parameter (the copy engine reads the maps in place).
@@ -340,7 +348,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  smem_bytes=Tiling.backward_dkdv_smem_bytes, serves=wgmma_backward_applies, needs_aligned_rows=True,
                  # kDqAtomic, kDqOrdered, kDqClaimed, kDqDirect (kernels_cu/ordered_accumulation.cuh)
                  dq_modes={"atomic": "0", "ordered": "1", "claimed": "2", "direct": "3"},
-                 tile_args=lambda t: ((str(t.q_stages),), f"/q{t.q_stages}")),
+                 tile_args=_wgmma_backward_tile_args),
     KernelFamily("backward-dkdv-mma", "backward-dkdv", "flash_bwd_mma.cu",
                  "cuflash::flash_backward_dkdv_mma_kernel", _BACKWARD, arch="sm_80", kernel="mma",
                  dtypes=MMA_DTYPES, head_dims=tuple(MMA_BACKWARD_TILES), tiles=mma_backward_tiling,

@@ -265,6 +265,10 @@ WGMMA_BACKWARD_TILES = {
     192: (64, 64, 12, 2),
     256: (64, 64, 12, 1),
 }
+#: Widths the Hopper backward's products may stop at inside a bucket
+#: (``backward_product_dim``): Wgmma N's a k16 step or more short of the
+#: buckets 64, 96 and 128 (kernels_cu/wgmma.cuh's N table has each).
+WGMMA_BACKWARD_PRODUCT_DIMS = (48, 80, 112)
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
@@ -295,6 +299,22 @@ def backward_splits_head_dim(head_dim_padded: int) -> bool:
     (mma.sync, ``MmaBackwardTraits::kSplitHeadDim``) and split the head dim:
     above 128, dK and dV of one warp's 16 keys do not fit its registers."""
     return head_dim_padded > 128
+
+
+def backward_product_dim(head_dim: int, head_dim_padded: int) -> int:
+    """The columns the Hopper backward's S^T, dP^T, dV and dK products run
+    over for ``head_dim`` in its bucket ``head_dim_padded``
+    (``WgmmaBackwardTraits::kProductDim``), or 0 for the whole bucket: the
+    head dim rounded up to a k16 step where that is one of
+    ``WGMMA_BACKWARD_PRODUCT_DIMS`` below the bucket and each consumer holds
+    every column of dK and dV (not ``backward_splits_head_dim``). The
+    padded columns are zeros: products over them add nothing, and at head
+    dim 112 they were an eighth of the work (H200, bf16, 4k keys: 5% faster
+    stopped at 112, 7% at head dim 40 stopped at 48; docs/perf-notes.md)."""
+    if backward_splits_head_dim(head_dim_padded):
+        return 0
+    width = -(-head_dim // 16) * 16
+    return width if width < head_dim_padded and width in WGMMA_BACKWARD_PRODUCT_DIMS else 0
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -358,10 +378,20 @@ class Tiling:
     #: walking the query tiles gridDim.x apart with Q double-buffered, so a
     #: tile's copies start while the previous tile runs (``wgmma_forward_persistent``)
     persistent: bool = False
+    #: the Hopper backward's products stop at this many columns of the
+    #: head dim (``backward_product_dim``); 0: they run over the whole
+    #: ``head_dim_padded``
+    product_dim: int = 0
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.product_dim and not (self.kernel == "wgmma" and self.product_dim in WGMMA_BACKWARD_PRODUCT_DIMS
+                                     and self.product_dim < self.head_dim_padded
+                                     and not backward_splits_head_dim(self.head_dim_padded)):
+            raise ValueError(f"product_dim must be 0 or one of {WGMMA_BACKWARD_PRODUCT_DIMS} below head_dim_padded "
+                             f"(at most 128) on a wgmma tiling, got {self.product_dim} for {self.kernel} tiles of "
+                             f"head_dim_padded {self.head_dim_padded}")
         if self.cluster_splits > 1 and not (self.split_kv and self.warps_split_keys):
             raise ValueError("cluster_splits applies to split-KV decode tiles whose warps split the keys")
         if self.kv_tma and not (self.kernel == "mma" and self.kv_stages >= 2):
@@ -1006,11 +1036,12 @@ def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:
 
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``."""
+    """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``, its products stopping at
+    ``backward_product_dim``."""
     padded = _bucket_in(WGMMA_BACKWARD_TILES, "Hopper backward", dtype_name, head_dim)
     block_m, block_n, warps, q_stages = WGMMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
-                    q_stages=q_stages)
+                    q_stages=q_stages, product_dim=backward_product_dim(head_dim, padded))
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 

@@ -40,6 +40,9 @@
 //                                      accumulators packed), B read MN-major
 //   dQ_i = scale * dS K                dS^T staged in shared memory, both
 //                                      operands MN-major, into the dQ tile
+// Between buckets (head dim 112 in 128, 80 in 96, 48 in 64) S^T, dP^T, dV
+// and dK run over kProductDim columns, not the bucket's padded ones
+// (WgmmaBackwardTraits::kProductDim).
 // Above head dim 128 (WgmmaBackwardTraits::kSplitHeadDim) the consumers
 // share one block of 64 keys instead: each computes S^T and dP^T for its
 // share of the query block's rows and owns its share of dK's and dV's
@@ -69,7 +72,7 @@ constexpr int kBackwardProducerRegisters = 24;
 constexpr int kConsumersBarrier = 1;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kStages, int kDqMode>
+          typename Batch, int kStages, int kProductDim, int kDqMode>
 __global__ void __launch_bounds__(kWarps * 32, 1)
 flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -80,7 +83,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     constexpr bool kClaimsDq = kDqMode == kDqClaimed && !Batch::kPacked;
     // Direct stores need each tile's rows in one sequence too.
     constexpr bool kDirectDq = kDqMode == kDqDirect && !Batch::kPacked;
-    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages>;
+    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kProductDim>;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
     using DsTile = typename Traits::DsTile;
@@ -286,7 +289,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     const int dim_group = kSplitHeadDim ? consumer : 0;
     const int warp_key0 = (kSplitHeadDim ? warp % 4 : warp) * 16;  // the warp's 16 accumulator rows (keys)
     const int score_col0 = dim_group * kScoreCols;
-    const int acc_col0 = dim_group * kAccCols;
+    const int acc_col0 = dim_group * Traits::kStorageCols;
 
     // Descriptors (wgmma.cuh). K-major: K and V as A of S^T / dP^T (this
     // consumer's 64 keys), Q and dO as their B (its queries), and, where the

@@ -269,7 +269,16 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
 // through a ring of kStages buffers; dS^T (and P^T) are double-buffered by
 // step so that one consumer may stage the next step's while the other still
 // reads this one's.
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_>
+//
+// kProductDim: the columns the products run over where each consumer holds
+// the whole head dim. A head dim between buckets (112 in 128, 80 in 96, 48
+// in 64: cuflash/_tiling.py's backward_product_dim) would otherwise run
+// S^T, dP^T, dV and dK over padded columns that are zeros: S^T's and dP^T's
+// k16 steps stop at kProductDim, and dK and dV are kProductDim wide (an N of
+// the Wgmma table). dQ keeps whole panels of K, and the tiles, their
+// swizzles and the tensor maps stay the bucket's (kStorageCols).
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
+          int kProductDim_ = kHeadDim_>
 struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
@@ -281,7 +290,10 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr bool kSplitHeadDim = kHeadDim > 128;
     static constexpr int kKeyGroups = kSplitHeadDim ? 1 : kConsumers;  // consumers with their own 64 keys
     static constexpr int kDimGroups = kConsumers / kKeyGroups;         // consumers sharing 64 keys
-    static constexpr int kAccCols = kHeadDim / kDimGroups;             // dK, dV columns per consumer
+    static constexpr int kProductDim = kProductDim_;
+    static constexpr int kStorageCols = kHeadDim / kDimGroups;         // dK, dV columns per consumer in the tiles
+    static constexpr int kAccCols = kSplitHeadDim ? kStorageCols : kProductDim;  // ... in its accumulators
+    static constexpr int kQkSteps = kProductDim / 16;                  // k16 steps of S^T and dP^T
     static constexpr int kScoreCols = kBlockM / kDimGroups;            // S^T, dP^T queries per consumer
 
     static constexpr int kQTiles = kScoreCols / 8;  // n8 tiles of a warp's S^T and dP^T
@@ -292,7 +304,7 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     // K, V: rows are keys; K's column blocks of dQ start on panels.
     using KvTile = SwizzledTile<kBlockN, kHeadDim, widest_swizzle_bytes(kDqCols)>;
     // Q, dO: rows are queries; a consumer's columns of dK and dV start on a panel.
-    using QTile = SwizzledTile<kBlockM, kHeadDim, widest_swizzle_bytes(kAccCols)>;
+    using QTile = SwizzledTile<kBlockM, kHeadDim, widest_swizzle_bytes(kStorageCols)>;
     using DsTile = SwizzledTile<kBlockN, kBlockM>;  // dS^T (and P^T): rows are keys, columns queries
     using DqTile = SwizzledFloatTile<kBlockM, kHeadDim>;
     static constexpr int kScoreBuffer = DsTile::kBytes * (kSplitHeadDim ? 2 : 1);  // dS^T, then P^T where split
@@ -330,6 +342,8 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
                   "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per consumer");
     static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
     static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
+    static_assert(kProductDim % 16 == 0 && kProductDim <= kHeadDim && (kProductDim == kHeadDim || !kSplitHeadDim),
+                  "products over whole k16 steps of the head dim, narrowed only where a consumer holds all of it");
     static_assert(QTile::kBytes % 1024 == 0 && KvTile::kBytes % 1024 == 0 && DsTile::kBytes % 1024 == 0 &&
                       DqTile::kBytes % 1024 == 0,
                   "every tile starts on a swizzle atom");

@@ -133,11 +133,17 @@ struct Wgmma;
 #define CUFLASH_ACC_OPERANDS_32(d) CUFLASH_ACC_OPERANDS_24(d), CUFLASH_ACC8(d, 24)
 #define CUFLASH_REGS_TO_32 CUFLASH_REGS_TO_24 ", " CUFLASH_REGS_3
 #define CUFLASH_ACC_LIST_32 "{" CUFLASH_REGS_TO_32 "}"
-#define CUFLASH_ACC_OPERANDS_48(d) CUFLASH_ACC_OPERANDS_32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40)
-#define CUFLASH_REGS_TO_48 CUFLASH_REGS_TO_32 ", " CUFLASH_REGS_4 ", " CUFLASH_REGS_5
+#define CUFLASH_ACC_OPERANDS_40(d) CUFLASH_ACC_OPERANDS_32(d), CUFLASH_ACC8(d, 32)
+#define CUFLASH_REGS_TO_40 CUFLASH_REGS_TO_32 ", " CUFLASH_REGS_4
+#define CUFLASH_ACC_LIST_40 "{" CUFLASH_REGS_TO_40 "}"
+#define CUFLASH_ACC_OPERANDS_48(d) CUFLASH_ACC_OPERANDS_40(d), CUFLASH_ACC8(d, 40)
+#define CUFLASH_REGS_TO_48 CUFLASH_REGS_TO_40 ", " CUFLASH_REGS_5
 #define CUFLASH_ACC_LIST_48 "{" CUFLASH_REGS_TO_48 "}"
-#define CUFLASH_ACC_OPERANDS_64(d) CUFLASH_ACC_OPERANDS_48(d), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
-#define CUFLASH_REGS_TO_64 CUFLASH_REGS_TO_48 ", " CUFLASH_REGS_6 ", " CUFLASH_REGS_7
+#define CUFLASH_ACC_OPERANDS_56(d) CUFLASH_ACC_OPERANDS_48(d), CUFLASH_ACC8(d, 48)
+#define CUFLASH_REGS_TO_56 CUFLASH_REGS_TO_48 ", " CUFLASH_REGS_6
+#define CUFLASH_ACC_LIST_56 "{" CUFLASH_REGS_TO_56 "}"
+#define CUFLASH_ACC_OPERANDS_64(d) CUFLASH_ACC_OPERANDS_56(d), CUFLASH_ACC8(d, 56)
+#define CUFLASH_REGS_TO_64 CUFLASH_REGS_TO_56 ", " CUFLASH_REGS_7
 #define CUFLASH_ACC_LIST_64 "{" CUFLASH_REGS_TO_64 "}"
 #define CUFLASH_ACC_OPERANDS_96(d) CUFLASH_ACC_OPERANDS_64(d), CUFLASH_ACC8(d, 64), CUFLASH_ACC8(d, 72), CUFLASH_ACC8(d, 80), CUFLASH_ACC8(d, 88)
 #define CUFLASH_REGS_TO_96 CUFLASH_REGS_TO_64 ", " CUFLASH_REGS_8 ", " CUFLASH_REGS_9 ", " CUFLASH_REGS_10 ", " CUFLASH_REGS_11
@@ -174,13 +180,16 @@ struct Wgmma;
         }                                                                                                         \
     };
 
-// The N table: the widths the kernels use (S and dQ blocks, head dims), with
-// the operand numbers that follow their N / 2 accumulators.
+// The N table: the widths the kernels use (S and dQ blocks, head dims, and
+// the backward's products narrowed to the head dim: 80, 112), with the
+// operand numbers that follow their N / 2 accumulators.
 #define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                                \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 32, 16, "%16, %17", "%18", "{%16, %17, %18, %19}, %20", "%21") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 48, 24, "%24, %25", "%26", "{%24, %25, %26, %27}, %28", "%29") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 64, 32, "%32, %33", "%34", "{%32, %33, %34, %35}, %36", "%37") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 80, 40, "%40, %41", "%42", "{%40, %41, %42, %43}, %44", "%45") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 96, 48, "%48, %49", "%50", "{%48, %49, %50, %51}, %52", "%53") \
+    CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 112, 56, "%56, %57", "%58", "{%56, %57, %58, %59}, %60", "%61") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 128, 64, "%64, %65", "%66", "{%64, %65, %66, %67}, %68", "%69") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 192, 96, "%96, %97", "%98", "{%96, %97, %98, %99}, %100", "%101") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 256, 128, "%128, %129", "%130", "{%128, %129, %130, %131}, %132", "%133")
@@ -201,9 +210,15 @@ CUFLASH_DEFINE_WGMMA_N(__nv_bfloat16, "bf16")
 #undef CUFLASH_ACC_LIST_32
 #undef CUFLASH_REGS_TO_32
 #undef CUFLASH_ACC_OPERANDS_32
+#undef CUFLASH_ACC_LIST_40
+#undef CUFLASH_REGS_TO_40
+#undef CUFLASH_ACC_OPERANDS_40
 #undef CUFLASH_ACC_LIST_48
 #undef CUFLASH_REGS_TO_48
 #undef CUFLASH_ACC_OPERANDS_48
+#undef CUFLASH_ACC_LIST_56
+#undef CUFLASH_REGS_TO_56
+#undef CUFLASH_ACC_OPERANDS_56
 #undef CUFLASH_ACC_LIST_64
 #undef CUFLASH_REGS_TO_64
 #undef CUFLASH_ACC_OPERANDS_64

@@ -302,14 +302,17 @@ def test_simt_backward_where_no_tensor_core_kernel_applies(dtype, head_dim, seql
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [8, 40, 56, 72, 80, 88, 104, 120, 136, 160, 200, 248])
+@pytest.mark.parametrize("head_dim", [8, 40, 48, 56, 72, 80, 88, 104, 112, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_backward_padded_head_dims(dtype, head_dim, causal):
     """Head dims below their bucket (32, 64, 96, 128, 192 or 256): padded columns add nothing
-    to S^T and dP^T, and dQ, dK, dV are written only up to head_dim."""
+    to S^T and dP^T, and dQ, dK, dV are written only up to head_dim. 40, 48, 72, 80, 104 and
+    112 run the products narrowed to 48, 80 or 112 columns (backward_product_dim)."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
-    assert _chosen(q, k, v).kernel == "wgmma"
+    tiling = _chosen(q, k, v)
+    assert tiling.kernel == "wgmma"
+    assert tiling.product_dim == {40: 48, 48: 48, 72: 80, 80: 80, 104: 112, 112: 112}.get(head_dim, 0)
     run_backward_and_check(q, k, v, causal=causal, seed=head_dim)
 
 

@@ -74,13 +74,15 @@ def test_every_variant_compiles_and_is_reported():
     # tile, without a mask and causal, identity, and causal soft cap with
     # ALiBi, dense
     assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 22 * (4 + 3) + 20 * 3
-    # 12 tilings, atomic and ordered dQ; the claimed dQ mode for the dense
-    # causal and window masks and the heaviest policies on the 8 tilings of
-    # head dims up to 128 (claimed_dq_applies); the direct one for those and
-    # the dense no-mask policy (direct_dq_applies)
-    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 12 * ((4 + 3) * 2 + 4) + 8 * 3
-    assert sum(row["variant"].endswith("/claimed-dq") for row in rows) == 8 * 3
-    assert sum(row["variant"].endswith("/direct-dq") for row in rows) == 12 * 4
+    # 18 tilings (six buckets and the three narrowed products of
+    # backward_product_dim, two dtypes), atomic and ordered dQ; the claimed
+    # dQ mode for the dense causal and window masks and the heaviest
+    # policies on the 14 tilings of head dims up to 128
+    # (claimed_dq_applies); the direct one for those and the dense no-mask
+    # policy (direct_dq_applies)
+    assert sum(row["variant"].startswith("backward-dkdv-wgmma/") for row in rows) == 18 * ((4 + 3) * 2 + 4) + 14 * 3
+    assert sum(row["variant"].endswith("/claimed-dq") for row in rows) == 14 * 3
+    assert sum(row["variant"].endswith("/direct-dq") for row in rows) == 18 * 4
 
 
 def test_hopper_only_variants_are_left_out_of_other_architectures():

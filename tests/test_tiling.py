@@ -30,10 +30,12 @@ from cuflash._tiling import (
     MMA_DTYPES,
     MMA_3XTF32_FORWARD_TILES,
     MMA_FORWARD_TILES,
+    WGMMA_BACKWARD_PRODUCT_DIMS,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_PARTIAL_SECTOR_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
+    backward_product_dim,
     backward_splits_head_dim,
     backward_tiling,
     copy_engine_layouts,
@@ -46,6 +48,7 @@ from cuflash._tiling import (
     mma_backward_99kib_tiling,
     mma_backward_tiling,
     wgmma_backward_applies,
+    wgmma_backward_swizzles,
     wgmma_backward_tiling,
     wgmma_forward_applies,
     wgmma_forward_tiling,
@@ -127,7 +130,7 @@ _TRAITS = {
                    "{t.kv_stages}, {split_keys}, {kv_tma}>",
     "forward-wgmma": "cuflash::WgmmaForwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, {t.kv_stages}, {persistent}>",
     "backward-dkdv-wgmma": "cuflash::WgmmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, "
-                           "{t.warps}, {t.q_stages}>",
+                           "{t.warps}, {t.q_stages}, {product_dim}>",
     "backward-dkdv-mma": "cuflash::MmaBackwardTraits<{e}, {t.head_dim_padded}, {t.block_m}, {t.block_n}, {t.warps}, "
                          "{t.q_stages}>",
 }
@@ -143,7 +146,8 @@ def _layouts():
             expression = _TRAITS[family.name].format(e=CXX_ELEMENT_TYPE[dtype], t=tiling,
                                                      split_keys=str(tiling.warps_split_keys).lower(),
                                                      kv_tma=str(tiling.kv_tma).lower(),
-                                                     persistent=str(tiling.persistent).lower())
+                                                     persistent=str(tiling.persistent).lower(),
+                                                     product_dim=tiling.product_dim or tiling.head_dim_padded)
             rows.append((f"{expression}::kBytes", family.smem_bytes(tiling, dtype)))
     return rows
 
@@ -352,6 +356,58 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     assert wgmma_backward_applies(dtype, head_dim)
     assert select("backward-dkdv", dtype, head_dim, 90) == tiling
     assert select("backward-dkdv", dtype, head_dim, 80).kernel == "mma"
+
+
+@pytest.mark.parametrize("head_dim,product_dim", [
+    (8, 0), (16, 0), (32, 0),                 # bucket 32: no narrower N in the table
+    (40, 48), (48, 48), (56, 0), (64, 0),     # bucket 64: 48, where the head dim fits it
+    (72, 80), (80, 80), (88, 0), (96, 0),
+    (104, 112), (112, 112), (120, 0), (128, 0),
+    (136, 0), (176, 0), (200, 0), (248, 0),   # split head dims: the consumers share the columns
+])
+def test_backward_products_stop_at_the_head_dim_rounded_to_a_k16_step(head_dim, product_dim):
+    """``backward_product_dim``: a head dim between buckets runs the Hopper
+    backward's products over itself rounded up to a k16 step where that is a
+    Wgmma width below the bucket and each consumer holds every column; the
+    width rides in the variant's template arguments and key, after the Q/dO
+    buffers."""
+    tiling = wgmma_backward_tiling("bfloat16", head_dim)
+    assert backward_product_dim(head_dim, tiling.head_dim_padded) == product_dim == tiling.product_dim
+    if product_dim:
+        assert head_dim <= product_dim < tiling.head_dim_padded and product_dim in WGMMA_BACKWARD_PRODUCT_DIMS
+    family = FAMILY["backward-dkdv-wgmma"]
+    variant = family.variant("bfloat16", tiling, MASKS["causal"], dq_mode="claimed")
+    stages_at = len(variant.template_args) - 3
+    assert variant.template_args[stages_at:] == (str(tiling.q_stages), str(product_dim or tiling.head_dim_padded),
+                                                 family.dq_modes["claimed"])
+    suffix = f"/q{tiling.q_stages}" + (f"/k{product_dim}" if product_dim else "") + "/claimed-dq"
+    assert variant.key.endswith(f"/causal{suffix}")
+    # The tiles, their shared memory and the swizzles (tensor maps) are the bucket's.
+    bucket = wgmma_backward_tiling("bfloat16", tiling.head_dim_padded)
+    assert dataclasses.replace(tiling, product_dim=0) == bucket
+    assert tiling.backward_dkdv_smem_bytes("bfloat16") == bucket.backward_dkdv_smem_bytes("bfloat16")
+    assert wgmma_backward_swizzles(tiling) == wgmma_backward_swizzles(bucket)
+
+
+def test_every_narrowed_backward_is_compiled():
+    """The kernel list (kernel_report, warmup's and the loader's keys) holds
+    each bucket's narrowed tiling beside its own, in both dtypes."""
+    narrowed = {(dtype, t.head_dim_padded, t.product_dim)
+                for dtype, t in FAMILY["backward-dkdv-wgmma"].compiled_tilings() if t.product_dim}
+    assert narrowed == {(dtype, bucket, width) for dtype in MMA_DTYPES
+                        for bucket, width in ((64, 48), (96, 80), (128, 112))}
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(head_dim_padded=128, kernel="mma", product_dim=112), "wgmma tiling"),
+    (dict(head_dim_padded=128, kernel="wgmma", product_dim=128), "got 128"),
+    (dict(head_dim_padded=96, kernel="wgmma", product_dim=112), "got 112"),
+    (dict(head_dim_padded=128, kernel="wgmma", product_dim=104), "got 104"),   # not a width of the Wgmma table
+    (dict(head_dim_padded=256, kernel="wgmma", product_dim=112), "head_dim_padded 256"),  # split head dim
+])
+def test_a_tiling_refuses_a_product_dim_its_kernel_cannot_run(fields, message):
+    with pytest.raises(ValueError, match=f"product_dim must be 0 or one of .*{message}"):
+        Tiling(block_m=64, block_n=128, warps=12, **fields)
 
 
 @pytest.mark.parametrize("head_dim,bucket", [(8, 32), (40, 64), (72, 96), (96, 96), (120, 128), (128, 128),

@@ -128,11 +128,12 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     # A causal call with as many queries as keys stores each dQ block's first
     # tile (api.stores_first_dq); one of a single key block stores dQ itself,
     # deterministic or not (api.stores_dq_directly).
+    # Head dim 80's products stop at 80 columns of the 96 (backward_product_dim).
     assert [k.split("/", 2)[2] for k in dkdv] == [
-        "hdim96/m64n128w12/causal/q2/claimed-dq", "hdim96/m64n128w12/causal/q2/direct-dq",
-        "hdim96/m64n128w12/causal/q2/ordered-dq",
-        "hdim96/m64n128w12/none/q2/atomic-dq", "hdim96/m64n128w12/none/q2/direct-dq",
-        "hdim96/m64n128w12/none/q2/ordered-dq"]
+        "hdim96/m64n128w12/causal/q2/k80/claimed-dq", "hdim96/m64n128w12/causal/q2/k80/direct-dq",
+        "hdim96/m64n128w12/causal/q2/k80/ordered-dq",
+        "hdim96/m64n128w12/none/q2/k80/atomic-dq", "hdim96/m64n128w12/none/q2/k80/direct-dq",
+        "hdim96/m64n128w12/none/q2/k80/ordered-dq"]
     # none and causal, each with persistent blocks (up to 8192 keys) and without (past them)
     assert sum(k.startswith("forward-wgmma/bfloat16/hdim96/") for k in keys) == 4
 
