@@ -255,8 +255,16 @@ __host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, i
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
 // of `head` of the sequence at `rows` into stats[0, kBlockM) and
 // stats[kBlockM, 2 kBlockM), by plain stores; rows past its seqlen_q get 0
-// (they are masked). `thread` < kThreads.
-template <int kBlockM, int kThreads>
+// (they are masked). `thread` < kThreads. kWrittenOut (the Hopper kernel's
+// load warp: 32 threads, 64 or 128 rows) writes out the rounds where there
+// are two or fewer: as a loop from `thread` the compiler does not know the
+// count and emits an unrolled loop and its remainder, whose counters
+// spilled 8 bytes from that warp's 24 registers (64 rows: the narrowed head
+// dim 112, claimed dQ). Four rounds stay a loop (written out, their loads in
+// flight at once spilled there: 128 rows, head dim 64, causal), and so does
+// the mma.sync kernel's single round (written out, its 255-register
+// variants spilled 4-16 bytes).
+template <int kBlockM, int kThreads, bool kWrittenOut = false>
 __device__ __forceinline__ void load_row_statistics(float* stats, const BackwardParams& params,
                                                     const SequenceRows& rows, index_t head, int m_start, int thread) {
     const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
@@ -270,14 +278,8 @@ __device__ __forceinline__ void load_row_statistics(float* stats, const Backward
         stats[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
         stats[kBlockM + i] = valid ? delta_row[row] : 0.0f;
     };
-    // Two rounds or fewer are written out: as a loop from `thread` the
-    // compiler does not know the count and emits an unrolled loop and its
-    // remainder, whose counters spilled 8 bytes from the Hopper kernel's
-    // 24-register load warp (64 rows: the narrowed head dim 112's claimed
-    // dQ mode). More rounds stay a loop: written out, their loads in flight
-    // at once spilled there (128 rows: head dim 64, causal).
     constexpr int kRounds = ceil_div(kBlockM, kThreads);
-    if constexpr (kRounds <= 2) {
+    if constexpr (kWrittenOut && kRounds <= 2) {
 #pragma unroll
         for (int round = 0; round < kRounds; ++round) {
             if (kBlockM % kThreads == 0 || thread + round * kThreads < kBlockM) {

@@ -177,7 +177,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map, do_full,
                                          block.q_row0 + m_start, walk.head, block.tensor_batch);
                 }
-                load_row_statistics<kBlockM, 32>(
+                load_row_statistics<kBlockM, 32, true>(
                     reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
                     block, walk.head, m_start, lane);
                 mbarrier_arrive(q_full);  // after this lane's statistics
