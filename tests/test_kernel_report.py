@@ -153,10 +153,12 @@ def test_fast_path_spill_gate_command_line(only):
     # split-KV with a ring of three K/V buffers (decode_ring) for dense
     # batches and both caches too; the Hopper forward's short-sequence tile,
     # and the persistent form of its table tile (no mask and causal,
-    # identity, and causal soft cap with ALiBi, dense)
+    # identity, and causal soft cap with ALiBi, dense); the Hopper
+    # backward's bucket and its products narrowed to 112 columns
+    # (backward_product_dim)
     expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * (4 + 3 + 3),
                 "forward-wgmma": 2 * (4 + 3) + 3,
-                "backward-dkdv-wgmma": (4 + 3) * 2 + 3 + 4}[only.split("/")[0]]
+                "backward-dkdv-wgmma": 2 * ((4 + 3) * 2 + 3 + 4)}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 
 
