@@ -445,6 +445,14 @@ class _TiledPlan:
     #: where cuflash._kernel_families.runs_direct_dq says, as its launcher):
     #: no accumulator, no zeroing, no conversion kernel
     direct_dq: bool = False
+    #: the head-dim columns the tensor cores run each product over (the
+    #: compiled bucket, zeros past the head dim; 0: the head dim itself):
+    #: the forward's two products, the backward's S, dP, dV and dK, and
+    #: its dQ (``timing``'s block work; the traffic's FLOP counts stay
+    #: the problem's, FlashAttention-2's convention)
+    fwd_width: int = 0
+    bwd_width: int = 0
+    dq_width: int = 0
 
 
 def _decode_grid(p: Problem, plan: _TiledPlan, pack: int) -> tuple[int, int]:
@@ -663,7 +671,16 @@ def _flash2_tiles(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
     bm, bn = block_m or bm, block_n or bn
     smem = (bm + 2 * bn) * p.head_dim * p.element_size
     per_sm = _blocks_per_sm(machine, smem, 128)
-    return _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False)
+    width = flash2_head_dim(p.head_dim)
+    return _TiledPlan(bm, bn, bm, bn, per_sm, per_sm, bm, bn, native_gqa=False, fwd_width=width, bwd_width=width,
+                      dq_width=width)
+
+
+def flash2_head_dim(head_dim: int) -> int:
+    """The head dim FlashAttention-2's kernels are compiled for that serves
+    ``head_dim``: a multiple of 32 up to 192, else 256 (its own rounding of
+    the head size), the columns past it zeros."""
+    return -(-head_dim // 32) * 32 if head_dim <= 192 else 256
 
 
 def _flash2_plan(p: Problem, machine: Machine, block_m, block_n) -> _TiledPlan:
@@ -754,6 +771,10 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
             bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
             p.seqlen_q, p.seqlen_k, bwd.head_dim_padded),
         direct_dq=direct_dq,
+        # the buckets the kernels are compiled for; the Hopper backward's
+        # products but dQ stop at its product_dim (backward_product_dim)
+        fwd_width=fwd.head_dim_padded, bwd_width=bwd.product_dim or bwd.head_dim_padded,
+        dq_width=bwd.head_dim_padded,
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
     # the tensor-core path with 16-bit inputs and at most DECODE_MAX_ROWS
@@ -766,7 +787,8 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
             and block_m is None and block_n is None):
         decode = decode_tilings(dtype, p.head_dim, rows)[1]
         plan = replace(plan, fwd_m=decode.block_m, fwd_n=decode.block_n, fwd_mma=True,
-                       fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads))
+                       fwd_blocks_per_sm=_blocks_per_sm(machine, decode.forward_smem_bytes(dtype), decode.threads),
+                       fwd_width=decode.head_dim_padded)
         plan = _decoding_plan(plan, p, machine, splits="cuflash", pack=pack,
                               clusters=machine.compute_capability >= 90
                               and decode_cluster_tiling(decode, 2) is not None)

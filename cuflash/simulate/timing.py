@@ -235,8 +235,9 @@ def _forward_blocks(p: Problem, plan: _TiledPlan, cost: KernelCost) -> list[tupl
     FlashAttention-2 schedule causal grids). The tensor cores and the
     exponentials work on whole tiles: a block of one query row (decoding)
     costs what a full one does, which is why one-token queries want their
-    query heads packed into the rows and their keys split over blocks."""
-    d, block_m, block_n = p.head_dim, plan.fwd_m, plan.fwd_n
+    query heads packed into the rows and their keys split over blocks; so do
+    the head dim's padded columns (``plan.fwd_width``)."""
+    d, block_m, block_n = plan.fwd_width or p.head_dim, plan.fwd_m, plan.fwd_n
     owners = p.kv_heads if plan.pack > 1 else p.heads
     blocks = split_keys(query_sweep(p, block_m, block_n, plan.pack), block_n, plan.splits)
     runs = []
@@ -249,15 +250,17 @@ def _forward_blocks(p: Problem, plan: _TiledPlan, cost: KernelCost) -> list[tupl
     return runs
 
 
-def _backward_blocks(p: Problem, block_m: int, block_n: int, group: int) -> list[tuple[int, BlockWork]]:
+def _backward_blocks(p: Problem, plan: _TiledPlan, group: int) -> list[tuple[int, BlockWork]]:
     """One block per (K/V owner, key block): it walks the query rows it sees
-    of ``group`` query heads."""
-    d = p.head_dim
+    of ``group`` query heads; S, dP, dV and dK over ``plan.bwd_width``
+    columns, dQ over ``plan.dq_width``."""
+    block_m, block_n = plan.bwd_m, plan.bwd_n
+    width, dq_width = plan.bwd_width or p.head_dim, plan.dq_width or p.head_dim
     owners = p.heads // group
     runs = []
     for b in sorted(key_sweep(p, block_m, block_n), key=lambda b: -b.rows * b.keys):
         pairs = group * b.rows * b.keys
-        runs.append((owners, BlockWork(group * _cdiv(b.rows, block_m), 10 * pairs * d, pairs,
+        runs.append((owners, BlockWork(group * _cdiv(b.rows, block_m), (8 * width + 2 * dq_width) * pairs, pairs,
                                        NONMATMUL["flash_bwd"] * pairs)))
     return runs
 
@@ -297,7 +300,7 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
             conversion = 0 if plan.direct_dq else heads * nq * d * (f + e)
             backward_dram = run(algorithm, p, machine, "bwd").total("dram")
             out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
-            out.append(Launch(f"{algorithm} backward dK/dV", _backward_blocks(p, plan.bwd_m, plan.bwd_n, group),
+            out.append(Launch(f"{algorithm} backward dK/dV", _backward_blocks(p, plan, group),
                               plan.bwd_blocks_per_sm, max(backward_dram - preprocess - conversion, 0.0),
                               kernel_cost(algorithm, "bwd", machine)))
             if not plan.direct_dq:
