@@ -304,6 +304,8 @@ def _wgmma_backward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
     the bucket's where 0, unnamed in the key)."""
     key = f"/q{tiling.q_stages}" + (f"/k{tiling.product_dim}" if tiling.product_dim else "")
     return (str(tiling.q_stages), str(tiling.product_dim or tiling.head_dim_padded)), key
+
+
 _FORWARD = "cuflash::ForwardParams"
 #: The Hopper forward's: ForwardParams and the tensor maps of Q, K and V, a
 #: __grid_constant__ parameter (the copy engine reads the maps in place).

@@ -309,8 +309,9 @@ def backward_product_dim(head_dim: int, head_dim_padded: int) -> int:
     ``WGMMA_BACKWARD_PRODUCT_DIMS`` below the bucket and each consumer holds
     every column of dK and dV (not ``backward_splits_head_dim``). The
     padded columns are zeros: products over them add nothing, and at head
-    dim 112 they were an eighth of the work (H200, bf16, 4k keys: 5% faster
-    stopped at 112, 7% at head dim 40 stopped at 48; docs/perf-notes.md)."""
+    dim 112 they were an eighth of the work (H200, bf16, 4k keys: 4-6%
+    faster stopped at 112, 8% at head dim 40 stopped at 48;
+    docs/perf-notes.md)."""
     if backward_splits_head_dim(head_dim_padded):
         return 0
     width = -(-head_dim // 16) * 16
