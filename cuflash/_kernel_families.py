@@ -300,10 +300,10 @@ def _mma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
 
 def _wgmma_backward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
     """The Hopper backward's template arguments after Batch, and key suffix:
-    Q/dO buffers, the columns its products run over (``Tiling.product_dim``;
-    the bucket's where 0, unnamed in the key)."""
+    Q/dO buffers, the columns its products run over
+    (``Tiling.product_columns``; named in the key only where narrowed)."""
     key = f"/q{tiling.q_stages}" + (f"/k{tiling.product_dim}" if tiling.product_dim else "")
-    return (str(tiling.q_stages), str(tiling.product_dim or tiling.head_dim_padded)), key
+    return (str(tiling.q_stages), str(tiling.product_columns)), key
 
 
 _FORWARD = "cuflash::ForwardParams"

@@ -387,9 +387,9 @@ class Tiling:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.product_dim and not (self.kernel == "wgmma" and self.product_dim in WGMMA_BACKWARD_PRODUCT_DIMS
-                                     and self.product_dim < self.head_dim_padded
-                                     and not backward_splits_head_dim(self.head_dim_padded)):
+        # a width backward_product_dim gives some head dim of this bucket
+        if self.product_dim and not (self.kernel == "wgmma" and
+                                     backward_product_dim(self.product_dim, self.head_dim_padded) == self.product_dim):
             raise ValueError(f"product_dim must be 0 or one of {WGMMA_BACKWARD_PRODUCT_DIMS} below head_dim_padded "
                              f"(at most 128) on a wgmma tiling, got {self.product_dim} for {self.kernel} tiles of "
                              f"head_dim_padded {self.head_dim_padded}")
@@ -397,6 +397,13 @@ class Tiling:
             raise ValueError("cluster_splits applies to split-KV decode tiles whose warps split the keys")
         if self.kv_tma and not (self.kernel == "mma" and self.kv_stages >= 2):
             raise ValueError("kv_tma applies to the mma.sync forward with a ring of K/V buffers")
+
+    @property
+    def product_columns(self) -> int:
+        """The head-dim columns the Hopper backward's S^T, dP^T, dV and dK
+        products run over (``WgmmaBackwardTraits::kProductDim``): ``product_dim``,
+        else the whole ``head_dim_padded``."""
+        return self.product_dim or self.head_dim_padded
 
     @property
     def keys_last_to_first(self) -> bool:

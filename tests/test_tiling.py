@@ -147,7 +147,7 @@ def _layouts():
                                                      split_keys=str(tiling.warps_split_keys).lower(),
                                                      kv_tma=str(tiling.kv_tma).lower(),
                                                      persistent=str(tiling.persistent).lower(),
-                                                     product_dim=tiling.product_dim or tiling.head_dim_padded)
+                                                     product_dim=tiling.product_columns)
             rows.append((f"{expression}::kBytes", family.smem_bytes(tiling, dtype)))
     return rows
 

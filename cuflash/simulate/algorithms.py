@@ -773,7 +773,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
         direct_dq=direct_dq,
         # the buckets the kernels are compiled for; the Hopper backward's
         # products but dQ stop at its product_dim (backward_product_dim)
-        fwd_width=fwd.head_dim_padded, bwd_width=bwd.product_dim or bwd.head_dim_padded,
+        fwd_width=fwd.head_dim_padded, bwd_width=bwd.product_columns,
         dq_width=bwd.head_dim_padded,
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
