@@ -266,8 +266,8 @@ class KernelFamily:
         tilings += [(dtype, other) for dtype in self.dtypes for head_dim in self.head_dims
                     for choose in (self.hopper_tiles, self.small_smem_tiles)
                     if (other := choose(dtype, head_dim)) is not None]
-        tilings += [(dtype, short) for dtype in self.dtypes for head_dim in self.head_dims
-                    for short in self.short_tiles(dtype, head_dim)]
+        tilings += [(dtype, short) for dtype in self.dtypes for head_dim in head_dims
+                    if self.serves(dtype, head_dim) for short in self.short_tiles(dtype, head_dim)]
         tilings += [(dtype, persistent) for dtype, tiling in tilings
                     if (persistent := self.persistent_form(dtype, tiling)) is not None]
         if other_tiles:
@@ -298,12 +298,25 @@ def _mma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
     return (str(tiling.kv_stages), flag(tiling.split_kv), flag(tiling.warps_split_keys)), key
 
 
+def _product_key(tiling: Tiling) -> str:
+    """A Hopper variant's key part for the columns its products run over
+    (``Tiling.product_columns``): named only where narrowed."""
+    return f"/k{tiling.product_dim}" if tiling.product_dim else ""
+
+
+def _wgmma_forward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
+    """The Hopper forward's template arguments after Batch, and key suffix:
+    blocks per SM, K/V stages, persistent blocks, the columns its products
+    run over."""
+    key = f"/b{tiling.blocks_per_sm}/s{tiling.kv_stages}" + ("/persistent" if tiling.persistent else "")
+    return ((str(tiling.blocks_per_sm), str(tiling.kv_stages), "true" if tiling.persistent else "false",
+             str(tiling.product_columns)), key + _product_key(tiling))
+
+
 def _wgmma_backward_tile_args(tiling: Tiling) -> tuple[tuple[str, ...], str]:
     """The Hopper backward's template arguments after Batch, and key suffix:
-    Q/dO buffers, the columns its products run over
-    (``Tiling.product_columns``; named in the key only where narrowed)."""
-    key = f"/q{tiling.q_stages}" + (f"/k{tiling.product_dim}" if tiling.product_dim else "")
-    return (str(tiling.q_stages), str(tiling.product_columns)), key
+    Q/dO buffers, the columns its products run over."""
+    return (str(tiling.q_stages), str(tiling.product_columns)), f"/q{tiling.q_stages}" + _product_key(tiling)
 
 
 _FORWARD = "cuflash::ForwardParams"
@@ -331,9 +344,7 @@ FAMILIES: tuple[KernelFamily, ...] = (
                  arch="sm_90a", kernel="wgmma", dtypes=MMA_DTYPES, head_dims=tuple(WGMMA_FORWARD_TILES),
                  tiles=wgmma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes, serves=wgmma_forward_applies,
                  needs_aligned_rows=True, needs_positive_scale=True, short_tiles=wgmma_forward_short_tiles,
-                 persistent_form=wgmma_forward_persistent_form,
-                 tile_args=lambda t: ((str(t.blocks_per_sm), str(t.kv_stages), "true" if t.persistent else "false"),
-                                     f"/b{t.blocks_per_sm}/s{t.kv_stages}" + ("/persistent" if t.persistent else ""))),
+                 persistent_form=wgmma_forward_persistent_form, tile_args=_wgmma_forward_tile_args),
     KernelFamily("forward-mma", "forward", "flash_fwd_mma.cu", "cuflash::flash_forward_mma_kernel", _FORWARD,
                  arch="sm_80", kernel="mma", dtypes=MMA_DTYPES + (MMA_3XTF32_DTYPE,),
                  head_dims=tuple(MMA_FORWARD_TILES), tiles=mma_forward_tiling, smem_bytes=Tiling.forward_smem_bytes,

@@ -265,10 +265,10 @@ WGMMA_BACKWARD_TILES = {
     192: (64, 64, 12, 2),
     256: (64, 64, 12, 1),
 }
-#: Widths the Hopper backward's products may stop at inside a bucket
-#: (``backward_product_dim``): Wgmma N's a k16 step or more short of the
+#: Widths the Hopper kernels' products may stop at inside a bucket
+#: (``wgmma_product_dim``): Wgmma N's a k16 step or more short of the
 #: buckets 64, 96 and 128 (kernels_cu/wgmma.cuh's N table has each).
-WGMMA_BACKWARD_PRODUCT_DIMS = (48, 80, 112)
+WGMMA_PRODUCT_DIMS = (48, 80, 112)
 #: Bytes the Hopper forward asks for beyond its tiles: it aligns its base to
 #: 1024 (``WgmmaForwardTraits::kAlignment``).
 WGMMA_SMEM_ALIGNMENT = 1024
@@ -301,21 +301,22 @@ def backward_splits_head_dim(head_dim_padded: int) -> bool:
     return head_dim_padded > 128
 
 
-def backward_product_dim(head_dim: int, head_dim_padded: int) -> int:
-    """The columns the Hopper backward's S^T, dP^T, dV and dK products run
-    over for ``head_dim`` in its bucket ``head_dim_padded``
-    (``WgmmaBackwardTraits::kProductDim``), or 0 for the whole bucket: the
-    head dim rounded up to a k16 step where that is one of
-    ``WGMMA_BACKWARD_PRODUCT_DIMS`` below the bucket and each consumer holds
-    every column of dK and dV (not ``backward_splits_head_dim``). The
-    padded columns are zeros: products over them add nothing, and at head
-    dim 112 they were an eighth of the work (H200, bf16, 4k keys: 4-6%
-    faster stopped at 112, 8% at head dim 40 stopped at 48;
-    docs/perf-notes.md)."""
-    if backward_splits_head_dim(head_dim_padded):
-        return 0
+def wgmma_product_dim(head_dim: int, head_dim_padded: int) -> int:
+    """The head-dim columns the Hopper kernels' products run over for
+    ``head_dim`` in its bucket ``head_dim_padded`` (``kProductDim`` of
+    ``WgmmaForwardTraits`` and ``WgmmaBackwardTraits``: the forward's S and
+    O, the backward's S^T, dP^T, dV and dK; dQ stays the bucket's), or 0 for
+    the whole bucket: the head dim rounded up to a k16 step where that is
+    one of ``WGMMA_PRODUCT_DIMS`` inside the bucket and below its width.
+    The padded columns are zeros: products over them add nothing, and at
+    head dim 112 they were an eighth of the work (H200, bf16, 4k keys: the
+    backward 4-6% faster stopped at 112, 8% at head dim 40 stopped at 48;
+    docs/perf-notes.md). No width of the table lies in a bucket above 128,
+    where the backward's consumers split the head dim."""
     width = -(-head_dim // 16) * 16
-    return width if width < head_dim_padded and width in WGMMA_BACKWARD_PRODUCT_DIMS else 0
+    if width < head_dim_padded and width in WGMMA_PRODUCT_DIMS and pad_head_dim(width) == head_dim_padded:
+        return width
+    return 0
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -379,19 +380,19 @@ class Tiling:
     #: walking the query tiles gridDim.x apart with Q double-buffered, so a
     #: tile's copies start while the previous tile runs (``wgmma_forward_persistent``)
     persistent: bool = False
-    #: the Hopper backward's products stop at this many columns of the
-    #: head dim (``backward_product_dim``); 0: they run over the whole
+    #: the Hopper kernels' products stop at this many columns of the head
+    #: dim (``wgmma_product_dim``); 0: they run over the whole
     #: ``head_dim_padded``
     product_dim: int = 0
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        # a width backward_product_dim gives some head dim of this bucket
+        # a width wgmma_product_dim gives some head dim of this bucket
         if self.product_dim and not (self.kernel == "wgmma" and
-                                     backward_product_dim(self.product_dim, self.head_dim_padded) == self.product_dim):
-            raise ValueError(f"product_dim must be 0 or one of {WGMMA_BACKWARD_PRODUCT_DIMS} below head_dim_padded "
-                             f"(at most 128) on a wgmma tiling, got {self.product_dim} for {self.kernel} tiles of "
+                                     wgmma_product_dim(self.product_dim, self.head_dim_padded) == self.product_dim):
+            raise ValueError(f"product_dim must be 0 or one of {WGMMA_PRODUCT_DIMS} inside and below "
+                             f"head_dim_padded on a wgmma tiling, got {self.product_dim} for {self.kernel} tiles of "
                              f"head_dim_padded {self.head_dim_padded}")
         if self.cluster_splits > 1 and not (self.split_kv and self.warps_split_keys):
             raise ValueError("cluster_splits applies to split-KV decode tiles whose warps split the keys")
@@ -400,9 +401,9 @@ class Tiling:
 
     @property
     def product_columns(self) -> int:
-        """The head-dim columns the Hopper backward's S^T, dP^T, dV and dK
-        products run over (``WgmmaBackwardTraits::kProductDim``): ``product_dim``,
-        else the whole ``head_dim_padded``."""
+        """The head-dim columns the Hopper kernels' products run over
+        (``kProductDim``: the forward's S and O, the backward's S^T, dP^T,
+        dV and dK): ``product_dim``, else the whole ``head_dim_padded``."""
         return self.product_dim or self.head_dim_padded
 
     @property
@@ -893,12 +894,13 @@ def wgmma_backward_applies(dtype_name: str, head_dim: int) -> bool:
 
 
 def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
-    """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_forward_applies``."""
+    """Tiles of the Hopper forward (wgmma, sm_90a), where ``wgmma_forward_applies``, its products stopping at
+    ``wgmma_product_dim``."""
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     table = WGMMA_FORWARD_TILES
     if head_dim * ELEMENT_SIZE[dtype_name] % 32 and padded in WGMMA_FORWARD_PARTIAL_SECTOR_TILES:
         table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES
-    return _wgmma_forward_tiles(dtype_name, padded, table[padded])
+    return _wgmma_forward_tiles(dtype_name, head_dim, padded, table[padded])
 
 
 def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[ShortSequenceTile, Tiling], ...]:
@@ -907,7 +909,7 @@ def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[S
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
         return ()
-    return tuple((rule, _wgmma_forward_tiles(dtype_name, padded, rule.tile))
+    return tuple((rule, _wgmma_forward_tiles(dtype_name, head_dim, padded, rule.tile))
                  for rule in WGMMA_FORWARD_SHORT_TILES[padded])
 
 
@@ -939,12 +941,13 @@ def wgmma_forward_key_limits() -> tuple[int, ...]:
     return tuple(sorted(limits | set(PERSISTENT_FORWARD_KEYS.values())))
 
 
-def _wgmma_forward_tiles(dtype_name: str, padded: int, entry: tuple[int, int, int, int]) -> Tiling:
-    """The Hopper forward's ``Tiling`` of a table entry (block_m, block_n, warps, blocks per SM), its shared
-    memory checked against the budget."""
+def _wgmma_forward_tiles(dtype_name: str, head_dim: int, padded: int, entry: tuple[int, int, int, int]) -> Tiling:
+    """The Hopper forward's ``Tiling`` of a table entry (block_m, block_n, warps, blocks per SM) for ``head_dim``
+    in its bucket ``padded``, its shared memory checked against the budget."""
     block_m, block_n, warps, blocks_per_sm = entry
     tiling = with_wgmma_forward_stages(Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps,
-                                              kernel="wgmma", blocks_per_sm=blocks_per_sm), dtype_name)
+                                              kernel="wgmma", blocks_per_sm=blocks_per_sm,
+                                              product_dim=wgmma_product_dim(head_dim, padded)), dtype_name)
     _check_budget(tiling.forward_smem_bytes(dtype_name), f"forward {tiling} for {dtype_name}")
     return tiling
 
@@ -983,7 +986,7 @@ def wgmma_forward_persistent_form(dtype_name: str, tiling: Tiling) -> Tiling | N
     """The persistent form the launcher may run of a Hopper forward tiling:
     none for the short-sequence tiles that it takes only where persistent
     blocks do not apply (``wgmma_forward_for_call``)."""
-    shorts = wgmma_forward_short_tilings(dtype_name, tiling.head_dim_padded)
+    shorts = wgmma_forward_short_tilings(dtype_name, tiling.product_columns)  # a head dim its products fit
     if any(short == tiling and not rule.serves_persistent for rule, short in shorts):
         return None
     return wgmma_forward_persistent(tiling, dtype_name, "none", "dense")
@@ -1045,11 +1048,11 @@ def with_wgmma_forward_stages(tiling: Tiling, dtype_name: str) -> Tiling:
 
 def wgmma_backward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     """Tiles of the Hopper backward dK/dV kernel, where ``wgmma_backward_applies``, its products stopping at
-    ``backward_product_dim``."""
+    ``wgmma_product_dim``."""
     padded = _bucket_in(WGMMA_BACKWARD_TILES, "Hopper backward", dtype_name, head_dim)
     block_m, block_n, warps, q_stages = WGMMA_BACKWARD_TILES[padded]
     tiling = Tiling(head_dim_padded=padded, block_m=block_m, block_n=block_n, warps=warps, kernel="wgmma",
-                    q_stages=q_stages, product_dim=backward_product_dim(head_dim, padded))
+                    q_stages=q_stages, product_dim=wgmma_product_dim(head_dim, padded))
     _check_budget(tiling.backward_dkdv_smem_bytes(dtype_name), f"backward dK/dV {tiling} for {dtype_name}")
     return tiling
 

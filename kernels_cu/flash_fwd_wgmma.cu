@@ -32,6 +32,10 @@
 //             the softmax of S_i runs while P_{i-1} V_{i-1} is still in the
 //             tensor cores; O is rescaled once that product has landed.
 //
+// Both products stop at kProductDim columns of the head dim (the head dim
+// rounded up to a k16 step, where that is below the bucket: 80 of 96, 112
+// of 128, 48 of 64; WgmmaForwardTraits), not at the padded tile's width.
+//
 // Between consumers (ping-pong): a consumer issues its matrix products only
 // in its turn, passed round by named barriers, so that one warpgroup's
 // products run while the others compute their exponentials, instead of all
@@ -63,11 +67,11 @@ namespace cuflash {
 constexpr int kForwardProducerRegisters = 24;
 
 template <typename Element, int kHeadDim, int kBlockM, int kBlockN, int kWarps, typename Mask, typename Score,
-          typename Batch, int kBlocksPerSm, int kStages, bool kPersistent>
+          typename Batch, int kBlocksPerSm, int kStages, bool kPersistent, int kProductDim>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kPersistent>;
+    using Traits = WgmmaForwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kPersistent, kProductDim>;
     using QTile = typename Traits::QTile;
     using KvTile = typename Traits::KvTile;
     using Ring = RingPosition<Traits::kStages>;
@@ -199,10 +203,13 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
                 // Q's columns follow K's (their products pair them up), the
                 // output's V's (see sector_aligned_shift); each shift is
                 // computed where a copy needs it, not held through the tile
-                // (the producer's 24 registers).
+                // (the producer's 24 registers). A shift needs room within
+                // the products' columns, not only the tile's: a head dim
+                // narrowed to itself (48, 80, 112) keeps its columns where
+                // its rows start mid-sector.
                 const auto shift_of = [&](const TensorRef& tensor) {
-                    return sector_aligned_shift<Element, kHeadDim>(tensor, block.tensor_batch, block.kv_head,
-                                                                   params.size.head_dim_int());
+                    return sector_aligned_shift<Element, kProductDim>(tensor, block.tensor_batch, block.kv_head,
+                                                                      params.size.head_dim_int());
                 };
                 // Q's buffer is free once the consumers have staged and
                 // stored the output of the tile before last in it (and read
@@ -386,7 +393,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
 
         float o[1][kDTiles][4];
         fill_fragments(o, 0.0f);
-        float(&o_flat)[kHeadDim / 2] = reinterpret_cast<float(&)[kHeadDim / 2]>(o);
+        float(&o_flat)[kProductDim / 2] = reinterpret_cast<float(&)[kProductDim / 2]>(o);
         PFragments p_even, p_second;
         PFragments& p_odd = kTwoPSets ? p_second : p_even;
         float pending_rescale[2] = {1.0f, 1.0f};  // the factors for O before P_{i-1} V_{i-1} is added
@@ -406,7 +413,7 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         const auto issue_pv = [&](const PFragments& p) {
 #pragma unroll
             for (int ps = 0; ps < Traits::kPvSteps; ++ps) {
-                Wgmma<Element, kHeadDim>::rs(o_flat, p[ps],
+                Wgmma<Element, kProductDim>::rs(o_flat, p[ps],
                                              v_descriptor + ring.template behind<1>().stage * kBufferStep +
                                                  mn_major_k_step<KvTile>(ps),
                                              1);
@@ -527,14 +534,16 @@ flash_forward_wgmma_kernel(const __grid_constant__ WgmmaForwardParams params) {
         // back and storing them: at 512 keys this took d64 causal from 0.139
         // to 0.131 ms, d128 without a mask from 0.137 to 0.133 (H100).
         // The tile's rows read again rather than kept from `origin`, so
-        // that they hold no registers through the main loop.
+        // that they hold no registers through the main loop. Past
+        // kProductDim the staging leaves the Q tile's columns as they were:
+        // they lie past the head dim, which no store reaches.
         const QueryBlock block = tile_block_in(q_buffer);
         const int first_row = block.m_start;
         // O's columns are V's as the producer copied them, shift_chunks
         // 8-column chunks before the head's (sector_aligned_shift): staged
         // in the head's columns, so that the stores start at its first.
-        const int shift_chunks = sector_aligned_shift<Element, kHeadDim>(params.v, block.tensor_batch,
-                                                                         block.kv_head, ctx.head_dim) / 8;
+        const int shift_chunks = sector_aligned_shift<Element, kProductDim>(params.v, block.tensor_batch,
+                                                                            block.kv_head, ctx.head_dim) / 8;
         unsigned char* const q_tile = Traits::q_tile(smem, q_buffer);
         finish_forward_rows<Element>(
             softmax, o, params.lse_row(block.tensor_batch, block.head) + block.q_row0, first_row, warp_row0,

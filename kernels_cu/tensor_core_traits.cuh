@@ -197,7 +197,18 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 // landed (where K is copied with its neighbour's columns, the copy lands
 // there and a producer warp zeroes those columns before K full:
 // flash_fwd_wgmma.cu).
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_>
+//
+// kProductDim: the head-dim columns S = Q K^T's k16 steps and O = P V's N
+// run over. A head dim between buckets (112 in 128, 80 in 96, 48 in 64:
+// cuflash/_tiling.py's narrowed_product_dim) would otherwise multiply
+// padded columns that are zeros; O then holds kProductDim columns, which
+// cover the head's own even where its copies start 8 columns early
+// (sector_aligned_shift) or bring a neighbouring head's 8 (head-pair
+// maps): both happen only where head_dim % 16 == 8, and the head's columns
+// then end at head_dim + 8, the rounded width. The tiles, their swizzles
+// and the tensor maps stay the bucket's.
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_,
+          int kProductDim_ = kHeadDim_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using Shape::kBlockM, Shape::kBlockN, Shape::kHeadDim, Shape::kWarps;
@@ -206,6 +217,9 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static constexpr int kStages = kStages_;
     static constexpr bool kPersistent = kPersistent_;
     static constexpr int kQBuffers = kPersistent ? 2 : 1;
+    static constexpr int kProductDim = kProductDim_;
+    static constexpr int kQkSteps = kProductDim / 16;  // k16 steps of S = Q K^T
+    static constexpr int kDTiles = kProductDim / 8;    // n8 tiles of O per 16 rows
 
     using QTile = SwizzledTile<kBlockM, kHeadDim>;
     using KvTile = SwizzledTile<kBlockN, kHeadDim>;
@@ -241,10 +255,11 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
     static_assert(kWarps % 4 == 0 && kConsumerWarpgroups >= 1 && kBlockM == 64 * kConsumerWarpgroups,
                   "a producer warpgroup, then one consumer warpgroup per 64 query rows");
     // Whole swizzle panels (SwizzledTile picks the widest that fits); S's N
-    // (kBlockN) and O's (kHeadDim) must be widths of the Wgmma table.
+    // (kBlockN) and O's (kProductDim) must be widths of the Wgmma table.
     static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "k16 steps over the head dim and the keys");
     static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
-    static_assert(kBlockN / 2 + kHeadDim / 2 + 2 * (kBlockN / 4) <= 192, "accumulators beyond this would spill");
+    static_assert(kProductDim % 16 == 0 && kProductDim <= kHeadDim, "products over whole k16 steps of the head dim");
+    static_assert(kBlockN / 2 + kProductDim / 2 + 2 * (kBlockN / 4) <= 192, "accumulators beyond this would spill");
     static_assert(kStages == 2 || kStages == 3, "a ring of two or three K and V buffers");
     static_assert(QTile::kBytes % 1024 == 0 && KvTile::kBytes % 1024 == 0, "every tile starts on a swizzle atom");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
@@ -272,7 +287,7 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
 //
 // kProductDim: the columns the products run over where each consumer holds
 // the whole head dim. A head dim between buckets (112 in 128, 80 in 96, 48
-// in 64: cuflash/_tiling.py's backward_product_dim) would otherwise run
+// in 64: cuflash/_tiling.py's wgmma_product_dim) would otherwise run
 // S^T, dP^T, dV and dK over padded columns that are zeros: S^T's and dP^T's
 // k16 steps stop at kProductDim, and dK and dV are kProductDim wide (an N of
 // the Wgmma table). dQ keeps whole panels of K, and the tiles, their

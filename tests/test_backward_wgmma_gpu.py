@@ -307,7 +307,7 @@ def test_simt_backward_where_no_tensor_core_kernel_applies(dtype, head_dim, seql
 def test_wgmma_backward_padded_head_dims(dtype, head_dim, causal):
     """Head dims below their bucket (32, 64, 96, 128, 192 or 256): padded columns add nothing
     to S^T and dP^T, and dQ, dK, dV are written only up to head_dim. 40, 48, 72, 80, 104 and
-    112 run the products narrowed to 48, 80 or 112 columns (backward_product_dim)."""
+    112 run the products narrowed to 48, 80 or 112 columns (wgmma_product_dim)."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
     tiling = _chosen(q, k, v)

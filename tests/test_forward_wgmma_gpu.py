@@ -186,15 +186,19 @@ def test_wgmma_forward_sizes(dtype, head_dim, seqlen_q, seqlen_k, causal):
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [8, 24, 40, 56, 72, 80, 104, 120, 136, 160, 200, 248])
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 48, 56, 72, 80, 104, 112, 120, 136, 160, 200, 248])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_forward_padded_head_dims(dtype, head_dim, causal):
     """Head dims below their bucket (32, 64, 96, 128, 192, 256): the padded columns are
     zero-filled on the way in and never written out (8, 24, 40, 56 on their
-    buckets' 128-row tiles)."""
+    buckets' 128-row tiles); 40, 48, 72, 80, 104 and 112 run the products
+    narrowed to 48, 80 or 112 columns (wgmma_product_dim), the Q tile's
+    columns past them left as they came."""
     cupy = _cupy()
     q, k, v = random_qkv(cupy, 2, 300, 257, 4, 2, head_dim, cupy.dtype(dtype), seed=head_dim)
-    assert _chosen(q, k, v).kernel == "wgmma"
+    tiling = _chosen(q, k, v)
+    assert tiling.kernel == "wgmma"
+    assert tiling.product_dim == {40: 48, 48: 48, 72: 80, 80: 80, 104: 112, 112: 112}.get(head_dim, 0)
     run_and_check(q, k, v, causal=causal)
 
 
@@ -241,7 +245,7 @@ def _offset_copy(cupy, array, offset):
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [24, 48, 64, 72, 104, 200])
+@pytest.mark.parametrize("head_dim", [16, 24, 48, 64, 72, 104, 112, 200])
 @pytest.mark.parametrize("offsets", [(0, 0, 0, 0), (0, 8, 0, 0), (8, 0, 8, 8), (8, 8, 0, 8)],
                          ids=["aligned", "k", "q-v-out", "q-k-out"])
 @pytest.mark.parametrize("walk", ["persistent-full", "persistent-causal", "window"])
@@ -252,8 +256,10 @@ def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
     the output's by V's. Head dims 24, 72, 104, 200 (rows ending mid-sector)
     put every other head there; an array starting 8 elements (16 bytes)
     into its allocation moves every head (``offsets``: q, k, v, out), so K
-    and V, and Q and K, differ. Head dim 48 has room in its 64-column tile
-    for the shift, 64 has none (its misaligned heads keep their columns).
+    and V, and Q and K, differ. Head dim 16 has room in its 32-column tile
+    for the shift; 64 has none, nor have 48 and 112, whose products stop
+    at their own width (wgmma_product_dim): their misaligned heads keep
+    their columns. 72 and 104 shift within their narrowed 80 and 112.
     Grouped-query (4 heads on 2), persistent blocks (the output stored by
     the copy engine) and one tile a block (a window mask: rows stored by
     the warps), outputs in a poisoned allocation, against float64."""

@@ -67,15 +67,17 @@ def test_every_variant_compiles_and_is_reported():
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 4 or 32 states in flight;
     # 1 or 4 columns a lane, and 8 for 16-bit partials with 4 states in flight
     assert sum(row["variant"].startswith("merge-states/") for row in rows) == 3 * 2 * 2 + 2 * (3 + 2)
-    # 22 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
+    # 36 tilings: head dims 32/64/96/128/192/256, the 128-row tiles of 32/64
     # for rows ending mid-sector, the short-sequence tiles (d64's two, d128's
-    # one), two dtypes; three masks and the heaviest policies dense, three
-    # masks packed; the persistent forms of the 20 that are not d128's short
-    # tile, without a mask and causal, identity, and causal soft cap with
-    # ALiBi, dense
-    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 22 * (4 + 3) + 20 * 3
+    # one), and the products narrowed by wgmma_product_dim (48 in d40's
+    # 128-row tile, d48's 192-row one and its two short tiles; 80 in 96's
+    # tile; 112 in 128's tile and its short one), two dtypes; three masks
+    # and the heaviest policies dense, three masks packed; the persistent
+    # forms of the 32 that are not d128's or d112's short tile, without a
+    # mask and causal, identity, and causal soft cap with ALiBi, dense
+    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 36 * (4 + 3) + 32 * 3
     # 18 tilings (six buckets and the three narrowed products of
-    # backward_product_dim, two dtypes), atomic and ordered dQ; the claimed
+    # wgmma_product_dim, two dtypes), atomic and ordered dQ; the claimed
     # dQ mode for the dense causal and window masks and the heaviest
     # policies on the 14 tilings of head dims up to 128
     # (claimed_dq_applies); the direct one for those and the dense no-mask
@@ -153,11 +155,11 @@ def test_fast_path_spill_gate_command_line(only):
     # split-KV with a ring of three K/V buffers (decode_ring) for dense
     # batches and both caches too; the Hopper forward's short-sequence tile,
     # and the persistent form of its table tile (no mask and causal,
-    # identity, and causal soft cap with ALiBi, dense); the Hopper
-    # backward's bucket and its products narrowed to 112 columns
-    # (backward_product_dim)
+    # identity, and causal soft cap with ALiBi, dense), each also with its
+    # products narrowed to 112 columns, as the Hopper backward's bucket
+    # (wgmma_product_dim)
     expected = {"forward-mma": 9 * 4 + 3 + 2 * 9 * 3 + 6 * 3 + 2 * (4 + 3 + 3),
-                "forward-wgmma": 2 * (4 + 3) + 3,
+                "forward-wgmma": 2 * (2 * (4 + 3) + 3),
                 "backward-dkdv-wgmma": 2 * ((4 + 3) * 2 + 3 + 4)}[only.split("/")[0]]
     assert result.stdout.count(only) == expected
 

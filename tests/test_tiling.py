@@ -30,12 +30,12 @@ from cuflash._tiling import (
     MMA_DTYPES,
     MMA_3XTF32_FORWARD_TILES,
     MMA_FORWARD_TILES,
-    WGMMA_BACKWARD_PRODUCT_DIMS,
+    WGMMA_PRODUCT_DIMS,
     WGMMA_BACKWARD_TILES,
     WGMMA_FORWARD_PARTIAL_SECTOR_TILES,
     WGMMA_FORWARD_TILES,
     Tiling,
-    backward_product_dim,
+    wgmma_product_dim,
     backward_splits_head_dim,
     backward_tiling,
     copy_engine_layouts,
@@ -366,15 +366,15 @@ def test_wgmma_backward_table(dtype, head_dim, bucket):
     (136, 0), (176, 0), (200, 0), (248, 0),   # split head dims: the consumers share the columns
 ])
 def test_backward_products_stop_at_the_head_dim_rounded_to_a_k16_step(head_dim, product_dim):
-    """``backward_product_dim``: a head dim between buckets runs the Hopper
+    """``wgmma_product_dim``: a head dim between buckets runs the Hopper
     backward's products over itself rounded up to a k16 step where that is a
     Wgmma width below the bucket and each consumer holds every column; the
     width rides in the variant's template arguments and key, after the Q/dO
     buffers."""
     tiling = wgmma_backward_tiling("bfloat16", head_dim)
-    assert backward_product_dim(head_dim, tiling.head_dim_padded) == product_dim == tiling.product_dim
+    assert wgmma_product_dim(head_dim, tiling.head_dim_padded) == product_dim == tiling.product_dim
     if product_dim:
-        assert head_dim <= product_dim < tiling.head_dim_padded and product_dim in WGMMA_BACKWARD_PRODUCT_DIMS
+        assert head_dim <= product_dim < tiling.head_dim_padded and product_dim in WGMMA_PRODUCT_DIMS
     family = FAMILY["backward-dkdv-wgmma"]
     variant = family.variant("bfloat16", tiling, MASKS["causal"], dq_mode="claimed")
     stages_at = len(variant.template_args) - 3
@@ -396,6 +396,58 @@ def test_every_narrowed_backward_is_compiled():
                 for dtype, t in FAMILY["backward-dkdv-wgmma"].compiled_tilings() if t.product_dim}
     assert narrowed == {(dtype, bucket, width) for dtype in MMA_DTYPES
                         for bucket, width in ((64, 48), (96, 80), (128, 112))}
+
+
+@pytest.mark.parametrize("head_dim,product_dim", [
+    (8, 0), (24, 0), (32, 0),                  # bucket 32: no narrower N in the table
+    (40, 48), (48, 48), (56, 0), (64, 0),      # bucket 64: 40 in the 128-row tile, 48 in the 192-row one
+    (72, 80), (80, 80), (88, 0), (96, 0),
+    (104, 112), (112, 112), (120, 0), (128, 0),
+    (136, 0), (160, 0), (200, 0), (256, 0),    # buckets 192 and 256: no width of the table inside them
+])
+@pytest.mark.parametrize("dtype", MMA_DTYPES)
+def test_forward_products_stop_at_the_head_dim_rounded_to_a_k16_step(dtype, head_dim, product_dim):
+    """``wgmma_product_dim`` serves the Hopper forward too: S's k16 steps and
+    O's N stop at the head dim rounded up to a k16 step where that is a
+    Wgmma width inside and below the bucket, in every tile a call may take
+    (the table's, the short-sequence ones, their persistent forms); the
+    width rides in the variant's template arguments (last) and key."""
+    from cuflash._tiling import wgmma_forward_for_call, wgmma_forward_persistent_form, wgmma_forward_short_tilings
+
+    tiling = wgmma_forward_tiling(dtype, head_dim)
+    assert wgmma_product_dim(head_dim, tiling.head_dim_padded) == product_dim == tiling.product_dim
+    family = FAMILY["forward-wgmma"]
+    chosen = [wgmma_forward_for_call(tiling, dtype, head_dim, mask, "dense", False, keys)
+              for mask in ("none", "causal", "window") for keys in (256, 512, 1024, 4096, 16384)]
+    shorts = wgmma_forward_short_tilings(dtype, head_dim)
+    for rule, short in shorts:  # persistent only where the bucket's rule says, narrowed or not
+        form = wgmma_forward_persistent_form(dtype, short)
+        assert (form is None) == (not rule.serves_persistent)
+    for candidate in {tiling, *(short for _, short in shorts), *chosen}:
+        assert candidate.product_dim == product_dim
+        variant = family.variant(dtype, candidate, MASKS["causal"])
+        assert variant.template_args[-1] == str(product_dim or candidate.head_dim_padded)
+        assert variant.key.endswith(f"/k{product_dim}") == bool(product_dim)
+        # The tiles and their shared memory are the bucket's.
+        bucket = dataclasses.replace(candidate, product_dim=0)
+        assert candidate.forward_smem_bytes(dtype) == bucket.forward_smem_bytes(dtype)
+        assert family.variant(dtype, bucket, MASKS["causal"]).key + f"/k{product_dim}" == variant.key or not product_dim
+        # WgmmaForwardTraits' accumulator budget with O kProductDim wide.
+        assert candidate.block_n // 2 + candidate.product_columns // 2 + 2 * (candidate.block_n // 4) <= 192
+
+
+def test_every_narrowed_forward_is_compiled():
+    """The kernel list holds each bucket's narrowed forward tilings beside
+    its own: the table's, the short-sequence tiles (head dims 48 and 112
+    have whole-sector rows) and the persistent forms, in both dtypes."""
+    compiled = FAMILY["forward-wgmma"].compiled_tilings()
+    narrowed = {(dtype, t.head_dim_padded, t.product_dim) for dtype, t in compiled if t.product_dim}
+    assert narrowed == {(dtype, bucket, width) for dtype in MMA_DTYPES
+                        for bucket, width in ((64, 48), (96, 80), (128, 112))}
+    for dtype, t in compiled:
+        if not t.product_dim and t.head_dim_padded in (64, 96, 128):
+            assert (dtype, dataclasses.replace(t, product_dim=wgmma_product_dim(t.head_dim_padded - 16,
+                                                                                 t.head_dim_padded))) in compiled
 
 
 @pytest.mark.parametrize("fields,message", [

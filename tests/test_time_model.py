@@ -181,7 +181,7 @@ def _compute_seconds(algorithm, head_dim, passes, launch=0, machine=MACHINES["h2
 def test_products_are_charged_at_the_head_dim_the_kernels_run():
     """The tensor cores work on the compiled head dim, zeros past the
     problem's: cuflash's buckets, the Hopper backward's products but dQ
-    narrowed to backward_product_dim (104 and 112 run 112 of 128 columns),
+    narrowed to wgmma_product_dim (104 and 112 run 112 of 128 columns),
     FlashAttention-2's multiples of 32 up to 192, then 256."""
     from cuflash.simulate.algorithms import _flash2_plan, cuflash_plan, flash2_head_dim
 

@@ -128,7 +128,7 @@ def test_it_plans_the_launchers_kernels_without_compiling_here(monkeypatch):
     # A causal call with as many queries as keys stores each dQ block's first
     # tile (api.stores_first_dq); one of a single key block stores dQ itself,
     # deterministic or not (api.stores_dq_directly).
-    # Head dim 80's products stop at 80 columns of the 96 (backward_product_dim).
+    # Head dim 80's products stop at 80 columns of the 96 (wgmma_product_dim).
     assert [k.split("/", 2)[2] for k in dkdv] == [
         "hdim96/m64n128w12/causal/q2/k80/claimed-dq", "hdim96/m64n128w12/causal/q2/k80/direct-dq",
         "hdim96/m64n128w12/causal/q2/k80/ordered-dq",

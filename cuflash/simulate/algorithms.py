@@ -772,7 +772,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
             p.seqlen_q, p.seqlen_k, bwd.head_dim_padded),
         direct_dq=direct_dq,
         # the buckets the kernels are compiled for; the Hopper backward's
-        # products but dQ stop at its product_dim (backward_product_dim)
+        # products but dQ stop at its product_dim (wgmma_product_dim)
         fwd_width=fwd.head_dim_padded, bwd_width=bwd.product_columns,
         dq_width=bwd.head_dim_padded,
     )
