@@ -180,17 +180,17 @@ def _compute_seconds(algorithm, head_dim, passes, launch=0, machine=MACHINES["h2
 
 def test_products_are_charged_at_the_head_dim_the_kernels_run():
     """The tensor cores work on the compiled head dim, zeros past the
-    problem's: cuflash's buckets, the Hopper backward's products but dQ
-    narrowed to wgmma_product_dim (104 and 112 run 112 of 128 columns),
-    FlashAttention-2's multiples of 32 up to 192, then 256."""
+    problem's: cuflash's buckets, the Hopper forward's products and the
+    backward's but dQ narrowed to wgmma_product_dim (104 and 112 run 112
+    of 128 columns), FlashAttention-2's multiples of 32 up to 192, then 256."""
     from cuflash.simulate.algorithms import _flash2_plan, cuflash_plan, flash2_head_dim
 
-    backward = {d: _compute_seconds("cuflash", d, "bwd", launch=1) for d in (104, 112, 120, 128)}
-    assert backward[104] == backward[112] < backward[120] == backward[128]
-    assert _compute_seconds("cuflash", 112, "fwd") == _compute_seconds("cuflash", 128, "fwd")
+    for passes, launch in (("fwd", 0), ("bwd", 1)):
+        seconds = {d: _compute_seconds("cuflash", d, passes, launch=launch) for d in (104, 112, 120, 128)}
+        assert seconds[104] == seconds[112] < seconds[120] == seconds[128], passes
     h200 = MACHINES["h200"]
     plan = cuflash_plan(Problem(batch=2, nheads=16, seqlen_q=4096, head_dim=72), h200)
-    assert (plan.fwd_width, plan.bwd_width, plan.dq_width) == (96, 80, 96)
+    assert (plan.fwd_width, plan.bwd_width, plan.dq_width) == (80, 80, 96)
     plan = _flash2_plan(Problem(batch=2, nheads=16, seqlen_q=4096, head_dim=72), h200, None, None)
     assert (plan.fwd_width, plan.bwd_width, plan.dq_width) == (96, 96, 96)
     assert [flash2_head_dim(d) for d in (8, 40, 72, 96, 136, 160, 200, 256)] == [32, 64, 96, 96, 160, 160, 256, 256]

@@ -771,9 +771,10 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
             bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
             p.seqlen_q, p.seqlen_k, bwd.head_dim_padded),
         direct_dq=direct_dq,
-        # the buckets the kernels are compiled for; the Hopper backward's
-        # products but dQ stop at its product_dim (wgmma_product_dim)
-        fwd_width=fwd.head_dim_padded, bwd_width=bwd.product_columns,
+        # the buckets the kernels are compiled for; the Hopper forward's
+        # products and the backward's but dQ stop at their product_dim
+        # (wgmma_product_dim)
+        fwd_width=fwd.product_columns, bwd_width=bwd.product_columns,
         dq_width=bwd.head_dim_padded,
     )
     # Decoding, as the launcher decides it (cuflash.api._forward_tiles): on
