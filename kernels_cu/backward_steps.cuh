@@ -252,80 +252,46 @@ __host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, i
     return chunked && acc_cols + dq_cols > 192 ? 64 : dq_cols;
 }
 
-// One query row's LSE (in the log2 domain) and delta, as the steps read
-// them; a row past seqlen_q gets 0 (it is masked).
-struct RowStatistic {
-    float lse_log2, delta;
-};
-
-__device__ __forceinline__ RowStatistic row_statistic(const float* lse_row, const float* delta_row, int row,
-                                                      int seqlen_q) {
-    const bool valid = row < seqlen_q;
-    const float lse = valid ? lse_row[row] : 0.0f;
-    // A row that sees no key (LSE -inf) has every score masked to -inf;
-    // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
-    return {lse == negative_infinity() ? 0.0f : lse * kLog2e, valid ? delta_row[row] : 0.0f};
-}
-
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
 // of `head` of the sequence at `rows` into stats[0, kBlockM) and
-// stats[kBlockM, 2 kBlockM), by plain stores (row_statistic); `thread` <
-// kThreads. A loop from `thread`: the mma.sync kernel's single round, and
-// the Hopper load warp's four (128 rows; RowStatisticsInFlight serves up
-// to two).
-template <int kBlockM, int kThreads>
+// stats[kBlockM, 2 kBlockM), by plain stores; rows past its seqlen_q get 0
+// (they are masked). `thread` < kThreads. kWrittenOut (the Hopper kernel's
+// load warp: 32 threads, 64 or 128 rows) writes out the rounds where there
+// are two or fewer: as a loop from `thread` the compiler does not know the
+// count and emits an unrolled loop and its remainder, whose counters
+// spilled 8 bytes from that warp's 24 registers (64 rows: the narrowed head
+// dim 112, claimed dQ). Four rounds stay a loop (written out, their loads in
+// flight at once spilled there: 128 rows, head dim 64, causal), and so does
+// the mma.sync kernel's single round (written out, its 255-register
+// variants spilled 4-16 bytes).
+template <int kBlockM, int kThreads, bool kWrittenOut = false>
 __device__ __forceinline__ void load_row_statistics(float* stats, const BackwardParams& params,
                                                     const SequenceRows& rows, index_t head, int m_start, int thread) {
     const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
     const float* delta_row = params.delta_row(rows.tensor_batch, head) + rows.q_row0;
-    for (int i = thread; i < kBlockM; i += kThreads) {
-        const RowStatistic row = row_statistic(lse_row, delta_row, m_start + i, rows.seqlen_q);
-        stats[i] = row.lse_log2;
-        stats[kBlockM + i] = row.delta;
+    const auto load_row = [&](int i) {
+        const int row = m_start + i;
+        const bool valid = row < rows.seqlen_q;
+        const float lse = valid ? lse_row[row] : 0.0f;
+        // A row that sees no key (LSE -inf) has every score masked to -inf;
+        // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
+        stats[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
+        stats[kBlockM + i] = valid ? delta_row[row] : 0.0f;
+    };
+    constexpr int kRounds = ceil_div(kBlockM, kThreads);
+    if constexpr (kWrittenOut && kRounds <= 2) {
+#pragma unroll
+        for (int round = 0; round < kRounds; ++round) {
+            if (kBlockM % kThreads == 0 || thread + round * kThreads < kBlockM) {
+                load_row(thread + round * kThreads);
+            }
+        }
+    } else {
+        for (int i = thread; i < kBlockM; i += kThreads) {
+            load_row(i);
+        }
     }
 }
-
-// The same rows' statistics read into registers first (the constructor),
-// stored into `stats` later (store): the Hopper load warp reads them before
-// it waits for the Q/dO buffer they belong with, so that their latency
-// overlaps the wait instead of following it; with one Q/dO buffer (head
-// dim 256) that wait is on every step's critical path. Each lane's rows
-// are written out, at most two (64 rows): as a loop with a count unknown
-// to the compiler, the unrolled loop's counters spilled 8 bytes from that
-// warp's 24 registers (the narrowed head dim 112, claimed dQ); four rounds
-// written out (128 rows, head dim 64) spilled their loads in flight.
-template <int kBlockM, int kThreads>
-struct RowStatisticsInFlight {
-    static constexpr int kRounds = ceil_div(kBlockM, kThreads);
-    static_assert(kRounds <= 2, "at most two rows a thread held in registers");
-    RowStatistic row[kRounds];
-
-    __device__ __forceinline__ RowStatisticsInFlight(const BackwardParams& params, const SequenceRows& rows,
-                                                     index_t head, int m_start, int thread) {
-        const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
-        const float* delta_row = params.delta_row(rows.tensor_batch, head) + rows.q_row0;
-#pragma unroll
-        for (int round = 0; round < kRounds; ++round) {
-            if (holds(round, thread)) {
-                row[round] = row_statistic(lse_row, delta_row, m_start + thread + round * kThreads, rows.seqlen_q);
-            }
-        }
-    }
-
-    __device__ __forceinline__ void store(float* stats, int thread) const {
-#pragma unroll
-        for (int round = 0; round < kRounds; ++round) {
-            if (holds(round, thread)) {
-                stats[thread + round * kThreads] = row[round].lse_log2;
-                stats[kBlockM + thread + round * kThreads] = row[round].delta;
-            }
-        }
-    }
-
-    static __device__ __forceinline__ bool holds(int round, int thread) {
-        return kBlockM % kThreads == 0 || thread + round * kThreads < kBlockM;
-    }
-};
 
 // P^T and dS^T in place of one warp's S^T and dP^T: 16 keys from key0 (in
 // the sequence) by kQTiles n8 tiles of queries from m_start + query0 (query0

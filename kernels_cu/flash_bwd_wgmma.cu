@@ -167,27 +167,19 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             for (int step = 0; step < walk.steps; ++step) {
                 const int m_start = walk.m_block * kBlockM;
                 const u32 q_full = Traits::q_full(base, ring.stage), do_full = Traits::do_full(base, ring.stage);
-                float* const stats = reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
-                const auto wait_and_copy = [&]() {
-                    // The phase before the current one: on the first pass every buffer is free.
-                    mbarrier_wait(Traits::q_empty(base, ring.stage), ring.phase ^ 1);
-                    if (lane == 0) {
-                        mbarrier_expect_tx(q_full, QTile::kBytes);
-                        tma_load_tile<QTile>(base + Traits::kQ + ring.stage * QTile::kBytes, params.q_map, q_full,
-                                             block.q_row0 + m_start, walk.head, block.tensor_batch);
-                        mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
-                        tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map,
-                                             do_full, block.q_row0 + m_start, walk.head, block.tensor_batch);
-                    }
-                };
-                if constexpr (ceil_div(kBlockM, 32) <= 2) {  // RowStatisticsInFlight's rounds
-                    const RowStatisticsInFlight<kBlockM, 32> statistics(params, block, walk.head, m_start, lane);
-                    wait_and_copy();
-                    statistics.store(stats, lane);
-                } else {
-                    wait_and_copy();
-                    load_row_statistics<kBlockM, 32>(stats, params, block, walk.head, m_start, lane);
+                // The phase before the current one: on the first pass every buffer is free.
+                mbarrier_wait(Traits::q_empty(base, ring.stage), ring.phase ^ 1);
+                if (lane == 0) {
+                    mbarrier_expect_tx(q_full, QTile::kBytes);
+                    tma_load_tile<QTile>(base + Traits::kQ + ring.stage * QTile::kBytes, params.q_map, q_full,
+                                         block.q_row0 + m_start, walk.head, block.tensor_batch);
+                    mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
+                    tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map, do_full,
+                                         block.q_row0 + m_start, walk.head, block.tensor_batch);
                 }
+                load_row_statistics<kBlockM, 32, true>(
+                    reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
+                    block, walk.head, m_start, lane);
                 mbarrier_arrive(q_full);  // after this lane's statistics
                 walk.advance();
                 ring.advance();
