@@ -40,6 +40,8 @@ PASSES = ("fwd", "bwd")
 
 @dataclass(frozen=True)
 class Point:
+    """A shape of the grid to time: its head dim, mask and sequence length."""
+
     head_dim: int
     causal: bool
     seqlen: int
