@@ -201,7 +201,9 @@ def test_products_are_charged_at_the_head_dim_the_kernels_run():
 #: heads leave neither the sector shift nor the head pairs to fix that
 #: (docs/perf-notes.md); the model has no term for the copies' rate on such
 #: rows. Measured: d40's forward did not move when its products were
-#: narrowed from 64 to 48 columns (A/B on the H200, a28ca6f: +0.6%).
+#: narrowed from 64 to 48 columns (A/B on the H200, a28ca6f: +0.6%), and ran
+#: 20% faster on the 192-row tile, which copies each K/V block for 1.5x as
+#: many query rows (perf-notes; not the table's tile yet).
 COPY_BOUND_FORWARD_HEAD_DIMS = (8, 40)
 
 
