@@ -314,7 +314,7 @@ def wgmma_product_dim(head_dim: int, head_dim_padded: int) -> int:
     docs/perf-notes.md). No width of the table lies in a bucket above 128,
     where the backward's consumers split the head dim."""
     width = -(-head_dim // 16) * 16
-    if width < head_dim_padded and width in WGMMA_PRODUCT_DIMS and pad_head_dim(width) == head_dim_padded:
+    if width in WGMMA_PRODUCT_DIMS and pad_head_dim(width) == head_dim_padded:  # no table width is a bucket
         return width
     return 0
 

@@ -200,13 +200,12 @@ struct MmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_
 //
 // kProductDim: the head-dim columns S = Q K^T's k16 steps and O = P V's N
 // run over. A head dim between buckets (112 in 128, 80 in 96, 48 in 64:
-// cuflash/_tiling.py's narrowed_product_dim) would otherwise multiply
-// padded columns that are zeros; O then holds kProductDim columns, which
-// cover the head's own even where its copies start 8 columns early
-// (sector_aligned_shift) or bring a neighbouring head's 8 (head-pair
-// maps): both happen only where head_dim % 16 == 8, and the head's columns
-// then end at head_dim + 8, the rounded width. The tiles, their swizzles
-// and the tensor maps stay the bucket's.
+// cuflash/_tiling.py's wgmma_product_dim) would otherwise multiply padded
+// columns that are zeros; O then holds kProductDim columns. Copies that
+// start 8 columns early (sector_aligned_shift, which asks for room within
+// kProductDim) or bring a neighbouring head's 8 (head-pair maps, only where
+// head_dim % 16 == 8) end at head_dim + 8, within the rounded width. The
+// tiles, their swizzles and the tensor maps stay the bucket's.
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kPersistent_,
           int kProductDim_ = kHeadDim_>
 struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
@@ -307,7 +306,7 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kDimGroups = kConsumers / kKeyGroups;         // consumers sharing 64 keys
     static constexpr int kProductDim = kProductDim_;
     static constexpr int kStorageCols = kHeadDim / kDimGroups;         // dK, dV columns per consumer in the tiles
-    static constexpr int kAccCols = kSplitHeadDim ? kStorageCols : kProductDim;  // ... in its accumulators
+    static constexpr int kAccCols = kProductDim / kDimGroups;          // ... in its accumulators
     static constexpr int kQkSteps = kProductDim / 16;                  // k16 steps of S^T and dP^T
     static constexpr int kScoreCols = kBlockM / kDimGroups;            // S^T, dP^T queries per consumer
 

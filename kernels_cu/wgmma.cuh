@@ -181,8 +181,8 @@ struct Wgmma;
     };
 
 // The N table: the widths the kernels use (S and dQ blocks, head dims, and
-// the backward's products narrowed to the head dim: 80, 112), with the
-// operand numbers that follow their N / 2 accumulators.
+// the products narrowed to the head dim: 48, 80, 112), with the operand
+// numbers that follow their N / 2 accumulators.
 #define CUFLASH_DEFINE_WGMMA_N(ELEMENT, PTX_TYPE)                                                                \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 32, 16, "%16, %17", "%18", "{%16, %17, %18, %19}, %20", "%21") \
     CUFLASH_DEFINE_WGMMA(ELEMENT, PTX_TYPE, 48, 24, "%24, %25", "%26", "{%24, %25, %26, %27}, %28", "%29") \
