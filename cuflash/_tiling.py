@@ -168,17 +168,20 @@ WGMMA_FORWARD_TILES = {
 }
 #: Hopper forward tiles for head dims whose rows end inside a 32-byte
 #: sector (head_dim * element bytes not a multiple of 32: 8, 24, 40, 56 in
-#: 16 bits), where they differ from ``WGMMA_FORWARD_TILES``. The 64-row tile
-#: copies K and V twice per query row as often as a 128-row one, and over
-#: such rows it ran at half speed (d40 139 against 251 TFLOP/s, d8 40
-#: against 68; padding the storage so rows start on a sector did not help,
-#: so it is the copies of rows ending mid-sector, not their alignment:
-#: docs/perf-notes.md; the 128-row tile pays for them too, 13-20% at head
-#: dim 72, where the same rows read 80 columns wide ran that much faster).
-#: Head dims 16, 32, 48 and 64 keep the 64-row tile.
+#: 16 bits), where they differ from ``WGMMA_FORWARD_TILES``: bucket 32's
+#: 64-row tile at two blocks an SM copies K and V twice per query row as
+#: often as a 192-row one, and over such rows it ran at half speed or less
+#: (d40 139 against 251 TFLOP/s, d8 40 against 68; padding the storage so
+#: rows start on a sector did not help, so it is the copies of rows ending
+#: mid-sector, not their alignment: docs/perf-notes.md). Of the larger
+#: tiles, d64's 192 x 96 of three consumers beat 128 x 128 on such rows
+#: (H200, bf16, ms, 128 x 128 / 192 x 96 / 64 x 128 at two an SM: d40 full
+#: 4k 1.704 / 1.363 / 3.328, causal 4k 0.945 / 0.802 / 1.776, full 1k
+#: 0.476 / 0.443 / 0.901; d56 full 4k 1.180 / 1.029 / 1.176; d24 full 4k
+#: 2.525 / 2.154 / 3.696), so bucket 64 keeps its table tile for them and
+#: bucket 32 takes it. Head dims 16 and 32 keep the 64-row tile.
 WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
-    32: (128, 128, 12, 1),
-    64: (128, 128, 12, 1),
+    32: (192, 96, 16, 1),
 }
 @dataclasses.dataclass(frozen=True)
 class ShortSequenceTile:

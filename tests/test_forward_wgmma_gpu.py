@@ -245,7 +245,7 @@ def _offset_copy(cupy, array, offset):
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [16, 24, 48, 64, 72, 104, 112, 200])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 48, 64, 72, 104, 112, 200])
 @pytest.mark.parametrize("offsets", [(0, 0, 0, 0), (0, 8, 0, 0), (8, 0, 8, 8), (8, 8, 0, 8)],
                          ids=["aligned", "k", "q-v-out", "q-k-out"])
 @pytest.mark.parametrize("walk", ["persistent-full", "persistent-causal", "window"])
@@ -253,7 +253,7 @@ def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
     """Heads whose rows start 16 bytes into a 32-byte sector: the kernel's
     copies then start 8 columns before the head (sector_aligned_shift in
     tma.cuh; the columns before it arrive as zeros), Q's by K's choice and
-    the output's by V's. Head dims 24, 72, 104, 200 (rows ending mid-sector)
+    the output's by V's. Head dims 8, 24, 72, 104, 200 (rows ending mid-sector)
     put every other head there; an array starting 8 elements (16 bytes)
     into its allocation moves every head (``offsets``: q, k, v, out), so K
     and V, and Q and K, differ. Head dim 16 has room in its 32-column tile
@@ -292,13 +292,14 @@ def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [40, 72, 104])
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 56, 72, 104])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
 def test_wgmma_forward_head_pairs_keep_neighbours_apart(head_dim, causal, value):
     """Rows that end mid-sector with an even head count: K and V are copied
     through head-pair maps that bring 8 columns of the neighbouring head
-    (params.cuh). A non-finite value there must not reach the other head:
+    (params.cuh), on the 192-row tile (8-56) and the 128-row one (72, 104).
+    A non-finite value there must not reach the other head:
     head 1's first 8 K and V columns and head 2's last 8 are poisoned, which
     heads 0 and 3 read beside their own; their outputs must match float64
     (without the zeroing of K's neighbour columns they are NaN)."""
@@ -380,7 +381,7 @@ def test_wgmma_forward_other_tiles(head_dim, tile, causal):
 
 @needs_hopper
 @pytest.mark.parametrize("head_dim,tile", [(64, "table"), (64, (64, 128, 8, 2)), (64, (64, 64, 8, 3)),
-                                           (128, "table")])
+                                           (128, "table"), (24, "table")])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     """Persistent blocks (one per resident slot) walking several query tiles
@@ -392,7 +393,8 @@ def test_wgmma_forward_persistent_blocks_walk_many_tiles(head_dim, tile, mask):
     mask, so a window checks tiles whose walks differ otherwise. d64 runs
     persistent blocks of all its tiles (three consumers of 192 rows; one of
     64 over 128 keys at two blocks an SM, or over 64 at three, for short
-    sequences)."""
+    sequences), and so does d24 (rows ending mid-sector: the 192-row tile
+    reading K and V through head-pair maps)."""
     from cuflash._tiling import wgmma_forward_persistent, wgmma_forward_short_tiles, wgmma_forward_tiling
     from cuflash.reference import attention_reference
     from tests.helpers import assert_lse_close, assert_output_accurate, naive_attention_same_precision
