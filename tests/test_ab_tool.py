@@ -71,3 +71,35 @@ def test_main_refuses_one_mode_and_patches_of_unknown_modes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab.main(["--mode", f"a={tmp_path}", "--mode", f"b={tmp_path}", "--points", "64:sliding:512"])
     assert "HEAD_DIM:MASK:SEQLEN" in capsys.readouterr().err
+
+
+def _fake_tree(root: Path, marker: str) -> Path:
+    (root / "cuflash").mkdir(parents=True)
+    (root / "cuflash" / "__init__.py").write_text(f"MARKER = {marker!r}\n")
+    return root
+
+
+def test_a_workers_cuflash_is_its_trees_even_after_bench_is_imported(tmp_path):
+    """tools/bench.py puts this checkout first on sys.path when imported: a
+    worker that imported it before its tree's cuflash ran this checkout's
+    code in every mode (the A/Bs of tree modes then measured one build)."""
+    import subprocess
+
+    tree = _fake_tree(tmp_path / "old", "old tree")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import ab; from pathlib import Path; "
+              "ab.import_tree_cuflash(Path(sys.argv[2])); import bench, cuflash; print(cuflash.MARKER)")
+    result = subprocess.run([sys.executable, "-c", script, str(REPO / "tools"), str(tree)],
+                            cwd=tree, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "old tree"
+
+
+def test_a_worker_refuses_a_cuflash_from_elsewhere(tmp_path):
+    import subprocess
+
+    first, second = _fake_tree(tmp_path / "a", "a"), _fake_tree(tmp_path / "b", "b")
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); import ab; from pathlib import Path; "
+              "ab.import_tree_cuflash(Path(sys.argv[2])); ab.import_tree_cuflash(Path(sys.argv[3]))")
+    result = subprocess.run([sys.executable, "-c", script, str(REPO / "tools"), str(first), str(second)],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert f"the mode's tree is {second.resolve()}, but cuflash was imported from {first.resolve()}" in result.stderr

@@ -127,11 +127,29 @@ def summary(rows: list[dict], modes: list[str]) -> list[str]:
     return lines
 
 
+def import_tree_cuflash(tree: Path):
+    """Imports ``tree``'s cuflash and checks that it is the one loaded.
+
+    It must come first: tools/bench.py puts its own checkout at the front of
+    sys.path when imported, so a mode's tree imported after it would
+    silently run that checkout's cuflash (every mode the same code)."""
+    tree = tree.resolve()
+    sys.path.insert(0, str(tree))
+    import cuflash
+
+    origin = Path(cuflash.__file__).resolve()
+    if tree not in origin.parents:
+        raise RuntimeError(f"the mode's tree is {tree}, but cuflash was imported from {origin}")
+    return cuflash
+
+
 def run_worker(mode: str, points: list[Point], passes: list[str], dtype: str, patches: list[str]) -> None:
-    """Times the points with the cuflash on sys.path (the mode's tree),
-    after this mode's patches; prints one JSON line per point and pass."""
+    """Times the points with the mode's cuflash (its tree is the working
+    directory), after this mode's patches; prints one JSON line per point
+    and pass."""
     import importlib
 
+    cuflash = import_tree_cuflash(Path.cwd())
     for patch in patches:
         patch_mode, module, attribute, expression = parse_patch(patch)
         if patch_mode == mode:
@@ -141,6 +159,8 @@ def run_worker(mode: str, points: list[Point], passes: list[str], dtype: str, pa
     sys.path.insert(0, str(TOOLS))
     from bench import HIDDEN, TOKENS, measure_backward, measure_point
 
+    if sys.modules["cuflash"] is not cuflash:
+        raise RuntimeError("tools/bench.py replaced the mode's cuflash")
     torch_dtype = getattr(torch, dtype)
     for point in points:
         heads, batch = HIDDEN // point.head_dim, TOKENS // point.seqlen
