@@ -179,7 +179,8 @@ WGMMA_FORWARD_TILES = {
 #: 4k 1.704 / 1.363 / 3.328, causal 4k 0.945 / 0.802 / 1.776, full 1k
 #: 0.476 / 0.443 / 0.901; d56 full 4k 1.180 / 1.029 / 1.176; d24 full 4k
 #: 2.525 / 2.154 / 3.696), so bucket 64 keeps its table tile for them and
-#: bucket 32 takes it. Head dims 16 and 32 keep the 64-row tile.
+#: bucket 32 takes it. Head dims 16 and 32 keep the 64-row tile. Short
+#: sequences keep 128 x 128 (``WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES``).
 WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
     32: (192, 96, 16, 1),
 }
@@ -197,10 +198,10 @@ class ShortSequenceTile:
 
 
 #: Hopper forward tiles for short sequences, head dims whose 16-bit rows are
-#: whole 32-byte sectors: head dim -> its ``ShortSequenceTile`` rules, the
-#: first that serves a call taken (``wgmma_forward_for_call``). Blocks of
-#: one consumer warpgroup, two or three an SM, keep more tiles in flight
-#: where each sees few key blocks.
+#: whole 32-byte sectors (the others: ``WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES``):
+#: head dim -> its ``ShortSequenceTile`` rules, the first that serves a call
+#: taken (``wgmma_forward_for_call``). Blocks of one consumer warpgroup, two
+#: or three an SM, keep more tiles in flight where each sees few key blocks.
 #: - d128, up to 512 keys, only where persistent blocks do not apply
 #:   (packed batches, other masks, dropout). H100, bf16, d128, 32/8 heads,
 #:   16384 tokens, TFLOP/s, 128 x 128 -> 64 x 64: 64 x 256 tokens 270 ->
@@ -229,6 +230,17 @@ WGMMA_FORWARD_SHORT_TILES = {
          ShortSequenceTile((64, 128, 8, 2), 1024, True)),
     128: (ShortSequenceTile((64, 64, 8, 2), 512, False),),
 }
+#: Hopper forward tiles for short sequences whose rows end inside a 32-byte
+#: sector (``rows_end_mid_sector``), by bucket: the 128-row tile of two
+#: consumers, where the 192-row one (``WGMMA_FORWARD_PARTIAL_SECTOR_TILES``)
+#: has too few query tiles to fill the SMs. H200, bf16, FA2 grid, ms,
+#: 128 x 128 against 192 x 96, both persistent (tools/ab.py, 2c41359): causal
+#: d40 512 0.223 / 0.262, 1k 0.327 / 0.353, d56 1k 0.242 / 0.268, d8 1k
+#: 1.481 / 1.569, but d56 2k 0.389 / 0.376; no mask d24 512 0.411 / 0.432,
+#: d40 512 0.269 / 0.275, d56 512 0.197 / 0.207, but d40 1k 0.476 / 0.443.
+_PARTIAL_SECTOR_SHORT_RULES = (ShortSequenceTile((128, 128, 12, 1), 1024, True, ("causal",)),
+                               ShortSequenceTile((128, 128, 12, 1), 512, True, ("none",)))
+WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES = {32: _PARTIAL_SECTOR_SHORT_RULES, 64: _PARTIAL_SECTOR_SHORT_RULES}
 #: Most stages of the Hopper forward's K/V ring (``WgmmaForwardTraits::kStages``):
 #: three where the blocks of an SM hold them, else two (``with_wgmma_forward_stages``).
 #: A step multiplies by K_i and V_{i-1}, and V_{i-2}'s buffer is freed only
@@ -901,19 +913,27 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     ``wgmma_product_dim``."""
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
     table = WGMMA_FORWARD_TILES
-    if head_dim * ELEMENT_SIZE[dtype_name] % 32 and padded in WGMMA_FORWARD_PARTIAL_SECTOR_TILES:
+    if rows_end_mid_sector(dtype_name, head_dim) and padded in WGMMA_FORWARD_PARTIAL_SECTOR_TILES:
         table = WGMMA_FORWARD_PARTIAL_SECTOR_TILES
     return _wgmma_forward_tiles(dtype_name, head_dim, padded, table[padded])
 
 
+def rows_end_mid_sector(dtype_name: str, head_dim: int) -> bool:
+    """Whether a row of ``head_dim`` elements ends inside a 32-byte sector
+    (16 bits: head dims 8, 24, 40, ...), which the Hopper forward's tiles
+    treat apart."""
+    return bool(head_dim * ELEMENT_SIZE[dtype_name] % 32)
+
+
 def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[ShortSequenceTile, Tiling], ...]:
-    """The Hopper forward's rules for short sequences (``WGMMA_FORWARD_SHORT_TILES``) and their tiles; none
-    where the table has none for this head dim or its rows end inside a 32-byte sector."""
+    """The Hopper forward's rules for short sequences and their tiles: ``WGMMA_FORWARD_SHORT_TILES``'s, or
+    ``WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES``' where rows end inside a 32-byte sector; none where that
+    table has none for this head dim's bucket."""
     padded = _bucket_in(WGMMA_FORWARD_TILES, "Hopper forward", dtype_name, head_dim)
-    if padded not in WGMMA_FORWARD_SHORT_TILES or head_dim * ELEMENT_SIZE[dtype_name] % 32:
-        return ()
+    table = (WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES if rows_end_mid_sector(dtype_name, head_dim)
+             else WGMMA_FORWARD_SHORT_TILES)
     return tuple((rule, _wgmma_forward_tiles(dtype_name, head_dim, padded, rule.tile))
-                 for rule in WGMMA_FORWARD_SHORT_TILES[padded])
+                 for rule in table.get(padded, ()))
 
 
 def wgmma_forward_short_tiles(dtype_name: str, head_dim: int) -> tuple[Tiling, ...]:
@@ -940,7 +960,8 @@ def wgmma_forward_key_limits() -> tuple[int, ...]:
     """The key counts up to which ``wgmma_forward_for_call`` keeps a choice
     (a short-sequence tile's most keys, persistent blocks' limits): past
     each of them its answer may change."""
-    limits = {rule.most_keys for rules in WGMMA_FORWARD_SHORT_TILES.values() for rule in rules}
+    limits = {rule.most_keys for table in (WGMMA_FORWARD_SHORT_TILES, WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES)
+              for rules in table.values() for rule in rules}
     return tuple(sorted(limits | set(PERSISTENT_FORWARD_KEYS.values())))
 
 

@@ -295,11 +295,13 @@ def test_wgmma_forward_rows_that_start_mid_sector(head_dim, offsets, walk):
 @pytest.mark.parametrize("head_dim", [8, 24, 40, 56, 72, 104])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")], ids=["inf", "nan"])
-def test_wgmma_forward_head_pairs_keep_neighbours_apart(head_dim, causal, value):
+@pytest.mark.parametrize("seqlen", [300, 1100])
+def test_wgmma_forward_head_pairs_keep_neighbours_apart(head_dim, causal, value, seqlen):
     """Rows that end mid-sector with an even head count: K and V are copied
     through head-pair maps that bring 8 columns of the neighbouring head
-    (params.cuh), on the 192-row tile (8-56) and the 128-row one (72, 104).
-    A non-finite value there must not reach the other head:
+    (params.cuh), on the 192-row tile (8-56 at 1100 keys) and the 128-row
+    one (72, 104; 8-56 at 300 keys, their short-sequence tile). A
+    non-finite value there must not reach the other head:
     head 1's first 8 K and V columns and head 2's last 8 are poisoned, which
     heads 0 and 3 read beside their own; their outputs must match float64
     (without the zeroing of K's neighbour columns they are NaN)."""
@@ -308,7 +310,7 @@ def test_wgmma_forward_head_pairs_keep_neighbours_apart(head_dim, causal, value)
     from tests.helpers import assert_output_accurate, naive_attention_same_precision
 
     cupy = _cupy()
-    q, k, v = random_qkv(cupy, 2, 300, 300, 4, 4, head_dim, cupy.dtype("bfloat16"), seed=head_dim + causal)
+    q, k, v = random_qkv(cupy, 2, seqlen, seqlen, 4, 4, head_dim, cupy.dtype("bfloat16"), seed=head_dim + causal)
     assert k.data.ptr % 32 == 0 and v.data.ptr % 32 == 0
     for x in (k, v):
         x[:, 5, 1, :8] = value

@@ -67,15 +67,17 @@ def test_every_variant_compiles_and_is_reported():
     # split-KV's float32 partials into each 16-bit dtype, and each dtype into itself; 4 or 32 states in flight;
     # 1 or 4 columns a lane, and 8 for 16-bit partials with 4 states in flight
     assert sum(row["variant"].startswith("merge-states/") for row in rows) == 3 * 2 * 2 + 2 * (3 + 2)
-    # 32 tilings: head dims 32/64/96/128/192/256, the 192-row tile of 32
-    # for rows ending mid-sector, the short-sequence tiles (d64's two, d128's
+    # 38 tilings: head dims 32/64/96/128/192/256, the 192-row tile of 32
+    # and the 128-row tiles of 32/64 for rows ending mid-sector (the latter
+    # for short sequences), the short-sequence tiles (d64's two, d128's
     # one), and the products narrowed by wgmma_product_dim (48 in d48's
-    # 192-row tile, which d40 runs too, and d48's two short tiles; 80 in
-    # 96's tile; 112 in 128's tile and its short one), two dtypes; three
-    # masks and the heaviest policies dense, three masks packed; the
-    # persistent forms of the 28 that are not d128's or d112's short tile,
-    # without a mask and causal, identity, and causal soft cap with ALiBi, dense
-    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 32 * (4 + 3) + 28 * 3
+    # 192-row tile, which d40 runs too, d40's 128-row tile and d48's two
+    # short tiles; 80 in 96's tile; 112 in 128's tile and its short one),
+    # two dtypes; three masks and the heaviest policies dense, three masks
+    # packed; the persistent forms of the 34 that are not d128's or d112's
+    # short tile, without a mask and causal, identity, and causal soft cap
+    # with ALiBi, dense
+    assert sum(row["variant"].startswith("forward-wgmma/") for row in rows) == 38 * (4 + 3) + 34 * 3
     # 18 tilings (six buckets and the three narrowed products of
     # wgmma_product_dim, two dtypes), atomic and ordered dQ; the claimed
     # dQ mode for the dense causal and window masks and the heaviest

@@ -767,7 +767,15 @@ def test_wgmma_forward_persistent_only_where_a_static_share_is_even():
     (64, "none", "dense", False, 8193, ("table", False)),
     (64, "window", "dense", False, 2048, ("table", False)),
     (48, "none", "dense", False, 1024, ((64, 128, 8, 2), True)),  # whole sectors: bucket 64's tiles
-    (56, "none", "dense", False, 1024, ("table", True)),  # rows ending mid-sector: no short tile
+    # rows ending mid-sector: 128 x 128 (the table's is 192 x 96) causal up
+    # to 1024 keys, no mask up to 512, persistent where that applies
+    (56, "none", "dense", False, 1024, ("table", True)),
+    (56, "none", "dense", False, 512, ((128, 128, 12, 1), True)),
+    (8, "none", "dense", False, 512, ((128, 128, 12, 1), True)),
+    (24, "none", "packed", False, 500, ((128, 128, 12, 1), False)),
+    (40, "causal", "dense", False, 1024, ((128, 128, 12, 1), True)),
+    (40, "causal", "dense", False, 1025, ("table", True)),
+    (40, "window", "dense", False, 512, ("table", False)),
     # d128: the short tile only where persistent blocks do not apply, up to 512 keys
     (128, "none", "dense", False, 512, ("table", True)),
     (128, "causal", "dense", False, 512, ("table", True)),
