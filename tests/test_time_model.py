@@ -196,17 +196,6 @@ def test_products_are_charged_at_the_head_dim_the_kernels_run():
     assert [flash2_head_dim(d) for d in (8, 40, 72, 96, 136, 160, 200, 256)] == [32, 64, 96, 96, 160, 160, 256, 256]
 
 
-#: Head dims whose Hopper forward the copy engine bounds, not the tensor
-#: cores: rows of 16 and 80 bytes end inside a 32-byte sector, and d40's 51
-#: heads leave neither the sector shift nor the head pairs to fix that
-#: (docs/perf-notes.md); the model has no term for the copies' rate on such
-#: rows. Measured: d40's forward did not move when its products were
-#: narrowed from 64 to 48 columns (A/B on the H200, a28ca6f: +0.6%), and ran
-#: 20% faster on the 192-row tile, which copies each K/V block for 1.5x as
-#: many query rows (perf-notes; not the table's tile yet).
-COPY_BOUND_FORWARD_HEAD_DIMS = (8, 40)
-
-
 @pytest.mark.parametrize("algorithm,between_buckets", [
     ("cuflash", (8, 16, 40, 72, 80, 112, 160)),  # Hopper's buckets 32, 64, 96, 128, 192, 256
     ("flash2", (8, 16, 40, 72, 80, 112)),        # FlashAttention-2's 32, 64, ..., 192, 256
@@ -216,9 +205,10 @@ def test_the_model_explains_the_h200_head_dim_sweep_between_buckets(algorithm, b
     fitted to it): at head dims between the algorithm's compiled ones the
     model's forward and backward are within 15% of the measurement at the
     median and 32% at worst (products charged at the problem's head dim
-    instead: cuflash 23% and 44%, FlashAttention-2 23% and 34%), except
-    cuflash's copy-bound forwards (COPY_BOUND_FORWARD_HEAD_DIMS), which the
-    model always underestimates, by at most 40%."""
+    instead: cuflash 23% and 44%, FlashAttention-2 23% and 34%). cuflash's
+    forward at head dims 8 and 40 (rows ending mid-sector), which the model
+    has no term for, sat 29-37% short of the measurement on the 128-row
+    tile; on the 192-row tile it is within the same bounds (14-21% short)."""
     from cuflash.simulate.timing import compare_with_bench
 
     rows = json.loads((REPO / "benchmarks" / "h200_head_dims.json").read_text())["rows"]
@@ -227,12 +217,7 @@ def test_the_model_explains_the_h200_head_dim_sweep_between_buckets(algorithm, b
     assert len(compared) == 8 * len(between_buckets)  # fwd and bwd, full and causal, two dtypes
     errors = sorted(abs(r["error"]) for r in compared)
     assert errors[len(errors) // 2] <= 0.15, errors
-    copy_bound = [r["error"] for r in compared
-                  if algorithm == "cuflash" and r["pass"] == "fwd" and r["head_dim"] in COPY_BOUND_FORWARD_HEAD_DIMS]
-    assert all(-0.40 <= error < 0 for error in copy_bound), copy_bound
-    others = [abs(r["error"]) for r in compared
-              if not (algorithm == "cuflash" and r["pass"] == "fwd" and r["head_dim"] in COPY_BOUND_FORWARD_HEAD_DIMS)]
-    assert max(others) <= 0.32, others
+    assert errors[-1] <= 0.32, errors
 
 
 def test_every_cost_entry_is_physical():
