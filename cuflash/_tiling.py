@@ -169,11 +169,12 @@ WGMMA_FORWARD_TILES = {
 #: Hopper forward tiles for head dims whose rows end inside a 32-byte
 #: sector (head_dim * element bytes not a multiple of 32: 8, 24, 40, 56 in
 #: 16 bits), where they differ from ``WGMMA_FORWARD_TILES``: bucket 32's
-#: 64-row tile at two blocks an SM copies K and V twice per query row as
-#: often as a 192-row one, and over such rows it ran at half speed or less
-#: (d40 139 against 251 TFLOP/s, d8 40 against 68; padding the storage so
-#: rows start on a sector did not help, so it is the copies of rows ending
-#: mid-sector, not their alignment: docs/perf-notes.md). Of the larger
+#: 64-row tile at two blocks an SM copies each K/V block for a third of the
+#: query rows a 192-row one does, and over such rows it ran at half the
+#: speed of 128 x 128 (H100: d40 139 against 251 TFLOP/s, d8 40 against 68;
+#: padding the storage so rows start on a sector did not help, so it is the
+#: copies of rows ending mid-sector, not their alignment:
+#: docs/perf-notes.md). Of the larger
 #: tiles, d64's 192 x 96 of three consumers beat 128 x 128 on such rows
 #: (H200, bf16, ms, 128 x 128 / 192 x 96 / 64 x 128 at two an SM: d40 full
 #: 4k 1.704 / 1.363 / 3.328, causal 4k 0.945 / 0.802 / 1.776, full 1k
@@ -237,7 +238,8 @@ WGMMA_FORWARD_SHORT_TILES = {
 #: 128 x 128 against 192 x 96, both persistent (tools/ab.py, 2c41359): causal
 #: d40 512 0.223 / 0.262, 1k 0.327 / 0.353, d56 1k 0.242 / 0.268, d8 1k
 #: 1.481 / 1.569, but d56 2k 0.389 / 0.376; no mask d24 512 0.411 / 0.432,
-#: d40 512 0.269 / 0.275, d56 512 0.197 / 0.207, but d40 1k 0.476 / 0.443.
+#: d40 512 0.269 / 0.275, d56 512 0.197 / 0.207, but d40 1k 0.476 / 0.443
+#: (the probe measured with the table above).
 _PARTIAL_SECTOR_SHORT_RULES = (ShortSequenceTile((128, 128, 12, 1), 1024, True, ("causal",)),
                                ShortSequenceTile((128, 128, 12, 1), 512, True, ("none",)))
 WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES = {32: _PARTIAL_SECTOR_SHORT_RULES, 64: _PARTIAL_SECTOR_SHORT_RULES}
