@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ._params import TENSOR_MAP, TENSOR_MAP_ALIGNMENT
-from ._tiling import widest_swizzle_bytes
+from ._tiling import SECTOR_BYTES, widest_swizzle_bytes
 
 TENSOR_MAP_BYTES = TENSOR_MAP.itemsize
 
@@ -83,10 +83,6 @@ def map_geometry(shape: tuple[int, ...], strides: tuple[int, ...], box: TileBox)
                              f"below 2^40, got {stride_bytes} bytes")
         byte_strides.append(stride_bytes)
     return dims, tuple(byte_strides), (box.panel_cols, box.rows, 1, 1)
-
-
-#: Bytes a 32-byte sector holds: the copy engine reads global memory by them.
-SECTOR_BYTES = 32
 
 
 def head_pair_geometry(shape: tuple[int, ...], strides: tuple[int, ...], element_bytes: int,

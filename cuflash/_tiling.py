@@ -174,13 +174,12 @@ WGMMA_FORWARD_TILES = {
 #: speed of 128 x 128 (H100: d40 139 against 251 TFLOP/s, d8 40 against 68;
 #: padding the storage so rows start on a sector did not help, so it is the
 #: copies of rows ending mid-sector, not their alignment:
-#: docs/perf-notes.md). Of the larger
-#: tiles, d64's 192 x 96 of three consumers beat 128 x 128 on such rows
-#: (H200, bf16, ms, 128 x 128 / 192 x 96 / 64 x 128 at two an SM: d40 full
-#: 4k 1.704 / 1.363 / 3.328, causal 4k 0.945 / 0.802 / 1.776, full 1k
-#: 0.476 / 0.443 / 0.901; d56 full 4k 1.180 / 1.029 / 1.176; d24 full 4k
-#: 2.525 / 2.154 / 3.696), so bucket 64 keeps its table tile for them and
-#: bucket 32 takes it. Head dims 16 and 32 keep the 64-row tile. Short
+#: docs/perf-notes.md). Of the larger tiles, d64's 192 x 96 of three
+#: consumers beat 128 x 128 on such rows (H200, bf16, ms, 128 x 128 /
+#: 192 x 96 / 64 x 128 at two an SM: d40 full 4k 1.704 / 1.363 / 3.328,
+#: causal 4k 0.945 / 0.802 / 1.776, full 1k 0.476 / 0.443 / 0.901; d56 full
+#: 4k 1.180 / 1.029 / 1.176; d24 full 4k 2.525 / 2.154 / 3.696), so bucket
+#: 64 keeps its table tile for them and bucket 32 takes it. Head dims 16 and 32 keep the 64-row tile. Short
 #: sequences keep 128 x 128 (``WGMMA_FORWARD_PARTIAL_SECTOR_SHORT_TILES``).
 WGMMA_FORWARD_PARTIAL_SECTOR_TILES = {
     32: (192, 96, 16, 1),
@@ -920,11 +919,15 @@ def wgmma_forward_tiling(dtype_name: str, head_dim: int) -> Tiling:
     return _wgmma_forward_tiles(dtype_name, head_dim, padded, table[padded])
 
 
+#: Bytes a 32-byte sector holds: the copy engine reads global memory by them.
+SECTOR_BYTES = 32
+
+
 def rows_end_mid_sector(dtype_name: str, head_dim: int) -> bool:
-    """Whether a row of ``head_dim`` elements ends inside a 32-byte sector
-    (16 bits: head dims 8, 24, 40, ...), which the Hopper forward's tiles
-    treat apart."""
-    return bool(head_dim * ELEMENT_SIZE[dtype_name] % 32)
+    """Whether a row of ``head_dim`` elements ends inside a sector
+    (``SECTOR_BYTES``; 16 bits: head dims 8, 24, 40, ...), which the Hopper
+    forward's tiles treat apart."""
+    return bool(head_dim * ELEMENT_SIZE[dtype_name] % SECTOR_BYTES)
 
 
 def wgmma_forward_short_tilings(dtype_name: str, head_dim: int) -> tuple[tuple[ShortSequenceTile, Tiling], ...]:

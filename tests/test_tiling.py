@@ -403,7 +403,7 @@ def test_every_narrowed_backward_is_compiled():
 
 @pytest.mark.parametrize("head_dim,product_dim", [
     (8, 0), (24, 0), (32, 0),                  # bucket 32: no narrower N in the table
-    (40, 48), (48, 48), (56, 0), (64, 0),      # bucket 64: 40 in the 128-row tile, 48 in the 192-row one
+    (40, 48), (48, 48), (56, 0), (64, 0),      # bucket 64: 40 (rows ending mid-sector) and 48 alike
     (72, 80), (80, 80), (88, 0), (96, 0),
     (104, 112), (112, 112), (120, 0), (128, 0),
     (136, 0), (160, 0), (200, 0), (256, 0),    # buckets 192 and 256: no width of the table inside them

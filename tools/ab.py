@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -149,18 +148,14 @@ def run_worker(mode: str, points: list[Point], passes: list[str], dtype: str, pa
     and pass."""
     import importlib
 
-    cuflash = import_tree_cuflash(Path.cwd())
+    import_tree_cuflash(Path.cwd())
     for patch in patches:
         patch_mode, module, attribute, expression = parse_patch(patch)
         if patch_mode == mode:
             setattr(importlib.import_module(module), attribute, eval(expression, {}))  # noqa: S307 (the caller's own code)
     import torch
+    from bench import HIDDEN, TOKENS, measure_backward, measure_point  # tools/, this script's directory, is on sys.path
 
-    sys.path.insert(0, str(TOOLS))
-    from bench import HIDDEN, TOKENS, measure_backward, measure_point
-
-    if sys.modules["cuflash"] is not cuflash:
-        raise RuntimeError("tools/bench.py replaced the mode's cuflash")
     torch_dtype = getattr(torch, dtype)
     for point in points:
         heads, batch = HIDDEN // point.head_dim, TOKENS // point.seqlen
@@ -207,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for round_index in range(args.rounds):
         for name, tree in modes:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(TOOLS)]))
+            # The worker puts its tree (its working directory) first on sys.path itself.
             result = subprocess.run(worker_command(name, args.points.split(), passes, args.dtype, args.patch),
-                                    cwd=tree, env=env, capture_output=True, text=True)
+                                    cwd=tree, capture_output=True, text=True)
             if result.returncode != 0:
                 print(result.stdout + result.stderr, file=sys.stderr)
                 return result.returncode
