@@ -146,8 +146,10 @@ def _with_maps(base: np.dtype, maps: tuple[str, ...]) -> np.dtype:
 #: and V's two head-pair maps each (``kv_pair_maps``).
 WGMMA_FORWARD_PARAMS = _with_maps(FORWARD_PARAMS, ("q_map", "k_map", "v_map", "out_map", "k_pair_map0",
                                                    "k_pair_map1", "v_pair_map0", "v_pair_map1"))
-#: WgmmaBackwardParams: BackwardParams, then the maps of Q, K, V, dO and the float32 dQ accumulator.
-WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map"))
+#: WgmmaBackwardParams: BackwardParams, then the maps of Q, K, V, dO and the
+#: float32 dQ accumulator (the direct dQ mode: of dq), and of the output (the
+#: direct dQ mode's, from which the kernel computes delta).
+WGMMA_BACKWARD_PARAMS = _with_maps(BACKWARD_PARAMS, ("q_map", "k_map", "v_map", "do_map", "dq_map", "o_map"))
 
 #: sizeof() of the C++ structs, as params.cuh's static_asserts pin them.
 FORWARD_PARAMS_SIZE = 4 * 32 + 3 * 8 + 14 * 8 + 2 * 8 + 3 * 8 + 20 * 8

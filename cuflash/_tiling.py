@@ -469,7 +469,7 @@ class Tiling:
         t = self._tiles(dtype_name)
         return t["q"] + 2 * t["k"] + t["score"]
 
-    def backward_dkdv_smem_bytes(self, dtype_name: str) -> int:
+    def backward_dkdv_smem_bytes(self, dtype_name: str, dq_mode: str | None = None) -> int:
         """``BackwardDkDvSmem::kBytes``: K, V, Q, dO, P^T, dS^T, LSE, delta;
         for the mma.sync backward ``MmaBackwardTraits::kBytes``: K, V,
         ``q_stages`` buffers of Q and dO (rows padded by 8 elements), dS^T
@@ -477,8 +477,11 @@ class Tiling:
         buffers of LSE and delta; for the wgmma backward
         ``WgmmaBackwardTraits::kBytes``: K, V, ``q_stages`` buffers of Q and
         dO, two of dS^T (and P^T where the head dim is split; 16-bit,
-        swizzled), the float32 dQ tile, ``q_stages`` buffers of LSE and
-        delta, the mbarriers, plus the alignment slack."""
+        swizzled), the float32 dQ tile (in the direct dQ mode: the dQ tile
+        and the first O tile in the input dtype), ``q_stages`` buffers of
+        LSE and delta, the mbarriers, plus the alignment slack; ``dq_mode``
+        "direct" where its O tiles fit (``wgmma_direct_computes_delta``): the
+        second O tile, on a swizzle atom after the barriers."""
         d, m, n = self.head_dim_padded, self.block_m, self.block_n
         score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
         if self.kernel == "mma":
@@ -486,12 +489,9 @@ class Tiling:
             return ((2 * n * (d + 8) + 2 * q * m * (d + 8) + score_tiles * n * (m + 8)) * ELEMENT_SIZE[dtype_name]
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
-            e = ELEMENT_SIZE[dtype_name]
-            q = self.q_stages
-            # K/V full; Q full, dO full, empty per stage; dQ full, empty, store job; the job's slot
-            barriers = 8 * (1 + 3 * q + 3) + 8
-            return ((2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4
-                    + barriers + WGMMA_SMEM_ALIGNMENT)
+            layout = _wgmma_backward_layout(self, ELEMENT_SIZE[dtype_name])
+            direct = dq_mode == "direct" and layout["direct"] + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES
+            return layout["direct" if direct else "barriers_end"] + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
 
@@ -499,6 +499,32 @@ class Tiling:
         """``BackwardDqSmem::kBytes``: Q, dO, K, V, dS."""
         t = self._tiles(dtype_name)
         return 2 * t["q"] + 2 * t["k"] + t["score"]
+
+
+def _wgmma_backward_layout(tiling: "Tiling", e: int) -> dict:
+    """Byte offsets of ``WgmmaBackwardTraits`` (``e``-byte elements):
+    ``barriers_end``, the end of every mode's layout (K, V, the Q and dO
+    stages, the two score buffers, the float32 dQ tile, the statistics, the
+    barriers: K/V full; Q full, dO full, empty per stage; dQ full, empty,
+    store job; the job's slot; delta written per stage), and ``direct``, the
+    end of the direct dQ mode's with its second O tile (two stages; one
+    stage has its only O tile in the dQ tile's second half)."""
+    d, m, n, q = tiling.head_dim_padded, tiling.block_m, tiling.block_n, tiling.q_stages
+    score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
+    barriers = 8 * (1 + 3 * q + 3) + 8 + 8 * q
+    end = (2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4 + barriers
+    second_o = -(-end // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT
+    return {"barriers_end": end, "direct": second_o + m * d * e if q > 1 else end}
+
+
+def wgmma_direct_computes_delta(tiling: "Tiling") -> bool:
+    """Whether the Hopper dK/dV kernel of ``tiling`` in the direct dQ mode
+    computes delta itself (``WgmmaBackwardTraits::kComputesDelta``: its O
+    tiles fit in shared memory; all but head dim 192's two stages). Then
+    that backward is the one kernel, with no work buffer; otherwise the
+    preprocessing kernel computes delta before it."""
+    return (tiling.kernel == "wgmma"
+            and _wgmma_backward_layout(tiling, 2)["direct"] + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES)
 
 
 def _check_budget(smem_bytes: int, what: str) -> None:

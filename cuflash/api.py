@@ -40,7 +40,7 @@ from ._tensor_maps import TensorMapEncoder, TileBox, head_pair_geometry, takes_l
 from ._tiling import (DECODE_MAX_ROWS, ELEMENT_SIZE, MMA_DTYPES, Tiling,
                       copy_engine_box_rows, decode_cluster_count, decode_cluster_tiling, decode_clusters_apply,
                       decode_split_count, decode_tail_split, decode_tilings, decode_ring,
-                      persistent_grid, wgmma_backward_swizzles, wgmma_forward_for_call)
+                      persistent_grid, wgmma_backward_swizzles, wgmma_direct_computes_delta, wgmma_forward_for_call)
 from ._validation import (AttentionProblem, MergeProblem, Packing, as_batch_of_one, check_backward, check_forward,
                           check_kv_cache, check_merge, check_num_splits, check_packed_like, check_packed_lse,
                           check_dropout_seed, check_heads_first, check_mask_mod, check_packing, check_score_mod, check_variants, contiguous_strides, meta_of, packed_problem, KvCacheCall)
@@ -377,14 +377,22 @@ def pointers_aligned(kind: str, pointers: list) -> bool:
     return not misaligned & 15
 
 
+_BACKWARD_OUT = BACKWARD_ARRAYS.index("out")
+
+
 def _signature(kind: str, arrays: list, flags: tuple):
     """The plan-cache key of a call and its pointers, or ``(None, None)``
     where an array is not one the cache serves (any type but a CuPy array,
-    a PyTorch tensor or None)."""
+    a PyTorch tensor or None). A backward's key also holds whether out's
+    pointer is 16-byte aligned: the direct dQ mode maps it
+    (``stores_dq_directly``)."""
     signature, pointers = _interop.call_signature(arrays)
     if signature is None:
         return None, None
-    return (kind, signature, flags, pointers_aligned(kind, pointers)), pointers
+    aligned = pointers_aligned(kind, pointers)
+    if kind == "backward":
+        aligned = aligned, not pointers[_BACKWARD_OUT] & 15
+    return (kind, signature, flags, aligned), pointers
 
 
 def _cached_call(key, arrays: list, pointers: list) -> CachedCall | None:
@@ -1220,15 +1228,16 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # Work buffers come from the caller's framework (PyTorch's caching
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
-        dq_aligned = "dq" not in given  # the allocators align; a given dq's alignment is not in the key
+        # The allocators align dq; a given dq's alignment is not in the key, out's is (_signature).
+        maps_aligned = "dq" not in given and not views["out"].data.ptr & 15
         work = WorkArena.of(backward_work_buffers(*sizes, tiling, bool(deterministic), total_q=problem.total_q,
                                                   packed=problem.packed,
-                                                  direct=stores_dq_directly(problem, layouts, tiling, dq_aligned)))
+                                                  direct=stores_dq_directly(problem, layouts, tiling, maps_aligned)))
         work.allocate(bridge, views)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling,
-                             dq_aligned=dq_aligned)
+                             maps_aligned=maps_aligned)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
                             variants.fixed_arrays(views), work)
 
@@ -1711,17 +1720,20 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
                            tiling.head_dim_padded)
 
 
-def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, dq_aligned: bool) -> bool:
+def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, maps_aligned: bool) -> bool:
     """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
     direct dQ mode (``runs_direct_dq``: one key block, which stores dQ in
-    the input dtype through a tensor map of dq; ``dq_aligned``: dq's pointer
-    will be 16-byte aligned), dq's layout (in ``layouts``) taking a tensor
-    map. Then the backward is two kernels (delta, dK/dV) and its only work
-    buffer is delta: on small problems a launch fewer, and the float32
-    accumulator's traffic gone."""
+    the input dtype through a tensor map of dq and, where
+    ``wgmma_direct_computes_delta``, computes delta from the output's tiles,
+    read through a map of out; ``maps_aligned``: dq's and out's pointers will
+    be 16-byte aligned), the layouts of dq and out (in ``layouts``) taking
+    tensor maps. Then the backward is the dK/dV kernel alone, with no work
+    buffer (head dim 192: the preprocessing kernel before it, and delta): on
+    small problems two launches and an allocation fewer, and the float32
+    accumulator's and delta's traffic gone."""
     return (runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
-                           tiling.block_n, dq_aligned)
-            and takes_layout(layouts["dq"].shape, layouts["dq"].strides))
+                           tiling.block_n, maps_aligned)
+            and all(takes_layout(layouts[name].shape, layouts[name].strides) for name in ("dq", "out")))
 
 
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
@@ -1729,19 +1741,20 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     """The work buffers a backward (batch b, h query heads, seqlen_q sq,
     head_dim d; ``total_q`` the query rows of a packed batch, b * sq by
     default) on the dK/dV kernel of ``tiling`` needs, name -> (shape, dtype),
-    all contiguous (params.cuh): delta (h, total_q) always; the float32 dQ
+    all contiguous (params.cuh): delta (h, total_q); the float32 dQ
     accumulator (total_q, h, d) unless the deterministic dQ pass computes
     dQ; the int32 counters (b, h, query blocks) of the ordered mode and,
     for the Hopper kernel's atomic mode on dense batches, of first stores
     (``stores_first_dq``, which the plan decides from the mask; a few KB,
-    zeroed either way); ``direct`` (``stores_dq_directly``): delta alone.
+    zeroed either way); ``direct`` (``stores_dq_directly``): delta alone,
+    and none where the dK/dV kernel computes it (``wgmma_direct_computes_delta``).
     ``tiling`` None: every buffer any dK/dV kernel could need (JAX decides
     its buffers before the kernel is known), the counters for the smallest
     query block of any kernel that counts."""
     rows = b * sq if total_q is None else total_q
     buffers = {"delta": ((h, rows), "float32")}
     if direct:
-        return buffers
+        return {} if wgmma_direct_computes_delta(tiling) else buffers
     if tiling is None:
         block_m = min(t.block_m for family in FAMILIES if "ordered" in family.dq_modes
                       for _, t in family.compiled_tilings())
@@ -1803,16 +1816,18 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
-                  aligned: bool, tiling: Tiling | None = None, dq_aligned: bool = True) -> LaunchPlan:
+                  aligned: bool, tiling: Tiling | None = None, maps_aligned: bool = True) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, the dQ
     accumulator zeroed unless ``stores_first_dq``, the counters), dK/dV (dQ
     added with atomics, the first tile of each block stored where
     ``stores_first_dq``; added in a fixed order (dq_turn); or left to the
     deterministic dQ pass), then dQ conversion; where ``stores_dq_directly``
-    (``dq_aligned``: dq's pointer will be 16-byte aligned, as the call's own
-    is), preprocess (delta) and dK/dV, which stores dQ itself (the plan then
-    writes no accumulator or counter pointers: a caller that has those
-    buffers anyway, JAX, does not have them zeroed). ``layouts`` of dout, q,
+    (``maps_aligned``: dq's and out's pointers will be 16-byte aligned, as
+    the allocators align dq), dK/dV alone, which computes delta
+    (``wgmma_direct_computes_delta``; else preprocess first) and stores dQ
+    itself (the plan then writes no accumulator or counter pointers, nor
+    delta's where the kernel computes it: a caller that has those buffers
+    anyway, JAX, does not have them touched). ``layouts`` of dout, q,
     k, v, out, dq, dk, dv; ``lse``'s layout; ``aligned`` whether the
     pointers of dout, q, k, v, dk and dv will be 16-byte aligned; ``tiling``
     the dK/dV kernel's (``backward_tiling_for`` decides where not given).
@@ -1828,7 +1843,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
                            _multiprocessor_count(problem.device))
-    direct = stores_dq_directly(problem, layouts, dkdv_tiling, dq_aligned)
+    direct = stores_dq_directly(problem, layouts, dkdv_tiling, maps_aligned)
+    delta_in_kernel = direct and wgmma_direct_computes_delta(dkdv_tiling)
     claimed = not direct and stores_first_dq(problem, dkdv_tiling, dq_mode)
     fields = dict(
         **{name: tensor_ref(layouts[name]) for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")},
@@ -1851,7 +1867,8 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     # The element-wise kernels take the BackwardParams at the start of the
     # Hopper kernel's struct.
     structs = [pack(WGMMA_BACKWARD_PARAMS if hopper else BACKWARD_PARAMS, **fields)]
-    slots = tuple(() if direct and slot in ("dq_accum", "dq_semaphore") else slot for slot in BACKWARD_SLOTS)
+    unwritten = ("dq_accum", "dq_semaphore") + (("delta",) if delta_in_kernel else ()) if direct else ()
+    slots = tuple(() if slot in unwritten else slot for slot in BACKWARD_SLOTS)
     device = problem.device
     launches = []
 
@@ -1860,7 +1877,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
         blocks = max(1, min(_ELEMENTWISE_BLOCKS, -(-work // variant.threads)))
         launches.append(KernelLaunch(loader.get(variant, device), blocks, variant.threads, 0))
 
-    if rows:
+    if rows and not delta_in_kernel:
         elementwise("backward-preprocess", rows * 32)  # one warp per query row
     grid = _grid_size(num_n_blocks, problem, problem.nheads_k, "the backward dK/dV pass")
     if grid:  # with seqlen_q == 0 this still runs, and writes dk = dv = 0
@@ -1879,19 +1896,22 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
                                      struct=1))
     elif rows and not direct:
         elementwise("backward-convert-dq", rows * 32)  # one warp per query row
-    tensor_maps = (_wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0], direct) if hopper and rows and grid
-                   else [])
+    tensor_maps = (_wgmma_backward_maps(problem, layouts, dkdv_tiling, structs[0], direct, delta_in_kernel)
+                   if hopper and rows and grid else [])
     return LaunchPlan(device, structs, slots, launches, tensor_maps)
 
 
-def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct, direct: bool) -> list:
+def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tiling, struct, direct: bool,
+                         delta_in_kernel: bool) -> list:
     """(slot, encoder) of the Hopper backward's tensor maps in ``struct``: Q
     and dO by blocks of block_m rows, K and V of block_n, in the kernel's
     swizzles (``wgmma_backward_swizzles``), and the float32 dQ accumulator
     (contiguous (total_q, heads, head_dim), seen like q) in 32-column boxes of
     block_m rows, 128-byte swizzle, into which the kernel adds its dQ tiles;
     ``direct`` (``stores_dq_directly``): dq itself in Q's boxes instead, into
-    which the kernel stores them."""
+    which the kernel stores them; ``delta_in_kernel``
+    (``wgmma_direct_computes_delta``): out too, in Q's boxes, from which it
+    computes delta."""
     q_swizzle, kv_swizzle = wgmma_backward_swizzles(tiling)
     d = tiling.head_dim_padded
     maps = []
@@ -1908,9 +1928,10 @@ def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
         add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
             TileBox(rows=rows, cols=d, swizzle_width=swizzle))
     if direct:
-        layout = layouts["dq"]
-        add("dq.ptr", "dq_map", problem.dtype, layout.shape, layout.strides,
-            TileBox(rows=tiling.block_m, cols=d, swizzle_width=q_swizzle))
+        for name in ("dq", "out") if delta_in_kernel else ("dq",):
+            layout = layouts[name]
+            add(f"{name}.ptr", f"{'o' if name == 'out' else name}_map", problem.dtype, layout.shape, layout.strides,
+                TileBox(rows=tiling.block_m, cols=d, swizzle_width=q_swizzle))
         return maps
     shape = (*layouts["q"].shape[:2], problem.nheads, problem.head_dim)
     add("dq_accum", "dq_map", "float32", shape, tuple(4 * stride for stride in contiguous_strides(shape)),

@@ -268,11 +268,11 @@ def _launch(flags: tuple, stream: int, buffers: dict, names: tuple[str, ...]) ->
     with gpu_access():  # JAX runs here; the CuPy build may not
         device = _device_of_pointer(pointers[names.index("q")])
     aligned = api.pointers_aligned(flags[0], pointers)
-    dq_aligned = flags[0] == "backward" and not pointers[names.index("dq")] & 15
-    key = ("jax", flags, tuple(shapes), dtype, device, aligned, dq_aligned)
+    maps_aligned = flags[0] == "backward" and not (pointers[names.index("dq")] | pointers[names.index("out")]) & 15
+    key = ("jax", flags, tuple(shapes), dtype, device, aligned, maps_aligned)
     plan = api.plans.get(key)
     if plan is None:
-        plan = _plan(flags, shapes, dtype, device, names, aligned, dq_aligned)
+        plan = _plan(flags, shapes, dtype, device, names, aligned, maps_aligned)
         api.plans.put(key, plan)
     if _interop.current_device() == device:
         plan.launch(pointers, stream)
@@ -313,10 +313,10 @@ _WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq
 
 
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool,
-          dq_aligned: bool):
+          maps_aligned: bool):
     """The launch plan of one buffer signature (validated again, now with
-    the folded shapes and the device); ``dq_aligned``: a backward's dq
-    buffer is 16-byte aligned (direct dQ may store into it)."""
+    the folded shapes and the device); ``maps_aligned``: a backward's dq
+    and out buffers are 16-byte aligned (the direct dQ mode may map them)."""
     trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1, "dropout_rng": 1}
     metas = {}
     for name, shape in zip(names, shapes):
@@ -338,7 +338,7 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=option)
     problem = check_variants(problem, **variants)
-    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, dq_aligned=dq_aligned)
+    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, maps_aligned=maps_aligned)
 
 
 # --- eager route for a JAX without buffer_callback ---

@@ -263,12 +263,13 @@ __host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, i
 // dim 112, claimed dQ). Four rounds stay a loop (written out, their loads in
 // flight at once spilled there: 128 rows, head dim 64, causal), and so does
 // the mma.sync kernel's single round (written out, its 255-register
-// variants spilled 4-16 bytes).
-template <int kBlockM, int kThreads, bool kWrittenOut = false>
+// variants spilled 4-16 bytes). kLoadsDelta false: LSE alone (the Hopper
+// kernel's direct dQ mode computes delta itself, and there is no delta buffer).
+template <int kBlockM, int kThreads, bool kWrittenOut = false, bool kLoadsDelta = true>
 __device__ __forceinline__ void load_row_statistics(float* stats, const BackwardParams& params,
                                                     const SequenceRows& rows, index_t head, int m_start, int thread) {
     const float* lse_row = params.lse_row(rows.tensor_batch, head) + rows.q_row0;
-    const float* delta_row = params.delta_row(rows.tensor_batch, head) + rows.q_row0;
+    const float* delta_row = kLoadsDelta ? params.delta_row(rows.tensor_batch, head) + rows.q_row0 : nullptr;
     const auto load_row = [&](int i) {
         const int row = m_start + i;
         const bool valid = row < rows.seqlen_q;
@@ -276,7 +277,9 @@ __device__ __forceinline__ void load_row_statistics(float* stats, const Backward
         // A row that sees no key (LSE -inf) has every score masked to -inf;
         // a finite stand-in keeps exp2(-inf - lse) = 0 instead of NaN.
         stats[i] = lse == negative_infinity() ? 0.0f : lse * kLog2e;
-        stats[kBlockM + i] = valid ? delta_row[row] : 0.0f;
+        if constexpr (kLoadsDelta) {
+            stats[kBlockM + i] = valid ? delta_row[row] : 0.0f;
+        }
     };
     constexpr int kRounds = ceil_div(kBlockM, kThreads);
     if constexpr (kWrittenOut && kRounds <= 2) {

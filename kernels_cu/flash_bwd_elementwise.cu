@@ -91,19 +91,6 @@ __device__ __forceinline__ void with_lanes_per_row(int head_dim, Body&& body) {
     }
 }
 
-// The dot product of 8 16-bit elements of a and b, added to sum.
-template <typename Element>
-__device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float sum) {
-    const Element* x = reinterpret_cast<const Element*>(&a);
-    const Element* y = reinterpret_cast<const Element*>(&b);
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-        const float2 u = load_pair(x + i), v = load_pair(y + i);
-        sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
-    }
-    return sum;
-}
-
 // delta = rowsum(dO * O); also zeroes the row's dQ accumulator where the
 // dK/dV kernel adds every tile into it (dq_block_m == 0), and the dQ
 // counters, which saves separate memset passes. 16-bit rows in whole

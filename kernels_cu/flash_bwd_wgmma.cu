@@ -83,7 +83,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     constexpr bool kClaimsDq = kDqMode == kDqClaimed && !Batch::kPacked;
     // Direct stores need each tile's rows in one sequence too.
     constexpr bool kDirectDq = kDqMode == kDqDirect && !Batch::kPacked;
-    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kProductDim>;
+    // The delta warps (kComputesDelta): the producer's warps 2 and 3.
+    constexpr int kDeltaThreads = 64;
+    using Traits = WgmmaBackwardTraits<Element, kHeadDim, kBlockM, kBlockN, kWarps, kStages, kProductDim, kDirectDq>;
+    // The direct mode computes delta itself where its O tiles fit.
+    constexpr bool kComputesDelta = Traits::kComputesDelta;
     using KvTile = typename Traits::KvTile;
     using QTile = typename Traits::QTile;
     using DsTile = typename Traits::DsTile;
@@ -100,7 +104,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         consumer_registers(kWarps * 32, kConsumerThreads, kBackwardProducerRegisters, 1);
     static_assert(kConsumerRegisters >= registers_at_entry(kWarps * 32, 1),
                   "setmaxnreg.inc may only raise the consumers' registers");
-    static_assert(QTile::kBytes <= DqTile::kBytes, "a direct dQ tile takes the float32 tile's place");
 
     require_shared_memory<Traits>();
     unsigned char* smem;
@@ -139,6 +142,13 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         if constexpr (kClaimsDq) {
             mbarrier_init(base + Traits::kStoreJob, 1);
         }
+        if constexpr (kComputesDelta) {
+            // Each stage's delta written: the delta warps' lanes.
+#pragma unroll
+            for (int s = 0; s < kStages; ++s) {
+                mbarrier_init(Traits::delta_full(base, s), kDeltaThreads);
+            }
+        }
         mbarrier_init_fence();
     }
     // The only block-wide barrier: after it the producer may leave early.
@@ -150,7 +160,49 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     if (warpgroup == 0) {
         release_registers<kBackwardProducerRegisters>();
         const int warp = __shfl_sync(0xffffffffu, thread / 32, 0);
-        if (warp == 0) {
+        if (kComputesDelta && warp >= 2) {
+            // The delta warps: each query row meets this block alone, so
+            // delta = rowsum(dO * O) is computed here, in place of the
+            // preprocessing kernel and its buffer, from the step's dO and O
+            // tiles (same swizzle; rows past seqlen_q and columns past the
+            // head dim filled with zeros by the copy engine, so they sum to
+            // 0), a thread a row. The consumers wait for it only before the
+            // step's softmax, after both products. Written so that the
+            // producer's 24 registers hold it and the consumers' allocation
+            // stays as it was: 16-byte chunks, two at a time, and this role
+            // tested before the others (four at a time, this role after the
+            // others, or the load warp waiting for a single O tile to be
+            // free each made the consumers spill 8-40 bytes at head dims 64
+            // or 256; ptxas allocates the roles' registers together).
+            const int row0 = thread - 64;
+            Ring ring;
+            for (int step = 0; step < walk.steps; ++step) {
+                mbarrier_wait(Traits::do_full(base, ring.stage), ring.phase);
+                const u32 do_tile = base + Traits::kDo + ring.stage * QTile::kBytes;
+                const u32 o_tile = base + Traits::kO + ring.stage * Traits::kOStride;
+                const u32 delta = base + Traits::kStats + ring.stage * Traits::kStatsBytes + 4 * kBlockM;
+#pragma unroll
+                for (int r = 0; r < kBlockM / kDeltaThreads; ++r) {
+                    const int row = row0 + r * kDeltaThreads;
+                    float sum = 0.0f;
+                    // A thread's second row, where it is past every
+                    // sequence's end (a short sequence in 128-row tiles), is
+                    // zeros whatever the step: not read, which halves the
+                    // wait of such a sequence's one step.
+                    if (r == 0 || row < params.size.seqlen_q_int()) {
+#pragma unroll 2
+                        for (int chunk = 0; chunk < kProductDim / 8; ++chunk) {
+                            const u32 offset = QTile::chunk_offset(row, chunk);
+                            sum = dot_chunk<Element>(load_shared_chunk(do_tile + offset),
+                                                     load_shared_chunk(o_tile + offset), sum);
+                        }
+                    }
+                    store_shared(delta + 4 * row, sum);
+                }
+                mbarrier_arrive(Traits::delta_full(base, ring.stage));
+                ring.advance();
+            }
+        } else if (warp == 0) {
             // The load warp.
             if (walk.steps > 0 && lane == 0) {
                 // Tensor-map coordinates are tensor rows: a packed batch's
@@ -173,11 +225,18 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                     mbarrier_expect_tx(q_full, QTile::kBytes);
                     tma_load_tile<QTile>(base + Traits::kQ + ring.stage * QTile::kBytes, params.q_map, q_full,
                                          block.q_row0 + m_start, walk.head, block.tensor_batch);
-                    mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
+                    if constexpr (kComputesDelta) {
+                        // The step's rows of O too, for the delta warps, with dO.
+                        mbarrier_arrive_expect_tx(do_full, 2 * QTile::kBytes);
+                        tma_load_tile<QTile>(base + Traits::kO + ring.stage * Traits::kOStride, params.o_map, do_full,
+                                             block.q_row0 + m_start, walk.head, block.tensor_batch);
+                    } else {
+                        mbarrier_arrive_expect_tx(do_full, QTile::kBytes);
+                    }
                     tma_load_tile<QTile>(base + Traits::kDo + ring.stage * QTile::kBytes, params.do_map, do_full,
                                          block.q_row0 + m_start, walk.head, block.tensor_batch);
                 }
-                load_row_statistics<kBlockM, 32, true>(
+                load_row_statistics<kBlockM, 32, true, !kComputesDelta>(
                     reinterpret_cast<float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes), params,
                     block, walk.head, m_start, lane);
                 mbarrier_arrive(q_full);  // after this lane's statistics
@@ -279,7 +338,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // the consumers' keys taken from a copy made here, n_start itself need
     // not stay in a register both roles share (kept there, it spilled 4
     // bytes from the consumers at head dim 64, causal).
-    const int consumer_n_start = kClaimsDq ? __shfl_sync(0xffffffffu, n_start, 0) : n_start;
+    const int consumer_n_start = kClaimsDq || kComputesDelta ? __shfl_sync(0xffffffffu, n_start, 0) : n_start;
     const int consumer = warpgroup - 1;
     const int warp = __shfl_sync(0xffffffffu, thread / 32 - 4, 0);  // among the consumer warps
     const float scale = params.softmax_scale;
@@ -373,6 +432,9 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         pin_registers(s_flat);
         pin_registers(dp_flat);
 
+        if constexpr (kComputesDelta) {
+            mbarrier_wait(Traits::delta_full(base, ring.stage), ring.phase);
+        }
         const float* stats = reinterpret_cast<const float*>(smem + Traits::kStats + ring.stage * Traits::kStatsBytes);
         transposed_probabilities_and_gradients<kBlockM, kBlockN>(ctx, ctx.mask_of_head(walk.head),
                                                                  ctx.score_of_head(params, block.batch, walk.head),

@@ -108,6 +108,19 @@ __device__ __forceinline__ u32 pack_pair(float lo, float hi) {
     return *reinterpret_cast<const u32*>(&pair);
 }
 
+// The dot product of 8 16-bit elements of a and b, added to sum.
+template <typename Element>
+__device__ __forceinline__ float dot_chunk(const uint4& a, const uint4& b, float sum) {
+    const Element* x = reinterpret_cast<const Element*>(&a);
+    const Element* y = reinterpret_cast<const Element*>(&b);
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+        const float2 u = load_pair(x + i), v = load_pair(y + i);
+        sum = fmaf(u.x, v.x, fmaf(u.y, v.y, sum));
+    }
+    return sum;
+}
+
 // 2^x with one MUFU.EX2 (ex2.approx.ftz, about 2 ulp): exp2f would add
 // range handling for denormal results, which probabilities below 2^-126 do
 // not need. exp2_fast(-inf) = +0, which masked scores rely on.

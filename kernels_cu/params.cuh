@@ -261,11 +261,12 @@ static_assert(sizeof(BackwardParams) == 8 * 32 + 6 * 8 + 14 * 8 + 5 * 8 + 20 * 8
 // parameter): BackwardParams, then tensor maps of Q, K, V, dO (16-bit, the
 // kernel's swizzled tiles) and of the float32 dQ accumulator (32-column
 // boxes, 128-byte swizzle), which the copy engine reads in place; in the
-// direct dQ mode (kDqDirect) dq_map is dq's own, in Q's boxes.
+// direct dQ mode (kDqDirect) dq_map is dq's own, in Q's boxes, and o_map
+// the output's, in Q's boxes too (the kernel computes delta from it).
 struct WgmmaBackwardParams : BackwardParams {
-    TensorMap q_map, k_map, v_map, do_map, dq_map;
+    TensorMap q_map, k_map, v_map, do_map, dq_map, o_map;
 };
 
-static_assert(sizeof(WgmmaBackwardParams) == 640 + 5 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
+static_assert(sizeof(WgmmaBackwardParams) == 640 + 6 * 128, "WgmmaBackwardParams layout must match cuflash/_params.py");
 
 }  // namespace cuflash

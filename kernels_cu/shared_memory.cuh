@@ -51,4 +51,19 @@ __device__ __forceinline__ u32 aligned_shared_base(unsigned char*& generic) {
     return aligned;
 }
 
+// The 16 bytes at shared `address`, and a float stored there (32-bit
+// addresses: fewer registers than generic pointers where a warp runs on
+// few, as a producer's do).
+__device__ __forceinline__ uint4 load_shared_chunk(u32 address) {
+    uint4 chunk;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(chunk.x), "=r"(chunk.y), "=r"(chunk.z), "=r"(chunk.w)
+                 : "r"(address));
+    return chunk;
+}
+
+__device__ __forceinline__ void store_shared(u32 address, float value) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(address), "f"(value) : "memory");
+}
+
 }  // namespace cuflash

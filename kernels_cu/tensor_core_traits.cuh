@@ -291,8 +291,11 @@ struct WgmmaForwardTraits : TensorCoreForwardShape<Element_, kHeadDim_, kBlockM_
 // k16 steps stop at kProductDim, and dK and dV are kProductDim wide (an N of
 // the Wgmma table). dQ keeps whole panels of K, and the tiles, their
 // swizzles and the tensor maps stay the bucket's (kStorageCols).
+//
+// kDirectDq: the layout of the direct dQ mode (kDqDirect), whose kernel
+// also computes delta where its O tiles fit (kComputesDelta).
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_,
-          int kProductDim_ = kHeadDim_>
+          int kProductDim_ = kHeadDim_, bool kDirectDq_ = false>
 struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_> {
     using Shape = TensorCoreBackwardShape<Element_, kHeadDim_, kBlockM_, kBlockN_, kWarps_>;
     using typename Shape::Element;
@@ -333,19 +336,33 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static constexpr int kBarriers = kStats + kStages * kStatsBytes;
     // K and V full; per stage Q full, dO full, Q/dO empty; dQ full, dQ
     // empty; a first store handed to the store warp (kDqClaimed), then that
-    // store's slot (FirstStoreJob).
+    // store's slot (FirstStoreJob); per stage, the direct dQ mode's rows'
+    // delta written (kDqDirect; its O tile arrives with dO).
     static constexpr int kKvFull = kBarriers;
     static constexpr int kDqFull = kKvFull + 8 + 3 * 8 * kStages;
     static constexpr int kDqEmpty = kDqFull + 8;
     static constexpr int kStoreJob = kDqEmpty + 8;
     static constexpr int kStoreSlot = kStoreJob + 8;
-    static constexpr int kLayoutBytes = kStoreSlot + 8;
+    static constexpr int kDeltaFull = kStoreSlot + 8;
+    static constexpr int kBarriersEnd = kDeltaFull + 8 * kStages;
     static constexpr int kAlignment = 1024;  // swizzle atoms; see WgmmaForwardTraits
+    // The direct dQ mode's O tiles (Q's swizzle), one a stage, from which
+    // it computes delta: the first in the float32 dQ tile's second half
+    // (its dQ tile, in the input dtype, takes the first), the second after
+    // the barriers; stage s's at kO + s kOStride. Where they do not fit
+    // (head dim 192's two stages), the preprocessing kernel computes delta.
+    static constexpr int kO = kDq + QTile::kBytes;
+    static constexpr int kOSecond = (kBarriersEnd + kAlignment - 1) / kAlignment * kAlignment;
+    static constexpr int kOStride = kOSecond - kO;
+    static constexpr int kDirectLayoutBytes = kStages > 1 ? kOSecond + QTile::kBytes : kBarriersEnd;
+    static constexpr bool kComputesDelta = kDirectDq_ && kDirectLayoutBytes + kAlignment <= kMaxSmemBytes;
+    static constexpr int kLayoutBytes = kComputesDelta ? kDirectLayoutBytes : kBarriersEnd;
     static constexpr int kBytes = kLayoutBytes + kAlignment;
 
     static __device__ __forceinline__ u32 q_full(u32 base, int s) { return base + kKvFull + 8 + 24 * s; }
     static __device__ __forceinline__ u32 do_full(u32 base, int s) { return base + kKvFull + 16 + 24 * s; }
     static __device__ __forceinline__ u32 q_empty(u32 base, int s) { return base + kKvFull + 24 + 24 * s; }
+    static __device__ __forceinline__ u32 delta_full(u32 base, int s) { return base + kDeltaFull + 8 * s; }
 
     static_assert(kWarps % 4 == 0 && kConsumers >= 1 && kBlockN == 64 * kKeyGroups,
                   "a producer warpgroup, then consumers of 64 keys each, or sharing 64 keys when split");
@@ -362,6 +379,7 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
                       DqTile::kBytes % 1024 == 0,
                   "every tile starts on a swizzle atom");
     static_assert(kStages == 1 || kStages == 2, "one or two Q/dO buffers");
+    static_assert(2 * QTile::kBytes <= DqTile::kBytes, "a direct dQ tile and an O tile in the float32 tile's place");
     static_assert(kBytes <= kMaxSmemBytes, "tile sizes exceed the shared-memory budget");
 };
 

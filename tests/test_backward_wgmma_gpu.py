@@ -229,18 +229,56 @@ def test_wgmma_backward_stores_dq_directly_from_one_key_block(deterministic, hea
 
 
 @needs_hopper
-@pytest.mark.parametrize("head_dim", [8, 72, 104, 200])
+@pytest.mark.parametrize("head_dim", [8, 72, 104, 176, 200])
 @pytest.mark.parametrize("seqlen_q,seqlen_k,causal", [(100, 60, False), (33, 40, True)])
 def test_direct_dq_at_padded_head_dims(head_dim, seqlen_q, seqlen_k, causal, poisoned_allocations, monkeypatch):
-    """Head dims the kernels pad (to 32, 96, 128, 256): dq's map clips the
-    store's last column panel at head_dim as the loads' maps zero-fill
-    theirs; against the float64 reference with every allocation poisoned,
-    the direct mode taken."""
+    """Head dims the kernels pad (to 32, 96, 128, 192, 256): dq's map clips
+    the store's last column panel at head_dim as the loads' maps zero-fill
+    theirs, and out's tiles from which the kernel computes delta read zeros
+    past head_dim (176: bucket 192, whose O tiles do not fit, computes delta
+    in the preprocessing kernel instead); against the float64 reference
+    with every allocation poisoned, the direct mode taken."""
     decisions = recorded_decisions(monkeypatch, "stores_dq_directly")
     q, k, v = _bfloat16_qkv(seqlen_q, seqlen_k, (4, 2), head_dim)
     assert _chosen(q, k, v).head_dim_padded > head_dim
     run_backward_and_check(q, k, v, causal=causal, seed=head_dim, allocate=True)
     assert set(decisions) == {True}
+
+
+@needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_direct_dq_computes_delta_from_out_in_its_own_layout(head_dim, monkeypatch):
+    """The one-key-block backward computes delta from out's tiles, read
+    through a map of out's own layout, in one launch: an out with padded
+    rows (a view of a wider array) gives bitwise the gradients of a
+    contiguous one. An out 2 bytes off a 16-byte boundary cannot be mapped:
+    its call's key differs (the aligned calls' plans are not reused for it,
+    nor its plan for them), it takes the preprocessing kernel and the
+    accumulated dQ, and agrees to rounding. Twice: the second round from
+    the cached plans."""
+    cupy = _cupy()
+    api.plans.clear()
+    decisions = recorded_decisions(monkeypatch, "stores_dq_directly")
+    q, k, v = random_qkv(cupy, 2, 50, 64, 4, 2, head_dim, cupy.dtype("bfloat16"), seed=head_dim)
+    dout, out, lse = forward_for_backward(q, k, v, causal=True)
+    wide = cupy.zeros(out.shape[:-1] + (head_dim + 8,), out.dtype)
+    wide[..., :head_dim] = out
+    padded = wide[..., :head_dim]
+    storage = cupy.zeros(out.size + 8, out.dtype)
+    shifted = storage[1:1 + out.size].reshape(out.shape)
+    shifted[...] = out
+    assert shifted.data.ptr % 16 == 2
+    for _ in range(2):
+        want = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        got = cuflash.attention_backward(dout, q, k, v, padded, lse, causal=True)
+        off = cuflash.attention_backward(dout, q, k, v, shifted, lse, causal=True)
+        for a, b, c in zip(want, got, off):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+            assert bool(cupy.isfinite(a.astype(cupy.float32)).all())
+            cupy.testing.assert_allclose(c.astype(cupy.float32), a.astype(cupy.float32), rtol=2e-2, atol=2e-2)
+    assert decisions == [True] * 4 + [False] * 2  # the work buffers' decision and the plan's, once a signature
+    launches = [call.plan.kernel_count for key, call in api.plans._entries.items() if key[0] == "backward"]
+    assert launches == [1, 1, 3]
 
 
 @needs_hopper

@@ -197,26 +197,32 @@ def stand_in_hopper(monkeypatch):
     return requested
 
 
-@pytest.mark.parametrize("seqlen_q,seqlen_k,causal,dq_aligned,direct", [
-    (100, 128, True, True, True),     # one key block of 128: dQ stored by the dK/dV kernel
-    (1000, 17, False, True, True),
-    (100, 128, True, False, False),   # the caller's dq: added into the accumulator and converted
-    (100, 129, False, True, False),   # two key blocks
-    (300, 100, True, True, False),    # causal rows before the keys: claimed first stores
+@pytest.mark.parametrize("head_dim,seqlen_q,seqlen_k,causal,maps_aligned,direct", [
+    (64, 100, 128, True, True, True),     # one key block of 128: dQ stored, delta computed, by the dK/dV kernel
+    (64, 1000, 17, False, True, True),
+    (256, 50, 64, False, True, True),     # one stage: its O tile in the dQ tile's second half
+    (192, 50, 64, False, True, True),     # two stages whose O tiles do not fit: delta by the preprocessing kernel
+    (64, 100, 128, True, False, False),   # the caller's dq or a misaligned out: accumulated and converted
+    (64, 100, 129, False, True, False),   # two key blocks
+    (64, 300, 100, True, True, False),    # causal rows before the keys: claimed first stores
 ])
-def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, seqlen_q, seqlen_k, causal,
-                                                                       dq_aligned, direct):
-    """The Hopper backward of one key block (head dim 64: 128 keys a block)
-    is two kernels, delta and dK/dV in the direct dQ mode, whose tensor map
-    of dq (not of the accumulator) the call's dq pointer encodes; its only
-    work buffer is delta. Otherwise the conversion follows, into the
+def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, head_dim, seqlen_q, seqlen_k,
+                                                                       causal, maps_aligned, direct):
+    """The Hopper backward of one key block (128 keys a block at head dim
+    64, 64 above 128) is one kernel, dK/dV in the direct dQ mode, which
+    computes delta from tiles of out and stores dQ through a tensor map of
+    dq (not of the accumulator), both encoded from the call's pointers; it
+    has no work buffer and writes no pointer to one. Where its O tiles do
+    not fit (head dim 192), the preprocessing kernel computes delta first
+    into its buffer. Otherwise the conversion follows, into the
     accumulator's map."""
+    from cuflash._tiling import wgmma_direct_computes_delta
     from cuflash._validation import TensorMeta, check_backward, contiguous_strides
 
     def meta(name, shape, dtype="bfloat16"):
         return TensorMeta(name, shape, contiguous_strides(shape), dtype, 0)
 
-    q_shape, kv_shape = (2, seqlen_q, 4, 64), (2, seqlen_k, 2, 64)
+    q_shape, kv_shape = (2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim)
     shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
     metas = {name: meta(name, shape) for name, shape in shapes.items()}
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
@@ -224,21 +230,27 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
                              softmax_scale=None, deterministic=False)
     layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
     tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
-    assert (tiling.kernel, tiling.block_n) == ("wgmma", 128)
-    assert api.stores_dq_directly(problem, layouts, tiling, dq_aligned) is direct
+    assert (tiling.kernel, tiling.block_n) == ("wgmma", 128 if head_dim <= 128 else 64)
+    assert api.stores_dq_directly(problem, layouts, tiling, maps_aligned) is direct
+    in_kernel = direct and head_dim != 192
+    assert (direct and wgmma_direct_computes_delta(tiling)) is in_kernel
     plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
-                             aligned=True, tiling=tiling, dq_aligned=dq_aligned)
+                             aligned=True, tiling=tiling, maps_aligned=maps_aligned)
     families = [key.split("/")[0] for key in stand_in_hopper]
-    assert families == ["backward-preprocess", "backward-dkdv-wgmma"] + ([] if direct else ["backward-convert-dq"])
-    assert stand_in_hopper[1].endswith("/direct-dq") is direct and plan.kernel_count == len(families)
+    assert families == ([] if in_kernel else ["backward-preprocess"]) + ["backward-dkdv-wgmma"] + (
+        [] if direct else ["backward-convert-dq"])
+    assert stand_in_hopper[-1 if direct else -2].endswith("/direct-dq") is direct
+    assert plan.kernel_count == len(families)
     mapped = {api.BACKWARD_SLOTS[slot] for slot, _ in plan._tensor_maps}
-    assert mapped == {"dout.ptr", "q.ptr", "k.ptr", "v.ptr", "dq.ptr" if direct else "dq_accum"}
-    # Direct: the accumulator's and counters' pointers are never written (JAX
-    # passes buffers for them anyway; the preprocessing must not zero them).
+    assert mapped == {"dout.ptr", "q.ptr", "k.ptr", "v.ptr"} | (
+        {"dq.ptr", "out.ptr"} if in_kernel else {"dq.ptr"} if direct else {"dq_accum"})
+    # Direct: the accumulator's and counters' pointers, and delta's where the
+    # kernel computes it, are never written (JAX passes buffers for them
+    # anyway; nothing must zero or read them).
     unwritten = {slot for slot, writes in zip(api.BACKWARD_SLOTS, plan._writes) if not writes}
-    assert unwritten == ({"dq_accum", "dq_semaphore"} if direct else set())
-    buffers = api.backward_work_buffers(2, 4, seqlen_q, 64, tiling, False, direct=direct)
-    assert (set(buffers) == {"delta"}) is direct and ("dq_accum" in buffers) is not direct
+    assert unwritten == ({"dq_accum", "dq_semaphore"} | ({"delta"} if in_kernel else set()) if direct else set())
+    buffers = api.backward_work_buffers(2, 4, seqlen_q, head_dim, tiling, False, direct=direct)
+    assert set(buffers) == (set() if in_kernel else {"delta"} if direct else {"delta", "dq_accum", "dq_semaphore"})
 
 
 def test_work_arena_lays_buffers_out_aligned_and_apart():

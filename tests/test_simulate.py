@@ -192,9 +192,10 @@ def test_cuflash_on_hopper_stores_first_dq_tiles_where_the_launcher_does():
 def test_cuflash_on_hopper_stores_dq_directly_from_one_key_block(deterministic):
     """One key block (128 keys at head dim 64) on Hopper, deterministic or
     not (cuflash.api.stores_dq_directly): dQ is written once, in the input
-    dtype, by the dK/dV kernel; no float32 accumulator, no zeroing, no
-    conversion launch. With 129 keys, or on an A100, the accumulator and
-    the conversion are back."""
+    dtype, by the dK/dV kernel, which computes D from O too; no float32
+    accumulator, no zeroing, no D in memory, no preprocessing or
+    conversion launch. With 129 keys, or on an A100, the accumulator, D
+    and both launches are back."""
     from cuflash.simulate.timing import launches
 
     h100 = MACHINES["h100"]
@@ -211,11 +212,14 @@ def test_cuflash_on_hopper_stores_dq_directly_from_one_key_block(deterministic):
     direct = backward(one_block, h100)
     assert "dQ_accum" not in direct["tensors"] and "dQ" in direct["tensors"]
     assert any("stores dQ itself" in note for note in run("cuflash", one_block, h100, "bwd").notes)
-    assert launch_names(one_block, h100) == ["cuflash backward preprocess", "cuflash backward dK/dV"]
+    assert "D" not in direct["tensors"] and "O" in direct["tensors"]
+    assert launch_names(one_block, h100) == ["cuflash backward dK/dV"]
     if not deterministic:  # (an A100's deterministic dQ pass writes dQ once too)
         assert direct["requested_write_bytes"] < backward(one_block, A100)["requested_write_bytes"]
     for problem, machine in ((two_blocks, h100), (one_block, A100)):
         assert "cuflash backward dQ conversion" in launch_names(problem, machine) or deterministic
+        assert launch_names(problem, machine)[0] == "cuflash backward preprocess"
+        assert "D" in backward(problem, machine)["tensors"]
         assert ("dQ_accum" in backward(problem, machine)["tensors"]) is not deterministic
 
 

@@ -195,48 +195,55 @@ def test_plan_encodes_maps_for_changed_pointers_before_launching(monkeypatch):
 ])
 @pytest.mark.parametrize("direct", [False, True], ids=["accumulated", "direct"])
 def test_backward_maps_follow_the_kernels_tiles(head_dim, q_panel, kv_panel, direct):
-    """The Hopper backward's five maps: Q and dO by block_m rows, K and V by
+    """The Hopper backward's maps: Q and dO by block_m rows, K and V by
     block_n, in the swizzles WgmmaBackwardTraits narrows its tiles to (a
     wrong panel width would load columns in the wrong places), and the
     float32 dQ accumulator as 32-column boxes of block_m rows with the
     128-byte swizzle, over the accumulator's own (batch, seqlen_q, heads,
     head_dim) layout and the unpadded head dim; in the direct dQ mode dq
-    itself instead, in Q's boxes over dq's own layout (here heads first)."""
+    itself instead, and out (from which that kernel computes delta), each in
+    Q's boxes over its own layout (here dq heads first, out with padded rows)."""
     from types import SimpleNamespace
 
     from cuflash._params import WGMMA_BACKWARD_PARAMS
-    from cuflash._tiling import wgmma_backward_tiling
+    from cuflash._tiling import wgmma_backward_tiling, wgmma_direct_computes_delta
 
     tiling = wgmma_backward_tiling("bfloat16", head_dim)
+    assert wgmma_direct_computes_delta(tiling)  # every head dim here: its O tiles fit
     problem = SimpleNamespace(dtype="bfloat16", batch=2, seqlen_q=300, nheads=4, head_dim=head_dim - 8)
     shape = (2, 300, 4, head_dim - 8)
     layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name in ("q", "k", "v", "dout")}
     heads_first = api.Layout.contiguous((2, 4, 300, head_dim - 8), "bfloat16")
     strides = heads_first.strides
     layouts["dq"] = api.Layout(shape, (strides[0], strides[2], strides[1], strides[3]), 2)
+    out_strides = (300 * 4 * head_dim * 2, 4 * head_dim * 2, head_dim * 2, 2)  # rows padded to the bucket
+    layouts["out"] = api.Layout(shape, out_strides, 2)
     storage = np.zeros(WGMMA_BACKWARD_PARAMS.itemsize + 64, dtype=np.uint8)
     start = -storage.ctypes.data % 64
     struct = storage[start:start + WGMMA_BACKWARD_PARAMS.itemsize].view(WGMMA_BACKWARD_PARAMS)
-    maps = dict(api._wgmma_backward_maps(problem, layouts, tiling, struct, direct))
+    maps = dict(api._wgmma_backward_maps(problem, layouts, tiling, struct, direct, delta_in_kernel=direct))
     dq_slot = "dq.ptr" if direct else "dq_accum"
-    assert set(maps) == {"q.ptr", "dout.ptr", "k.ptr", "v.ptr", dq_slot}
+    assert set(maps) == {"q.ptr", "dout.ptr", "k.ptr", "v.ptr", dq_slot} | ({"out.ptr"} if direct else set())
     recorded = _RecordedEncode()
-    boxes = {}
+    boxes, calls = {}, {}
+    fields = {"q.ptr": "q_map", "dout.ptr": "do_map", "k.ptr": "k_map", "v.ptr": "v_map", dq_slot: "dq_map",
+              "out.ptr": "o_map"}
     for slot, encoder in maps.items():
         encoder._encode = recorded
         encoder.encode(0x10000)
-        call = recorded.calls[-1]
+        calls[slot] = call = recorded.calls[-1]
         boxes[slot] = (call["box"][:2], call["swizzle"], call["data_type"])
-        assert call["address"] == struct.ctypes.data + WGMMA_BACKWARD_PARAMS.fields[
-            {"q.ptr": "q_map", "dout.ptr": "do_map", "k.ptr": "k_map", "v.ptr": "v_map", dq_slot: "dq_map"}[slot]][1]
+        assert call["address"] == struct.ctypes.data + WGMMA_BACKWARD_PARAMS.fields[fields[slot]][1]
     swizzle_mode = {32: 1, 64: 2, 128: 3}
     assert boxes["q.ptr"] == boxes["dout.ptr"] == ([q_panel, tiling.block_m], swizzle_mode[2 * q_panel], 9)
     assert boxes["k.ptr"] == boxes["v.ptr"] == ([kv_panel, tiling.block_n], swizzle_mode[2 * kv_panel], 9)
-    dq_call = recorded.calls[-1]
+    dq_call = calls[dq_slot]
     assert dq_call["dims"] == [head_dim - 8, 300, 4, 2]
     if direct:
-        assert boxes["dq.ptr"] == boxes["q.ptr"]
+        assert boxes["dq.ptr"] == boxes["out.ptr"] == boxes["q.ptr"]
         assert dq_call["strides"] == [2 * (head_dim - 8), 2 * 300 * (head_dim - 8), 2 * 4 * 300 * (head_dim - 8)]
+        assert calls["out.ptr"]["dims"] == [head_dim - 8, 300, 4, 2]
+        assert calls["out.ptr"]["strides"] == [out_strides[1], out_strides[2], out_strides[0]]
     else:
         assert boxes["dq_accum"] == ([32, tiling.block_m], 3, 7)
         assert dq_call["strides"] == [4 * 4 * (head_dim - 8), 4 * (head_dim - 8), 4 * 300 * 4 * (head_dim - 8)]

@@ -35,7 +35,7 @@ from .._kernel_families import FAMILY, family_of, runs_claimed_dq, runs_direct_d
 from .._tiling import (DECODE_CLUSTER_SPLITS, DECODE_MAX_ROWS, MMA_DTYPES, copy_engine_box_rows,
                        decode_cluster_count, decode_cluster_tiling, decode_clusters_apply, decode_split_count,
                        decode_tail_split, decode_tilings, decode_ring, wave_efficient_splits,
-                       wgmma_forward_for_call, with_wgmma_forward_stages)
+                       wgmma_direct_computes_delta, wgmma_forward_for_call, with_wgmma_forward_stages)
 from .._masks import mask_for
 from .machines import Machine
 from .traffic import STAT_BYTES, Problem, Traffic
@@ -445,6 +445,10 @@ class _TiledPlan:
     #: where cuflash._kernel_families.runs_direct_dq says, as its launcher):
     #: no accumulator, no zeroing, no conversion kernel
     direct_dq: bool = False
+    #: that kernel also computes D = rowsum(dO ∘ O) from O tiles it loads
+    #: (cuflash where cuflash._tiling.wgmma_direct_computes_delta says): no
+    #: preprocessing kernel, no D in memory
+    delta_in_kernel: bool = False
     #: the head-dim columns the tensor cores run each product over (the
     #: compiled bucket, zeros past the head dim; 0: the head dim itself):
     #: the forward's two products, the backward's S, dP, dV and dK, and
@@ -587,11 +591,16 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     e, f, d = p.element_size, STAT_BYTES, p.head_dim
     heads, nq, nk = p.heads, p.seqlen_q, p.seqlen_k
     # preprocess: D = rowsum(dO ∘ O) (and the dQ accumulator zeroed, unless
-    # the dK/dV kernel stores each query block's first tile)
-    t.read("O", heads * nq * d * e, element_size=e, formula="preprocess reads O once")
-    t.read("dO", heads * nq * d * e, element_size=e, formula="preprocess reads dO once")
-    t.write("D", heads * nq * f, element_size=f, formula="preprocess writes D = rowsum(dO ∘ O), float32")
-    t.flops(0, 2 * heads * nq * d, "preprocess: 2·B·H·Nq·d")
+    # the dK/dV kernel stores each query block's first tile); or D computed
+    # by the dK/dV kernel of one key block, from the O tiles it loads
+    if plan.delta_in_kernel:
+        t.read("O", heads * nq * d * e, element_size=e, formula="the dK/dV kernel reads O once, with dO")
+        t.flops(0, 2 * heads * nq * d, "D = rowsum(dO ∘ O) in the dK/dV kernel: 2·B·H·Nq·d")
+    else:
+        t.read("O", heads * nq * d * e, element_size=e, formula="preprocess reads O once")
+        t.read("dO", heads * nq * d * e, element_size=e, formula="preprocess reads dO once")
+        t.write("D", heads * nq * f, element_size=f, formula="preprocess writes D = rowsum(dO ∘ O), float32")
+        t.flops(0, 2 * heads * nq * d, "preprocess: 2·B·H·Nq·d")
     if not deterministic and not plan.claimed_dq and not plan.direct_dq:
         t.write("dQ_accum", heads * nq * d * f, element_size=f, formula="preprocess zeroes the float32 dQ accumulator")
     # dK/dV pass: one block per key block of a K/V head (cuflash) or of a query head (flash2)
@@ -614,9 +623,13 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     dram_rows = distinct_rows if factor == 1 else wave_reach([(nq - b.rows, b.rows) for b in dense], concurrent)
     t.read("K", owners * nk * d * e, element_size=e, formula="K_j once per key block")
     t.read("V", owners * nk * d * e, element_size=e, formula="V_j once per key block")
-    for tensor, size, element in (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f), ("D", f, f)):
+    row_tensors = (("Q", d * e, e), ("dO", d * e, e), ("LSE", f, f)) + (() if plan.delta_in_kernel else (("D", f, f),))
+    for tensor, size, element in row_tensors:
         t.read(tensor, heads * rows_visited * size, element_size=element, dram=heads * dram_rows * size,
                formula=f"{tensor}_i for every visited (i, j): B·H·Σ_j rows_j (Tc = {len(sweep)} key blocks)")
+    if plan.delta_in_kernel:
+        t.notes.append("backward: each query row meets one key block, which computes its D from O and dO "
+                       "(no preprocessing kernel, no D in memory)")
     if plan.direct_dq:
         t.write("dQ", heads * rows_visited * d * e, element_size=e, dram=heads * dram_rows * d * e,
                 formula="dQ_i = scale·dS K_j stored in the input dtype by each row's one key block")
@@ -638,7 +651,7 @@ def _tiled_backward(t: Traffic, p: Problem, machine: Machine, plan: _TiledPlan, 
     t.flops(10 * heads * pairs * d, heads * NONMATMUL["flash_bwd"] * pairs,
             "backward: matmul 10·B·H·Σ rows·keys·d (S recomputed, dV, dP, dK, dQ); other 4 per score")
     t.live("backward", {**_inputs(p, expand=False), "O": heads * nq * d * e, "dO": heads * nq * d * e,
-                        "LSE": heads * nq * f, "D": heads * nq * f,
+                        "LSE": heads * nq * f, "D": 0 if plan.delta_in_kernel else heads * nq * f,
                         "dQ_accum": 0 if deterministic or plan.direct_dq else heads * nq * d * f,
                         "dQ": heads * nq * d * e,
                         **_gradients(p, expand=not plan.native_gqa)})
@@ -755,7 +768,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # a block-sparse problem stands for a user's mask, which adds into zeros;
     # the launcher's outputs are its own (dq allocated by the call)
     direct_dq = p.block_density == 1 and runs_direct_dq(bwd.kernel, mask_for(p.causal), "dense", p.seqlen_q,
-                                                        p.seqlen_k, bwd.block_n, dq_aligned=True)
+                                                        p.seqlen_k, bwd.block_n, maps_aligned=True)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
@@ -771,6 +784,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
             bwd.kernel, family_of("backward-dkdv", bwd.kernel).dq_mode(p.deterministic), mask_for(p.causal), "dense",
             p.seqlen_q, p.seqlen_k, bwd.head_dim_padded),
         direct_dq=direct_dq,
+        delta_in_kernel=direct_dq and wgmma_direct_computes_delta(bwd),
         # the buckets the kernels are compiled for; the Hopper forward's
         # products and the backward's but dQ stop at their product_dim
         # (wgmma_product_dim)

@@ -293,13 +293,15 @@ def launches(algorithm: str, p: Problem, machine: Machine, passes: str) -> list[
         if "bwd" in passes:
             # delta = rowsum(dO * O) and the zeroed float32 dQ accumulator
             # (not where the dK/dV kernel stores each block's first tile, or
-            # stores dQ itself) before; the accumulator converted to the
-            # input dtype after (not where dQ is stored directly).
+            # stores dQ itself) before (not where the dK/dV kernel computes
+            # delta too); the accumulator converted to the input dtype after
+            # (not where dQ is stored directly).
             zeroed = not (plan.claimed_dq or plan.direct_dq)
-            preprocess = heads * nq * (2 * d * e + f + (d * f if zeroed else 0))
+            preprocess = 0 if plan.delta_in_kernel else heads * nq * (2 * d * e + f + (d * f if zeroed else 0))
             conversion = 0 if plan.direct_dq else heads * nq * d * (f + e)
             backward_dram = run(algorithm, p, machine, "bwd").total("dram")
-            out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
+            if not plan.delta_in_kernel:
+                out.append(_elementwise(f"{algorithm} backward preprocess", preprocess))
             out.append(Launch(f"{algorithm} backward dK/dV", _backward_blocks(p, plan, group),
                               plan.bwd_blocks_per_sm, max(backward_dram - preprocess - conversion, 0.0),
                               kernel_cost(algorithm, "bwd", machine)))
