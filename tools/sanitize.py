@@ -1,8 +1,8 @@
 """Calls of the Hopper kernels for compute-sanitizer (tools/gpu_check.sh runs
 this under memcheck, racecheck and synccheck): the warp-specialised forward
 and backward (TMA copies, mbarrier rings, named barriers, the dQ warp's bulk
-reductions) at every tile shape of their tables, causal and not, atomic and
-ordered dQ, with partial blocks at both ends, dense batches and packed
+reductions, the direct dQ mode's delta warps) at every tile shape of their
+tables, causal and not, atomic and ordered dQ, with partial blocks at both ends, dense batches and packed
 (variable-length) ones, persistent forward blocks walking many tiles
 (plain and causal pairs), decoding, and the variants (a window with soft
 cap and per-(batch, head) ALiBi slopes). Sizes are small: racecheck
@@ -56,8 +56,10 @@ def main() -> int:
         for causal in (False, True):
             for deterministic in (False, True):
                 # More queries than keys and the reverse: partial blocks, rows
-                # that see no key, several query blocks per key block.
-                for seqlen_q, seqlen_k in ((200, 130), (70, 260)):
+                # that see no key, several query blocks per key block; and
+                # one key block (the direct dQ mode: its delta warps reading
+                # the O and dO tiles of two heads' steps).
+                for seqlen_q, seqlen_k in ((200, 130), (70, 260), (40, 60)):
                     q, k, v = _inputs(head_dim, seqlen_q, seqlen_k, seed=head_dim + seqlen_q)
                     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                     dout = cupy.ones_like(out)
