@@ -3,10 +3,12 @@
 // flash_bwd.cu's: one thread block per key block j keeps K_j, V_j and the
 // dK_j, dV_j accumulators while it walks every query block i of every query
 // head sharing this K/V head; the preprocessing (delta) and dQ conversion
-// kernels of flash_bwd_elementwise.cu run before and after it.
+// kernels of flash_bwd_elementwise.cu run before and after it (in the
+// direct mode below, neither, where its O tiles fit).
 //
 // Warpgroup 0 is the producer; it hands most of its registers back
-// (setmaxnreg) and two of its warps work (three in the claimed mode):
+// (setmaxnreg) and two of its warps work (three in the claimed mode, four
+// in the direct mode):
 //  - the load warp copies K and V once and, through a ring of kStages
 //    buffers, each step's Q and dO tiles with the Tensor Memory Accelerator
 //    (tma.cuh), its lanes writing the rows' LSE and delta next to them; full
@@ -22,7 +24,11 @@
 //    picks it for one block of keys whose walk visits every query block),
 //    the consumers write the tile in the input dtype and Q's layout and the
 //    dQ warp has the copy engine store it into dq itself: no float32
-//    accumulator, no conversion kernel after this one;
+//    accumulator, no conversion kernel after this one; and as each query
+//    row meets this block alone, the load warp copies the step's O tile
+//    with dO and warps 2 and 3 (the delta warps) compute the rows' delta
+//    from the two (kComputesDelta: where the O tiles fit), so that no
+//    preprocessing kernel runs before this one either;
 //  - in the claimed mode, where this key block is the first to reach a
 //    query block, the dQ warp hands the tile to the store warp, which
 //    stores it over the unzeroed accumulator (tma_store_tile), so that no
