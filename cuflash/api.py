@@ -1754,7 +1754,7 @@ def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None
     rows = b * sq if total_q is None else total_q
     buffers = {"delta": ((h, rows), "float32")}
     if direct:
-        return {} if wgmma_direct_computes_delta(tiling) else buffers
+        return {} if tiling is not None and wgmma_direct_computes_delta(tiling) else buffers
     if tiling is None:
         block_m = min(t.block_m for family in FAMILIES if "ordered" in family.dq_modes
                       for _, t in family.compiled_tilings())

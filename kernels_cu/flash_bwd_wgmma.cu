@@ -8,7 +8,7 @@
 //
 // Warpgroup 0 is the producer; it hands most of its registers back
 // (setmaxnreg) and two of its warps work (three in the claimed mode, four
-// in the direct mode):
+// in the direct mode where it computes delta):
 //  - the load warp copies K and V once and, through a ring of kStages
 //    buffers, each step's Q and dO tiles with the Tensor Memory Accelerator
 //    (tma.cuh), its lanes writing the rows' LSE and delta next to them; full

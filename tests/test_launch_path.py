@@ -251,6 +251,8 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     assert unwritten == ({"dq_accum", "dq_semaphore"} | ({"delta"} if in_kernel else set()) if direct else set())
     buffers = api.backward_work_buffers(2, 4, seqlen_q, head_dim, tiling, False, direct=direct)
     assert set(buffers) == (set() if in_kernel else {"delta"} if direct else {"delta", "dq_accum", "dq_semaphore"})
+    # No kernel known (JAX's buffers): delta is kept.
+    assert set(api.backward_work_buffers(2, 4, seqlen_q, head_dim, None, False, direct=True)) == {"delta"}
 
 
 def test_work_arena_lays_buffers_out_aligned_and_apart():
