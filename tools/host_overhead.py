@@ -272,7 +272,8 @@ DIRECT_DQ_POINTS = ((1, 128, 8, 64, True), (32, 128, 16, 128, False), (64, 128, 
 
 def direct_dq_rows(rounds: int = 3) -> list[dict]:
     """The backward with the direct dQ mode (``cuflash.api.stores_dq_directly``
-    as the launcher decides) against the same calls with it refused (the
+    as the launcher decides: one launch that computes delta and stores dQ)
+    against the same calls with it refused (the preprocessing kernel, the
     float32 accumulator and the conversion kernel), in one process: each side
     plans into its own plan cache, swapped in per call. Host µs (``host_us``,
     ``rounds`` runs) of the small problem's autograd step (SDPA drop-in,
