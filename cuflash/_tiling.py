@@ -490,7 +490,7 @@ class Tiling:
                     + q * 2 * m * 4)
         if self.kernel == "wgmma":
             layout = _wgmma_backward_layout(self, ELEMENT_SIZE[dtype_name])
-            direct = dq_mode == "direct" and layout["direct"] + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES
+            direct = dq_mode == "direct" and layout["direct"] is not None
             return layout["direct" if direct else "barriers_end"] + WGMMA_SMEM_ALIGNMENT
         t = self._tiles(dtype_name)
         return 2 * t["k"] + 2 * t["q"] + 2 * t["score_t"] + 2 * t["row_stats"]
@@ -508,13 +508,15 @@ def _wgmma_backward_layout(tiling: "Tiling", e: int) -> dict:
     barriers: K/V full; Q full, dO full, empty per stage; dQ full, empty,
     store job; the job's slot; delta written per stage), and ``direct``, the
     end of the direct dQ mode's with its second O tile (two stages; one
-    stage has its only O tile in the dQ tile's second half)."""
+    stage has its only O tile in the dQ tile's second half), or None where
+    that does not fit the budget (``WgmmaBackwardTraits::kComputesDelta``)."""
     d, m, n, q = tiling.head_dim_padded, tiling.block_m, tiling.block_n, tiling.q_stages
     score_tiles = 2 if backward_splits_head_dim(d) else 1  # dS^T, and P^T where split
     barriers = 8 * (1 + 3 * q + 3) + 8 + 8 * q
     end = (2 * n * d + 2 * q * m * d + 2 * score_tiles * n * m) * e + m * d * 4 + q * 2 * m * 4 + barriers
     second_o = -(-end // WGMMA_SMEM_ALIGNMENT) * WGMMA_SMEM_ALIGNMENT
-    return {"barriers_end": end, "direct": second_o + m * d * e if q > 1 else end}
+    direct = second_o + m * d * e if q > 1 else end
+    return {"barriers_end": end, "direct": direct if direct + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES else None}
 
 
 def wgmma_direct_computes_delta(tiling: "Tiling") -> bool:
@@ -523,8 +525,7 @@ def wgmma_direct_computes_delta(tiling: "Tiling") -> bool:
     tiles fit in shared memory; all but head dim 192's two stages). Then
     that backward is the one kernel, with no work buffer; otherwise the
     preprocessing kernel computes delta before it."""
-    return (tiling.kernel == "wgmma"
-            and _wgmma_backward_layout(tiling, 2)["direct"] + WGMMA_SMEM_ALIGNMENT <= MAX_SMEM_BYTES)
+    return tiling.kernel == "wgmma" and _wgmma_backward_layout(tiling, 2)["direct"] is not None
 
 
 def _check_budget(smem_bytes: int, what: str) -> None:

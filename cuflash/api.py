@@ -1867,7 +1867,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     # The element-wise kernels take the BackwardParams at the start of the
     # Hopper kernel's struct.
     structs = [pack(WGMMA_BACKWARD_PARAMS if hopper else BACKWARD_PARAMS, **fields)]
-    unwritten = ("dq_accum", "dq_semaphore") + (("delta",) if delta_in_kernel else ()) if direct else ()
+    unwritten = (("dq_accum", "dq_semaphore") if direct else ()) + (("delta",) if delta_in_kernel else ())
     slots = tuple(() if slot in unwritten else slot for slot in BACKWARD_SLOTS)
     device = problem.device
     launches = []
@@ -1928,9 +1928,9 @@ def _wgmma_backward_maps(problem: AttentionProblem, layouts: dict, tiling: Tilin
         add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
             TileBox(rows=rows, cols=d, swizzle_width=swizzle))
     if direct:
-        for name in ("dq", "out") if delta_in_kernel else ("dq",):
+        for name, field in (("dq", "dq_map"), ("out", "o_map"))[:2 if delta_in_kernel else 1]:
             layout = layouts[name]
-            add(f"{name}.ptr", f"{'o' if name == 'out' else name}_map", problem.dtype, layout.shape, layout.strides,
+            add(f"{name}.ptr", field, problem.dtype, layout.shape, layout.strides,
                 TileBox(rows=tiling.block_m, cols=d, swizzle_width=q_swizzle))
         return maps
     shape = (*layouts["q"].shape[:2], problem.nheads, problem.head_dim)
