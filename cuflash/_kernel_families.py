@@ -510,7 +510,7 @@ def direct_dq_applies(mask: MaskPolicy, layout: str) -> bool:
 
 
 def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, seqlen_k: int, block_n: int,
-                   maps_aligned: bool) -> bool:
+                   dq_aligned: bool) -> bool:
     """Whether a backward runs its dK/dV kernel (``kernel``, whose key
     blocks are ``block_n`` keys) in the direct dQ mode, in either the atomic
     or the deterministic mode (one key block adds in one order): the Hopper
@@ -519,16 +519,17 @@ def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, se
     without a mask; under a causal or window mask where no query row comes
     before the keys, ``seqlen_q <= seqlen_k``: every row then sees its
     diagonal key, and a query block no key block visits would be left
-    unwritten), and dq and out whose pointers are 16-byte aligned, which
-    their tensor maps need (``maps_aligned``: a dq the call allocates, or
-    XLA buffers, and an out whose alignment the plan's key holds; a dq given
-    to ``attention_backward`` may not be, and its key does not say). Each
+    unwritten), and a dq whose pointer is 16-byte aligned, which its tensor
+    map needs (``dq_aligned``: a dq the call allocates, or an XLA buffer; a
+    dq given to ``attention_backward`` may not be, and its key does not
+    say; out's map, where the kernel computes delta, is
+    ``cuflash.api.stores_dq_directly``'s to check). Each
     query row then meets this one block, which computes its delta from the
     tiles of dO and out and stores its dQ in the input dtype: no
     preprocessing kernel, no float32 accumulator, no zeroing, no conversion
     kernel (the launcher, ``cuflash.api.backward_plan``, and the simulator's
     plan)."""
-    if kernel != "wgmma" or not maps_aligned or not direct_dq_applies(mask, layout):
+    if kernel != "wgmma" or not dq_aligned or not direct_dq_applies(mask, layout):
         return False
     if not (0 < seqlen_k <= block_n and seqlen_q > 0):
         return False

@@ -1229,15 +1229,15 @@ def _attention_backward(arrays: list, *, causal, softmax_scale, deterministic, s
         # allocator for PyTorch callers), on the call's stream.
         sizes = (problem.batch, problem.nheads, problem.seqlen_q, problem.head_dim)
         # The allocators align dq; a given dq's alignment is not in the key, out's is (_signature).
-        maps_aligned = "dq" not in given and not views["out"].data.ptr & 15
+        dq_aligned, out_aligned = "dq" not in given, not views["out"].data.ptr & 15
+        direct = stores_dq_directly(problem, layouts, tiling, dq_aligned, out_aligned)
         work = WorkArena.of(backward_work_buffers(*sizes, tiling, bool(deterministic), total_q=problem.total_q,
-                                                  packed=problem.packed,
-                                                  direct=stores_dq_directly(problem, layouts, tiling, maps_aligned)))
+                                                  packed=problem.packed, direct=direct))
         work.allocate(bridge, views)
         pointers = _view_pointers(BACKWARD_ARRAYS, views, variants.scalars(problem))
         lse_layout = Layout.of(views["lse"][None] if problem.packed else views["lse"])
         plan = backward_plan(problem, layouts, lse_layout, bool(deterministic), aligned=aligned, tiling=tiling,
-                             maps_aligned=maps_aligned)
+                             dq_aligned=dq_aligned, out_aligned=out_aligned)
         return _run_planned(signature, bridge, plan, BACKWARD_ARRAYS, views, pointers, natives, allocated,
                             variants.fixed_arrays(views), work)
 
@@ -1720,20 +1720,28 @@ def stores_first_dq(problem: AttentionProblem, tiling: Tiling, dq_mode: str) -> 
                            tiling.head_dim_padded)
 
 
-def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, maps_aligned: bool) -> bool:
+def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling, dq_aligned: bool,
+                       out_aligned: bool) -> bool:
     """Whether a backward on the dK/dV kernel of ``tiling`` runs it in the
     direct dQ mode (``runs_direct_dq``: one key block, which stores dQ in
     the input dtype through a tensor map of dq and, where
     ``wgmma_direct_computes_delta``, computes delta from the output's tiles,
-    read through a map of out; ``maps_aligned``: dq's and out's pointers will
-    be 16-byte aligned), the layouts of dq and out (in ``layouts``) taking
-    tensor maps. Then the backward is the dK/dV kernel alone, with no work
-    buffer (head dim 192: the preprocessing kernel before it, and delta): on
-    small problems two launches and an allocation fewer, and the float32
-    accumulator's and delta's traffic gone."""
-    return (runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
-                           tiling.block_n, maps_aligned)
-            and all(takes_layout(layouts[name].shape, layouts[name].strides) for name in ("dq", "out")))
+    read through a map of out). ``dq_aligned`` / ``out_aligned``: dq's / out's
+    pointers will be 16-byte aligned; dq's layout, and out's where the
+    kernel maps it, must take a tensor map (``layouts``). Where the kernel
+    does not compute delta (head dim 192) out is read by the preprocessing
+    kernel alone, so its alignment and layout do not matter. Then the
+    backward is the dK/dV kernel alone, with no work buffer (head dim 192:
+    the preprocessing kernel before it, and delta): on small problems two
+    launches and an allocation fewer, and the float32 accumulator's and
+    delta's traffic gone."""
+    if not runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
+                          tiling.block_n, dq_aligned):
+        return False
+    mapped = ("dq", "out") if wgmma_direct_computes_delta(tiling) else ("dq",)
+    if "out" in mapped and not out_aligned:
+        return False
+    return all(takes_layout(layouts[name].shape, layouts[name].strides) for name in mapped)
 
 
 def backward_work_buffers(b: int, h: int, sq: int, d: int, tiling: Tiling | None, deterministic: bool,
@@ -1816,14 +1824,15 @@ def rotate_walks(problem: AttentionProblem, dq_mode: str, kernel: str, num_m_blo
 
 
 def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, deterministic: bool,
-                  aligned: bool, tiling: Tiling | None = None, maps_aligned: bool = True) -> LaunchPlan:
+                  aligned: bool, tiling: Tiling | None = None, dq_aligned: bool = True,
+                  out_aligned: bool = True) -> LaunchPlan:
     """The launch plan of a validated backward: preprocess (delta, the dQ
     accumulator zeroed unless ``stores_first_dq``, the counters), dK/dV (dQ
     added with atomics, the first tile of each block stored where
     ``stores_first_dq``; added in a fixed order (dq_turn); or left to the
     deterministic dQ pass), then dQ conversion; where ``stores_dq_directly``
-    (``maps_aligned``: dq's and out's pointers will be 16-byte aligned, as
-    the allocators align dq), dK/dV alone, which computes delta
+    (``dq_aligned``, ``out_aligned``: dq's, out's pointers will be 16-byte
+    aligned, as the allocators align dq), dK/dV alone, which computes delta
     (``wgmma_direct_computes_delta``; else preprocess first) and stores dQ
     itself (the plan then writes no accumulator or counter pointers, nor
     delta's where the kernel computes it: a caller that has those buffers
@@ -1843,7 +1852,7 @@ def backward_plan(problem: AttentionProblem, layouts: dict, lse: Layout, determi
     num_n_blocks = -(-problem.seqlen_k // dkdv_tiling.block_n)
     rotated = rotate_walks(problem, dq_mode, dkdv_tiling.kernel, num_m_blocks, num_n_blocks,
                            _multiprocessor_count(problem.device))
-    direct = stores_dq_directly(problem, layouts, dkdv_tiling, maps_aligned)
+    direct = stores_dq_directly(problem, layouts, dkdv_tiling, dq_aligned, out_aligned)
     delta_in_kernel = direct and wgmma_direct_computes_delta(dkdv_tiling)
     claimed = not direct and stores_first_dq(problem, dkdv_tiling, dq_mode)
     fields = dict(

@@ -268,7 +268,9 @@ def _launch(flags: tuple, stream: int, buffers: dict, names: tuple[str, ...]) ->
     with gpu_access():  # JAX runs here; the CuPy build may not
         device = _device_of_pointer(pointers[names.index("q")])
     aligned = api.pointers_aligned(flags[0], pointers)
-    maps_aligned = flags[0] == "backward" and not (pointers[names.index("dq")] | pointers[names.index("out")]) & 15
+    # A backward's dq and out may be mapped by the direct dQ mode: their alignments join the key.
+    maps_aligned = (not pointers[names.index("dq")] & 15, not pointers[names.index("out")] & 15) \
+        if flags[0] == "backward" else (False, False)
     key = ("jax", flags, tuple(shapes), dtype, device, aligned, maps_aligned)
     plan = api.plans.get(key)
     if plan is None:
@@ -313,10 +315,11 @@ _WORK_DTYPES = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq
 
 
 def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str, ...], aligned: bool,
-          maps_aligned: bool):
+          maps_aligned: tuple[bool, bool]):
     """The launch plan of one buffer signature (validated again, now with
-    the folded shapes and the device); ``maps_aligned``: a backward's dq
-    and out buffers are 16-byte aligned (the direct dQ mode may map them)."""
+    the folded shapes and the device); ``maps_aligned``: whether a
+    backward's dq and out buffers are 16-byte aligned (the direct dQ mode
+    may map them)."""
     trailing = {"lse": 2, "delta": 2, "dq_semaphore": 2, "alibi_slopes": 1, "dropout_rng": 1}
     metas = {}
     for name, shape in zip(names, shapes):
@@ -338,7 +341,9 @@ def _plan(flags: tuple, shapes: list, dtype: str, device: int, names: tuple[str,
     problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")),
                              causal=causal, softmax_scale=scale, deterministic=option)
     problem = check_variants(problem, **variants)
-    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, maps_aligned=maps_aligned)
+    dq_aligned, out_aligned = maps_aligned
+    return api.backward_plan(problem, layouts, layouts["lse"], option, aligned=aligned, dq_aligned=dq_aligned,
+                             out_aligned=out_aligned)
 
 
 # --- eager route for a JAX without buffer_callback ---

@@ -197,17 +197,20 @@ def stand_in_hopper(monkeypatch):
     return requested
 
 
-@pytest.mark.parametrize("head_dim,seqlen_q,seqlen_k,causal,maps_aligned,direct", [
-    (64, 100, 128, True, True, True),     # one key block of 128: dQ stored, delta computed, by the dK/dV kernel
-    (64, 1000, 17, False, True, True),
-    (256, 50, 64, False, True, True),     # one stage: its O tile in the dQ tile's second half
-    (192, 50, 64, False, True, True),     # two stages whose O tiles do not fit: delta by the preprocessing kernel
-    (64, 100, 128, True, False, False),   # the caller's dq or a misaligned out: accumulated and converted
-    (64, 100, 129, False, True, False),   # two key blocks
-    (64, 300, 100, True, True, False),    # causal rows before the keys: claimed first stores
+@pytest.mark.parametrize("head_dim,seqlen_q,seqlen_k,causal,dq_aligned,out_aligned,direct", [
+    (64, 100, 128, True, True, True, True),     # one key block of 128: dQ stored, delta computed, by the dK/dV kernel
+    (64, 1000, 17, False, True, True, True),
+    (256, 50, 64, False, True, True, True),     # one stage: its O tile in the dQ tile's second half
+    (192, 50, 64, False, True, True, True),     # two stages whose O tiles do not fit: delta by the preprocessing kernel
+    (192, 50, 64, False, True, False, True),    # ... which reads out as it is: out's alignment does not matter
+    (192, 50, 64, False, False, True, False),   # the caller's dq (its alignment unknown): accumulated and converted
+    (64, 100, 128, True, False, True, False),
+    (64, 100, 128, True, True, False, False),   # a misaligned out, which the kernel would map
+    (64, 100, 129, False, True, True, False),   # two key blocks
+    (64, 300, 100, True, True, True, False),    # causal rows before the keys: claimed first stores
 ])
 def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_hopper, head_dim, seqlen_q, seqlen_k,
-                                                                       causal, maps_aligned, direct):
+                                                                       causal, dq_aligned, out_aligned, direct):
     """The Hopper backward of one key block (128 keys a block at head dim
     64, 64 above 128) is one kernel, dK/dV in the direct dQ mode, which
     computes delta from tiles of out and stores dQ through a tensor map of
@@ -231,11 +234,11 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
     tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
     assert (tiling.kernel, tiling.block_n) == ("wgmma", 128 if head_dim <= 128 else 64)
-    assert api.stores_dq_directly(problem, layouts, tiling, maps_aligned) is direct
+    assert api.stores_dq_directly(problem, layouts, tiling, dq_aligned, out_aligned) is direct
     in_kernel = direct and head_dim != 192
     assert (direct and wgmma_direct_computes_delta(tiling)) is in_kernel
     plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
-                             aligned=True, tiling=tiling, maps_aligned=maps_aligned)
+                             aligned=True, tiling=tiling, dq_aligned=dq_aligned, out_aligned=out_aligned)
     families = [key.split("/")[0] for key in stand_in_hopper]
     assert families == ([] if in_kernel else ["backward-preprocess"]) + ["backward-dkdv-wgmma"] + (
         [] if direct else ["backward-convert-dq"])

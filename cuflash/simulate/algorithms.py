@@ -768,7 +768,7 @@ def cuflash_plan(p: Problem, machine: Machine, block_m=None, block_n=None) -> _T
     # a block-sparse problem stands for a user's mask, which adds into zeros;
     # the launcher's outputs are its own (dq allocated by the call)
     direct_dq = p.block_density == 1 and runs_direct_dq(bwd.kernel, mask_for(p.causal), "dense", p.seqlen_q,
-                                                        p.seqlen_k, bwd.block_n, maps_aligned=True)
+                                                        p.seqlen_k, bwd.block_n, dq_aligned=True)
     fwd_blocks_per_sm = _blocks_per_sm(machine, fwd.forward_smem_bytes(dtype), fwd.threads)
     if fwd.kernel == "wgmma":
         # Its launch bounds set the registers for exactly blocks_per_sm
