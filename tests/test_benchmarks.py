@@ -191,7 +191,8 @@ def test_float32_rows_are_consistent(path):
 
 def test_benchmarks_md_renders_the_benchmark_jsons():
     rendered = subprocess.run([sys.executable, str(REPO / "tools" / "bench_report.py"),
-                               str(REPO / "benchmarks" / "h100.json"), "--head-dims",
+                               str(REPO / "benchmarks" / "h100.json"), "--grid-also",
+                               str(REPO / "benchmarks" / "h200.json"), "--head-dims",
                                str(REPO / "benchmarks" / "h100_head_dims.json"), "--head-dims",
                                str(REPO / "benchmarks" / "h200_head_dims.json"), "--float32",
                                str(REPO / "benchmarks" / "h100_float32.json"), "--varlen",

@@ -32,7 +32,7 @@ BACKENDS = ("cuflash", "flash", "cudnn")
 
 
 def markdown(result: dict, plot: str | None) -> str:
-    env, rows = result["environment"], result["rows"]
+    env = result["environment"]
     matmul = result.get("matmul_tflops")
     lines = [
         "# Benchmarks",
@@ -58,8 +58,21 @@ def markdown(result: dict, plot: str | None) -> str:
         lines.append(f"- Floor column: FLOPs at {matmul:.0f} TFLOP/s, the bf16 matrix-multiply ceiling measured on "
                      "this device kind (the pool's H100s, 2026-11-22).")
     lines.append("")
+    lines += grid_sections(result, "##")
+    if plot:
+        lines += [f"![TFLOP/s against seqlen]({Path(plot).name})", ""]
+    return "\n".join(lines)
+
+
+def grid_sections(result: dict, level: str) -> list[str]:
+    """The FlashAttention-2 grid's tables of one ``tools/bench.py`` JSON
+    (each pass, as the user sees it, the host cost), headed at markdown
+    ``level`` ("##" for the grid of record, "###" under another device's
+    heading)."""
+    rows, matmul = result["rows"], result.get("matmul_tflops")
+    lines = []
     for pass_name in sorted({r["pass"] for r in rows}):
-        lines += [f"## {pass_name}", "",
+        lines += [f"{level} {pass_name}", "",
                   "| dtype | head_dim | causal | seqlen | cuflash ms | floor ms | cuflash TFLOP/s | flash TFLOP/s | "
                   "cuDNN TFLOP/s | cuflash / flash | cuflash / cuDNN | max dev. |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -79,7 +92,7 @@ def markdown(result: dict, plot: str | None) -> str:
         lines.append("")
         user = [r for r in rows if r["pass"] == pass_name and "user_ms" in r]
         if user:
-            lines += [f"### {pass_name} as the user sees it", "",
+            lines += [f"{level}# {pass_name} as the user sees it", "",
                       "`triton.testing.do_bench` (L2 flushed, each call timed alone, nothing holding the stream: "
                       "host cost shows wherever it exceeds GPU time), SDPA-layout tensors, cuflash through its SDPA "
                       "drop-in" + (", forward + backward as one autograd step" if pass_name == "fwd+bwd" else "")
@@ -97,7 +110,7 @@ def markdown(result: dict, plot: str | None) -> str:
     if result.get("host_overhead") or result.get("jax_jit"):
         import host_overhead
 
-        lines += ["## Host cost per call", "",
+        lines += [f"{level} Host cost per call", "",
                   "Small problem (batch 1, 128 tokens, 8 heads, head_dim 64, bf16, causal): host microseconds per "
                   "call with the stream held by a sleep kernel, so only Python and launch cost is timed (median of "
                   "15 batches, the candidates taking turns; tools/host_overhead.py). JAX rows: microseconds per "
@@ -105,9 +118,19 @@ def markdown(result: dict, plot: str | None) -> str:
                   "at (8, 2048, 16, 128) this is GPU-bound.", ""]
         lines += host_overhead.markdown(result.get("host_overhead", []), result.get("jax_jit", []))
         lines.append("")
-    if plot:
-        lines += [f"![TFLOP/s against seqlen]({Path(plot).name})", ""]
-    return "\n".join(lines)
+    return lines
+
+
+def other_grid_markdown(result: dict) -> str:
+    """Another device's run of the FlashAttention-2 grid (``tools/bench.py``,
+    same method as the grid of record), under a heading that names it."""
+    env, matmul = result["environment"], result.get("matmul_tflops")
+    lines = [f"## FlashAttention-2 grid, {env['device']}", "",
+             f"Same method and grid as above; driver {env['driver']}, PyTorch {env['torch']}, CuPy {env['cupy']}, "
+             f"{env['date']}, cuflash commit `{env['commit']}`."
+             + (f" Floor column: FLOPs at {matmul:.0f} TFLOP/s." if matmul else " No floor column: no matrix-multiply "
+                "ceiling measured on this device kind."), ""]
+    return "\n".join(lines + grid_sections(result, "###"))
 
 
 def head_dim_markdown(result: dict) -> str:
@@ -315,6 +338,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--plot", help="write a PNG here")
+    parser.add_argument("--grid-also", action="append", default=[],
+                        help="another device's FA2-grid JSON, rendered after the grid of record (repeatable)")
     parser.add_argument("--head-dims", action="append", default=[],
                         help="a head-dim sweep's JSON, rendered as its own section (repeatable: one per device)")
     parser.add_argument("--float32", help="a float32 forward JSON (bench.py --dtype float32), its own section")
@@ -327,6 +352,8 @@ def main() -> int:
     if args.plot:
         draw(result, args.plot)
     print(markdown(result, args.plot))
+    for path in args.grid_also:
+        print(other_grid_markdown(json.loads(Path(path).read_text())))
     for path in args.head_dims:
         print(head_dim_markdown(json.loads(Path(path).read_text())))
     if args.float32:
