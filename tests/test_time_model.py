@@ -218,6 +218,25 @@ def test_the_model_explains_the_h200_head_dim_sweep_between_buckets(algorithm, b
     assert errors[len(errors) // 2] <= 0.15 and errors[-1] <= 0.32, errors
 
 
+@pytest.mark.parametrize("algorithm", ["cuflash", "flash2"])
+def test_the_model_fitted_on_the_h100_explains_the_h200_grid(algorithm):
+    """benchmarks/h200.json (the FlashAttention-2 grid on an H200, both
+    dtypes, forward and backward; no constant fitted to it): with the H200
+    preset the model is within 25% of every point (issue 18's bar on the
+    H100's grid; measured: cuflash 6% at the median and 16% at worst,
+    FlashAttention-2 7% and 22%) and orders cuflash and FlashAttention-2 as
+    measured at every point. (The H100's preset, same rows, put cuflash's
+    forward up to 36% long: the preset's bandwidth and clock matter.)"""
+    from cuflash.simulate.timing import compare_with_bench, ranking_agreement
+
+    rows = json.loads((REPO / "benchmarks" / "h200.json").read_text())["rows"]
+    records = compare_with_bench(rows, MACHINES["h200"])
+    assert ranking_agreement(records) == (96, 96)
+    errors = sorted(abs(r["error"]) for r in records if r["algorithm"] == algorithm)
+    assert len(errors) == 96  # 2 head dims x 6 lengths x causal or not x fwd, bwd x 2 dtypes
+    assert errors[len(errors) // 2] <= 0.10 and errors[-1] <= 0.25, errors
+
+
 def test_every_cost_entry_is_physical():
     for cost in KERNEL_COSTS.values():
         assert 0 < cost.tensor_efficiency <= 1 and 0 <= cost.overlap <= 1
