@@ -524,10 +524,11 @@ def runs_direct_dq(kernel: str, mask: MaskPolicy, layout: str, seqlen_q: int, se
     dq given to ``attention_backward`` may not be, and its key does not
     say; out's map, where the kernel computes delta, is
     ``cuflash.api.stores_dq_directly``'s to check). Each
-    query row then meets this one block, which computes its delta from the
-    tiles of dO and out and stores its dQ in the input dtype: no
-    preprocessing kernel, no float32 accumulator, no zeroing, no conversion
-    kernel (the launcher, ``cuflash.api.backward_plan``, and the simulator's
+    query row then meets this one block, which stores its dQ in the input
+    dtype and computes its delta from the tiles of dO and out (where
+    ``wgmma_direct_computes_delta``; at head dim 192 the preprocessing
+    kernel computes it first): no float32 accumulator, no zeroing, no
+    conversion kernel (the launcher, ``cuflash.api.backward_plan``, and the simulator's
     plan)."""
     if kernel != "wgmma" or not dq_aligned or not direct_dq_applies(mask, layout):
         return False

@@ -384,8 +384,9 @@ def _signature(kind: str, arrays: list, flags: tuple):
     """The plan-cache key of a call and its pointers, or ``(None, None)``
     where an array is not one the cache serves (any type but a CuPy array,
     a PyTorch tensor or None). A backward's key also holds whether out's
-    pointer is 16-byte aligned: the direct dQ mode maps it
-    (``stores_dq_directly``)."""
+    pointer is 16-byte aligned: the direct dQ mode may map it
+    (``stores_dq_directly``; not at head dim 192, whose key this splits
+    needlessly)."""
     signature, pointers = _interop.call_signature(arrays)
     if signature is None:
         return None, None

@@ -258,6 +258,63 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     assert set(api.backward_work_buffers(2, 4, seqlen_q, head_dim, None, False, direct=True)) == {"delta"}
 
 
+@pytest.mark.parametrize("head_dim,direct", [(192, True), (64, False), (256, False)])
+def test_direct_dq_maps_out_only_where_the_kernel_computes_delta(stand_in_hopper, head_dim, direct):
+    """An out whose rows cannot take a tensor map (a row stride of head_dim
+    + 1 elements, not a multiple of 16 bytes): where the one-key-block
+    kernel computes delta from out's tiles it would map out, so the call
+    takes the accumulated path; at head dim 192 the preprocessing kernel
+    reads out as it is and the kernel maps dq alone, so dQ is still stored
+    directly (two launches, out not among the maps)."""
+    from cuflash._validation import TensorMeta, check_backward, contiguous_strides
+
+    seqlen_q, seqlen_k = 50, 64
+    q_shape, kv_shape = (2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim)
+    padded = contiguous_strides((2, seqlen_q, 4, head_dim + 1))
+    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
+    metas = {name: TensorMeta(name, shape, padded if name == "out" else contiguous_strides(shape), "bfloat16", 0)
+             for name, shape in shapes.items()}
+    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
+                             TensorMeta("lse", (2, 4, seqlen_q), contiguous_strides((2, 4, seqlen_q)), "float32", 0),
+                             None, None, None, causal=False, softmax_scale=None, deterministic=False)
+    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
+    layouts["out"] = api.Layout(q_shape, tuple(2 * stride for stride in padded), 2)
+    tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
+    assert api.stores_dq_directly(problem, layouts, tiling, True, True) is direct
+    plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
+                             aligned=True, tiling=tiling)
+    assert plan.kernel_count == (2 if direct else 3)
+    mapped = {api.BACKWARD_SLOTS[slot] for slot, _ in plan._tensor_maps}
+    assert "out.ptr" not in mapped and ("dq.ptr" in mapped) is direct
+
+
+@pytest.mark.parametrize("head_dim,dq_aligned,out_aligned,launches", [
+    (64, True, True, 1),      # direct, delta from out's tiles
+    (64, True, False, 3),     # out would be mapped: accumulated
+    (64, False, True, 3),     # dq cannot be mapped: accumulated
+    (192, True, True, 2),     # direct after the preprocessing kernel
+    (192, True, False, 2),    # out not mapped there: still direct
+    (192, False, True, 3),
+])
+def test_jax_backward_plan_takes_dq_and_out_alignment_apart(stand_in_hopper, head_dim, dq_aligned, out_aligned,
+                                                            launches):
+    """Under JAX the plan of a backward's buffers is keyed by dq's and out's
+    alignments apart (``cuflash.jax._launch``), and ``_plan`` hands both to
+    the launcher: out's matters only where the kernel maps it."""
+    pytest.importorskip("jax")
+    import cuflash.jax as cuflash_jax
+
+    q_shape, kv_shape = (2, 50, 4, head_dim), (2, 64, 2, head_dim)
+    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, lse=(2, 4, 50), dq=q_shape,
+                  dk=kv_shape, dv=kv_shape)
+    shapes |= {name: shape for name, (shape, _) in cuflash_jax._work_buffers(q_shape).items()}
+    names = api.BACKWARD_ARRAYS
+    flags = ("backward", (False, (-1, -1), 0.0, 0.0), None, False)
+    plan = cuflash_jax._plan(flags, [shapes.get(name) for name in names], "bfloat16", 0, names, True,
+                             (dq_aligned, out_aligned))
+    assert plan.kernel_count == launches
+
+
 def test_work_arena_lays_buffers_out_aligned_and_apart():
     """A backward's work buffers in one allocation: each at a 256-byte
     aligned offset (the alignment separate allocations had), none

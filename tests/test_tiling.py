@@ -238,7 +238,7 @@ def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
                    for mask in ("causal", "window") for head_dim in (192, 256))
 
 
-@pytest.mark.parametrize("mask,seqlen_q,seqlen_k,block_n,maps_aligned,direct", [
+@pytest.mark.parametrize("mask,seqlen_q,seqlen_k,block_n,dq_aligned,direct", [
     ("none", 1, 1, 128, True, True),
     ("none", 1000, 128, 128, True, True),      # many query blocks, one key block
     ("none", 1000, 129, 128, True, False),     # two key blocks add into one dQ block
@@ -252,7 +252,7 @@ def test_the_claimed_dq_mode_is_the_hopper_kernels_third_template_argument():
     ("none", 0, 10, 128, True, False),         # nothing to store
     ("none", 10, 0, 128, True, False),         # no key block: dq is zeros from the conversion
 ])
-def test_direct_dq_runs_for_one_key_block_that_visits_every_query_block(mask, seqlen_q, seqlen_k, block_n, maps_aligned,
+def test_direct_dq_runs_for_one_key_block_that_visits_every_query_block(mask, seqlen_q, seqlen_k, block_n, dq_aligned,
                                                                         direct):
     """The Hopper dK/dV kernel stores dQ itself (kDqDirect, the fourth
     template argument) exactly where each query block's dQ comes from one key
@@ -261,9 +261,9 @@ def test_direct_dq_runs_for_one_key_block_that_visits_every_query_block(mask, se
     call allocates."""
     from cuflash._kernel_families import direct_dq_applies, runs_direct_dq
 
-    assert runs_direct_dq("wgmma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, maps_aligned) is direct
-    assert not runs_direct_dq("mma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, maps_aligned)
-    assert not runs_direct_dq("wgmma", MASKS[mask], "packed", seqlen_q, seqlen_k, block_n, maps_aligned)
+    assert runs_direct_dq("wgmma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, dq_aligned) is direct
+    assert not runs_direct_dq("mma", MASKS[mask], "dense", seqlen_q, seqlen_k, block_n, dq_aligned)
+    assert not runs_direct_dq("wgmma", MASKS[mask], "packed", seqlen_q, seqlen_k, block_n, dq_aligned)
     assert direct_dq_applies(MASKS[mask], "dense") and not direct_dq_applies(MASKS[mask], "packed")
     family = FAMILY["backward-dkdv-wgmma"]
     variant = family.variant("bfloat16", family.tiles("bfloat16", 64), MASKS[mask], dq_mode="direct")

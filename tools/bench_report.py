@@ -128,7 +128,7 @@ def other_grid_markdown(result: dict) -> str:
     lines = [f"## FlashAttention-2 grid, {env['device']}", "",
              f"Same method and grid as above; driver {env['driver']}, PyTorch {env['torch']}, CuPy {env['cupy']}, "
              f"{env['date']}, cuflash commit `{env['commit']}`."
-             + (f" Floor column: FLOPs at {matmul:.0f} TFLOP/s." if matmul else " No floor column: no matrix-multiply "
+             + (f" Floor column: FLOPs at {matmul:.0f} TFLOP/s." if matmul else " Floor column empty: no matrix-multiply "
                 "ceiling measured on this device kind."), ""]
     return "\n".join(lines + grid_sections(result, "###"))
 
