@@ -197,6 +197,26 @@ def stand_in_hopper(monkeypatch):
     return requested
 
 
+def _one_key_block_backward(head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, out_strides=None):
+    """(problem, layouts, tiling) of a bf16 backward with 4 query heads on 2
+    K/V heads, batch 2, all contiguous but out, whose element strides
+    ``out_strides`` may pad its rows; the dK/dV tiling the launcher picks."""
+    from cuflash._validation import TensorMeta, check_backward, contiguous_strides
+
+    q_shape, kv_shape = (2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim)
+    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
+    strides = {name: contiguous_strides(shape) for name, shape in shapes.items()} | (
+        {"out": out_strides} if out_strides is not None else {})
+    metas = {name: TensorMeta(name, shape, strides[name], "bfloat16", 0) for name, shape in shapes.items()}
+    lse_shape = (2, 4, seqlen_q)
+    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
+                             TensorMeta("lse", lse_shape, contiguous_strides(lse_shape), "float32", 0), None, None,
+                             None, causal=causal, softmax_scale=None, deterministic=False)
+    layouts = {name: api.Layout(shape, tuple(2 * stride for stride in strides[name]), 2)
+               for name, shape in shapes.items()}
+    return problem, layouts, api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
+
+
 @pytest.mark.parametrize("head_dim,seqlen_q,seqlen_k,causal,dq_aligned,out_aligned,direct", [
     (64, 100, 128, True, True, True, True),     # one key block of 128: dQ stored, delta computed, by the dK/dV kernel
     (64, 1000, 17, False, True, True, True),
@@ -220,19 +240,8 @@ def test_backward_plan_of_one_key_block_stores_dq_without_a_conversion(stand_in_
     into its buffer. Otherwise the conversion follows, into the
     accumulator's map."""
     from cuflash._tiling import wgmma_direct_computes_delta
-    from cuflash._validation import TensorMeta, check_backward, contiguous_strides
 
-    def meta(name, shape, dtype="bfloat16"):
-        return TensorMeta(name, shape, contiguous_strides(shape), dtype, 0)
-
-    q_shape, kv_shape = (2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim)
-    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
-    metas = {name: meta(name, shape) for name, shape in shapes.items()}
-    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
-                             meta("lse", (2, 4, seqlen_q), "float32"), None, None, None, causal=causal,
-                             softmax_scale=None, deterministic=False)
-    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
-    tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
+    problem, layouts, tiling = _one_key_block_backward(head_dim, seqlen_q, seqlen_k, causal)
     assert (tiling.kernel, tiling.block_n) == ("wgmma", 128 if head_dim <= 128 else 64)
     assert api.stores_dq_directly(problem, layouts, tiling, dq_aligned, out_aligned) is direct
     in_kernel = direct and head_dim != 192
@@ -266,20 +275,11 @@ def test_direct_dq_maps_out_only_where_the_kernel_computes_delta(stand_in_hopper
     takes the accumulated path; at head dim 192 the preprocessing kernel
     reads out as it is and the kernel maps dq alone, so dQ is still stored
     directly (two launches, out not among the maps)."""
-    from cuflash._validation import TensorMeta, check_backward, contiguous_strides
+    from cuflash._validation import contiguous_strides
 
-    seqlen_q, seqlen_k = 50, 64
-    q_shape, kv_shape = (2, seqlen_q, 4, head_dim), (2, seqlen_k, 2, head_dim)
+    seqlen_q = 50
     padded = contiguous_strides((2, seqlen_q, 4, head_dim + 1))
-    shapes = dict(dout=q_shape, q=q_shape, k=kv_shape, v=kv_shape, out=q_shape, dq=q_shape, dk=kv_shape, dv=kv_shape)
-    metas = {name: TensorMeta(name, shape, padded if name == "out" else contiguous_strides(shape), "bfloat16", 0)
-             for name, shape in shapes.items()}
-    problem = check_backward(*(metas[name] for name in ("dout", "q", "k", "v", "out")),
-                             TensorMeta("lse", (2, 4, seqlen_q), contiguous_strides((2, 4, seqlen_q)), "float32", 0),
-                             None, None, None, causal=False, softmax_scale=None, deterministic=False)
-    layouts = {name: api.Layout.contiguous(shape, "bfloat16") for name, shape in shapes.items()}
-    layouts["out"] = api.Layout(q_shape, tuple(2 * stride for stride in padded), 2)
-    tiling = api.backward_tiling_for(problem, layouts, layouts, False, aligned=True)
+    problem, layouts, tiling = _one_key_block_backward(head_dim, seqlen_q, 64, False, out_strides=padded)
     assert api.stores_dq_directly(problem, layouts, tiling, True, True) is direct
     plan = api.backward_plan(problem, layouts, api.Layout.contiguous((2, 4, seqlen_q), "float32"), False,
                              aligned=True, tiling=tiling)
