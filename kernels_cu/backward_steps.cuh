@@ -242,16 +242,6 @@ __device__ __forceinline__ void stage_swizzled_fragments(u32 tile, const u32 (&f
     }
 }
 
-// Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
-// them, or, where `chunked`, 64 at a time once dK and dV (acc_cols columns
-// each: acc_cols registers together) and dQ pass 192 registers per thread
-// counted as dK + dV + 2 dQ. Both tensor-core kernels chunk all their
-// variants (the mma.sync kernel's atomic d256 ones spilled unchunked on
-// sm_90; the Hopper kernel's d256 writes each chunk into its dQ tile).
-__host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, int dq_cols) {
-    return chunked && acc_cols + dq_cols > 192 ? 64 : dq_cols;
-}
-
 // LSE (in the log2 domain) and delta of the kBlockM query rows from m_start
 // of `head` of the sequence at `rows` into stats[0, kBlockM) and
 // stats[kBlockM, 2 kBlockM), by plain stores; rows past its seqlen_q get 0

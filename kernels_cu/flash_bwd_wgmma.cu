@@ -45,7 +45,10 @@
 //   dV  += P^T dO, dK += dS^T Q        A from registers (the S^T / dP^T
 //                                      accumulators packed), B read MN-major
 //   dQ_i = scale * dS K                dS^T staged in shared memory, both
-//                                      operands MN-major, into the dQ tile
+//                                      operands MN-major, into the dQ tile;
+//                                      up to head dim 128 one consumer takes
+//                                      a step's whole tile, the two by turns
+//                                      (WgmmaBackwardTraits::kDqByTurns)
 // Between buckets (head dim 112 in 128, 80 in 96, 48 in 64) S^T, dP^T, dV
 // and dK run over kProductDim columns, not the bucket's padded ones
 // (WgmmaBackwardTraits::kProductDim).
@@ -143,7 +146,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             mbarrier_init(Traits::do_full(base, s), 1);
             mbarrier_init(Traits::q_empty(base, s), kConsumerThreads);
         }
-        mbarrier_init(dq_full, kConsumerThreads);
+        // dQ full: the consumer(s) writing the step's tile.
+        mbarrier_init(dq_full, Traits::kDqByTurns ? 128 : kConsumerThreads);
         mbarrier_init(dq_empty, 1);
         if constexpr (kClaimsDq) {
             mbarrier_init(base + Traits::kStoreJob, 1);
@@ -375,7 +379,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     constexpr u64 kQBufferStep = QTile::kBytes >> 4;
     constexpr u64 kScoreBufferStep = Traits::kScoreBuffer >> 4;
     const int dq_m_tile = consumer % Traits::kDqMTiles;
-    const int dq_col0 = consumer / Traits::kDqMTiles * kDqCols;
+    const int dq_col0 = Traits::kDqByTurns ? 0 : consumer / Traits::kDqMTiles * kDqCols;
+    // Whether this consumer computes step `step`'s dQ: its share of every
+    // step's, or by turns (WgmmaBackwardTraits::kDqByTurns) the whole tile
+    // of every other step.
+    const auto takes_dq = [&](int step) { return !Traits::kDqByTurns || (step & 1) == consumer; };
     const u64 ds_mn_descriptor = mn_major_descriptor<DsTile>(base, Traits::kDs + dq_m_tile * DsTile::kPanelBytes);
     const u64 k_mn_descriptor =
         mn_major_descriptor<KvTile>(base, Traits::kK + dq_col0 / KvTile::kPanelCols * KvTile::kPanelBytes);
@@ -388,17 +396,19 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     float(&dk_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dk);
     float(&dv_flat)[kAccCols / 2] = reinterpret_cast<float(&)[kAccCols / 2]>(dv);
 
-    // A step's dQ tile goes to the dQ warp once every consumer thread's
-    // stores of it are visible to the copy engine (the proxy fence waits for
-    // them to drain: 8% of the d128 kernel's warp samples without a mask sat
-    // there, ncu). In the claimed mode (causal, window) the hand-over waits
-    // until the next step's first products are issued, so that the drain
-    // overlaps them; the dQ warp then still has most of that step to take
-    // the tile before the consumers write the next (H200, d128 causal 2k:
-    // 2% faster). The atomic mode measured 0.5-1% slower so (d128 without a
-    // mask, 2k and 4k) and hands over at once, as the ordered mode must: each
-    // key block's turn waits for it.
-    constexpr bool kDqHandOverLate = kClaimsDq;
+    // A step's dQ tile goes to the dQ warp once every thread of the
+    // consumer(s) writing it has its stores visible to the copy engine (the
+    // proxy fence waits for them to drain: 8% of the d128 kernel's warp
+    // samples without a mask sat there, ncu). In the claimed mode (causal,
+    // window), and in the atomic mode where the consumers take dQ by turns,
+    // the hand-over waits until the next step's first products are issued,
+    // so that the drain overlaps them; the dQ warp then still has most of
+    // that step to take the tile before the next is written (H200, d128
+    // causal 2k: 2% faster; by turns without a mask, d128 2k-16k: 5%). The
+    // atomic mode with the dQ columns split measured 0.5-1% slower so (d128
+    // without a mask, 2k and 4k) and hands over at once, as the ordered mode
+    // must (each key block's turn waits for it) and the direct mode does.
+    constexpr bool kDqHandOverLate = kClaimsDq || (Traits::kDqByTurns && kDqMode == kDqAtomic);
     const auto hand_over_dq_tile = [&]() {
         fence_async_shared();  // the dQ tile, written by ordinary stores, is read by the copy engine
         mbarrier_arrive(dq_full);
@@ -431,7 +441,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                                            do_descriptor + q_buffer + kmajor_k_step<QTile>(ks), ks > 0);
         }
         wgmma_commit();
-        if (kDqHandOverLate && step > 0) {
+        if (kDqHandOverLate && step > 0 && takes_dq(step - 1)) {
             hand_over_dq_tile();  // the previous step's
         }
         wgmma_wait<0>();
@@ -502,65 +512,68 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         pin_registers(dv_flat);
         pin_registers(dk_flat);
         mbarrier_arrive(Traits::q_empty(base, ring.stage));
-
-        // dQ's product in chunks of kDqChunk columns (dq_chunk_columns), each
-        // scaled into the dQ tile once the dQ warp has read the previous one.
-        constexpr int kDqChunk = dq_chunk_columns(true, kAccCols, kDqCols);
-        static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "chunks of whole K panels");
+        // dQ's product, where this consumer takes this step's (the other, by
+        // turns, goes on to the next step's products meanwhile).
+        if (takes_dq(step)) {
+            // In chunks of kDqChunk columns (WgmmaBackwardTraits), each scaled
+            // into the dQ tile once the dQ warp has read the previous one.
+            constexpr int kDqChunk = Traits::kDqChunk;
 #pragma unroll
-        for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
-            const int chunk_col0 = dq_col0 + chunk * kDqChunk;
-            const u64 k_chunk_descriptor =
-                k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
-            float dq[1][kDqChunk / 8][4];
-            float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
+            for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
+                const int chunk_col0 = dq_col0 + chunk * kDqChunk;
+                const u64 k_chunk_descriptor =
+                    k_mn_descriptor + ((chunk * kDqChunk / KvTile::kPanelCols * KvTile::kPanelBytes) >> 4);
+                float dq[1][kDqChunk / 8][4];
+                float(&dq_flat)[kDqChunk / 2] = reinterpret_cast<float(&)[kDqChunk / 2]>(dq);
 #pragma unroll
-            for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
-                Wgmma<Element, kDqChunk>::ss_mn_major(
-                    dq_flat, ds_mn_descriptor + score_buffer * kScoreBufferStep + mn_major_k_step<DsTile>(ks),
-                    k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
-            }
-            wgmma_commit();
-            wgmma_wait<0>();
-            pin_registers(dq_flat);
-            pin_registers(dv_flat);
-            pin_registers(dk_flat);
-            if (chunk == 0) {
-                mbarrier_wait(dq_empty, (step & 1) ^ 1);
-            }
-            if constexpr (kDirectDq) {
-                // dQ rounded once, to the input dtype, in Q's layout (the map's boxes).
-                const int lane_now = lane_index_now();
+                for (int ks = 0; ks < Traits::kKeySteps; ++ks) {
+                    Wgmma<Element, kDqChunk>::ss_mn_major(
+                        dq_flat, ds_mn_descriptor + score_buffer * kScoreBufferStep + mn_major_k_step<DsTile>(ks),
+                        k_chunk_descriptor + mn_major_k_step<KvTile>(ks), ks > 0);
+                }
+                wgmma_commit();
+                wgmma_wait<0>();
+                pin_registers(dq_flat);
+                pin_registers(dv_flat);
+                pin_registers(dk_flat);
+                if (chunk == 0) {
+                    mbarrier_wait(dq_empty, (step & 1) ^ 1);
+                }
+                if constexpr (kDirectDq) {
+                    // dQ rounded once, to the input dtype, in Q's layout (the map's boxes).
+                    const int lane_now = lane_index_now();
 #pragma unroll
-                for (int j = 0; j < kDqChunk / 8; ++j) {
+                    for (int j = 0; j < kDqChunk / 8; ++j) {
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int offset =
-                            QTile::chunk_offset(dq_row0 + lane_now / 4 + 8 * half, chunk_col0 / 8 + j) + 4 * (lane_now % 4);
-                        *reinterpret_cast<u32*>(smem + Traits::kDq + offset) =
-                            pack_pair<Element>(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                        for (int half = 0; half < 2; ++half) {
+                            const int offset = QTile::chunk_offset(dq_row0 + lane_now / 4 + 8 * half, chunk_col0 / 8 + j) +
+                                               4 * (lane_now % 4);
+                            *reinterpret_cast<u32*>(smem + Traits::kDq + offset) =
+                                pack_pair<Element>(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                        }
+                    }
+                } else {
+                    const auto dq_lane = DqTile::fragment_lane(dq_row0, lane_index_now());
+#pragma unroll
+                    for (int j = 0; j < kDqChunk / 8; ++j) {
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            const int offset = dq_lane.offset(chunk_col0 + 8 * j, half);
+                            *reinterpret_cast<float2*>(smem + Traits::kDq + offset) =
+                                make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
+                        }
                     }
                 }
-            } else {
-                const auto dq_lane = DqTile::fragment_lane(dq_row0, lane_index_now());
-#pragma unroll
-                for (int j = 0; j < kDqChunk / 8; ++j) {
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        *reinterpret_cast<float2*>(smem + Traits::kDq + dq_lane.offset(chunk_col0 + 8 * j, half)) =
-                            make_float2(dq[0][j][2 * half] * scale, dq[0][j][2 * half + 1] * scale);
-                    }
-                }
             }
-        }
-        if constexpr (!kDqHandOverLate) {
-            hand_over_dq_tile();
+            if constexpr (!kDqHandOverLate) {
+                hand_over_dq_tile();
+            }
         }
 
         walk.advance();
         ring.advance();
     }
-    if (kDqHandOverLate && walk.steps > 0) {
+    if (kDqHandOverLate && walk.steps > 0 && takes_dq(walk.steps - 1)) {
         hand_over_dq_tile();  // the last step's
     }
 
