@@ -26,6 +26,17 @@ def test_head_dim_128_step_matches_the_profile():
     assert operands["S^T"] == operands["dP^T"] == operands["dQ"] == 2 * operands["dV"] == 64 * 1024
 
 
+def test_dq_by_turns_reads_a_quarter_less_for_dq():
+    """The kernel's form at head dim 128 (2c40d98): one m64n128 product of
+    dQ a step, by one consumer, reads dS once (A) and K's 128 columns (B)
+    where the split form's two m64n64 read dS twice: 48 KB instead of 64, the
+    other products and traffic alike."""
+    split, turns = model.BackwardStep(128, 64), model.BackwardStep(128, 64, dq_by_turns=True)
+    assert turns.operand_bytes()["dQ"] == 48 * 1024
+    assert split.shared_cycles() - turns.shared_cycles() == 16 * 1024 / model.SHARED_BYTES_PER_CYCLE
+    assert turns.tensor_cycles() == split.tensor_cycles()
+
+
 def test_the_tables_tiles_fit_and_the_rejected_ones_do_not():
     for head_dim in (64, 128):
         tiling = wgmma_backward_tiling("bfloat16", head_dim)

@@ -4,15 +4,18 @@ One step of flash_bwd_wgmma.cu: a thread block holding `block_n` keys (64 a
 consumer warpgroup, head dims up to 128) takes one query block of
 `block_m` rows: S^T = K Q^T and dP^T = V dO^T (both operands in shared
 memory), dV += P^T dO and dK += dS^T Q (A from registers), dQ = dS K (both
-operands in shared memory; or, `dq_transposed`, dQ^T = K^T dS^T, as the
-80-row experiment had it), dS^T staged by stmatrix, the float32 dQ tile
+operands in shared memory: each consumer its share of the columns, or,
+`dq_by_turns`, one consumer the whole tile, the two taking steps in turn,
+as the kernel does at head dims 96 and 128 since 2c40d98; or,
+`dq_transposed`, dQ^T = K^T dS^T, as the 80-row experiment had it), dS^T
+staged by stmatrix, the float32 dQ tile
 stored and read back by the copy engine. This model counts, per step,
 the tensor cycles, the bytes the wgmma instructions read from shared
 memory, the other shared-memory traffic, and the accumulator registers a
 consumer thread needs, so that a decomposition can be judged before it
 is built (docs/perf-notes.md, "Head dim 128's backward: four schedules").
 
-What it was checked against (ncu, d128, 64 x 128, H200): 3042 LSU
+What it was checked against (ncu, d128, 64 x 128, dQ's columns split, H200): 3042 LSU
 shared wavefronts a step measured, 3072 modelled, counting the wgmma
 operand reads, the dQ tile's bulk read and the LSU's own loads and stores
 (an inference from the totals: ncu does not document which of the async
@@ -51,6 +54,7 @@ class BackwardStep:
     block_m: int
     block_n: int = 128
     dq_transposed: bool = False
+    dq_by_turns: bool = False
 
     @property
     def consumers(self) -> int:
@@ -75,7 +79,7 @@ class BackwardStep:
             dq = c * (n // 16) * (a_tile + b_tile(m))  # dQ^T: K^T columns as A, dS^T as B
         else:
             m_tiles = m // 64
-            cols = d * m_tiles // c
+            cols = d if self.dq_by_turns else d * m_tiles // c  # the columns one product covers
             dq = m_tiles * (d // cols) * (n // 16) * (a_tile + b_tile(cols))  # dQ: dS as A, K as B
         return {"S^T": scores, "dP^T": scores, "dV": accumulate, "dK": accumulate, "dQ": dq}
 
@@ -109,7 +113,8 @@ class BackwardStep:
 #: Decompositions measured or considered (docs/perf-notes.md).
 CANDIDATES = (
     ("d64, 128 rows (the table's)", BackwardStep(64, 128)),
-    ("d128, 64 rows (the table's)", BackwardStep(128, 64)),
+    ("d128, 64 rows, dQ's columns split (profiled)", BackwardStep(128, 64)),
+    ("d128, 64 rows, dQ by turns (the kernel's)", BackwardStep(128, 64, dq_by_turns=True)),
     ("d128, 80 rows, dQ^T (measured slower)", BackwardStep(128, 80, dq_transposed=True)),
     ("d128, 128 rows", BackwardStep(128, 128)),
 )
