@@ -301,7 +301,9 @@ def widest_swizzle_bytes(cols: int) -> int:
 def wgmma_backward_swizzles(tiling: "Tiling") -> tuple[int, int]:
     """Swizzle widths (bytes a panel row) of the Hopper backward's Q/dO and
     K/V tiles (``WgmmaBackwardTraits``' QTile, KvTile): narrowed until each
-    consumer's columns of dK and dV (Q, dO) and of dQ (K) start on a panel."""
+    consumer's columns of dK and dV (Q, dO) and the column blocks of dQ
+    that the consumers would split (K; ``kDqSplitCols``, kept where they
+    take dQ by turns instead) start on a panel."""
     d = tiling.head_dim_padded
     consumers = tiling.warps // 4 - 1
     acc_cols = d // consumers if backward_splits_head_dim(d) else d

@@ -105,6 +105,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     constexpr int kQTiles = Traits::kQTiles;
     constexpr int kDTiles = Traits::kDTiles;
     constexpr int kDqCols = Traits::kDqCols;
+    constexpr int kDqChunk = Traits::kDqChunk;
     constexpr int kAccCols = Traits::kAccCols;
     constexpr int kScoreCols = Traits::kScoreCols;
     constexpr bool kSplitHeadDim = Traits::kSplitHeadDim;
@@ -146,8 +147,8 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
             mbarrier_init(Traits::do_full(base, s), 1);
             mbarrier_init(Traits::q_empty(base, s), kConsumerThreads);
         }
-        // dQ full: the consumer(s) writing the step's tile.
-        mbarrier_init(dq_full, Traits::kDqByTurns ? 128 : kConsumerThreads);
+        // dQ full: the threads of the consumer(s) writing the step's tile.
+        mbarrier_init(dq_full, Traits::kDqByTurns ? kConsumerThreads / Traits::kConsumers : kConsumerThreads);
         mbarrier_init(dq_empty, 1);
         if constexpr (kClaimsDq) {
             mbarrier_init(base + Traits::kStoreJob, 1);
@@ -364,7 +365,7 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // consumer's 64 keys), Q and dO as their B (its queries), and, where the
     // head dim is split, P^T and dS^T as A of dV / dK. MN-major: dO and Q as
     // B of dV / dK (its columns), dS^T (this consumer's m64 tile of queries)
-    // and K (its column block of dQ) for dQ.
+    // and K (its column block of dQ, or by turns all of K) for dQ.
     const u32 key_rows = key_group * 64 * KvTile::kSwizzleBytes;
     const u32 query_rows = score_col0 * QTile::kSwizzleBytes;
     const u32 acc_panel = acc_col0 / QTile::kPanelCols * QTile::kPanelBytes;
@@ -404,11 +405,16 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
     // the hand-over waits until the next step's first products are issued,
     // so that the drain overlaps them; the dQ warp then still has most of
     // that step to take the tile before the next is written (H200, d128
-    // causal 2k: 2% faster; by turns without a mask, d128 2k-16k: 5%). The
-    // atomic mode with the dQ columns split measured 0.5-1% slower so (d128
-    // without a mask, 2k and 4k) and hands over at once, as the ordered mode
-    // must (each key block's turn waits for it) and the direct mode does.
-    constexpr bool kDqHandOverLate = kClaimsDq || (Traits::kDqByTurns && kDqMode == kDqAtomic);
+    // causal 2k: 2% faster; by turns without a mask, d128 2k-16k: 5-6%
+    // faster than by turns handing over at once). Before the turns, the
+    // atomic mode at d128 measured 0.5-1% slower so (without a mask, 2k and
+    // 4k), and where the consumers still split dQ (head dims 32, 64, 192,
+    // 256) it hands over at once, as the ordered mode must (each key
+    // block's turn waits for it) and the direct mode does (by turns, late
+    // measured the same there). A packed batch's claimed and direct
+    // variants (the launcher asks for neither) add as the atomic mode does,
+    // and hand over as it does.
+    constexpr bool kDqHandOverLate = kClaimsDq || (Traits::kDqByTurns && !kOrderedDq && !kDirectDq);
     const auto hand_over_dq_tile = [&]() {
         fence_async_shared();  // the dQ tile, written by ordinary stores, is read by the copy engine
         mbarrier_arrive(dq_full);
@@ -517,7 +523,6 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
         if (takes_dq(step)) {
             // In chunks of kDqChunk columns (WgmmaBackwardTraits), each scaled
             // into the dQ tile once the dQ warp has read the previous one.
-            constexpr int kDqChunk = Traits::kDqChunk;
 #pragma unroll
             for (int chunk = 0; chunk < kDqCols / kDqChunk; ++chunk) {
                 const int chunk_col0 = dq_col0 + chunk * kDqChunk;
@@ -537,6 +542,11 @@ flash_backward_dkdv_wgmma_kernel(const __grid_constant__ WgmmaBackwardParams par
                 pin_registers(dv_flat);
                 pin_registers(dk_flat);
                 if (chunk == 0) {
+                    // The previous step's tile read (the phase before this
+                    // step's). By turns the other consumer wrote it, and
+                    // waited for the one before, ahead of this step's named
+                    // barrier: so the barrier is past that phase, and this
+                    // parity cannot match an older one.
                     mbarrier_wait(dq_empty, (step & 1) ^ 1);
                 }
                 if constexpr (kDirectDq) {

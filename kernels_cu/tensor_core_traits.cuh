@@ -334,7 +334,8 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     // where two m64n64 read 8), and the consumer without dQ starts the next
     // step's S^T and dP^T while the other's dQ is in the tensor cores, so
     // that the two no longer run each phase of a step in lockstep (H200,
-    // bf16: d128 without a mask 2k-16k 3-4% faster, causal 2%, d96 11%).
+    // bf16: d128 2k-16k 3-4.5% faster without a mask, 2-3% causal, d96
+    // 6-11%).
     static constexpr bool kDqByTurns = !kSplitHeadDim && kDqMTiles == 1 && kConsumers == 2;
     static constexpr int kDqSplitCols = kHeadDim * kDqMTiles / kConsumers;  // a consumer's share, split
     static constexpr int kDqCols = kDqByTurns ? kHeadDim : kDqSplitCols;  // dQ columns a consumer computes
@@ -396,6 +397,7 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     static_assert(kConsumers % kDqMTiles == 0 && kDqSplitCols * (kConsumers / kDqMTiles) == kHeadDim &&
                       kDqCols % 16 == 0 && kDqCols <= 128,
                   "dQ splits into whole m64 tiles and column blocks (widths of the Wgmma table) per consumer");
+    static_assert(kDqCols % kDqChunk == 0 && kDqChunk % KvTile::kPanelCols == 0, "dQ in chunks of whole K panels");
     static_assert(kBlockM <= 256 && kBlockN <= 256, "a tensor-memory box is at most 256 rows");
     static_assert(kAccCols + kScoreCols <= 192, "dK, dV, S^T and dP^T accumulators beyond this would spill");
     static_assert(kProductDim % 16 == 0 && kProductDim <= kHeadDim && (kProductDim == kHeadDim || !kSplitHeadDim),
