@@ -46,6 +46,14 @@ def test_a_worker_runs_this_file_with_the_mode_its_points_and_patches():
                            "--pass", "fwd", "--pass", "bwd", "--patch", "new:cuflash.x.y=1"]
 
 
+def test_the_deterministic_backward_is_a_pass_of_its_own():
+    command = ab.worker_command("new", ["128:none:4096"], ["bwd-deterministic"], "bfloat16", [])
+    assert command[-2:] == ["--pass", "bwd-deterministic"]
+    assert [ab.timed_backend(name) for name in ab.PASSES] == ["cuflash", "cuflash", "cuflash-deterministic"]
+    with pytest.raises(SystemExit):
+        ab.main(["--points", "128:none:4096", "--pass", "bwd-ordered", "--mode", "a=.", "--mode", "b=."])
+
+
 def test_the_summary_takes_each_modes_best_round_and_compares_last_with_first():
     rows = [
         {"mode": "old", "point": "d128 full 4096", "pass": "fwd", "cuflash": 0.70, "cudnn": 0.81},

@@ -19,7 +19,8 @@ grid's shapes (16384 tokens, hidden 2048: batch 16384 // seqlen, heads
 2048 // head_dim, as tools/bench.py's head-dim sweep), timed as
 tools/bench.py times them (CUDA events, the stream held, medians; the
 backward is ``cuflash.attention_backward`` against SDPA's autograd
-backward). Prints one line per point: each mode's ms and ratio to cuDNN,
+backward; ``--pass bwd-deterministic`` its deterministic mode, against the
+same cuDNN backward). Prints one line per point: each mode's ms and ratio to cuDNN,
 and the last mode's change against the first.
 """
 
@@ -34,7 +35,9 @@ from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
 MASKS = ("none", "causal")
-PASSES = ("fwd", "bwd")
+#: Passes a point can be timed in: the forward, the backward, and the
+#: backward's deterministic (ordered dQ) mode.
+PASSES = ("fwd", "bwd", "bwd-deterministic")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,13 @@ def worker_command(mode: str, points: list[str], passes: list[str], dtype: str, 
     for patch in patches:
         command += ["--patch", patch]
     return command
+
+
+def timed_backend(pass_name: str) -> str:
+    """The key of cuflash's time in ``tools/bench.py``'s timings of a pass
+    (the deterministic backward's beside the default one's; cuDNN's
+    backward, which has no such mode, stays the reference)."""
+    return "cuflash-deterministic" if pass_name == "bwd-deterministic" else "cuflash"
 
 
 def best_of(rows: list[dict]) -> dict[tuple[str, str, str], dict]:
@@ -167,9 +177,11 @@ def run_worker(mode: str, points: list[Point], passes: list[str], dtype: str, pa
             if pass_name == "fwd":
                 timings, _ = measure_point(q, k, v, sdpa_inputs, point.causal, {}, 10, 15)
             else:
-                timings = measure_backward(q, k, v, sdpa_inputs, point.causal, 10, 15)
-            print(json.dumps({"mode": mode, "point": point.name, "pass": pass_name, "cuflash": timings["cuflash"],
-                              "cudnn": timings.get("cudnn")}), flush=True)
+                deterministic = pass_name == "bwd-deterministic"
+                timings = measure_backward(q, k, v, sdpa_inputs, point.causal, 10, 15, deterministic=deterministic)
+            print(json.dumps({"mode": mode, "point": point.name, "pass": pass_name,
+                              "cuflash": timings[timed_backend(pass_name)], "cudnn": timings.get("cudnn")}),
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
