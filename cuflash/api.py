@@ -1739,9 +1739,10 @@ def stores_dq_directly(problem: AttentionProblem, layouts: dict, tiling: Tiling,
     if not runs_direct_dq(tiling.kernel, problem.mask, problem.layout, problem.seqlen_q, problem.seqlen_k,
                           tiling.block_n, dq_aligned):
         return False
-    mapped = ("dq", "out") if wgmma_direct_computes_delta(tiling) else ("dq",)
-    if "out" in mapped and not out_aligned:
+    maps_out = wgmma_direct_computes_delta(tiling)
+    if maps_out and not out_aligned:
         return False
+    mapped = ("dq", "out") if maps_out else ("dq",)
     return all(takes_layout(layouts[name].shape, layouts[name].strides) for name in mapped)
 
 

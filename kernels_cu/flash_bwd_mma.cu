@@ -260,8 +260,8 @@ flash_backward_dkdv_mma_kernel(const BackwardParams params) {
         }
 
         // dQ_i (this warp's rows and columns) = dS K, in chunks of kDqChunk
-        // columns (dq_chunk_columns: chunked in both dQ modes here).
-        constexpr int kDqChunk = dq_chunk_columns(/*chunked=*/true, kAccCols, kDqCols);
+        // columns (dq_chunk_columns, in both dQ modes).
+        constexpr int kDqChunk = dq_chunk_columns(kAccCols, kDqCols);
         static_assert(kDqCols % kDqChunk == 0 && kDqChunk % 16 == 0, "chunks of whole n8 pairs");
         float* dq_rows = params.dq_accum_row(block.tensor_batch, head, block.q_row0 + m_start, ctx.head_dim);
         const index_t dq_row_stride = params.size.nheads * ctx.head_dim;

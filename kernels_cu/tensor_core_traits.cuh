@@ -13,13 +13,14 @@
 namespace cuflash {
 
 // Columns of dQ a warp (warpgroup) computes at once, of its dq_cols: all of
-// them, or, where `chunked`, 64 at a time once dK and dV (acc_cols columns
-// each: acc_cols registers together) and dQ pass 192 registers per thread
-// counted as dK + dV + 2 dQ. Both tensor-core kernels chunk all their
-// variants (the mma.sync kernel's atomic d256 ones spilled unchunked on
-// sm_90; the Hopper kernel's d256 writes each chunk into its dQ tile).
-__host__ __device__ constexpr int dq_chunk_columns(bool chunked, int acc_cols, int dq_cols) {
-    return chunked && acc_cols + dq_cols > 192 ? 64 : dq_cols;
+// them, or 64 at a time once dK and dV (acc_cols columns each: acc_cols
+// registers together) and dQ pass 192 registers per thread counted as
+// dK + dV + 2 dQ. Both tensor-core kernels chunk all their variants so (the
+// mma.sync kernel's atomic d256 ones spilled unchunked on sm_90; the Hopper
+// kernel's d256 writes each chunk into its dQ tile), but for the Hopper
+// kernel's dQ by turns (WgmmaBackwardTraits::kDqChunk).
+__host__ __device__ constexpr int dq_chunk_columns(int acc_cols, int dq_cols) {
+    return acc_cols + dq_cols > 192 ? 64 : dq_cols;
 }
 
 // What the two tensor-core forwards share: tile sizes, threads, and the
@@ -342,7 +343,7 @@ struct WgmmaBackwardTraits : TensorCoreBackwardShape<Element_, kHeadDim_, kBlock
     // ... at once: by turns all of them (dQ's kHeadDim / 2 accumulators beside
     // dK's and dV's, once P^T's and dS^T's fragments are dead: no more than
     // S^T and dP^T take beside them), else dq_chunk_columns'.
-    static constexpr int kDqChunk = kDqByTurns ? kDqCols : dq_chunk_columns(true, kAccCols, kDqCols);
+    static constexpr int kDqChunk = kDqByTurns ? kDqCols : dq_chunk_columns(kAccCols, kDqCols);
 
     // K, V: rows are keys; K's column blocks of dQ start on panels.
     using KvTile = SwizzledTile<kBlockN, kHeadDim, widest_swizzle_bytes(kDqSplitCols)>;
