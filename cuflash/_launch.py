@@ -204,6 +204,9 @@ class PlanCache:
         self.max_entries = max_entries
         self._entries: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        #: Entries looked up by a shorter key that fixes a full one
+        #: (``cuflash.api.forward_plain``); emptied with the cache.
+        self.shortcuts: dict = {}
 
     def get(self, key):
         entry = self._entries.get(key)
@@ -224,6 +227,7 @@ class PlanCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.shortcuts.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -268,6 +268,10 @@ class Variants:
         return {"dropout_seed": seed, "dropout_offset": offset}
 
 
+#: The variants' values of a call without any (``Variants()``).
+_PLAIN_VARIANT_VALUES = Variants().values()
+
+
 def _mod_array_values(mod_arrays) -> list:
     """A call's ``mod_arrays`` as its arrays, in order (checked: a dict of at
     most ``mods.MAX_ARRAYS``)."""
@@ -601,6 +605,29 @@ _PLAIN_BACKWARD_REST = tuple(0 if name == "dropout_offset" else None for name in
 _MAX_FOLLOWERS = 16
 
 
+def followed_backward(forward, dout, q, k, v, out, lse, deterministic) -> tuple | None:
+    """``(dq, dk, dv)`` from the backward call remembered on the cached
+    forward call ``forward`` for dout's signature part, alignment and
+    ``deterministic`` (``backward_following`` remembers them), reading only
+    dout's signature and the six pointers; None where none is remembered,
+    dout is no fast-lane array or the current device is not the plan's.
+    Same arrays and conditions as ``backward_following``."""
+    try:
+        part, pointer = _interop.SIGNATURES[dout.__class__](dout)
+        follower = forward.followers.get((part, not pointer & 15, deterministic))
+    except Exception:  # not a fast-lane array, or no forward call: the caller's path explains
+        return None
+    if follower is None or follower.current_device() != follower.plan.device:
+        return None
+    arrays = [dout, q, k, v, out, lse, *_PLAIN_BACKWARD_REST]
+    read = _interop.POINTERS  # each array's class: a call may mix fast-lane frameworks
+    pointers = [pointer, read[q.__class__](q), read[k.__class__](k), read[v.__class__](v), read[out.__class__](out),
+                read[lse.__class__](lse), *_PLAIN_BACKWARD_REST]
+    # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
+    follower.run(arrays, pointers)
+    return arrays[6], arrays[7], arrays[8]
+
+
 def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scale, window_size, softcap,
                        deterministic, heads_first) -> tuple:
     """``attention_backward(dout, q, k, v, out, lse, ...)`` (returns ``(dq,
@@ -612,32 +639,69 @@ def backward_following(forward, dout, q, k, v, out, lse, *, causal, softmax_scal
     dout's signature part, alignment and ``deterministic``: the first such
     backward takes ``attention_backward``'s path and is remembered on the
     forward's call; later ones read only dout's signature and the six
-    pointers (signatures of q, k, v, out and lse cost 3-4 us each inside a
-    training step). ``forward`` None: ``attention_backward``'s path."""
-    part = None
+    pointers (``followed_backward``; signatures of q, k, v, out and lse
+    cost 3-4 us each inside a training step). ``forward`` None:
+    ``attention_backward``'s path."""
     if forward is not None:
-        try:
-            part, pointer = _interop.SIGNATURES[dout.__class__](dout)
-        except Exception:  # not a fast-lane array: attention_backward explains
-            pass
-        if part is not None:
-            follower_key = (part, not pointer & 15, deterministic)
-            follower = forward.followers.get(follower_key)
-            if follower is not None and follower.current_device() == follower.plan.device:
-                arrays = [dout, q, k, v, out, lse, *_PLAIN_BACKWARD_REST]
-                read = _interop.POINTERS  # each array's class: a call may mix fast-lane frameworks
-                pointers = [pointer, read[q.__class__](q), read[k.__class__](k), read[v.__class__](v),
-                            read[out.__class__](out), read[lse.__class__](lse), *_PLAIN_BACKWARD_REST]
-                # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
-                follower.run(arrays, pointers)
-                return arrays[6], arrays[7], arrays[8]
+        gradients = followed_backward(forward, dout, q, k, v, out, lse, deterministic)
+        if gradients is not None:
+            return gradients
     arrays, follower = _backward(dout, q, k, v, out, lse, causal, softmax_scale, window_size, softcap, None, 0.0,
                                  None, 0, None, None, None, deterministic, None, None, None, heads_first)
-    if part is not None and follower is not None:
+    if forward is not None and follower is not None:
+        try:
+            part, pointer = _interop.SIGNATURES[dout.__class__](dout)
+        except Exception:  # not a fast-lane array (then no call is cached either)
+            return arrays[6], arrays[7], arrays[8]
         if len(forward.followers) >= _MAX_FOLLOWERS:
             forward.followers.clear()
-        forward.followers[follower_key] = follower
+        forward.followers[(part, not pointer & 15, deterministic)] = follower
     return arrays[6], arrays[7], arrays[8]
+
+
+#: A forward's arrays beyond q, k, v, out and lse without ALiBi slopes,
+#: dropout or mod arrays (dropout's offset is the int 0).
+_PLAIN_FORWARD_REST = tuple(0 if name == "dropout_offset" else None for name in FORWARD_ARRAYS[5:])
+#: The most short keys ``forward_plain`` keeps (``plans.shortcuts``).
+_MAX_PLAIN_FORWARDS = 64
+
+
+def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -> tuple:
+    """``_attention(q, k, v, ...)`` without variants, ``out`` or ``lse`` given,
+    returning the log-sum-exp (the differentiable route's forward):
+    ``(out, lse, call)``, ``call`` as ``_attention``'s. With no variants and
+    no out or lse, the signature parts of q, k and v, their alignment and
+    the flags fix the rest of ``_attention``'s plan-cache key, so the cached
+    call remembered under that short key is the one ``_attention`` would
+    find; a call that has one reads only three signatures (a training
+    step's forward spends its host time on the rest of ``_attention``'s
+    key otherwise). The short keys live beside the plans they stand for
+    (``plans.shortcuts``), and go with them."""
+    shortcuts = plans.shortcuts
+    try:
+        read = _interop.SIGNATURES
+        q_part, q_pointer = read[q.__class__](q)
+        k_part, k_pointer = read[k.__class__](k)
+        v_part, v_pointer = read[v.__class__](v)
+        key = (q_part, k_part, v_part, not (q_pointer | k_pointer | v_pointer) & 15, causal.__class__, causal,
+               softmax_scale.__class__, softmax_scale, fp32_precision.__class__, fp32_precision,
+               heads_first.__class__, heads_first)
+        call = shortcuts.get(key)
+    except Exception:  # not a fast-lane array, or an unhashable flag: _attention explains
+        key = call = None
+    if call is not None and call.current_device() == call.plan.device:
+        arrays = [q, k, v, None, None, *_PLAIN_FORWARD_REST]
+        # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
+        pointers = [q_pointer, k_pointer, v_pointer, 0, 0, *_PLAIN_FORWARD_REST]
+        call.run(arrays, pointers)
+        return arrays[3], arrays[4], call
+    arrays, call = _attention(q, k, v, causal, softmax_scale, *_PLAIN_VARIANT_VALUES, True, None, None, fp32_precision,
+                              None, heads_first)
+    if key is not None and call is not None:
+        if len(shortcuts) >= _MAX_PLAIN_FORWARDS:
+            shortcuts.clear()
+        shortcuts[key] = call
+    return arrays[3], arrays[4], call
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -115,9 +115,12 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first):
-        arrays, call = api._attention(q, k, v, causal, softmax_scale, *_variant_values(variants), True, None, None,
-                                      fp32_precision, None, heads_first)
-        out, lse = arrays[3], arrays[4]
+        if variants is _NO_VARIANTS:
+            out, lse, call = api.forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first)
+        else:
+            arrays, call = api._attention(q, k, v, causal, softmax_scale, *variants.values(), True, None, None,
+                                          fp32_precision, None, heads_first)
+            out, lse = arrays[3], arrays[4]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
         ctx.variants, ctx.heads_first = variants, heads_first
@@ -158,16 +161,20 @@ def _attention_backward(ctx, dout):
     # The gradients are made like q, k and v (dense, their dimensions in the
     # same order): autograd takes them as the leaves' gradients without a copy.
     q, k, v, out, lse = ctx.saved_tensors
-    dout = _contiguous_gradient(dout)
     forward = ctx.saved_forward
     if forward is not None and forward.holds(q, k, v, out, lse):
+        # A remembered backward serves only a dout of a signature made
+        # contiguous before (strides are part of it): it needs no check here.
+        gradients = api.followed_backward(forward.call, dout, q, k, v, out, lse, ctx.deterministic)
+        if gradients is not None:
+            return (*gradients, None, None, None, None, None, None)
         variants = ctx.variants
-        dq, dk, dv = api.backward_following(forward.call, dout, q, k, v, out, lse, causal=ctx.causal,
-                                            softmax_scale=ctx.softmax_scale, window_size=variants.window_size,
-                                            softcap=variants.softcap, deterministic=ctx.deterministic,
-                                            heads_first=ctx.heads_first)
+        dq, dk, dv = api.backward_following(forward.call, _contiguous_gradient(dout), q, k, v, out, lse,
+                                            causal=ctx.causal, softmax_scale=ctx.softmax_scale,
+                                            window_size=variants.window_size, softcap=variants.softcap,
+                                            deterministic=ctx.deterministic, heads_first=ctx.heads_first)
     else:
-        dq, dk, dv = api.attention_backward(dout, q, k, v, out, lse, causal=ctx.causal,
+        dq, dk, dv = api.attention_backward(_contiguous_gradient(dout), q, k, v, out, lse, causal=ctx.causal,
                                             softmax_scale=ctx.softmax_scale, **_variant_kwargs(ctx.variants),
                                             deterministic=ctx.deterministic, heads_first=ctx.heads_first)
     return dq, dk, dv, None, None, None, None, None, None
@@ -216,11 +223,6 @@ def _variant_kwargs(variants: api.Variants) -> dict:
     return _keyword_arguments(variants)
 
 
-def _variant_values(variants: api.Variants) -> tuple:
-    """``variants.values()``, made once for the common call without variants."""
-    return _NO_VARIANT_VALUES if variants is _NO_VARIANTS else variants.values()
-
-
 def _keyword_arguments(variants: api.Variants) -> dict:
     kwargs = dict(window_size=variants.window_size, softcap=variants.softcap, alibi_slopes=variants.alibi_slopes,
                   dropout_p=variants.dropout_p, dropout_seed=variants.dropout_seed,
@@ -234,7 +236,20 @@ def _keyword_arguments(variants: api.Variants) -> dict:
 #: No window, soft cap, ALiBi or dropout; and as keyword arguments, made once.
 _NO_VARIANTS = api.Variants()
 _NO_VARIANT_KWARGS = _keyword_arguments(_NO_VARIANTS)
-_NO_VARIANT_VALUES = _NO_VARIANTS.values()
+
+
+def _variants(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
+              dropout_offset=0, score_mod=None, mod_arrays=None, mask_mod=None) -> api.Variants:
+    """``api.Variants`` of a call's options: ``_NO_VARIANTS`` itself where
+    each is its default, of its default's class (the differentiable
+    route's forward then reads only three signatures: api.forward_plain)."""
+    if (window_size.__class__ is tuple and window_size == (-1, -1) and softcap.__class__ is float and softcap == 0.0
+            and dropout_p.__class__ is float and dropout_p == 0.0 and dropout_offset.__class__ is int
+            and dropout_offset == 0 and alibi_slopes is None and dropout_seed is None and score_mod is None
+            and mod_arrays is None and mask_mod is None):
+        return _NO_VARIANTS
+    return api.Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, score_mod,
+                        mod_arrays, mask_mod)
 
 
 def dropout_seed_and_offset(device, generator: torch.Generator | None = None) -> tuple[int, int]:
@@ -336,8 +351,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     head_dim); gradients flow to q, k and v through cuflash's backward.
     """
     return _forward(q, k, v, causal, softmax_scale, deterministic, fp32_precision=fp32_precision,
-                    variants=api.Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                                          dropout_offset, score_mod, mod_arrays, mask_mod), generator=generator)
+                    variants=_variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset,
+                                       score_mod, mod_arrays, mask_mod), generator=generator)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -374,7 +389,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             "corner, cuflash to the bottom-right; use cuflash.torch.attention(causal=True) for the latter"
         )
     precision = _float32_precision_of_torch() if query.dtype == torch.float32 else "ieee"
-    variants = _NO_VARIANTS if dropout_p.__class__ is float and dropout_p == 0.0 else api.Variants(dropout_p=dropout_p)
+    variants = _variants(dropout_p=dropout_p)
     return _forward(query, key, value, is_causal, scale, fp32_precision=precision, variants=variants,
                     heads_first=True)
 
@@ -392,7 +407,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (``NotImplementedError``): ``return_attn_probs``."""
     _refuse_unsupported("flash_attn_func", return_attn_probs)
     return _forward(q, k, v, causal, softmax_scale, deterministic,
-                    variants=api.Variants(window_size, softcap, alibi_slopes, dropout_p))
+                    variants=_variants(window_size, softcap, alibi_slopes, dropout_p))
 
 
 def _refuse_unsupported(function: str, return_attn_probs, block_table=None) -> None:

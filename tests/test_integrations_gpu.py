@@ -594,7 +594,9 @@ def test_torch_backward_follows_its_forwards_cached_call(monkeypatch, window_siz
     """A training loop's backward runs the plan remembered on its forward's
     cached call (api.backward_following): after the first backward of each
     dout layout, no backward reads the signatures of q, k, v, out and lse
-    (api._backward, the signature path, is not called), and every step's
+    (api._backward, the signature path, is not called); without variants,
+    no forward after the first cached one takes _attention's signature path
+    (api.forward_plain); and every step's
     output and gradients are bitwise those of cuflash.attention /
     attention_backward on the same tensors (deterministic dQ), for two
     dout layouts, with GQA, a window and a soft cap. Under saved-tensor
@@ -613,20 +615,34 @@ def test_torch_backward_follows_its_forwards_cached_call(monkeypatch, window_siz
         return backward(*args)
 
     monkeypatch.setattr(api, "_backward", counted)
+    forward_signature_path = []
+    forward = api._attention
+
+    def counted_forward(*args):
+        forward_signature_path.append(args)
+        return forward(*args)
+
+    monkeypatch.setattr(api, "_attention", counted_forward)
     q, k, v = (x.transpose(1, 2).contiguous() for x in _qkv(torch, (2, 130, 8, 64), (2, 150, 2, 64),
                                                               torch.bfloat16, seed=21))
-    variants = api.Variants(window_size=window_size, softcap=softcap)
+    variants = ct._variants(window_size, softcap)
+    plain = variants is ct._NO_VARIANTS
     gen = torch.Generator(device="cuda").manual_seed(22)
 
-    def step(dout_seqlen_first: bool):
+    def step(index: int, dout_seqlen_first: bool):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]  # new tensors every step, as in training
         dout = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=gen)
         if dout_seqlen_first:  # SDPA's shape, cuflash's memory order
             dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        forwards_before = len(forward_signature_path)
         out = ct._forward(*leaves, True, None, True, variants=variants, heads_first=True)
         before = len(signature_path)
         out.backward(dout)
         took_signature_path = len(signature_path) > before
+        # Without variants, a forward after the first cached one reads only
+        # q's, k's and v's signatures (api.forward_plain).
+        forward_took_signature_path = len(forward_signature_path) > forwards_before
+        assert forward_took_signature_path == (not plain or index < 2)
         want_out, want_lse = cuflash.attention(*leaves, causal=True, window_size=window_size, softcap=softcap,
                                                return_lse=True, heads_first=True)
         want = cuflash.attention_backward(dout, *leaves, want_out, want_lse, causal=True, window_size=window_size,
@@ -640,9 +656,9 @@ def test_torch_backward_follows_its_forwards_cached_call(monkeypatch, window_siz
     # layout is new (its backward planned, not cached yet: nothing to
     # remember); steps 2 and 3 are each layout's first cached backward
     # after a cached forward, remembered; the steps after follow.
-    assert [step(i % 2 == 1) for i in range(7)] == [True] * 4 + [False] * 3
+    assert [step(i, i % 2 == 1) for i in range(7)] == [True] * 4 + [False] * 3
     with torch.autograd.graph.save_on_cpu():
-        assert step(False)
+        assert step(7, False)
 
 
 def test_torch_wrappers_reject_cpu_tensors_in_one_line():

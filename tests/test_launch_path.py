@@ -489,6 +489,62 @@ def test_backward_following_runs_the_remembered_call_on_six_pointers(monkeypatch
     assert len(forward.followers) <= api._MAX_FOLLOWERS
 
 
+def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
+    """A forward without variants (the differentiable route's) that ran
+    from a cached call is remembered under q's, k's and v's signature parts,
+    their alignment and the flags (their classes too): the next such call
+    runs it on three pointers without _attention; other flags, a misaligned
+    q, another current device, a cleared plan cache or a call that did not
+    run from a cached call take _attention's path; at most 64 are kept."""
+    from cuflash._launch import PlanCache
+
+    monkeypatch.setitem(_interop.SIGNATURES, _LaneArray, lambda x: (x.layout, x.pointer))
+    monkeypatch.setattr(api, "plans", PlanCache())
+    device = {"current": 0}
+    signature_path = []
+
+    def cached_call():
+        outputs = tuple((index, lambda index=index: (f"out{index}", 0x1000 * index)) for index in (3, 4))
+        live = (0, 1, 2, 3, 4, api.FORWARD_ARRAYS.index("dropout_offset"))
+        return api.CachedCall(_RecordedPlan(), outputs, None, live, lambda: 99, lambda: device["current"])
+
+    def attention(*args):
+        signature_path.append(args)
+        call = cached_call() if len(signature_path) > 1 else None  # the first call plans: no cached call
+        arrays = [*args[:3], None, None, *api._PLAIN_FORWARD_REST]
+        (call or cached_call()).run(arrays, [0] * len(arrays))
+        return arrays, call
+
+    monkeypatch.setattr(api, "_attention", attention)
+    q, k, v = (_LaneArray(0x100 * i) for i in range(1, 4))
+
+    def forward(q=q, causal=True, scale=None, precision="ieee", heads_first=True):
+        return api.forward_plain(q, k, v, causal, scale, precision, heads_first)
+
+    assert forward()[:2] == ("out3", "out4") and forward()[2] is not None and len(signature_path) == 2
+    assert signature_path[0][3:] == (True, None, *api.Variants().values(), True, None, None, "ieee", None, True)
+    out, lse, call = forward(q=_LaneArray(0x400))
+    assert (out, lse) == ("out3", "out4") and len(signature_path) == 2
+    assert call.plan.launches[-1] == ([0x400, 0x200, 0x300, 0x3000, 0x4000, 0], 99)
+    for other in (dict(causal=False), dict(causal=1), dict(scale=0.5), dict(precision="3xtf32"),
+                  dict(heads_first=False), dict(q=_LaneArray(0x408)), dict(q=_LaneArray(0x400, "strided"))):
+        before = len(signature_path)
+        forward(**other)
+        assert len(signature_path) == before + 1, other
+    device["current"] = 1
+    forward()
+    assert len(signature_path) == 10
+    device["current"] = 0
+    api.plans.clear()
+    forward()
+    assert len(signature_path) == 11
+    for i in range(api._MAX_PLAIN_FORWARDS + 1):
+        forward(q=_LaneArray(0x400, layout=i))
+    assert len(api.plans.shortcuts) <= api._MAX_PLAIN_FORWARDS
+    assert api.forward_plain(q, k, v, True, [], "ieee", True)[0] == "out3"  # an unhashable flag: _attention's path
+    assert len(signature_path) == 11 + api._MAX_PLAIN_FORWARDS + 2
+
+
 # --- on the GPU ---
 
 def _cupy():

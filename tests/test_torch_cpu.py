@@ -116,9 +116,16 @@ def stand_in_kernels(monkeypatch):
         seen.append(("following", heads_first))
         return gradients(dout, q, k, v, causal, softmax_scale, heads_first)
 
+    def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first):
+        arrays, call = attention(q, k, v, causal, softmax_scale, *cuflash.api.Variants().values(), True, None, None,
+                                 fp32_precision, None, heads_first)
+        return arrays[3], arrays[4], call
+
     monkeypatch.setattr(cuflash.api, "_attention", attention)
+    monkeypatch.setattr(cuflash.api, "forward_plain", forward_plain)
     monkeypatch.setattr(cuflash.api, "attention_backward", attention_backward)
     monkeypatch.setattr(cuflash.api, "backward_following", backward_following)
+    monkeypatch.setattr(cuflash.api, "followed_backward", lambda *args: None)  # nothing remembered: following runs
     return seen
 
 
