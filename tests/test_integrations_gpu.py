@@ -607,22 +607,19 @@ def test_torch_backward_follows_its_forwards_cached_call(monkeypatch, window_siz
     from cuflash._launch import PlanCache
 
     monkeypatch.setattr(api, "plans", PlanCache())
-    signature_path = []
-    backward = api._backward
 
-    def counted(*args):
-        signature_path.append(args)
-        return backward(*args)
+    def counted(name: str) -> list:
+        """The argument tuples of each call of api.``name`` from now on."""
+        calls, function = [], getattr(api, name)
 
-    monkeypatch.setattr(api, "_backward", counted)
-    forward_signature_path = []
-    forward = api._attention
+        def counting(*args):
+            calls.append(args)
+            return function(*args)
 
-    def counted_forward(*args):
-        forward_signature_path.append(args)
-        return forward(*args)
+        monkeypatch.setattr(api, name, counting)
+        return calls
 
-    monkeypatch.setattr(api, "_attention", counted_forward)
+    signature_path, forward_signature_path = counted("_backward"), counted("_attention")
     q, k, v = (x.transpose(1, 2).contiguous() for x in _qkv(torch, (2, 130, 8, 64), (2, 150, 2, 64),
                                                               torch.bfloat16, seed=21))
     variants = ct._variants(window_size, softcap)
