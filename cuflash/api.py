@@ -184,6 +184,8 @@ class CachedCall:
     #: A forward's backward calls (``backward_following``), by dout's
     #: signature part, its pointer's 16-byte alignment and ``deterministic``.
     followers: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    #: The plan-cache key it is kept under (``forward_plain`` checks that it still is).
+    key: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def run(self, arrays: list, pointers: list) -> None:
         for index, allocate in self.allocations:
@@ -676,7 +678,9 @@ def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -
     find; a call that has one reads only three signatures (a training
     step's forward spends its host time on the rest of ``_attention``'s
     key otherwise). The short keys live beside the plans they stand for
-    (``plans.shortcuts``), and go with them."""
+    (``plans.shortcuts``) and go with them; a call is served only while it
+    is still the plan cache's entry, which each call keeps recent (so the
+    cache's bound and a ``plans.clear()`` hold for it too)."""
     shortcuts = plans.shortcuts
     try:
         read = _interop.SIGNATURES
@@ -689,7 +693,7 @@ def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -
         call = shortcuts.get(key)
     except Exception:  # not a fast-lane array, or an unhashable flag: _attention explains
         key = call = None
-    if call is not None and call.current_device() == call.plan.device:
+    if call is not None and call.current_device() == call.plan.device and plans.refresh(call.key, call):
         arrays = [q, k, v, None, None, *_PLAIN_FORWARD_REST]
         # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
         pointers = [q_pointer, k_pointer, v_pointer, 0, 0, *_PLAIN_FORWARD_REST]
@@ -1118,7 +1122,7 @@ def _run_planned(signature, bridge, plan: LaunchPlan, names: tuple[str, ...], vi
         # pointer the first call wrote; the rest are written each call.
         live = tuple(i for i, part in enumerate(key[1]) if part is not None or i in written)  # key[1]: the arrays' parts
         plans.put(key, CachedCall(plan, allocations, work_slots, live, lane.stream(bridge.device_id),
-                                  _interop.current_device_getter()))
+                                  _interop.current_device_getter(), key=key))
     return [natives.get(name) for name in names]
 
 

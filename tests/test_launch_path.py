@@ -402,6 +402,14 @@ def test_plan_cache_is_bounded_and_least_recently_used_goes_first():
     cache.put("d", "D")
     assert cache.get("b") is None and [cache.get(k) for k in "acd"] == ["A", "C", "D"]
     assert len(cache) == 3
+    # refresh: only the entry kept under the key, which becomes the most recent (as get makes it)
+    a, c = cache.get("a"), cache.get("c")  # c is now the most recent
+    assert cache.refresh("a", a) and not cache.refresh("a", "other") and not cache.refresh("b", "B")
+    cache.put("e", "E")
+    assert cache.get("d") is None and cache.get("a") is a
+    cache.shortcuts["short"] = c
+    cache.clear()
+    assert len(cache) == 0 and not cache.shortcuts and not cache.refresh("a", a)
     with pytest.raises(ValueError, match="at least 1"):
         PlanCache(0)
 
@@ -489,13 +497,25 @@ def test_backward_following_runs_the_remembered_call_on_six_pointers(monkeypatch
     assert len(forward.followers) <= api._MAX_FOLLOWERS
 
 
+def _plain_forward_call(device, key):
+    """A forward's cached call stand-in (kept in ``api.plans`` under
+    ``key``) that allocates out and lse and records its launches."""
+    outputs = tuple((index, lambda index=index: (f"out{index}", 0x1000 * index)) for index in (3, 4))
+    live = (0, 1, 2, 3, 4, api.FORWARD_ARRAYS.index("dropout_offset"))
+    call = api.CachedCall(_RecordedPlan(), outputs, None, live, lambda: 99, lambda: device["current"], key=key)
+    api.plans.put(key, call)
+    return call
+
+
 def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
     """A forward without variants (the differentiable route's) that ran
     from a cached call is remembered under q's, k's and v's signature parts,
     their alignment and the flags (their classes too): the next such call
-    runs it on three pointers without _attention; other flags, a misaligned
-    q, another current device, a cleared plan cache or a call that did not
-    run from a cached call take _attention's path; at most 64 are kept."""
+    runs it on three pointers without _attention, and keeps it recent in the
+    plan cache; other parts, a misaligned q, k or v, other flags or flag
+    classes, another current device, a cleared plan cache, a call evicted
+    from it or a call that did not run from a cached call take _attention's
+    path; at most 64 are kept."""
     from cuflash._launch import PlanCache
 
     monkeypatch.setitem(_interop.SIGNATURES, _LaneArray, lambda x: (x.layout, x.pointer))
@@ -503,22 +523,18 @@ def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
     device = {"current": 0}
     signature_path = []
 
-    def cached_call():
-        outputs = tuple((index, lambda index=index: (f"out{index}", 0x1000 * index)) for index in (3, 4))
-        live = (0, 1, 2, 3, 4, api.FORWARD_ARRAYS.index("dropout_offset"))
-        return api.CachedCall(_RecordedPlan(), outputs, None, live, lambda: 99, lambda: device["current"])
-
     def attention(*args):
         signature_path.append(args)
-        call = cached_call() if len(signature_path) > 1 else None  # the first call plans: no cached call
+        # The first call plans (no cached call); the others are cached, each under a key of its own.
+        call = _plain_forward_call(device, len(signature_path)) if len(signature_path) > 1 else None
         arrays = [*args[:3], None, None, *api._PLAIN_FORWARD_REST]
-        (call or cached_call()).run(arrays, [0] * len(arrays))
+        (call or _plain_forward_call(device, "planned")).run(arrays, [0] * len(arrays))
         return arrays, call
 
     monkeypatch.setattr(api, "_attention", attention)
     q, k, v = (_LaneArray(0x100 * i) for i in range(1, 4))
 
-    def forward(q=q, causal=True, scale=None, precision="ieee", heads_first=True):
+    def forward(q=q, k=k, v=v, causal=True, scale=None, precision="ieee", heads_first=True):
         return api.forward_plain(q, k, v, causal, scale, precision, heads_first)
 
     assert forward()[:2] == ("out3", "out4") and forward()[2] is not None and len(signature_path) == 2
@@ -526,23 +542,88 @@ def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
     out, lse, call = forward(q=_LaneArray(0x400))
     assert (out, lse) == ("out3", "out4") and len(signature_path) == 2
     assert call.plan.launches[-1] == ([0x400, 0x200, 0x300, 0x3000, 0x4000, 0], 99)
-    for other in (dict(causal=False), dict(causal=1), dict(scale=0.5), dict(precision="3xtf32"),
-                  dict(heads_first=False), dict(q=_LaneArray(0x408)), dict(q=_LaneArray(0x400, "strided"))):
+    others = (dict(causal=False), dict(causal=1), dict(scale=0.5), dict(scale=np.float64(0.5)),
+              dict(precision="3xtf32"), dict(heads_first=False), dict(heads_first=1), dict(q=_LaneArray(0x408)),
+              dict(q=_LaneArray(0x400, "strided")), dict(k=_LaneArray(0x200, "strided")),
+              dict(v=_LaneArray(0x300, "strided")))
+    for other in others:
         before = len(signature_path)
         forward(**other)
         assert len(signature_path) == before + 1, other
+    # One alignment bit for the three, as in _attention's key: a misaligned k or v finds the misaligned q's call.
+    before = len(signature_path)
+    misaligned = forward(q=_LaneArray(0x408))[2]
+    assert forward(k=_LaneArray(0x208))[2] is misaligned and forward(v=_LaneArray(0x304))[2] is misaligned
+    assert misaligned.plan.launches[-1][0][:3] == [0x100, 0x200, 0x304] and len(signature_path) == before
+    assert forward(scale=np.float64(0.5))[2] is not forward(scale=0.5)[2]  # each class its own call
+    monkeypatch.setattr(api, "plans", PlanCache(max_entries=4))
+    forward()  # cached (the stand-in's calls after the first are) and remembered
+    for _ in range(2 * api.plans.max_entries):  # the remembered call stays recent: never evicted by the others
+        before = len(signature_path)
+        forward()
+        forward(causal=len(signature_path))  # a new flag value: a plan of its own
+        assert len(signature_path) == before + 1
     device["current"] = 1
+    before = len(signature_path)
     forward()
-    assert len(signature_path) == 10
+    assert len(signature_path) == before + 1
     device["current"] = 0
     api.plans.clear()
     forward()
-    assert len(signature_path) == 11
+    assert len(signature_path) == before + 2
+    cached = forward()[2]
+    for i in range(api.plans.max_entries):  # evicted by four other plans: no longer served
+        forward(causal=f"other{i}")
+    assert api.plans.get(cached.key) is None
+    forward()
+    assert len(signature_path) == before + 3 + api.plans.max_entries
+    monkeypatch.setattr(api, "plans", PlanCache())
     for i in range(api._MAX_PLAIN_FORWARDS + 1):
         forward(q=_LaneArray(0x400, layout=i))
     assert len(api.plans.shortcuts) <= api._MAX_PLAIN_FORWARDS
+    before = len(signature_path)
     assert api.forward_plain(q, k, v, True, [], "ieee", True)[0] == "out3"  # an unhashable flag: _attention's path
-    assert len(signature_path) == 11 + api._MAX_PLAIN_FORWARDS + 2
+    assert len(signature_path) == before + 1
+
+
+def test_forward_plain_short_keys_fix_attentions_keys(monkeypatch):
+    """Two forwards without variants share forward_plain's short key
+    exactly where _attention's real plan-cache keys are equal, over calls
+    that differ in each array's layout, dtype, device and alignment and in
+    each flag's value and class."""
+    from cuflash._launch import PlanCache
+
+    class _Array:
+        def __init__(self, pointer=0x100, part="dense"):
+            self.pointer, self.part = pointer, part
+
+    monkeypatch.setitem(_interop.SIGNATURES, _Array, lambda x: (x.part, x.pointer))
+    full_keys = []
+
+    def cached_call(key, arrays, pointers):
+        full_keys.append(key)
+        return _plain_forward_call({"current": 0}, key)
+
+    monkeypatch.setattr(api, "_cached_call", cached_call)
+    base = dict(q=_Array(), k=_Array(0x200), v=_Array(0x300), causal=True, scale=None, precision="ieee",
+                heads_first=True)
+    changes = [{}, dict(q=_Array(0x1100)), dict(q=_Array(0x108)), dict(k=_Array(0x208)), dict(v=_Array(0x304)),
+               dict(q=_Array(part="strided")), dict(k=_Array(0x200, "bf16")), dict(v=_Array(0x300, "gpu1")),
+               dict(causal=False), dict(causal=1), dict(scale=0.5), dict(scale=1), dict(scale=np.float32(0.5)),
+               dict(precision="3xtf32"), dict(heads_first=False), dict(heads_first=1)]
+    pairs = []
+    for change in changes:
+        monkeypatch.setattr(api, "plans", PlanCache())
+        call = dict(base, **change)
+        api.forward_plain(call["q"], call["k"], call["v"], call["causal"], call["scale"], call["precision"],
+                          call["heads_first"])
+        (short_key,) = api.plans.shortcuts
+        pairs.append((short_key, full_keys[-1]))
+    for short_a, full_a in pairs:
+        for short_b, full_b in pairs:
+            assert (short_a == short_b) == (full_a == full_b)
+    # All distinct but the pointer moved within its layout, and the three misaligned calls (one alignment bit).
+    assert len({full for _, full in pairs}) == len(changes) - 3
 
 
 # --- on the GPU ---

@@ -4,6 +4,7 @@ the caller's argument, never the dispatcher's NotImplementedError."""
 
 import re
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -72,11 +73,14 @@ def _reference_scores(q, k, causal, softmax_scale):
 
 
 class _StandIns(list):
-    """The calls the stand-in kernels saw, ("forward" / "backward" /
-    "following", heads_first); ``call``: what the stand-in forward returns
-    as its cached call (None: as the full path does)."""
+    """The calls the stand-in kernels saw, ("forward" / "plain forward" /
+    "backward" / "following" / "followed", heads_first); ``call``: what the
+    stand-in forward returns as its cached call (None: as the full path
+    does); ``remembered``: whether a backward is remembered on it
+    (api.followed_backward then serves)."""
 
     call = None
+    remembered = False
 
 
 @pytest.fixture
@@ -119,13 +123,23 @@ def stand_in_kernels(monkeypatch):
     def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first):
         arrays, call = attention(q, k, v, causal, softmax_scale, *cuflash.api.Variants().values(), True, None, None,
                                  fp32_precision, None, heads_first)
+        seen[-1] = ("plain forward", heads_first)
+        seen.flags = (causal, softmax_scale, heads_first)
         return arrays[3], arrays[4], call
+
+    def followed_backward(forward, dout, q, k, v, out, lse, deterministic):
+        if not seen.remembered:
+            return None
+        assert forward is seen.call
+        causal, softmax_scale, heads_first = seen.flags
+        seen.append(("followed", heads_first))
+        return gradients(dout, q, k, v, causal, softmax_scale, heads_first)
 
     monkeypatch.setattr(cuflash.api, "_attention", attention)
     monkeypatch.setattr(cuflash.api, "forward_plain", forward_plain)
     monkeypatch.setattr(cuflash.api, "attention_backward", attention_backward)
     monkeypatch.setattr(cuflash.api, "backward_following", backward_following)
-    monkeypatch.setattr(cuflash.api, "followed_backward", lambda *args: None)  # nothing remembered: following runs
+    monkeypatch.setattr(cuflash.api, "followed_backward", followed_backward)
     return seen
 
 
@@ -150,7 +164,7 @@ def test_sdpa_dropin_node_on_stand_in_kernels(stand_in_kernels, monkeypatch, pub
     torch.testing.assert_close(out, expected)
     for got, want in zip(leaves, expected_leaves):
         torch.testing.assert_close(got.grad, want.grad)
-    assert stand_in_kernels == [("forward", True), ("backward", True)]
+    assert stand_in_kernels == [("plain forward", True), ("backward", True)]  # no variants: api.forward_plain
     out = cuflash_torch._forward(*leaves, True, None, heads_first=True)
     (grad_q,) = torch.autograd.grad(out, leaves[0], dout.clone().requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
@@ -184,6 +198,58 @@ def test_backward_follows_the_forwards_cached_call_only_on_its_own_tensors(stand
     stand_in_kernels.call = None  # the full path ran the forward
     step()
     assert stand_in_kernels[-1] == ("backward", True)
+
+
+def test_backward_takes_a_remembered_call_first_on_the_gradient_as_given(stand_in_kernels):
+    """With a backward remembered on the forward's cached call, the node's
+    backward runs it (api.followed_backward) on the gradient as autograd
+    gives it, an expanded one too (a remembered call's dout signature was
+    made contiguous, so only such a dout can match it), before any
+    contiguity check; its gradients are the math's; without one it takes
+    api.backward_following on the contiguous gradient."""
+    stand_in_kernels.call = object()
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+
+    def gradients(dout):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        cuflash_torch._forward(*leaves, False, 0.3, heads_first=True).backward(dout)
+        return [leaf.grad for leaf in leaves]
+
+    dout = torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=gen)
+    following = gradients(dout)
+    assert stand_in_kernels[-2:] == [("plain forward", True), ("following", True)]
+    stand_in_kernels.remembered = True
+    for given in (dout, torch.ones(()).expand(1, 2, 7, 8).double()):
+        followed = gradients(given)
+        assert stand_in_kernels[-1] == ("followed", True)
+        expected = [x.clone().requires_grad_() for x in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(*expected, scale=0.3).backward(given)
+        for got, want in zip(followed, expected):
+            torch.testing.assert_close(got, want.grad)
+    for got, want in zip(following, gradients(dout)):
+        torch.testing.assert_close(got, want)
+
+
+def test_variants_of_default_options_are_the_shared_plain_object():
+    """cuflash.torch's calls pass the shared no-variants object (the lean
+    forward's test is identity) exactly where every option is its default
+    of the default's class: a window side of another class, a soft cap or
+    dropout given as an int, an array side keep Variants (and
+    check_window's message)."""
+    plain = cuflash_torch._NO_VARIANTS
+    assert cuflash_torch._variants() is plain and cuflash_torch._variants((-1, -1), 0.0, None, 0.0) is plain
+    for options in (dict(window_size=(-1.0, -1.0)), dict(window_size=(-1, np.int64(-1))),
+                    dict(window_size=[-1, -1]), dict(window_size=(np.array([-1, -1]), -1)),
+                    dict(window_size=(-1, -1, -1)), dict(softcap=0), dict(dropout_p=0), dict(dropout_offset=0.0),
+                    dict(window_size=(4, 0)), dict(dropout_seed=1), dict(alibi_slopes=torch.zeros(2)),
+                    dict(score_mod=lambda score, b, h, q, kv: score)):
+        variants = cuflash_torch._variants(**options)
+        assert variants is not plain, options
+    from cuflash._validation import check_window
+
+    with pytest.raises(TypeError, match="window_size's left side must be an int, got float"):
+        check_window(cuflash_torch._variants(window_size=(-1.0, -1)).window_size)
 
 
 def test_variants_values_follow_the_fields():
