@@ -220,14 +220,8 @@ class PlanCache:
     def refresh(self, key, entry) -> bool:
         """Whether ``entry`` is still the cache's entry under ``key`` (not
         evicted, cleared or replaced); if so, it becomes the most recently
-        used, as a ``get`` would make it."""
-        if self._entries.get(key) is not entry:
-            return False
-        try:
-            self._entries.move_to_end(key)
-        except KeyError:  # evicted by another thread since the lookup
-            return False
-        return True
+        used, as ``get`` makes it."""
+        return self.get(key) is entry
 
     def put(self, key, entry) -> None:
         with self._lock:
