@@ -25,8 +25,10 @@ KVCACHE = sorted((REPO / "benchmarks").glob("*_kvcache.json"))
 VARIANTS = sorted((REPO / "benchmarks").glob("*_variants.json"))
 #: tools/bench_mods.py: user functions against FlexAttention.
 MODS = sorted((REPO / "benchmarks").glob("*_mods.json"))
+#: host-cost runs on other machines (part of the grid at most), for BENCHMARKS.md's across-machines table.
+HOST_RUNS = sorted((REPO / "benchmarks").glob("*_host_*.json"))
 BENCHMARKS = sorted(set((REPO / "benchmarks").glob("*.json")) - set(SWEEPS) - set(FLOAT32) - set(DECODE)
-                    - set(VARLEN) - set(KVCACHE) - set(VARIANTS) - set(MODS))
+                    - set(VARLEN) - set(KVCACHE) - set(VARIANTS) - set(MODS) - set(HOST_RUNS))
 
 
 @pytest.mark.parametrize("path", MODS, ids=lambda p: p.name)
@@ -120,14 +122,31 @@ def test_decode_rows_are_consistent(path):
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
 def test_rows_are_consistent(path):
-    from bench import PASS_FLOPS, SEQLENS, forward_flops
+    from bench import SEQLENS
 
     result = json.loads(path.read_text())
+    grid = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in result["rows"] if r["pass"] == "fwd"}
+    assert grid == {(dt, d, c, s) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)
+                    for s in SEQLENS}
+    check_grid_rows(result)
+
+
+@pytest.mark.parametrize("path", HOST_RUNS, ids=lambda p: p.name)
+def test_host_runs_are_consistent(path):
+    result = json.loads(path.read_text())
+    assert result["host_overhead"] and result["jax_jit"]
+    check_grid_rows(result)
+
+
+def check_grid_rows(result: dict) -> None:
+    """What holds of every ``tools/bench.py`` run, whatever part of the grid
+    it timed: its environment, a backward for each backward point, FLOPs,
+    TFLOP/s and ratios that follow from the milliseconds, host rows."""
+    from bench import PASS_FLOPS, forward_flops
+
     assert {"device", "driver", "torch", "commit", "date"} <= set(result["environment"])
     rows = result["rows"]
     grid = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) for r in rows if r["pass"] == "fwd"}
-    assert grid == {(dt, d, c, s) for dt in ("bfloat16", "float16") for d in (64, 128) for c in (False, True)
-                    for s in SEQLENS}
     by_pass = {}
     for r in rows:
         by_pass.setdefault(r["pass"], {})[(r["dtype"], r["head_dim"], r["causal"], r["seqlen"])] = r
@@ -199,11 +218,30 @@ def test_benchmarks_md_renders_the_benchmark_jsons():
                                str(REPO / "benchmarks" / "h100_varlen.json"), "--kvcache",
                                str(REPO / "benchmarks" / "h100_kvcache.json"), "--variants",
                                str(REPO / "benchmarks" / "h100_variants.json"), "--mods",
-                               str(REPO / "benchmarks" / "h100_mods.json")], capture_output=True, text=True,
+                               str(REPO / "benchmarks" / "h100_mods.json"), "--host-runs",
+                               str(REPO / "benchmarks" / "h200_host_only.json"), "--host-runs",
+                               str(REPO / "benchmarks" / "h200.json"), "--host-runs",
+                               str(REPO / "benchmarks" / "h200_host_seqlen1024.json")], capture_output=True, text=True,
                               check=True).stdout
     committed = (REPO / "BENCHMARKS.md").read_text()
     # The committed file also links the plot; everything else is identical.
     assert committed.replace("![TFLOP/s against seqlen](h100_forward.png)\n\n", "") == rendered
+
+
+def test_host_runs_side_by_side_keep_each_runs_own_yardstick():
+    """Across machines, each column's ratios are to SDPA of that run; a
+    call only a later run measured still gets its row, "-" elsewhere."""
+    from host_overhead import across_runs_markdown
+
+    fast = [{"what": "forward", "call": "F.scaled_dot_product_attention", "host_us": 20.0},
+            {"what": "forward", "call": "cuflash.attention (CuPy)", "host_us": 16.0}]
+    slow = [{"what": "forward", "call": "F.scaled_dot_product_attention", "host_us": 30.0},
+            {"what": "forward", "call": "cuflash.attention (CuPy)", "host_us": 27.0},
+            {"what": "backward", "call": "cuflash.attention_backward (CuPy)", "host_us": 36.0}]
+    lines = across_runs_markdown([("fast", fast), ("slow", slow)])
+    assert lines[0] == "| pass | call | fast | slow |"
+    assert "| forward | cuflash.attention (CuPy) | 16.0 (0.80) | 27.0 (0.90) |" in lines
+    assert lines[-1] == "| backward | cuflash.attention_backward (CuPy) | - | 36.0 (1.20) |"
 
 
 def test_host_rows_are_compared_with_sdpa_of_the_same_run():

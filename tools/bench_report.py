@@ -8,7 +8,8 @@ backend (needs matplotlib).
                                 [--float32 benchmarks/h100_float32.json]
                                 [--varlen benchmarks/h100_varlen.json] [--kvcache benchmarks/h100_kvcache.json] \
                                 [--variants benchmarks/h100_variants.json] \
-                                [--mods benchmarks/h100_mods.json] > BENCHMARKS.md
+                                [--mods benchmarks/h100_mods.json] \
+                                [--host-runs benchmarks/h200_host_only.json ...] > BENCHMARKS.md
 
 ``--head-dims`` (once per device kind) adds a head-dim sweep (``tools/bench.py --head-dims sweep
 --deterministic``): forward and backward per head dim, and the deterministic
@@ -334,6 +335,43 @@ def mods_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def host_runs_markdown(results: list[dict]) -> str:
+    """The host-cost table of several ``tools/bench.py`` runs side by side
+    (hosts of one device kind differ by tens of percent in Python speed),
+    and per run what it measured at the JAX training-step point and, where
+    it timed them, the forward as the user sees it at seqlen 1024."""
+    import host_overhead
+
+    labels = [f"run {i + 1}: µs (/ SDPA's)" for i in range(len(results))]
+    lines = ["## Host cost across machines", "",
+             "The small problem's host table (see above) from separate runs, each on whichever machine the pool "
+             "lent; the ratio in brackets is to SDPA's yardstick in the same run (its forward for one call, its "
+             "autograd step for a step). Absolute microseconds follow the host's speed; the ratios hold better.", ""]
+    lines += host_overhead.across_runs_markdown([(label, r.get("host_overhead", []))
+                                                 for label, r in zip(labels, results)])
+    lines.append("")
+    point = host_overhead.JAX_STEP
+    for i, result in enumerate(results):
+        env = result["environment"]
+        facts = [f"{env['device']}, {env['date']}, cuflash commit `{env['commit'][:7]}`"]
+        jax_us = {(r["call"], r.get("pass")): r["us"] for r in result.get("jax_jit", [])
+                  if r["point"] == point and "us" in r}
+        for pass_name in ("fwd+bwd step", "transformer block step"):
+            ours, cudnn = (jax_us.get((call, pass_name)) for call in
+                           ("cuflash.jax.attention", "jax.nn.dot_product_attention (cudnn)"))
+            if ours and cudnn:
+                facts.append(f"jitted {pass_name} at ({point['batch']}, {point['seqlen']}, {point['heads']}, "
+                             f"{point['head_dim']}) {ours / cudnn:.2f}x cuDNN's time")
+        user = [r["user_cuflash_over_flash"] for r in result["rows"]
+                if r["pass"] == "fwd" and r["seqlen"] == 1024 and "user_cuflash_over_flash" in r]
+        if user:
+            facts.append(f"forward as the user sees it at seqlen 1024 {min(user):.2f}-{max(user):.2f}x "
+                         "FlashAttention-2's speed")
+        lines.append(f"- Run {i + 1}: " + "; ".join(facts) + ".")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json")
@@ -347,6 +385,8 @@ def main() -> int:
     parser.add_argument("--kvcache", help="a decode JSON (bench.py --decode-only), its own section")
     parser.add_argument("--variants", help="a variants JSON (bench.py --variants-only), its own section")
     parser.add_argument("--mods", help="a user-functions JSON (bench_mods.py), its own section")
+    parser.add_argument("--host-runs", action="append", default=[],
+                        help="a tools/bench.py JSON whose host table joins the across-machines table (repeatable)")
     args = parser.parse_args()
     result = json.loads(Path(args.json).read_text())
     if args.plot:
@@ -366,6 +406,8 @@ def main() -> int:
         print(variants_markdown(json.loads(Path(args.variants).read_text())))
     if args.mods:
         print(mods_markdown(json.loads(Path(args.mods).read_text())))
+    if args.host_runs:
+        print(host_runs_markdown([json.loads(Path(path).read_text()) for path in args.host_runs]))
     return 0
 
 

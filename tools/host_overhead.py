@@ -225,6 +225,25 @@ def markdown(torch_rows: list[dict], jax_rows: list[dict]) -> list[str]:
     return lines
 
 
+def across_runs_markdown(runs: list[tuple[str, list[dict]]]) -> list[str]:
+    """One host table of several runs (label, ``torch_host_table`` rows),
+    a column per run: host µs and, in brackets, the ratio to SDPA's
+    yardstick in that run (``sdpa_ratios``). Rows are the calls of the
+    first run, then any only later runs have; "-" where a run lacks one."""
+    cells, order = {}, []
+    for column, (_, rows) in enumerate(runs):
+        for r, ratio in zip(rows, sdpa_ratios(rows)):
+            row = (r["what"], r["call"])
+            if row not in cells:
+                cells[row] = ["-"] * len(runs)
+                order.append(row)
+            cells[row][column] = f"{r['host_us']:.1f}" + ("" if ratio is None else f" ({ratio:.2f})")
+    lines = ["| pass | call | " + " | ".join(label for label, _ in runs) + " |",
+             "|---|---|" + "---|" * len(runs)]
+    lines += [f"| {what} | {call} | " + " | ".join(cells[(what, call)]) + " |" for what, call in order]
+    return lines
+
+
 def following_rows(rounds: int = 3) -> list[dict]:
     """The small problem's autograd step (SDPA drop-in) with the backward
     following its forward's cached call and made not to (the signature
