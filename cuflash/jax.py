@@ -232,57 +232,78 @@ def _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_s
 
 @functools.lru_cache(maxsize=None)
 def _forward_callback(flags: tuple, softmax_scale: float, fp32_precision: str, optional: tuple[str, ...]):
+    launch = _BufferLauncher(("forward", flags, softmax_scale, fp32_precision), api.FORWARD_ARRAYS,
+                             ("q", "k", "v", "out", "lse", *optional))
+
     def callback(ctx, outputs, q, k, v, *extras):
-        out, lse = outputs
-        _launch(("forward", flags, softmax_scale, fp32_precision), ctx.stream,
-                dict(q=q, k=k, v=v, out=out, lse=lse, **dict(zip(optional, extras))), api.FORWARD_ARRAYS)
+        launch(ctx.stream, (q, k, v, *outputs, *extras))
     return callback
 
 
 @functools.lru_cache(maxsize=None)
 def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool, optional: tuple[str, ...]):
+    # dout, q, k, v, out and lse, then the outputs as _backward_call declares
+    # them: dq, dk, dv and the work buffers (the same names whatever the shape).
+    given = (*api.BACKWARD_ARRAYS[:9], *_work_buffers((1, 1, 1, 8)))
+    launch = _BufferLauncher(("backward", flags, softmax_scale, deterministic), api.BACKWARD_ARRAYS,
+                             (*given, *optional))
+
     def callback(ctx, outputs, dout, q, k, v, out, lse, *extras):
-        buffers = dict(zip(api.BACKWARD_ARRAYS, (dout, q, k, v, out, lse, *outputs)))
-        _launch(("backward", flags, softmax_scale, deterministic), ctx.stream,
-                buffers | dict(zip(optional, extras)), api.BACKWARD_ARRAYS)
+        launch(ctx.stream, (dout, q, k, v, out, lse, *outputs, *extras))
     return callback
 
 
-def _launch(flags: tuple, stream: int, buffers: dict, names: tuple[str, ...]) -> None:
-    """Runs the plan of these buffers (XLA's, C-contiguous; any leading
-    vmapped axes fold into the batch; by name, any of ``names`` absent) on
-    XLA's ``stream``."""
-    pointers, shapes = [], []
-    for name in names:
-        buffer = buffers.get(name)
-        if buffer is None:
-            pointers.append(0)
-            shapes.append(None)
-            continue
-        interface = getattr(buffer, "__cuda_array_interface__", None)
-        if interface is None:
-            raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
-        pointers.append(interface["data"][0])
-        shapes.append(tuple(buffer.shape))
-    dtype = np.dtype(buffers["q"].dtype).name
-    with gpu_access():  # JAX runs here; the CuPy build may not
-        device = _device_of_pointer(pointers[names.index("q")])
-    aligned = api.pointers_aligned(flags[0], pointers)
-    # A backward's dq and out may be mapped by the direct dQ mode: their alignments join the key.
-    maps_aligned = (not pointers[names.index("dq")] & 15, not pointers[names.index("out")] & 15) \
-        if flags[0] == "backward" else (False, False)
-    key = ("jax", flags, tuple(shapes), dtype, device, aligned, maps_aligned)
-    plan = api.plans.get(key)
-    if plan is None:
-        plan = _plan(flags, shapes, dtype, device, names, aligned, maps_aligned)
-        api.plans.put(key, plan)
-    if _interop.current_device() == device:
-        plan.launch(pointers, stream)
-    else:
-        import cupy
+class _BufferLauncher:
+    """Runs the plan of one callback's buffers (XLA's, C-contiguous; any
+    leading vmapped axes fold into the batch) on XLA's stream. ``present``:
+    the names (of ``names``, the plan's arrays) of the buffers each call
+    hands over, in that order; the others are absent (null). The plan-cache
+    key is made of what a call's buffers can change: their shapes, q's
+    dtype, the device and the alignments."""
 
-        with cupy.cuda.Device(device):
-            plan.launch(pointers, stream)
+    def __init__(self, flags: tuple, names: tuple[str, ...], present: tuple[str, ...]):
+        self.flags, self.names, self.present = flags, names, present
+        self.indices = tuple(names.index(name) for name in present)
+        self.dq_index = present.index("dq") if "dq" in present else None
+        self.out_index = present.index("out")
+
+    def __call__(self, stream: int, buffers: tuple) -> None:
+        pointers = [0] * len(self.names)
+        shapes = []
+        for index, name, buffer in zip(self.indices, self.present, buffers):
+            interface = getattr(buffer, "__cuda_array_interface__", None)
+            if interface is None:
+                raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
+            pointers[index] = interface["data"][0]
+            shapes.append(tuple(buffer.shape))
+        q_pointer = pointers[self.indices[self.present.index("q")]]
+        with gpu_access():  # JAX runs here; the CuPy build may not
+            device = _device_of_pointer(q_pointer)
+        kind = self.flags[0]
+        aligned = api.pointers_aligned(kind, pointers)
+        # A backward's dq and out may be mapped by the direct dQ mode: their alignments join the key.
+        maps_aligned = (False, False) if self.dq_index is None else (
+            not pointers[self.indices[self.dq_index]] & 15, not pointers[self.indices[self.out_index]] & 15)
+        dtype = buffers[self.present.index("q")].dtype
+        key = ("jax", self.flags, self.present, tuple(shapes), dtype, device, aligned, maps_aligned)
+        plan = api.plans.get(key)
+        # A plan's first launch writes every slot (the absent ones null);
+        # later ones only those of the buffers, which the key says are the same.
+        slots = self.indices
+        if plan is None:
+            all_shapes = [None] * len(self.names)
+            for index, shape in zip(self.indices, shapes):
+                all_shapes[index] = shape
+            plan = _plan(self.flags, all_shapes, np.dtype(dtype).name, device, self.names, aligned, maps_aligned)
+            api.plans.put(key, plan)
+            slots = None
+        if _interop.current_device() == device:
+            plan.launch(pointers, stream, slots)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                plan.launch(pointers, stream, slots)
 
 
 def _work_buffers(q_shape: tuple[int, ...]) -> dict:

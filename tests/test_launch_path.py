@@ -299,7 +299,7 @@ def test_direct_dq_maps_out_only_where_the_kernel_computes_delta(stand_in_hopper
 def test_jax_backward_plan_takes_dq_and_out_alignment_apart(stand_in_hopper, head_dim, dq_aligned, out_aligned,
                                                             launches):
     """Under JAX the plan of a backward's buffers is keyed by dq's and out's
-    alignments apart (``cuflash.jax._launch``), and ``_plan`` hands both to
+    alignments apart (``cuflash.jax._BufferLauncher``), and ``_plan`` hands both to
     the launcher: out's matters only where the kernel maps it."""
     pytest.importorskip("jax")
     import cuflash.jax as cuflash_jax
@@ -313,6 +313,97 @@ def test_jax_backward_plan_takes_dq_and_out_alignment_apart(stand_in_hopper, hea
     plan = cuflash_jax._plan(flags, [shapes.get(name) for name in names], "bfloat16", 0, names, True,
                              (dq_aligned, out_aligned))
     assert plan.kernel_count == launches
+
+
+class _XlaBuffer:
+    """What a buffer_callback hands the callback: shape, dtype and the CUDA
+    array interface's address."""
+
+    def __init__(self, shape, dtype, pointer):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.__cuda_array_interface__ = {"data": (pointer, False), "shape": shape}
+
+
+class _RecordingPlan:
+    def __init__(self, shapes):
+        self.shapes, self.launches = shapes, []
+
+    def launch(self, pointers, stream, slots=None):
+        self.launches.append((list(pointers), stream, slots))
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_jax_callback_launches_its_buffers_plan(kind, monkeypatch, fresh_plans):
+    """A JAX callback's buffers fill their own slots of the plan's arrays
+    (the others null); a second call of the same shapes reuses the plan and
+    writes only its buffers' slots; other shapes, another dtype or a
+    misaligned buffer get another plan; a buffer outside GPU memory is named
+    in a TypeError before anything launches."""
+    pytest.importorskip("jax")
+    import cuflash.jax as cuflash_jax
+
+    made = []
+
+    def plan_of(flags, shapes, dtype, device, names, aligned, maps_aligned):
+        made.append((dict(zip(names, shapes)), dtype, aligned, maps_aligned))
+        return _RecordingPlan(shapes)
+
+    monkeypatch.setattr(cuflash_jax, "_plan", plan_of)
+    monkeypatch.setattr(cuflash_jax, "_device_of_pointer", lambda pointer: 0)
+    monkeypatch.setattr(_interop, "current_device", lambda: 0)
+    flags = (False, (-1, -1), 0.0, 0.0)
+    q, kv, lse = (2, 50, 4, 64), (2, 64, 2, 64), (2, 4, 50)
+    if kind == "forward":
+        callback = cuflash_jax._forward_callback(flags, 0.125, "ieee", ())
+        inputs = dict(q=q, k=kv, v=kv)
+        outputs = dict(out=q, lse=lse)
+    else:
+        callback = cuflash_jax._backward_callback(flags, 0.125, False, ())
+        inputs = dict(dout=q, q=q, k=kv, v=kv, out=q, lse=lse)
+        outputs = dict(dq=q, dk=kv, dv=kv) | {name: shape for name, (shape, _) in
+                                               cuflash_jax._work_buffers(q).items()}
+    names = api.FORWARD_ARRAYS if kind == "forward" else api.BACKWARD_ARRAYS
+
+    def call(base, dtype="bfloat16", shapes=None, stream=7):
+        shapes = shapes or {}
+        given = {name: _XlaBuffer(shapes.get(name, shape), "float32" if name in ("lse", "delta", "dq_accum")
+                                  else dtype, base + 4096 * i)
+                 for i, (name, shape) in enumerate((inputs | outputs).items())}
+        context = type("Context", (), {"stream": stream})()
+        callback(context, [given[name] for name in outputs], *(given[name] for name in inputs))
+        return {name: buffer.__cuda_array_interface__["data"][0] for name, buffer in given.items()}
+
+    pointers = call(1 << 20)
+    assert len(made) == 1
+    plan_shapes, dtype, aligned, _ = made[0]
+    assert dtype == "bfloat16" and aligned
+    assert {name: shape for name, shape in plan_shapes.items() if shape is not None} == inputs | outputs
+    plan = fresh_plans.get(next(iter(fresh_plans._entries)))
+    written, stream, slots = plan.launches[-1]
+    assert stream == 7 and slots is None  # a plan's first launch writes every slot
+    assert {name: written[names.index(name)] for name in pointers} == pointers
+    assert all(p == 0 for name, p in zip(names, written) if name not in pointers)
+
+    pointers = call(2 << 20, stream=9)
+    assert len(made) == 1
+    written, stream, slots = plan.launches[-1]
+    assert stream == 9 and sorted(slots) == sorted(names.index(name) for name in pointers)
+    assert {name: written[names.index(name)] for name in pointers} == pointers
+
+    call(1 << 20, shapes={"q": (2, 51, 4, 64)} if kind == "forward" else {"dout": (2, 51, 4, 64)})
+    call(1 << 20, dtype="float16")
+    call((1 << 20) + 8)
+    assert len(made) == 4 and [m[1] for m in made[1:]] == ["bfloat16", "float16", "bfloat16"]
+    assert not made[3][2]  # the misaligned call's plan knows it
+
+    class HostBuffer:
+        shape, dtype = q, np.dtype("bfloat16")
+
+    context = type("Context", (), {"stream": 7})()
+    first = next(iter(inputs))
+    with pytest.raises(TypeError, match=f"{first} is not in GPU memory"):
+        callback(context, [HostBuffer() for _ in outputs], *(HostBuffer() for _ in inputs))
+    assert len(made) == 4
 
 
 def test_work_arena_lays_buffers_out_aligned_and_apart():
