@@ -220,10 +220,11 @@ def _backward_call(dout, q, k, v, out, lse, alibi_slopes, seed, flags, softmax_s
     # XLA allocates and nothing reads afterwards. Which dK/dV kernel runs is
     # known only at launch (it depends on the buffers' alignment), so every
     # buffer any of them could need is made.
+    work = _work_buffers(q.shape)
     results = [_shape_dtype(x.shape, x.dtype) for x in (q, k, v)]
-    results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in _work_buffers(q.shape).values()]
+    results += [_shape_dtype(shape, np.dtype(dtype)) for shape, dtype in work.values()]
     arrays, optional = _with_variants((dout, q, k, v, out, lse), alibi_slopes, seed)
-    callback = _backward_callback(flags, softmax_scale, deterministic, optional)
+    callback = _backward_callback(flags, softmax_scale, deterministic, optional, tuple(work))
     return varying_like(buffer_callback(callback, tuple(results), vmap_method="broadcast_all")(*arrays), arrays)
 
 
@@ -241,12 +242,12 @@ def _forward_callback(flags: tuple, softmax_scale: float, fp32_precision: str, o
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool, optional: tuple[str, ...]):
+def _backward_callback(flags: tuple, softmax_scale: float, deterministic: bool, optional: tuple[str, ...],
+                       work: tuple[str, ...]):
     # dout, q, k, v, out and lse, then the outputs as _backward_call declares
-    # them: dq, dk, dv and the work buffers (the same names whatever the shape).
-    given = (*api.BACKWARD_ARRAYS[:9], *_work_buffers((1, 1, 1, 8)))
+    # them: dq, dk, dv and the work buffers ``work`` (by name, in that order).
     launch = _BufferLauncher(("backward", flags, softmax_scale, deterministic), api.BACKWARD_ARRAYS,
-                             (*given, *optional))
+                             (*api.BACKWARD_ARRAYS[:9], *work, *optional))
 
     def callback(ctx, outputs, dout, q, k, v, out, lse, *extras):
         launch(ctx.stream, (dout, q, k, v, out, lse, *outputs, *extras))
@@ -270,7 +271,7 @@ class _BufferLauncher:
     def __call__(self, stream: int, buffers: tuple) -> None:
         pointers = [0] * len(self.names)
         shapes = []
-        for index, name, buffer in zip(self.indices, self.present, buffers):
+        for index, name, buffer in zip(self.indices, self.present, buffers, strict=True):
             interface = getattr(buffer, "__cuda_array_interface__", None)
             if interface is None:
                 raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
@@ -287,8 +288,9 @@ class _BufferLauncher:
         dtype = buffers[self.present.index("q")].dtype
         key = ("jax", self.flags, self.present, tuple(shapes), dtype, device, aligned, maps_aligned)
         plan = api.plans.get(key)
-        # A plan's first launch writes every slot (the absent ones null);
-        # later ones only those of the buffers, which the key says are the same.
+        # A reused plan's launch writes only the slots of the buffers: the
+        # key fixes which names are present, and the others stay null (the
+        # structs start zeroed; a plan's first launch writes every slot too).
         slots = self.indices
         if plan is None:
             all_shapes = [None] * len(self.names)

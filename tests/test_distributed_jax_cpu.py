@@ -73,7 +73,7 @@ def forward_callback(flags, softmax_scale, fp32_precision, optional):
     return "forward", flags, softmax_scale
 
 
-def backward_callback(flags, softmax_scale, deterministic, optional):
+def backward_callback(flags, softmax_scale, deterministic, optional, work):
     return "backward", flags, softmax_scale
 
 

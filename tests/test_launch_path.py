@@ -332,12 +332,16 @@ class _RecordingPlan:
         self.launches.append((list(pointers), stream, slots))
 
 
+@pytest.mark.parametrize("optional", [(), ("alibi_slopes", "dropout_rng")], ids=["plain", "alibi-dropout"])
+@pytest.mark.parametrize("lead", [(), (3,)], ids=["unmapped", "vmapped"])
 @pytest.mark.parametrize("kind", ["forward", "backward"])
-def test_jax_callback_launches_its_buffers_plan(kind, monkeypatch, fresh_plans):
-    """A JAX callback's buffers fill their own slots of the plan's arrays
-    (the others null); a second call of the same shapes reuses the plan and
-    writes only its buffers' slots; other shapes, another dtype or a
-    misaligned buffer get another plan; a buffer outside GPU memory is named
+def test_jax_callback_launches_its_buffers_plan(kind, lead, optional, monkeypatch, fresh_plans):
+    """A JAX callback's buffers (a vmapped axis leading, the slopes and the
+    dropout key among them or not) fill their own slots of the plan's
+    arrays, the others null; a second call of the same shapes reuses the
+    plan and writes only its buffers' slots; other shapes, another dtype,
+    misaligned buffers or (backward) a misaligned dq alone get another
+    plan, which knows the alignments; a buffer outside GPU memory is named
     in a TypeError before anything launches."""
     pytest.importorskip("jax")
     import cuflash.jax as cuflash_jax
@@ -351,33 +355,37 @@ def test_jax_callback_launches_its_buffers_plan(kind, monkeypatch, fresh_plans):
     monkeypatch.setattr(cuflash_jax, "_plan", plan_of)
     monkeypatch.setattr(cuflash_jax, "_device_of_pointer", lambda pointer: 0)
     monkeypatch.setattr(_interop, "current_device", lambda: 0)
-    flags = (False, (-1, -1), 0.0, 0.0)
-    q, kv, lse = (2, 50, 4, 64), (2, 64, 2, 64), (2, 4, 50)
+    flags = (False, (-1, -1), 0.0, 0.1 if "dropout_rng" in optional else 0.0)
+    q, kv, lse = (*lead, 2, 50, 4, 64), (*lead, 2, 64, 2, 64), (*lead, 2, 4, 50)
+    extras = {"alibi_slopes": (*lead, 2, 4), "dropout_rng": (*lead, 2)}
+    extras = {name: extras[name] for name in optional}
     if kind == "forward":
-        callback = cuflash_jax._forward_callback(flags, 0.125, "ieee", ())
-        inputs = dict(q=q, k=kv, v=kv)
-        outputs = dict(out=q, lse=lse)
+        callback = cuflash_jax._forward_callback(flags, 0.125, "ieee", optional)
+        inputs, outputs = dict(q=q, k=kv, v=kv), dict(out=q, lse=lse)
+        names = api.FORWARD_ARRAYS
     else:
-        callback = cuflash_jax._backward_callback(flags, 0.125, False, ())
+        work = cuflash_jax._work_buffers(q)
+        callback = cuflash_jax._backward_callback(flags, 0.125, False, optional, tuple(work))
         inputs = dict(dout=q, q=q, k=kv, v=kv, out=q, lse=lse)
-        outputs = dict(dq=q, dk=kv, dv=kv) | {name: shape for name, (shape, _) in
-                                               cuflash_jax._work_buffers(q).items()}
-    names = api.FORWARD_ARRAYS if kind == "forward" else api.BACKWARD_ARRAYS
+        outputs = dict(dq=q, dk=kv, dv=kv) | {name: shape for name, (shape, _) in work.items()}
+        names = api.BACKWARD_ARRAYS
+    dtypes = {"lse": "float32", "delta": "float32", "dq_accum": "float32", "dq_semaphore": "int32",
+              "alibi_slopes": "float32", "dropout_rng": "uint32"}
 
-    def call(base, dtype="bfloat16", shapes=None, stream=7):
-        shapes = shapes or {}
-        given = {name: _XlaBuffer(shapes.get(name, shape), "float32" if name in ("lse", "delta", "dq_accum")
-                                  else dtype, base + 4096 * i)
-                 for i, (name, shape) in enumerate((inputs | outputs).items())}
+    def call(base, dtype="bfloat16", shapes=None, stream=7, offsets=None):
+        shapes, offsets = shapes or {}, offsets or {}
+        given = {name: _XlaBuffer(shapes.get(name, shape), dtypes.get(name, dtype),
+                                  base + 4096 * i + offsets.get(name, 0))
+                 for i, (name, shape) in enumerate((inputs | outputs | extras).items())}
         context = type("Context", (), {"stream": stream})()
-        callback(context, [given[name] for name in outputs], *(given[name] for name in inputs))
+        callback(context, [given[name] for name in outputs], *(given[name] for name in inputs | extras))
         return {name: buffer.__cuda_array_interface__["data"][0] for name, buffer in given.items()}
 
     pointers = call(1 << 20)
     assert len(made) == 1
-    plan_shapes, dtype, aligned, _ = made[0]
-    assert dtype == "bfloat16" and aligned
-    assert {name: shape for name, shape in plan_shapes.items() if shape is not None} == inputs | outputs
+    plan_shapes, dtype, aligned, maps_aligned = made[0]
+    assert dtype == "bfloat16" and aligned and maps_aligned == ((True, True) if kind == "backward" else (False, False))
+    assert {name: shape for name, shape in plan_shapes.items() if shape is not None} == inputs | outputs | extras
     plan = fresh_plans.get(next(iter(fresh_plans._entries)))
     written, stream, slots = plan.launches[-1]
     assert stream == 7 and slots is None  # a plan's first launch writes every slot
@@ -390,20 +398,24 @@ def test_jax_callback_launches_its_buffers_plan(kind, monkeypatch, fresh_plans):
     assert stream == 9 and sorted(slots) == sorted(names.index(name) for name in pointers)
     assert {name: written[names.index(name)] for name in pointers} == pointers
 
-    call(1 << 20, shapes={"q": (2, 51, 4, 64)} if kind == "forward" else {"dout": (2, 51, 4, 64)})
+    first = next(iter(inputs))
+    call(1 << 20, shapes={first: (*lead, 2, 51, 4, 64)})
     call(1 << 20, dtype="float16")
     call((1 << 20) + 8)
     assert len(made) == 4 and [m[1] for m in made[1:]] == ["bfloat16", "float16", "bfloat16"]
     assert not made[3][2]  # the misaligned call's plan knows it
+    if kind == "backward":
+        call(1 << 20, offsets={"dq": 8})
+        assert len(made) == 5 and made[4][2:] == (True, (False, True))
 
     class HostBuffer:
         shape, dtype = q, np.dtype("bfloat16")
 
     context = type("Context", (), {"stream": 7})()
-    first = next(iter(inputs))
+    count = len(made)
     with pytest.raises(TypeError, match=f"{first} is not in GPU memory"):
-        callback(context, [HostBuffer() for _ in outputs], *(HostBuffer() for _ in inputs))
-    assert len(made) == 4
+        callback(context, [HostBuffer() for _ in outputs], *(HostBuffer() for _ in inputs | extras))
+    assert len(made) == count
 
 
 def test_work_arena_lays_buffers_out_aligned_and_apart():
