@@ -504,10 +504,24 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
+    if (window_size is _DEFAULT_WINDOW and softcap is _DEFAULT_SOFTCAP and dropout_p is _DEFAULT_DROPOUT_P
+            and dropout_offset is _DEFAULT_DROPOUT_OFFSET and alibi_slopes is None and dropout_seed is None
+            and score_mod is None and mask_mod is None and mod_arrays is None and out is None and lse is None
+            and num_splits is None and return_lse.__class__ is bool):
+        # Every option as its default left it (the objects themselves): the
+        # call's plan is fixed by q, k, v and the flags (forward_plain).
+        out, lse, _ = forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, return_lse)
+        return (out, lse) if return_lse else out
     arrays, _ = _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
                            dropout_offset, score_mod, mod_arrays, mask_mod, return_lse, out, lse, fp32_precision,
                            num_splits, heads_first)
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
+
+
+#: ``attention``'s own default objects of the options its fast lane takes
+#: as absent (a caller's equal value takes the full path, to the same plan).
+_DEFAULT_WINDOW, _DEFAULT_SOFTCAP, _DEFAULT_DROPOUT_P, _DEFAULT_DROPOUT_OFFSET = (
+    attention.__kwdefaults__[name] for name in ("window_size", "softcap", "dropout_p", "dropout_offset"))
 
 
 def _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
@@ -668,12 +682,13 @@ _PLAIN_FORWARD_REST = tuple(0 if name == "dropout_offset" else None for name in 
 _MAX_PLAIN_FORWARDS = 64
 
 
-def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -> tuple:
-    """``_attention(q, k, v, ...)`` without variants, ``out`` or ``lse`` given,
-    returning the log-sum-exp (the differentiable route's forward):
-    ``(out, lse, call)``, ``call`` as ``_attention``'s. With no variants and
-    no out or lse, the signature parts of q, k and v, their alignment and
-    the flags fix the rest of ``_attention``'s plan-cache key, so the cached
+def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, return_lse=True) -> tuple:
+    """``_attention(q, k, v, ...)`` without variants, ``out``, ``lse`` or
+    ``num_splits`` given (the differentiable route's forward, returning the
+    log-sum-exp; ``attention``'s call without options): ``(out, lse, call)``,
+    lse None unless ``return_lse`` (a bool), ``call`` as ``_attention``'s.
+    With no variants and no out or lse, the signature parts of q, k and v,
+    their alignment and the flags fix the rest of ``_attention``'s plan-cache key, so the cached
     call remembered under that short key is the one ``_attention`` would
     find; a call that has one reads only three signatures (a training
     step's forward spends its host time on the rest of ``_attention``'s
@@ -689,7 +704,7 @@ def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -
         v_part, v_pointer = read[v.__class__](v)
         key = (q_part, k_part, v_part, not (q_pointer | k_pointer | v_pointer) & 15, causal.__class__, causal,
                softmax_scale.__class__, softmax_scale, fp32_precision.__class__, fp32_precision,
-               heads_first.__class__, heads_first)
+               heads_first.__class__, heads_first, return_lse)
         call = shortcuts.get(key)
     except Exception:  # not a fast-lane array, or an unhashable flag: _attention explains
         key = call = None
@@ -698,14 +713,14 @@ def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first) -
         # Slots of absent arrays are not written (CachedCall.live): their Nones are never read.
         pointers = [q_pointer, k_pointer, v_pointer, 0, 0, *_PLAIN_FORWARD_REST]
         call.run(arrays, pointers)
-        return arrays[3], arrays[4], call
-    arrays, call = _attention(q, k, v, causal, softmax_scale, *_PLAIN_VARIANT_VALUES, True, None, None, fp32_precision,
-                              None, heads_first)
+        return arrays[3], arrays[4] if return_lse else None, call
+    arrays, call = _attention(q, k, v, causal, softmax_scale, *_PLAIN_VARIANT_VALUES, return_lse, None, None,
+                              fp32_precision, None, heads_first)
     if key is not None and call is not None:
         if len(shortcuts) >= _MAX_PLAIN_FORWARDS:
             shortcuts.clear()
         shortcuts[key] = call
-    return arrays[3], arrays[4], call
+    return arrays[3], arrays[4] if return_lse else None, call
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

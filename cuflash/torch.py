@@ -309,6 +309,8 @@ def _forward(q, k, v, causal, softmax_scale, deterministic=False, route=None, fp
         variants = _resolved(variants, q, generator)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _apply_attention(q, k, v, causal, softmax_scale, variants, deterministic, fp32_precision, heads_first)
+    if variants is _NO_VARIANTS:  # a plan fixed by q, k, v and the flags (api.forward_plain)
+        return api.forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, False)[0]
     return api.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, **_variant_kwargs(variants),
                          fp32_precision=fp32_precision, heads_first=heads_first)
 

@@ -689,11 +689,49 @@ def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
     assert len(signature_path) == before + 1
 
 
+def test_attention_without_options_takes_the_short_key(monkeypatch):
+    """``cuflash.attention`` with every option left as its default runs
+    through forward_plain (q, k, v, the flags and whether lse is returned:
+    a plan fixed by those); an option given, even ``out``, ``num_splits``
+    or a non-bool ``return_lse``, takes _attention's full path with every
+    argument as given."""
+    taken = []
+
+    def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, return_lse=True):
+        taken.append(("plain", causal, softmax_scale, fp32_precision, heads_first, return_lse))
+        return "out", "lse" if return_lse else None, None
+
+    def attention(*args):
+        taken.append(("full", *args[3:]))
+        return [*args[:3], "out", "lse"], None
+
+    monkeypatch.setattr(api, "forward_plain", forward_plain)
+    monkeypatch.setattr(api, "_attention", attention)
+    q = k = v = object()
+    assert api.attention(q, k, v) == "out"
+    assert api.attention(q, k, v, causal=True, softmax_scale=0.5, fp32_precision="3xtf32", heads_first=True,
+                         return_lse=True) == ("out", "lse")
+    assert taken == [("plain", False, None, "ieee", False, False), ("plain", True, 0.5, "3xtf32", True, True)]
+    options = [dict(window_size=(4, 0)), dict(softcap=30.0), dict(alibi_slopes="slopes"), dict(dropout_p=0.1),
+               dict(dropout_seed=1), dict(dropout_offset=3), dict(score_mod="score"), dict(mask_mod="mask"),
+               dict(mod_arrays={}), dict(out="out"), dict(lse="lse"), dict(num_splits=1), dict(return_lse=1),
+               dict(window_size=[-1, -1])]
+    for option in options:
+        taken.clear()
+        api.attention(q, k, v, **option)
+        assert len(taken) == 1 and taken[0][0] == "full", option
+        name, value = next(iter(option.items()))
+        position = ["window_size", "softcap", "alibi_slopes", "dropout_p", "dropout_seed", "dropout_offset",
+                    "score_mod", "mod_arrays", "mask_mod", "return_lse", "out", "lse", "fp32_precision",
+                    "num_splits", "heads_first"].index(name)
+        assert taken[0][3 + position] is value, option
+
+
 def test_forward_plain_short_keys_fix_attentions_keys(monkeypatch):
     """Two forwards without variants share forward_plain's short key
     exactly where _attention's real plan-cache keys are equal, over calls
-    that differ in each array's layout, dtype, device and alignment and in
-    each flag's value and class."""
+    that differ in each array's layout, dtype, device and alignment, in
+    each flag's value and class and in whether the log-sum-exp is returned."""
     from cuflash._launch import PlanCache
 
     class _Array:
@@ -709,17 +747,17 @@ def test_forward_plain_short_keys_fix_attentions_keys(monkeypatch):
 
     monkeypatch.setattr(api, "_cached_call", cached_call)
     base = dict(q=_Array(), k=_Array(0x200), v=_Array(0x300), causal=True, scale=None, precision="ieee",
-                heads_first=True)
+                heads_first=True, return_lse=True)
     changes = [{}, dict(q=_Array(0x1100)), dict(q=_Array(0x108)), dict(k=_Array(0x208)), dict(v=_Array(0x304)),
                dict(q=_Array(part="strided")), dict(k=_Array(0x200, "bf16")), dict(v=_Array(0x300, "gpu1")),
                dict(causal=False), dict(causal=1), dict(scale=0.5), dict(scale=1), dict(scale=np.float32(0.5)),
-               dict(precision="3xtf32"), dict(heads_first=False), dict(heads_first=1)]
+               dict(precision="3xtf32"), dict(heads_first=False), dict(heads_first=1), dict(return_lse=False)]
     pairs = []
     for change in changes:
         monkeypatch.setattr(api, "plans", PlanCache())
         call = dict(base, **change)
         api.forward_plain(call["q"], call["k"], call["v"], call["causal"], call["scale"], call["precision"],
-                          call["heads_first"])
+                          call["heads_first"], call["return_lse"])
         (short_key,) = api.plans.shortcuts
         pairs.append((short_key, full_keys[-1]))
     for short_a, full_a in pairs:

@@ -120,12 +120,12 @@ def stand_in_kernels(monkeypatch):
         seen.append(("following", heads_first))
         return gradients(dout, q, k, v, causal, softmax_scale, heads_first)
 
-    def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first):
-        arrays, call = attention(q, k, v, causal, softmax_scale, *cuflash.api.Variants().values(), True, None, None,
-                                 fp32_precision, None, heads_first)
-        seen[-1] = ("plain forward", heads_first)
+    def forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, return_lse=True):
+        arrays, call = attention(q, k, v, causal, softmax_scale, *cuflash.api.Variants().values(), return_lse, None,
+                                 None, fp32_precision, None, heads_first)
+        seen[-1] = ("plain forward", heads_first, return_lse)
         seen.flags = (causal, softmax_scale, heads_first)
-        return arrays[3], arrays[4], call
+        return arrays[3], arrays[4] if return_lse else None, call
 
     def followed_backward(forward, dout, q, k, v, out, lse, deterministic):
         if not seen.remembered:
@@ -164,11 +164,32 @@ def test_sdpa_dropin_node_on_stand_in_kernels(stand_in_kernels, monkeypatch, pub
     torch.testing.assert_close(out, expected)
     for got, want in zip(leaves, expected_leaves):
         torch.testing.assert_close(got.grad, want.grad)
-    assert stand_in_kernels == [("plain forward", True), ("backward", True)]  # no variants: api.forward_plain
+    assert stand_in_kernels == [("plain forward", True, True), ("backward", True)]  # no variants: api.forward_plain
     out = cuflash_torch._forward(*leaves, True, None, heads_first=True)
     (grad_q,) = torch.autograd.grad(out, leaves[0], dout.clone().requires_grad_(), create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_q.sum().backward()
+
+
+def test_forward_without_gradients_takes_the_short_key_without_lse(stand_in_kernels):
+    """Without gradients (inference, ``torch.no_grad``) a call without
+    variants runs through api.forward_plain without the log-sum-exp (a
+    plan fixed by q, k, v and the flags); with variants through
+    cuflash.attention; both give the reference output."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with torch.no_grad():
+        out = cuflash_torch._forward(q, k, v, True, None, heads_first=True)
+    torch.testing.assert_close(out, expected)
+    assert stand_in_kernels == [("plain forward", True, False)]
+    out = cuflash_torch._forward(q, k, v, True, None, heads_first=True)  # no leaf asks for a gradient
+    torch.testing.assert_close(out, expected)
+    assert stand_in_kernels[-1] == ("plain forward", True, False)
+    out = cuflash_torch._forward(q, k, v, True, None, heads_first=True,
+                                 variants=cuflash.api.Variants(window_size=(100, 0)))
+    torch.testing.assert_close(out, expected)  # the window covers every row's keys
+    assert stand_in_kernels[-1] == ("forward", True)
 
 
 def test_backward_follows_the_forwards_cached_call_only_on_its_own_tensors(stand_in_kernels):
@@ -218,7 +239,7 @@ def test_backward_takes_a_remembered_call_first_on_the_gradient_as_given(stand_i
 
     dout = torch.randn(1, 2, 7, 8, dtype=torch.float64, generator=gen)
     following = gradients(dout)
-    assert stand_in_kernels[-2:] == [("plain forward", True), ("following", True)]
+    assert stand_in_kernels[-2:] == [("plain forward", True, True), ("following", True)]
     stand_in_kernels.remembered = True
     for given in (dout, torch.ones(()).expand(1, 2, 7, 8).double()):
         followed = gradients(given)
