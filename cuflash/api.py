@@ -519,7 +519,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 
 #: ``attention``'s own default objects of the options its fast lane takes
-#: as absent (a caller's equal value takes the full path, to the same plan).
+#: as absent (a caller's equal value of another object takes the full path,
+#: to the same plan; CPython may share equal constants, so it may not).
 _DEFAULT_WINDOW, _DEFAULT_SOFTCAP, _DEFAULT_DROPOUT_P, _DEFAULT_DROPOUT_OFFSET = (
     attention.__kwdefaults__[name] for name in ("window_size", "softcap", "dropout_p", "dropout_offset"))
 

@@ -687,6 +687,17 @@ def test_forward_plain_runs_the_cached_call_on_three_signatures(monkeypatch):
     before = len(signature_path)
     assert api.forward_plain(q, k, v, True, [], "ieee", True)[0] == "out3"  # an unhashable flag: _attention's path
     assert len(signature_path) == before + 1
+    # Without the log-sum-exp: a short key of its own, whose call runs on the three pointers and returns no lse.
+    monkeypatch.setattr(api, "plans", PlanCache())
+    with_lse = forward()[2]
+    before = len(signature_path)
+    plain = api.forward_plain(q, k, v, True, None, "ieee", True, False)
+    assert plain[:2] == ("out3", None) and plain[2] is not with_lse and len(signature_path) == before + 1
+    assert signature_path[-1][3 + len(api.Variants().values()) + 2] is False
+    out, lse, call = api.forward_plain(_LaneArray(0x500), k, v, True, None, "ieee", True, False)
+    assert (out, lse, call) == ("out3", None, plain[2]) and len(signature_path) == before + 1
+    assert call.plan.launches[-1] == ([0x500, 0x200, 0x300, 0x3000, 0x4000, 0], 99)
+    assert forward()[2] is with_lse and len(signature_path) == before + 1
 
 
 def test_attention_without_options_takes_the_short_key(monkeypatch):
