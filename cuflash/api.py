@@ -504,12 +504,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         float32 when ``return_lse``. Kernels run on the current stream of q's
         framework (PyTorch's current stream, CuPy's current stream).
     """
-    if (window_size is _DEFAULT_WINDOW and softcap is _DEFAULT_SOFTCAP and dropout_p is _DEFAULT_DROPOUT_P
-            and dropout_offset is _DEFAULT_DROPOUT_OFFSET and alibi_slopes is None and dropout_seed is None
-            and score_mod is None and mask_mod is None and mod_arrays is None and out is None and lse is None
-            and num_splits is None and return_lse.__class__ is bool):
-        # Every option as its default left it (the objects themselves): the
-        # call's plan is fixed by q, k, v and the flags (forward_plain).
+    if (out is None and lse is None and num_splits is None and return_lse.__class__ is bool
+            and plain_options(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, score_mod,
+                              mod_arrays, mask_mod)):
+        # The call's plan is fixed by q, k, v and the flags (forward_plain).
         out, lse, _ = forward_plain(q, k, v, causal, softmax_scale, fp32_precision, heads_first, return_lse)
         return (out, lse) if return_lse else out
     arrays, _ = _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
@@ -518,11 +516,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     return (arrays[3], arrays[4]) if return_lse else arrays[3]
 
 
-#: ``attention``'s own default objects of the options its fast lane takes
-#: as absent (a caller's equal value of another object takes the full path,
-#: to the same plan; CPython may share equal constants, so it may not).
-_DEFAULT_WINDOW, _DEFAULT_SOFTCAP, _DEFAULT_DROPOUT_P, _DEFAULT_DROPOUT_OFFSET = (
-    attention.__kwdefaults__[name] for name in ("window_size", "softcap", "dropout_p", "dropout_offset"))
+def plain_options(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, score_mod, mod_arrays,
+                  mask_mod) -> bool:
+    """Whether a call's variant options are all their defaults, each of its
+    default's class (the window's sides too: ``check_window`` refuses
+    others, and the full path must explain them): no variants, so that its
+    plan is fixed by q, k, v and the flags (``forward_plain``)."""
+    return (window_size.__class__ is tuple and len(window_size) == 2 and window_size[0].__class__ is int
+            and window_size[1].__class__ is int and window_size == (-1, -1) and softcap.__class__ is float
+            and softcap == 0.0 and dropout_p.__class__ is float and dropout_p == 0.0
+            and dropout_offset.__class__ is int and dropout_offset == 0 and alibi_slopes is None
+            and dropout_seed is None and score_mod is None and mod_arrays is None and mask_mod is None)
 
 
 def _attention(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,

@@ -265,8 +265,9 @@ class _BufferLauncher:
     def __init__(self, flags: tuple, names: tuple[str, ...], present: tuple[str, ...]):
         self.flags, self.names, self.present = flags, names, present
         self.indices = tuple(names.index(name) for name in present)
-        self.dq_index = present.index("dq") if "dq" in present else None
-        self.out_index = present.index("out")
+        self.q_position = present.index("q")  # among the buffers
+        # The slots whose alignment a backward's plan depends on besides (the direct dQ mode may map them).
+        self.mapped_slots = (names.index("dq"), names.index("out")) if "dq" in present else None
 
     def __call__(self, stream: int, buffers: tuple) -> None:
         pointers = [0] * len(self.names)
@@ -277,15 +278,15 @@ class _BufferLauncher:
                 raise TypeError(f"cuflash.jax.attention runs on CUDA GPUs; {name} is not in GPU memory")
             pointers[index] = interface["data"][0]
             shapes.append(tuple(buffer.shape))
-        q_pointer = pointers[self.indices[self.present.index("q")]]
         with gpu_access():  # JAX runs here; the CuPy build may not
-            device = _device_of_pointer(q_pointer)
-        kind = self.flags[0]
-        aligned = api.pointers_aligned(kind, pointers)
-        # A backward's dq and out may be mapped by the direct dQ mode: their alignments join the key.
-        maps_aligned = (False, False) if self.dq_index is None else (
-            not pointers[self.indices[self.dq_index]] & 15, not pointers[self.indices[self.out_index]] & 15)
-        dtype = buffers[self.present.index("q")].dtype
+            device = _device_of_pointer(pointers[self.indices[self.q_position]])
+        aligned = api.pointers_aligned(self.flags[0], pointers)
+        if self.mapped_slots is None:
+            maps_aligned = (False, False)
+        else:
+            dq_slot, out_slot = self.mapped_slots
+            maps_aligned = (not pointers[dq_slot] & 15, not pointers[out_slot] & 15)
+        dtype = buffers[self.q_position].dtype
         key = ("jax", self.flags, self.present, tuple(shapes), dtype, device, aligned, maps_aligned)
         plan = api.plans.get(key)
         # A reused plan's launch writes only the slots of the buffers: the

@@ -241,14 +241,11 @@ _NO_VARIANT_KWARGS = _keyword_arguments(_NO_VARIANTS)
 def _variants(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None,
               dropout_offset=0, score_mod=None, mod_arrays=None, mask_mod=None) -> api.Variants:
     """``api.Variants`` of a call's options: ``_NO_VARIANTS`` itself where
-    each is its default, of its default's class (the window's sides too:
-    ``check_window`` refuses others), so that the differentiable route's
-    forward reads only three signatures (api.forward_plain)."""
-    if (window_size.__class__ is tuple and len(window_size) == 2 and window_size[0].__class__ is int
-            and window_size[1].__class__ is int and window_size == (-1, -1) and softcap.__class__ is float
-            and softcap == 0.0 and dropout_p.__class__ is float and dropout_p == 0.0
-            and dropout_offset.__class__ is int and dropout_offset == 0 and alibi_slopes is None
-            and dropout_seed is None and score_mod is None and mod_arrays is None and mask_mod is None):
+    they are all defaults (``api.plain_options``), so that the
+    differentiable route's forward reads only three signatures
+    (api.forward_plain)."""
+    if api.plain_options(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, score_mod,
+                         mod_arrays, mask_mod):
         return _NO_VARIANTS
     return api.Variants(window_size, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, score_mod,
                         mod_arrays, mask_mod)
